@@ -1,0 +1,66 @@
+"""dzc.compile: the public entry point, built on torch.compile with a dzc backend."""
+
+from __future__ import annotations
+
+import torch
+
+from dzc.capture import DzcBackend
+from dzc.options import CompileOptions
+from dzc.targets import resolve_target
+
+
+def backend(target: str = "cuda", options: CompileOptions | None = None) -> DzcBackend:
+    """A torch.compile backend: `torch.compile(model, backend=dzc.backend("musa"))`; its `.report` is the
+    compile report. `backend="dzc"` is the same with target "cuda" and default options."""
+    return DzcBackend(resolve_target(target), options or CompileOptions())
+
+
+def _mark_token_dims(value) -> None:
+    """Leading dims of floating tensors (all dims of integer ones, e.g. token ids) may vary between calls.
+
+    maybe_mark_dynamic is a hint, not an assertion: a dim the model code specialises (a size of 1, a size
+    compared with a constant) stays static instead of raising.
+    """
+    if isinstance(value, torch.Tensor):
+        dims = value.dim() - 1 if value.is_floating_point() else value.dim()
+        for dim in range(dims):
+            if value.shape[dim] > 1:
+                torch._dynamo.maybe_mark_dynamic(value, dim)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _mark_token_dims(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _mark_token_dims(item)
+
+
+class CompiledModel:
+    """The result of dzc.compile: call it like the model; `report` says what dzc did."""
+
+    def __init__(self, model, target: str, options: CompileOptions):
+        self.model = model
+        self.options = options
+        self.backend = backend(target, options)
+        self._compiled = torch.compile(model, backend=self.backend, dynamic=None if options.dynamic_tokens else False)
+
+    @property
+    def report(self):
+        return self.backend.report
+
+    def __call__(self, *args, **kwargs):
+        if self.options.dynamic_tokens:
+            _mark_token_dims(args)
+            _mark_token_dims(kwargs)
+        # dzc compiles inference graphs (AOTAutograd's inference path).
+        with torch.no_grad():
+            return self._compiled(*args, **kwargs)
+
+
+def compile(model, target: str = "cuda", options: CompileOptions | None = None) -> CompiledModel:
+    """Compile `model` (an nn.Module or a function) for `target` ("cuda", "musa", or a profile such as
+    "cuda:sm_90", "musa:mp_22"). Compilation happens on the first call, as with torch.compile."""
+    options = options or CompileOptions()
+    if not isinstance(options, CompileOptions):
+        raise TypeError(f"options must be a dzc.CompileOptions, not {type(options).__name__}")
+    resolve_target(target)  # fail now on a bad target name, not at the first call
+    return CompiledModel(model, target, options)

@@ -1,0 +1,154 @@
+"""Capture: dzc as a torch.compile backend. Dynamo hands over each graph, AOTAutograd turns it into an ATen-level
+inference graph with symbolic token sizes, and dzc runs its pipeline, lowers, and hands the rest to the fallback.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from pathlib import Path
+
+import torch
+import torch.fx
+from torch._dynamo.backends.common import aot_autograd
+
+from dzc import config, ir, runtime
+from dzc.lowering import Execution, dzc_op_name, lower_graph
+from dzc.options import CompileOptions
+from dzc.pipeline import run_pipeline
+from dzc.report import CompileReport, GraphRecord
+from dzc.targets import INTERPRETER, Target, triton_codegen
+
+# ATen decompositions applied during capture: ops whose fused CUDA kernels would otherwise hide the pattern that
+# passes look for (torch.rms_norm traces to aten._fused_rms_norm on CUDA, to pow/mean/rsqrt on CPU).
+_DECOMPOSITIONS = torch._decomp.get_decompositions([torch.ops.aten._fused_rms_norm])
+
+
+def _input_device(example_inputs) -> torch.device | None:
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
+def _execution_for(target: Target, device: torch.device | None) -> Execution:
+    """Where this graph's kernels can run, decided from its inputs' device."""
+    if device is None or device.type == target.profile.torch_device_type:
+        try:
+            target.runtime.check_available()
+        except RuntimeError as missing:
+            return Execution(None, str(missing))
+        return Execution(target.runtime)
+    if device.type == "cpu":
+        if target.interpret_on_cpu:
+            if not triton_codegen.interpreting():
+                return Execution(None, "CPU tensors run Triton kernels through Triton's interpreter, which must "
+                                       "be on before Triton is imported: set TRITON_INTERPRET=1 (dzc does so "
+                                       "itself when imported first on a machine without a GPU)")
+            return Execution(INTERPRETER)
+        try:
+            target.runtime.check_available()
+        except RuntimeError as missing:
+            return Execution(None, str(missing))
+        return Execution(None, f"the inputs are CPU tensors; target {target.name} runs on "
+                               f"{target.profile.torch_device_type} tensors")
+    raise ValueError(f"dzc target {target.name} cannot run on {device.type} tensors: it runs on "
+                     f"{target.profile.torch_device_type} tensors"
+                     + (" (or CPU tensors, through Triton's interpreter)" if target.interpret_on_cpu else ""))
+
+
+def _unfused_ops(graph: torch.fx.Graph) -> dict[str, int]:
+    counts = collections.Counter(
+        str(node.target) for node in graph.nodes
+        if node.op == "call_function" and dzc_op_name(node) is None
+        and isinstance(node.target, torch._ops.OpOverload))
+    return dict(counts)
+
+
+def _dump(stages, compile_id: str) -> None:
+    directory = config.DUMP_DIR.get()
+    if not directory:
+        return
+    path = Path(directory) / compile_id.replace("/", "_")
+    path.mkdir(parents=True, exist_ok=True)
+    for index, stage in enumerate(stages):
+        (path / f"{index:03d}_{stage.name}.txt").write_text(stage.text)
+
+
+def _direct_launches(gm: torch.fx.GraphModule) -> None:
+    """Eager fallback: call the kernels' launchers straight from the graph, skipping the dispatcher hop that the
+    op would make to find the same launcher (the graph text still shows the dzc op)."""
+    for node in gm.graph.nodes:
+        kernel_id = node.kwargs.get("kernel") if dzc_op_name(node) else None
+        if kernel_id:
+            node.target = runtime.direct_launcher(kernel_id)
+            node.kwargs = {}
+    gm.recompile()
+
+
+class DzcBackend:
+    """A torch.compile backend bound to a target and options; `report` accumulates over every compile."""
+
+    def __init__(self, target: Target, options: CompileOptions):
+        self.target = target
+        self.options = options
+        self.report = CompileReport(target.name, repr(options))
+        self._graph_breaks_seen = collections.Counter()
+        self._aot = aot_autograd(fw_compiler=self._refuse_training, inference_compiler=self._compile_graph,
+                                 decompositions=_DECOMPOSITIONS)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        return self._aot(gm, example_inputs)
+
+    @staticmethod
+    def _refuse_training(gm, example_inputs):
+        raise RuntimeError("dzc compiles inference graphs: call the model under torch.no_grad() or "
+                           "torch.inference_mode() (dzc.compile's wrapper does this for you)")
+
+    def _new_break_reasons(self) -> list[str]:
+        counts = torch._dynamo.utils.counters["graph_break"]
+        new = [reason for reason, n in counts.items() if n > self._graph_breaks_seen[reason]]
+        self._graph_breaks_seen = collections.Counter(counts)
+        return new
+
+    def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs):
+        compile_id = str(torch._guards.CompileContext.current_compile_id() or "0/0")
+        device = _input_device(example_inputs)
+        execution = _execution_for(self.target, device)
+        graph, stages = run_pipeline(gm.graph, self.target, self.options.disable_passes)
+        for stage in stages:
+            if stage.result is not None:
+                self.report.record_pass(stage.name, stage.result.rewrites, stage.result.refusals)
+        kernels = lower_graph(graph, self.target, self.options, execution, device)
+        self.report.kernels.extend(kernels)
+        stages.append(type(stages[0])("lowered", ir.print_graph(graph, f"lowered for {self.target.name}"), None))
+        fallback = self.options.fallback
+        if fallback == "auto":
+            fallback = "inductor" if device is not None and device.type != "cpu" else "eager"
+        dynamic = sorted({str(v) for v in example_inputs if isinstance(v, torch.SymInt)})
+        record = GraphRecord(compile_id, len(graph.nodes), dynamic, self._new_break_reasons(), fallback,
+                             execution.describe(), _unfused_ops(graph),
+                             [(s.name, s.text) for s in stages])
+        self.report.graphs.append(record)
+        _dump(stages, compile_id)
+        if config.debug_level() >= 1:
+            print(self.report)
+        if config.debug_level() >= 2:
+            for stage in stages:
+                print(stage.text)
+
+        lowered = torch.fx.GraphModule(gm, graph)
+        if fallback == "inductor":
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            boxed = compile_fx_inner(lowered, example_inputs)
+
+            def compiled(*args):
+                return boxed(list(args))  # Inductor's callable takes its arguments as one list
+        else:
+            _direct_launches(lowered)
+            compiled = lowered
+        if (execution.runtime is not None and execution.runtime.device_type == "cuda"
+                and self.options.cuda_graph_max_tokens > 0):
+            return runtime.CudaGraphRunner(compiled, self.options.cuda_graph_max_tokens)
+        return compiled

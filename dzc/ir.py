@@ -1,0 +1,119 @@
+"""dzc's IR is the ATen-level torch.fx graph that AOTAutograd produces; this module prints and verifies it.
+
+The printed form is deterministic and readable: one op per line, values numbered in order of definition, symbolic
+sizes renamed s0, s1, ... in order of first appearance (torch's own names depend on its version), kwargs sorted,
+each value's dtype and shape. Golden tests compare this text.
+
+    graph(%a0: bf16[s0, 64], %a1: bf16[s0, 64], %a2: bf16[64]):
+      %0 = aten.add.Tensor(%a0, %a1)  # bf16[s0, 64]
+      ...
+      return (%3, %0)
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.fx
+
+_DTYPE_NAMES = {
+    torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "bool", torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+class _Printer:
+    def __init__(self):
+        self.values: dict[torch.fx.Node, str] = {}
+        self.symbols: dict[str, str] = {}
+
+    def symbol(self, expr) -> str:
+        text = str(expr)
+
+        def rename(match):
+            name = match.group(0)
+            if name not in self.symbols:
+                self.symbols[name] = f"s{len(self.symbols)}"
+            return self.symbols[name]
+
+        return re.sub(r"\b[su]\d+\b", rename, text)
+
+    def type_of(self, value) -> str:
+        if isinstance(value, torch.Tensor):
+            dims = ", ".join(self.symbol(d) for d in value.shape)
+            return f"{dtype_name(value.dtype)}[{dims}]"
+        if isinstance(value, torch.SymInt):
+            return f"sym {self.symbol(value)}"
+        if isinstance(value, (tuple, list)):
+            return "(" + ", ".join(self.type_of(v) for v in value) + ")"
+        return type(value).__name__
+
+    def arg(self, value) -> str:
+        if isinstance(value, torch.fx.Node):
+            return self.values[value]
+        if isinstance(value, (list, tuple)):
+            inner = ", ".join(self.arg(v) for v in value)
+            return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+        if isinstance(value, torch.dtype):
+            return dtype_name(value)
+        if isinstance(value, torch.device):
+            return repr(str(value))
+        if isinstance(value, (torch.SymInt, torch.SymFloat)):
+            return self.symbol(value)
+        return repr(value)
+
+    def target(self, node: torch.fx.Node) -> str:
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            return str(target)
+        return getattr(target, "__name__", str(target))
+
+    def print(self, graph: torch.fx.Graph, title: str | None) -> str:
+        lines = [f"# {title}"] if title else []
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for i, node in enumerate(placeholders):
+            self.values[node] = f"%a{i}"
+        params = ", ".join(f"{self.values[n]}: {self.type_of(n.meta.get('val'))}" for n in placeholders)
+        lines.append(f"graph({params}):")
+        counter = 0
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                lines.append(f"  return {self.arg(tuple(node.args[0]))}")
+                continue
+            name = f"%{counter}"
+            counter += 1
+            self.values[node] = name
+            if node.op == "get_attr":
+                lines.append(f"  {name} = getattr {node.target!r}")
+                continue
+            args = [self.arg(a) for a in node.args]
+            args += [f"{k}={self.arg(v)}" for k, v in sorted(node.kwargs.items())]
+            if node.target is operator.getitem:
+                call = f"{args[0]}[{args[1]}]"
+            else:
+                call = f"{self.target(node)}({', '.join(args)})"
+            lines.append(f"  {name} = {call}  # {self.type_of(node.meta.get('val'))}")
+        return "\n".join(lines) + "\n"
+
+
+def print_graph(graph: torch.fx.Graph, title: str | None = None) -> str:
+    """Deterministic readable text of an ATen-level fx graph."""
+    return _Printer().print(graph, title)
+
+
+def verify(graph: torch.fx.Graph) -> None:
+    """The invariants every pass keeps: a well-formed graph, and a fake value on every computed node
+    (lowering reads shapes and dtypes from it)."""
+    graph.lint()
+    for node in graph.nodes:
+        if node.op == "call_function" and "val" not in node.meta:
+            raise AssertionError(f"node {node.format_node()} has no meta['val']; passes must propagate it")

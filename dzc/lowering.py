@@ -1,0 +1,111 @@
+"""Lowering: give every dzc op node of a graph a generated kernel for the target, and make the graph runnable.
+
+For each dzc op node: take the op's kernel family, read its spec from the node's fake values, choose the codegen,
+render the source into the cache directory (named by a hash of source and profile, so identical kernels are
+shared across models and processes), load it, and write the kernel id into the node's `kernel` argument.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.fx
+
+from dzc import runtime
+from dzc.autotune import TuningDatabase
+from dzc.options import CompileOptions
+from dzc.targets import KERNEL_FAMILIES, Target
+from dzc.targets.device_runtime import DeviceRuntime
+from dzc.targets.launch import GeneratedKernel, KernelRecord, legal_configs
+
+# The codegen each op prefers when options.codegen is "auto", best first. Memory-bound ops go to Triton, whose
+# kernels also run on CPU tensors (interpreter); GEMM-heavy ops will prefer TileLang.
+PREFERRED_CODEGENS = {"add_rms_norm": ("triton", "tilelang")}
+
+
+@dataclass(frozen=True)
+class Execution:
+    """Where the compiled graph's kernels run: a device runtime, or nowhere (with the reason)."""
+
+    runtime: DeviceRuntime | None
+    not_runnable_reason: str = ""
+
+    def describe(self) -> str:
+        if self.runtime is None:
+            return f"not runnable here: {self.not_runnable_reason}"
+        return "triton interpreter (cpu)" if self.runtime.interpreted else self.runtime.device_type
+
+
+def dzc_op_name(node: torch.fx.Node) -> str | None:
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == "dzc":
+        return target._opname
+    return None
+
+
+def choose_codegen(op: str, options: CompileOptions, execution: Execution) -> str:
+    if options.codegen != "auto":
+        return options.codegen
+    for name in PREFERRED_CODEGENS[op]:
+        if name == "triton" or execution.runtime is None or execution.runtime.runs_tilelang:
+            return name
+    return "triton"
+
+
+class NotRunnable:
+    """Stands in for a kernel that was generated but cannot execute in this process; calling it says why."""
+
+    def __init__(self, kernel_id: str, reason: str):
+        self.kernel_id, self.reason = kernel_id, reason
+
+    def __call__(self, *args):
+        raise runtime.NotRunnableError(f"dzc kernel {self.kernel_id} cannot run here: {self.reason}")
+
+
+def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, execution: Execution,
+                device: torch.device | None) -> list[KernelRecord]:
+    """Bind every dzc op node in `graph` (in place) to a generated kernel; returns the report entries."""
+    cache = Path(options.resolved_cache_dir())
+    kernel_dir = cache / "kernels"
+    kernel_dir.mkdir(parents=True, exist_ok=True)
+    database = TuningDatabase(cache / "tuning.json")
+    records = []
+    for node in graph.nodes:
+        op = dzc_op_name(node)
+        if op is None:
+            continue
+        family = KERNEL_FAMILIES[op]
+        spec = family.spec_from_node(node)
+        codegen_name = choose_codegen(op, options, execution)
+        codegen = target.codegens[codegen_name]
+        source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
+        digest = hashlib.sha256(f"{target.profile.fingerprint}\n{source}".encode()).hexdigest()
+        kernel_id = f"{op}.{codegen_name}.{digest[:10]}"
+        path = kernel_dir / f"{kernel_id.replace('.', '_')}.py"
+        if not path.exists() or path.read_text() != source:
+            path.write_text(source)
+        legal, illegal = legal_configs(family, codegen_name, spec, target.profile)
+        if not legal:
+            raise RuntimeError(f"dzc: no legal {codegen_name} config for {op} ({spec.describe()}) on "
+                               f"{target.profile.name}")
+        reason = execution.not_runnable_reason
+        if not reason and codegen_name == "tilelang" and not execution.runtime.runs_tilelang:
+            reason = "TileLang kernels need a GPU (TileLang has no CPU interpreter); use codegen='triton' here"
+        record = KernelRecord(kernel_id, op, codegen_name, target.profile.name, spec.describe(), str(path),
+                              f"not runnable here: {reason}" if reason else execution.describe(),
+                              len(legal) + illegal, illegal)
+        if reason:
+            kernel = NotRunnable(kernel_id, reason)
+        else:
+            compiled = codegen.load(family, path, spec, target.profile)
+            kernel = GeneratedKernel(family=family, spec=spec, codegen=codegen, profile=target.profile,
+                                     runtime=execution.runtime, compiled=compiled, source_path=path,
+                                     source_hash=digest, record=record, autotune=options.autotune,
+                                     database=database)
+        runtime.register_kernel(kernel_id, kernel)
+        node.update_kwarg("kernel", kernel_id)
+        records.append(record)
+    return records

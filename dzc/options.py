@@ -1,0 +1,45 @@
+"""CompileOptions: the explicit semantics of one dzc.compile call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dzc import config
+
+Codegen = Literal["auto", "triton", "tilelang"]
+Fallback = Literal["auto", "inductor", "eager"]
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    # Which code generator emits dzc's kernels. "auto" takes each op's preferred generator that can run on the
+    # inputs' device (TileLang kernels need a GPU; Triton also runs on CPU tensors through its interpreter).
+    codegen: Codegen = "auto"
+    # Time the legal configs of every kernel on first use (per token bucket) and remember the winner on disk.
+    # Off: every kernel runs its family's default config.
+    autotune: bool = True
+    # Who runs the ops no dzc pass fused: "inductor" (torch.compile's own compiler), "eager" (the ATen graph as
+    # captured), or "auto" = inductor when the inputs are on a GPU, eager on CPU tensors.
+    fallback: Fallback = "auto"
+    # Generated sources and the tuning database; None = $DZC_CACHE_DIR or ~/.cache/dzc.
+    cache_dir: str | None = None
+    # Mark the leading (token) dimensions of tensor inputs dynamic so that a new batch or sequence length does
+    # not recompile. False: specialise on every shape.
+    dynamic_tokens: bool = True
+    # On CUDA, replay a CUDA graph per input shape when an input's tokens (product of its dynamic sizes) are at
+    # most this many: launch overhead dominates there. 0 turns it off.
+    cuda_graph_max_tokens: int = 256
+    # Passes to skip, by name (see dzc.pipeline); for bisecting a numerics problem.
+    disable_passes: tuple[str, ...] = ()
+
+    def resolved_cache_dir(self) -> str:
+        return self.cache_dir or config.CACHE_DIR.get()
+
+    def __post_init__(self):
+        if self.codegen not in ("auto", "triton", "tilelang"):
+            raise ValueError(f"codegen must be 'auto', 'triton' or 'tilelang', not {self.codegen!r}")
+        if self.fallback not in ("auto", "inductor", "eager"):
+            raise ValueError(f"fallback must be 'auto', 'inductor' or 'eager', not {self.fallback!r}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ValueError("cuda_graph_max_tokens must be >= 0")

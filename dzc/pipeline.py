@@ -1,0 +1,58 @@
+"""The pass pipeline: which passes run, in which order, for a target.
+
+One literal list per target, read top to bottom. Passes never test the vendor; a target that needs a different
+order or set gets its own list here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.fx
+
+from dzc import ir
+from dzc.passes.fuse_residual_norm import fuse_residual_norm
+from dzc.passes.graph_pass import PassResult
+from dzc.targets import Target
+
+GraphPass = Callable[[torch.fx.Graph], PassResult]
+
+
+def build_pipeline(target: Target) -> list[GraphPass]:
+    """The passes for `target`, in order. CUDA and MUSA share the list: their differences are profile fields
+    that lowering reads, not different rewrites."""
+    return [
+        # Residual add + RMSNorm -> dzc.add_rms_norm. First: it only needs the captured ATen ops, and later
+        # fusions (attention, MoE) consume the normalised activations it produces.
+        fuse_residual_norm,
+    ]
+
+
+PASS_NAMES = ("fuse_residual_norm",)
+
+
+@dataclass
+class Stage:
+    """One step of the pipeline as the dumps show it: the graph text after it, and what it did."""
+
+    name: str
+    text: str
+    result: PassResult | None  # None for the captured graph
+
+
+def run_pipeline(graph: torch.fx.Graph, target: Target, disabled: tuple[str, ...] = (),
+                 verify: bool = True) -> tuple[torch.fx.Graph, list[Stage]]:
+    unknown = set(disabled) - set(PASS_NAMES)
+    if unknown:
+        raise ValueError(f"unknown passes {sorted(unknown)} in disable_passes; passes: {', '.join(PASS_NAMES)}")
+    stages = [Stage("capture", ir.print_graph(graph, "captured by Dynamo + AOTAutograd"), None)]
+    for graph_pass in build_pipeline(target):
+        if graph_pass.__name__ in disabled:
+            continue
+        result = graph_pass(graph)
+        if verify:
+            ir.verify(result.graph)
+        graph = result.graph
+        stages.append(Stage(result.name, ir.print_graph(graph, f"built by {result.name}"), result))
+    return graph, stages

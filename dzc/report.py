@@ -1,0 +1,96 @@
+"""The compile report: what dzc did to a model, as data (for tests and --json) and as a readable summary.
+
+It accumulates over the life of a compiled model: every graph Dynamo hands over (graph breaks make several,
+recompiles add more), every pass with where it fired, every generated kernel with the config chosen per token
+bucket, and what was left to the fallback.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from dataclasses import asdict, dataclass, field
+
+from dzc.targets.launch import KernelRecord
+
+
+@dataclass
+class GraphRecord:
+    compile_id: str  # Dynamo's "frame/compile" id; compile > 0 means a recompile of that frame
+    nodes: int
+    dynamic_sizes: list[str]  # symbolic sizes among the graph's inputs
+    break_reasons: list[str]  # graph breaks Dynamo recorded since the previous graph
+    fallback: str  # who runs the unfused ops of this graph
+    execution: str
+    unfused_ops: dict[str, int]  # ATen op -> count, left to the fallback
+    stages: list[tuple[str, str]] = field(default_factory=list)  # (stage name, IR text); not in summaries
+
+
+@dataclass
+class CompileReport:
+    target: str
+    options: str
+    graphs: list[GraphRecord] = field(default_factory=list)
+    passes: dict[str, int] = field(default_factory=dict)  # pass name -> rewrites made, over all graphs
+    pass_sites: dict[str, list[str]] = field(default_factory=dict)  # pass name -> where it fired
+    refusals: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # pass -> (where, why)
+    kernels: list[KernelRecord] = field(default_factory=list)
+
+    @property
+    def compiles(self) -> int:
+        return len(self.graphs)
+
+    @property
+    def recompiles(self) -> int:
+        return sum(1 for g in self.graphs if not g.compile_id.endswith("/0"))
+
+    @property
+    def graph_breaks(self) -> list[str]:
+        return [reason for g in self.graphs for reason in g.break_reasons]
+
+    def record_pass(self, name: str, rewrites: list[str], refusals: list[tuple[str, str]]) -> None:
+        self.passes[name] = self.passes.get(name, 0) + len(rewrites)
+        self.pass_sites.setdefault(name, []).extend(rewrites)
+        self.refusals.setdefault(name, []).extend(refusals)
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        for graph in data["graphs"]:
+            graph.pop("stages")
+        data.update(compiles=self.compiles, recompiles=self.recompiles)
+        return data
+
+    def __str__(self) -> str:
+        lines = [f"dzc compile report: target {self.target}",
+                 f"  options: {self.options}",
+                 f"  graphs captured: {len(self.graphs)}   recompiles: {self.recompiles}   "
+                 f"graph breaks: {len(self.graph_breaks)}"]
+        for reason in self.graph_breaks:
+            lines.append(f"    break: {reason}")
+        for graph in self.graphs:
+            dynamic = ", ".join(graph.dynamic_sizes) or "none"
+            lines.append(f"  graph {graph.compile_id}: {graph.nodes} nodes, dynamic sizes: {dynamic}, "
+                         f"kernels run on: {graph.execution}")
+            if graph.unfused_ops:
+                ops = ", ".join(f"{op} x{n}" for op, n in sorted(graph.unfused_ops.items()))
+                lines.append(f"    left to {graph.fallback}: {ops}")
+        lines.append("  passes:")
+        for name, count in self.passes.items():
+            sites = collections.Counter(self.pass_sites[name])
+            where = ", ".join(f"{site}" + (f" x{n}" if n > 1 else "") for site, n in sites.items())
+            lines.append(f"    {name}: {count} rewrite(s)" + (f" at {where}" if where else ""))
+            for site, reason in self.refusals.get(name, []):
+                lines.append(f"      refused at {site}: {reason}")
+        lines.append(f"  kernels: {len(self.kernels)}")
+        for k in self.kernels:
+            lines.append(f"    {k.kernel_id}: op {k.op}, {k.codegen} for {k.profile}, {k.spec}")
+            lines.append(f"      source: {k.source_path}")
+            lines.append(f"      runs on: {k.execution}; {k.configs_considered} configs "
+                         f"({k.configs_illegal} illegal for the profile, pruned)")
+            for bucket, tuned in sorted(k.tuned.items()):
+                lines.append(f"      tokens <= {bucket}: {tuned['config']} ({tuned['how']}, "
+                             f"{tuned['tuning_seconds']:.2f} s, {tuned['failed_configs']} failed)")
+        return "\n".join(lines)
+
+    def to_json_text(self) -> str:
+        return json.dumps(self.to_json(), indent=1, default=str)

@@ -1,0 +1,50 @@
+"""What every pass shares: the result it returns, a copy of the graph to rewrite, and how it names a place.
+
+A pass is a function Graph -> PassResult; it never mutates its input graph. Its result carries the new graph and
+a report: where it rewrote, and where it matched but refused (with the reason), so that dumps and the compile
+report can say what fired where and what was left to the fallback.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch.fx
+
+
+@dataclass
+class PassResult:
+    name: str
+    graph: torch.fx.Graph
+    rewrites: list[str] = field(default_factory=list)  # locations, in graph order
+    refusals: list[tuple[str, str]] = field(default_factory=list)  # (location, reason)
+
+    def rewrote(self, where: str) -> None:
+        self.rewrites.append(where)
+
+    def refused(self, where: str, reason: str) -> None:
+        self.refusals.append((where, reason))
+
+
+def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
+    """A copy with the same nodes (meta included), so that a pass can rewrite without touching its input."""
+    new = torch.fx.Graph()
+    values: dict = {}
+    output = new.graph_copy(graph, values)
+    new.output(output)
+    return new
+
+
+def location_of(node: torch.fx.Node) -> str:
+    """'file.py:123 (forward)' of the model source line that produced node, else the node's name."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")]
+    if not frames:
+        return node.name
+    # 'File "/path/modeling_llama.py", line 76, in forward'
+    parts = frames[-1].split(",")
+    path = parts[0].removeprefix("File ").strip('"')
+    line = parts[1].strip().removeprefix("line ") if len(parts) > 1 else "?"
+    function = parts[2].strip().removeprefix("in ") if len(parts) > 2 else "?"
+    return f"{os.path.basename(path)}:{line} ({function})"

@@ -1,0 +1,269 @@
+"""Kernels for dzc.add_rms_norm: the spec a node lowers to, and per codegen its source, config space and launch.
+
+The op is memory-bound (8·T·H bytes for bf16: read x and residual, write y and h). One program normalises ROWS
+rows of HIDDEN elements held in registers; ROWS > 1 keeps small hidden sizes from leaving lanes idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+import torch
+
+from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.legality import config_problems
+from dzc.targets.profiles import DeviceProfile
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+_TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
+
+
+@dataclass(frozen=True)
+class AddRmsNormSpec:
+    """Everything a kernel is specialised on; the token count is a run-time argument."""
+
+    hidden: int
+    x_dtype: torch.dtype
+    residual_dtype: torch.dtype
+    weight_dtype: torch.dtype
+    out_dtype: torch.dtype
+    sum_dtype: torch.dtype
+    sum_in_fp32: bool
+    cast_before_weight: bool
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return (self.x_dtype, self.residual_dtype, self.weight_dtype, self.out_dtype, self.sum_dtype)
+
+    @property
+    def block(self) -> int:
+        return 1 << (self.hidden - 1).bit_length()
+
+    def describe(self) -> str:
+        names = "/".join(str(d).removeprefix("torch.") for d in self.dtypes)
+        return f"hidden={self.hidden} x/res/w/y/h={names} sum_in_fp32={self.sum_in_fp32} " \
+               f"cast_before_weight={self.cast_before_weight}"
+
+
+def spec_from_node(node) -> AddRmsNormSpec:
+    x, residual, weight = (node.args[i].meta["val"] for i in range(3))
+    _eps, sum_in_fp32, cast_before_weight, out_dtype, sum_dtype = node.args[3:8]
+    return AddRmsNormSpec(int(x.shape[-1]), x.dtype, residual.dtype, weight.dtype, out_dtype, sum_dtype,
+                          sum_in_fp32, cast_before_weight)
+
+
+def bytes_moved(spec: AddRmsNormSpec, tokens: int) -> int:
+    """Fewest bytes one call must move: read x, residual and weight once, write y and h once."""
+    per_row = sum(d.itemsize for d in (spec.x_dtype, spec.residual_dtype, spec.out_dtype, spec.sum_dtype))
+    return tokens * spec.hidden * per_row + spec.hidden * spec.weight_dtype.itemsize
+
+
+def token_bucket(tokens: int) -> int:
+    """Tuning results are kept per power-of-two bucket of the token count."""
+    return 1 << max(tokens - 1, 0).bit_length()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton
+
+
+def triton_source(spec: AddRmsNormSpec, profile: DeviceProfile) -> str:
+    fields = dict(
+        profile=profile.name, hidden=spec.hidden,
+        x_dtype=spec.x_dtype, residual_dtype=spec.residual_dtype, weight_dtype=spec.weight_dtype,
+        out_dtype=spec.out_dtype, sum_dtype=spec.sum_dtype,
+        sum_in_fp32=spec.sum_in_fp32, cast_before_weight=spec.cast_before_weight,
+        sum_tl_dtype=_TL_DTYPES[spec.sum_dtype], out_tl_dtype=_TL_DTYPES[spec.out_dtype],
+        # The norm reads the fp32 sum, or the sum as rounded into h (what the model code computes).
+        normed_input="total" if spec.sum_in_fp32 else "h.to(tl.float32)",
+        weight_operand=(f"normed.to({_TL_DTYPES[spec.sum_dtype]}).to(tl.float32)" if spec.cast_before_weight
+                        else "normed"),
+    )
+    return Template((TEMPLATES / "add_rms_norm.triton.py.tmpl").read_text()).substitute(fields)
+
+
+TRITON_KERNEL_NAME = "add_rms_norm_kernel"
+
+
+def triton_configs(spec: AddRmsNormSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """The tuning space before legality pruning: rows per program × warps.
+
+    Rows are kept to about 4K..16K elements per program so that registers hold the row block.
+    """
+    configs = []
+    for rows in (1, 2, 4, 8, 16):
+        elements = rows * spec.block
+        if rows > 1 and elements > 16384:
+            continue
+        for num_warps in (1, 2, 4, 8, 16, 32):
+            threads = num_warps * profile.warp_size
+            # Fewer than ~4 elements per thread wastes lanes; more than ~64 spills registers.
+            if elements < 4 * threads and num_warps > 1:
+                continue
+            if elements > 64 * threads:
+                continue
+            configs.append(KernelConfig.make(num_warps=num_warps, num_stages=1, ROWS=rows, BLOCK=spec.block))
+    return configs
+
+
+def triton_default_config(spec: AddRmsNormSpec, profile: DeviceProfile) -> KernelConfig:
+    """Untuned choice: one row per program, about 8 elements per thread."""
+    num_warps = max(1, min(profile.max_num_warps, spec.block // (8 * profile.warp_size)))
+    return KernelConfig.make(num_warps=num_warps, num_stages=1, ROWS=1, BLOCK=spec.block)
+
+
+def triton_shared_memory_bytes(spec: AddRmsNormSpec, config: KernelConfig) -> int:
+    """Cross-warp reduction scratch: one fp32 partial per warp and row."""
+    return 4 * config.num_warps * config["ROWS"]
+
+
+def triton_launch(kernel, config: KernelConfig, x, residual, weight, eps, y, h):
+    """Launch on 2-D views [tokens, hidden]; y and h are preallocated outputs."""
+    rows = config["ROWS"]
+    n_rows = x.shape[0]
+    grid = (-(-n_rows // rows),)
+    kernel[grid](x, residual, weight, y, h, n_rows, eps,
+                 x.stride(0), residual.stride(0), y.stride(0), h.stride(0),
+                 ROWS=rows, BLOCK=config["BLOCK"], num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def triton_signature(spec: AddRmsNormSpec, config: KernelConfig) -> tuple[dict, dict]:
+    """(signature, constexprs) for compiling the kernel ahead of time with triton.compile (no GPU needed)."""
+    tl_name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    signature = {
+        "x_ptr": "*" + tl_name[spec.x_dtype], "residual_ptr": "*" + tl_name[spec.residual_dtype],
+        "weight_ptr": "*" + tl_name[spec.weight_dtype], "y_ptr": "*" + tl_name[spec.out_dtype],
+        "h_ptr": "*" + tl_name[spec.sum_dtype], "n_rows": "i32", "eps": "fp32",
+        "stride_x": "i32", "stride_residual": "i32", "stride_y": "i32", "stride_h": "i32",
+        "ROWS": "constexpr", "BLOCK": "constexpr",
+    }
+    return signature, {"ROWS": config["ROWS"], "BLOCK": config["BLOCK"]}
+
+
+def prepare(spec: AddRmsNormSpec, x, residual, weight, eps, *_static):
+    """Op arguments -> (kernel inputs, preallocated outputs, token count, outputs -> op results).
+
+    The op's static arguments (_static: flags and dtypes) are already in the spec the kernel was built for."""
+    shape = x.shape
+    if residual.shape != shape or weight.shape != (spec.hidden,):
+        raise ValueError(f"add_rms_norm kernel for hidden={spec.hidden} got x {tuple(shape)}, residual "
+                         f"{tuple(residual.shape)}, weight {tuple(weight.shape)}")
+    # Kernels index rows by stride and columns contiguously.
+    x2d = x.reshape(-1, spec.hidden)
+    residual2d = residual.reshape(-1, spec.hidden)
+    if x2d.stride(-1) != 1:
+        x2d = x2d.contiguous()
+    if residual2d.stride(-1) != 1:
+        residual2d = residual2d.contiguous()
+    weight = weight.contiguous()
+    y = torch.empty(x2d.shape, dtype=spec.out_dtype, device=x.device)
+    h = torch.empty(x2d.shape, dtype=spec.sum_dtype, device=x.device)
+
+    def finish(outputs):
+        return outputs[0].view(shape), outputs[1].view(shape)
+
+    return (x2d, residual2d, weight, float(eps)), (y, h), x2d.shape[0], finish
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TileLang
+#
+# One block of THREADS threads normalises ROWS whole rows held in fp32 fragments; the row is padded to whole
+# 16-byte vectors per thread (TileLang's layout inference and vectoriser need the fragment to split evenly).
+
+
+TILELANG_FACTORY_NAME = "build"
+
+_TILELANG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+# Per-thread fp32 elements of the row block: below a vector a thread idles; above ~64 the block spills registers.
+_TILELANG_MAX_ELEMENTS_PER_THREAD = 64
+# A thread count is kept only if its padded row is at most this much wider than the narrowest padding possible.
+_TILELANG_MAX_PADDING_GROWTH = 1.25
+
+
+def _tilelang_vector(spec: AddRmsNormSpec) -> int:
+    """Elements in one 16-byte access of the narrowest tensor (the template's VECTOR)."""
+    return 16 // min(d.itemsize for d in spec.dtypes)
+
+
+def _tilelang_padded_width(spec: AddRmsNormSpec, threads: int) -> int:
+    """The template's padded_width(threads): hidden rounded up to whole vectors for every thread."""
+    step = threads * _tilelang_vector(spec)
+    return -(-spec.hidden // step) * step
+
+
+def tilelang_source(spec: AddRmsNormSpec, profile: DeviceProfile) -> str:
+    fields = dict(
+        profile=profile.name, hidden=spec.hidden,
+        x_dtype=spec.x_dtype, residual_dtype=spec.residual_dtype, weight_dtype=spec.weight_dtype,
+        out_dtype=spec.out_dtype, sum_dtype=spec.sum_dtype,
+        sum_in_fp32=spec.sum_in_fp32, cast_before_weight=spec.cast_before_weight,
+        x_tl_dtype=_TILELANG_DTYPES[spec.x_dtype], residual_tl_dtype=_TILELANG_DTYPES[spec.residual_dtype],
+        weight_tl_dtype=_TILELANG_DTYPES[spec.weight_dtype], out_tl_dtype=_TILELANG_DTYPES[spec.out_dtype],
+        sum_tl_dtype=_TILELANG_DTYPES[spec.sum_dtype],
+        vector=_tilelang_vector(spec),
+        # The norm reads the fp32 sum, or the sum as rounded into h (what the model code computes).
+        normed_input="total[r, c]" if spec.sum_in_fp32 else 'T.cast(T.cast(total[r, c], SUM_DTYPE), "float32")',
+        normed=('T.cast(T.cast(normed_input * inv_rms[r], X_DTYPE), "float32")' if spec.cast_before_weight
+                else "normed_input * inv_rms[r]"),
+    )
+    return Template((TEMPLATES / "add_rms_norm.tilelang.py.tmpl").read_text()).substitute(fields)
+
+
+def tilelang_configs(spec: AddRmsNormSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """Threads per block × rows per block, already pruned to what is legal on `profile`.
+
+    Threads are powers of two (TileLang's cross-thread AllReduce needs that) and whole warps of the profile.
+    """
+    thread_counts = []
+    threads = profile.warp_size
+    while threads <= profile.max_threads_per_block:
+        thread_counts.append(threads)
+        threads *= 2
+    narrowest = min(_tilelang_padded_width(spec, t) for t in thread_counts)
+    configs = []
+    for threads in thread_counts:
+        width = _tilelang_padded_width(spec, threads)
+        if width > _TILELANG_MAX_PADDING_GROWTH * narrowest:
+            continue
+        for rows in (1, 2, 4, 8, 16):
+            if rows * width // threads > _TILELANG_MAX_ELEMENTS_PER_THREAD:
+                break
+            config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=1,
+                                       THREADS=threads, ROWS=rows)
+            if not config_problems(profile, threads=threads, num_warps=None,
+                                   shared_memory_bytes=tilelang_shared_memory_bytes(spec, config),
+                                   dtypes=spec.dtypes):
+                configs.append(config)
+    return configs
+
+
+def tilelang_default_config(spec: AddRmsNormSpec, profile: DeviceProfile) -> KernelConfig:
+    """Untuned choice: one row per block, the thread count closest to 16 elements per thread."""
+    single_row = [c for c in tilelang_configs(spec, profile) if c["ROWS"] == 1]
+    if not single_row:
+        raise ValueError(f"no legal TileLang add_rms_norm config for {spec.describe()} on {profile.name}")
+    return min(single_row,
+               key=lambda c: abs(_tilelang_padded_width(spec, c["THREADS"]) // c["THREADS"] - 16))
+
+
+def tilelang_shared_memory_bytes(spec: AddRmsNormSpec, config: KernelConfig) -> int:
+    """T.reduce_sum's AllReduce workspace: one fp32 per thread, reused row after row."""
+    return 4 * config["THREADS"]
+
+
+def tilelang_launch(compiled, config: KernelConfig, x, residual, weight, eps, y, h):
+    """Launch on 2-D views [tokens, hidden]; y and h are preallocated outputs.
+
+    `compiled` is what tilelang_codegen.load returns (one compiled kernel per config). The kernel is
+    specialised on dense rows (row stride = hidden, which lets TileLang prove 16-byte alignment and vectorise),
+    so strided inputs are copied here; outputs must already be dense.
+    """
+    if not (y.is_contiguous() and h.is_contiguous()):
+        raise ValueError("TileLang add_rms_norm writes dense [tokens, hidden] outputs; got strided y or h")
+    kernel = compiled.kernel_for(config)
+    kernel(x.contiguous(), residual.contiguous(), weight.contiguous(), y, h, float(eps))

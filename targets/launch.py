@@ -1,0 +1,114 @@
+"""The launcher: a generated kernel bound to its spec, codegen, profile and tuner, called with the op's arguments.
+
+A GeneratedKernel is what a lowered dzc op runs. It reshapes the arguments to the kernel's 2-D view, allocates
+outputs, picks the config for the call's token bucket (tuning it on first use, or reading the tuning database),
+and launches through the codegen's launch function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+import dzc
+from dzc.autotune import TuningDatabase, tune
+from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.legality import config_problems
+from dzc.targets.profiles import DeviceProfile
+
+
+@dataclass
+class KernelRecord:
+    """What the compile report says about one generated kernel; filled in as the kernel gets used."""
+
+    kernel_id: str
+    op: str
+    codegen: str
+    profile: str
+    spec: str
+    source_path: str
+    execution: str  # "gpu" | "triton interpreter (cpu)" | "not runnable here: <why>"
+    configs_considered: int
+    configs_illegal: int
+    # token bucket -> {"config": str, "from_cache": bool, "tuning_seconds": float, "failed_configs": int}
+    tuned: dict[int, dict] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def legal_configs(family: ModuleType, codegen: str, spec, profile: DeviceProfile) -> tuple[list[KernelConfig], int]:
+    """The family's config space for `codegen`, pruned by the profile; returns (legal configs, number dropped)."""
+    configs = getattr(family, f"{codegen}_configs")(spec, profile)
+    smem = getattr(family, f"{codegen}_shared_memory_bytes")
+    legal = [c for c in configs
+             if not config_problems(profile, threads=c.num_warps * profile.warp_size,
+                                    num_warps=c.num_warps if codegen == "triton" else None,
+                                    shared_memory_bytes=smem(spec, c), dtypes=spec.dtypes)]
+    return legal, len(configs) - len(legal)
+
+
+class GeneratedKernel:
+    def __init__(self, *, family: ModuleType, spec, codegen: ModuleType, profile: DeviceProfile, runtime,
+                 compiled, source_path: Path, source_hash: str, record: KernelRecord, autotune: bool,
+                 database: TuningDatabase):
+        self.family = family
+        self.spec = spec
+        self.codegen = codegen
+        self.profile = profile
+        self.runtime = runtime
+        self.compiled = compiled  # the codegen's loaded kernel object
+        self.source_path = source_path
+        self.source_hash = source_hash
+        self.record = record
+        self.autotune = autotune
+        self.database = database
+        self._launch = getattr(family, f"{codegen.NAME}_launch")
+        self._configs, _ = legal_configs(family, codegen.NAME, spec, profile)
+        self._default = getattr(family, f"{codegen.NAME}_default_config")(spec, profile)
+        self._config_by_bucket: dict[int, KernelConfig] = {}
+
+    def _tuning_key(self, bucket: int, device: torch.device) -> dict:
+        return {
+            "dzc": dzc.__version__, "profile": self.profile.name, "profile_hash": self.profile.fingerprint,
+            "device": self.runtime.device_name(device), "codegen": self.codegen.NAME,
+            "codegen_version": self.codegen.VERSION, "source_hash": self.source_hash, "op": self.record.op,
+            "spec": self.spec.describe(), "token_bucket": bucket,
+        }
+
+    def _config_for(self, bucket: int, args: tuple) -> KernelConfig:
+        config = self._config_by_bucket.get(bucket)
+        if config is not None:
+            return config
+        start = time.perf_counter()
+        if not self.autotune or len(self._configs) <= 1:
+            config = self._configs[0] if self._configs else self._default
+            entry = {"config": str(config), "from_cache": False, "tuning_seconds": 0.0, "failed_configs": 0,
+                     "how": "untuned default"}
+        else:
+            device = args[0].device
+            result = tune(
+                f"{self.record.kernel_id}[tokens<={bucket}]", self._tuning_key(bucket, device), self._configs,
+                run=lambda cfg: self._launch(self.compiled, cfg, *args),
+                bench=lambda fn: self.runtime.bench(fn, device), database=self.database)
+            config = result.config
+            entry = {"config": str(config), "from_cache": result.from_cache,
+                     "tuning_seconds": round(time.perf_counter() - start, 3),
+                     "failed_configs": len(result.failures),
+                     "how": "tuning database" if result.from_cache else f"timed {len(self._configs)} configs"}
+        self.record.tuned[bucket] = entry
+        self._config_by_bucket[bucket] = config
+        return config
+
+    def __call__(self, *op_args):
+        prepared, outputs, tokens, finish = self.family.prepare(self.spec, *op_args)
+        if tokens == 0:
+            return finish(outputs)
+        config = self._config_for(self.family.token_bucket(tokens), prepared + outputs)
+        self._launch(self.compiled, config, *prepared, *outputs)
+        return finish(outputs)

@@ -1,0 +1,43 @@
+"""Static legality of a kernel config for a device profile, checked before anything is compiled.
+
+Every config the autotuner may try passes through here; tests run it over every emitted config of every
+profile (MUSA included), so a config that a real card would reject never reaches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from dzc.targets.profiles import DeviceProfile
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def config_problems(
+    profile: DeviceProfile, *, threads: int, num_warps: int | None, shared_memory_bytes: int,
+    dtypes: Iterable[torch.dtype],
+) -> list[str]:
+    """Why a launch shape is illegal on `profile`; empty when it is legal.
+
+    threads: threads per block. num_warps: Triton's warp count (None for TileLang, which states threads).
+    """
+    problems = []
+    if threads > profile.max_threads_per_block:
+        problems.append(f"{threads} threads > {profile.max_threads_per_block} per block")
+    if threads % profile.warp_size:
+        problems.append(f"{threads} threads is not a multiple of the warp size {profile.warp_size}")
+    if num_warps is not None:
+        if not _is_power_of_two(num_warps):
+            problems.append(f"num_warps={num_warps} is not a power of two")
+        if num_warps > profile.max_num_warps:
+            problems.append(f"num_warps={num_warps} > {profile.max_num_warps} ({profile.warp_size}-lane warps)")
+    if shared_memory_bytes > profile.shared_memory_per_block:
+        problems.append(f"{shared_memory_bytes} B shared memory > {profile.shared_memory_per_block} B")
+    for dtype in dtypes:
+        if not profile.supports_dtype(dtype):
+            problems.append(f"{dtype} is not native on {profile.arch}")
+    return problems

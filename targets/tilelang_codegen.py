@@ -1,0 +1,175 @@
+"""TileLang code generation: import a rendered kernel module, build its prim_func for a config, lower or compile it.
+
+A generated TileLang module defines a factory (e.g. `build(threads, rows)`) that returns a `@T.prim_func` for
+one block shape; a config's params, lower-cased, are the factory's keyword arguments. TileLang reads a
+prim_func's source with inspect, so generated code is always imported from its file, never exec'd.
+
+Without a GPU, lowering gives the device source (CUDA C++ for CUDA profiles) and nvcc can compile it; running
+needs `tilelang.compile` on a machine with the device. `import tilelang` takes seconds, so it happens only inside
+the functions that need it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.profiles import DeviceProfile
+
+NAME = "tilelang"
+VERSION = importlib.metadata.version("tilelang")
+
+# Target kinds that upstream TileLang lacks, and the TileLang build that provides each.
+_FORKS_BY_TARGET_KIND = {
+    "musa": "Moore Threads' TileLang fork tilelang_musa (https://github.com/MooreThreads/tilelang_musa, "
+            "which needs the MUSA SDK and torch_musa)",
+}
+
+
+def load_factory(path: Path, factory_name: str):
+    """Import the generated module at `path` (once per process) and return its prim_func factory."""
+    # The module name comes from the file's full path, so equal file names in different directories never
+    # share a cached module.
+    path = Path(path).resolve()
+    path_hash = hashlib.sha256(str(path).encode()).hexdigest()[:8]
+    module_name = f"dzc_generated.tilelang_{path.stem}_{path_hash}"
+    module = sys.modules.get(module_name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[module_name] = module
+    return getattr(module, factory_name)
+
+
+def build_prim_func(path: Path, factory_name: str, config: KernelConfig):
+    factory = load_factory(path, factory_name)
+    return factory(**{name.lower(): value for name, value in config.params})
+
+
+def tvm_target(profile: DeviceProfile):
+    """The profile's TileLang target string as a TVM Target.
+
+    profile.tilelang_target is written in the CLI form ("cuda -arch=sm_90a"), which the TVM in TileLang 0.1.15
+    no longer parses; it takes the dict form ({"kind": "cuda", "arch": "sm_90a"}).
+    """
+    from tilelang import tvm  # TileLang ships its own TVM and puts it on the import path
+
+    kind, *options = profile.tilelang_target.split()
+    config = {"kind": kind}
+    for option in options:
+        key, _, value = option.removeprefix("-").partition("=")
+        config[key] = value
+    _require_target_kind(kind, profile)
+    return tvm.target.Target(config)
+
+
+def _installed_target_kinds() -> set[str]:
+    """Target kinds the installed TileLang can lower to.
+
+    TileLang 0.1.15 keeps them in its backend registry; older releases, and tilelang_musa (forked from one),
+    list them in tilelang.utils.target.SUPPORTED_TARGETS.
+    """
+    import tilelang.backend
+
+    kinds = {kind for backend in tilelang.backend.list_backends().values() for kind in backend.target_kinds}
+    try:
+        from tilelang.utils.target import SUPPORTED_TARGETS
+    except ImportError:
+        return kinds
+    return kinds | set(SUPPORTED_TARGETS)
+
+
+def _require_target_kind(kind: str, profile: DeviceProfile) -> None:
+    kinds = _installed_target_kinds()
+    if kind in kinds:
+        return
+    needed = _FORKS_BY_TARGET_KIND.get(kind, f"a TileLang build with a {kind!r} backend")
+    raise RuntimeError(
+        f"cannot lower TileLang kernels for {profile.name} (target {profile.tilelang_target!r}): that needs "
+        f"{needed}; the installed tilelang {VERSION} targets only {', '.join(sorted(kinds))}")
+
+
+def lower(path: Path, factory_name: str, config: KernelConfig, profile: DeviceProfile):
+    """Lower the kernel for `config` to `profile`'s target without a device; returns TileLang's artifact."""
+    import tilelang
+
+    target = tvm_target(profile)
+    prim_func = build_prim_func(path, factory_name, config)
+    # Lowering reads the target from the TVM context as well as from the argument.
+    with target:
+        return tilelang.lower(prim_func, target=target)
+
+
+def lower_to_device_source(path: Path, factory_name: str, config: KernelConfig, profile: DeviceProfile) -> str:
+    """The device source (CUDA C++ for CUDA profiles) that TileLang generates for `config` on `profile`."""
+    return lower(path, factory_name, config, profile).kernel_source
+
+
+def nvcc_compile(cuda_source: str, profile: DeviceProfile, workdir: Path) -> Path:
+    """Compile TileLang's CUDA source to an object file for `profile` (no GPU needed); returns its path.
+
+    The flags match what TileLang's own CUDA backend passes: C++20 and its template and CUTLASS headers.
+    """
+    if profile.nvcc_gencode is None:
+        raise RuntimeError(f"{profile.name} is not a target nvcc compiles for")
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        raise RuntimeError("nvcc is not on PATH")
+    tilelang_dir = Path(importlib.util.find_spec("tilelang").origin).parent
+    include_dirs = [tilelang_dir / "src", tilelang_dir / "3rdparty" / "cutlass" / "include"]
+    for include_dir in include_dirs:
+        if not include_dir.is_dir():
+            raise RuntimeError(f"the installed tilelang has no {include_dir}; cannot compile its CUDA source")
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(f"{profile.nvcc_gencode}\n{cuda_source}".encode()).hexdigest()[:16]
+    source_path = workdir / f"tilelang_{profile.arch}_{digest}.cu"
+    object_path = source_path.with_suffix(".o")
+    source_path.write_text(cuda_source)
+    command = [nvcc, "-std=c++20", "-w", "-O3", *profile.nvcc_gencode.split(),
+               *(f"-I{d}" for d in include_dirs), "-c", str(source_path), "-o", str(object_path)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"nvcc failed on {source_path} for {profile.name}:\n{result.stderr}")
+    return object_path
+
+
+def compile_for_device(path: Path, factory_name: str, config: KernelConfig, profile: DeviceProfile):
+    """tilelang.compile for `profile`: a kernel callable on device tensors (compiles anywhere, runs on a GPU)."""
+    import tilelang
+
+    target = tvm_target(profile)
+    return tilelang.compile(build_prim_func(path, factory_name, config), target=target)
+
+
+class KernelsByConfig:
+    """What a family's tilelang_launch takes: TileLang fixes the block shape at compile time, so each config is
+    its own kernel, compiled on first use and kept."""
+
+    def __init__(self, path: Path, factory_name: str, profile: DeviceProfile):
+        self.path = path
+        self.factory_name = factory_name
+        self.profile = profile
+        self._kernels: dict[KernelConfig, object] = {}
+
+    def kernel_for(self, config: KernelConfig):
+        kernel = self._kernels.get(config)
+        if kernel is None:
+            kernel = compile_for_device(self.path, self.factory_name, config, self.profile)
+            self._kernels[config] = kernel
+        return kernel
+
+
+def load(family, path: Path, spec, profile: DeviceProfile, interpret: bool) -> KernelsByConfig:
+    """The loaded kernel a family's tilelang_launch takes. TileLang has no interpreter: `interpret` must be
+    False."""
+    if interpret:
+        raise RuntimeError("TileLang kernels cannot run in an interpreter; they need a GPU")
+    return KernelsByConfig(path, family.TILELANG_FACTORY_NAME, profile)
