@@ -129,10 +129,11 @@ def tune(
         if config.AUTOTUNE_LOG.get() == "1":
             print(f"dzc autotune {label}: {cfg}: {seconds * 1e6:.1f} us", file=sys.stderr)
         show_progress = show_progress or time.perf_counter() - start > PROGRESS_AFTER_S
-        if show_progress:
+        if show_progress and sys.stderr.isatty():
             print(f"\rdzc: tuning {label}: {index + 1}/{len(configs)} configs", end="", file=sys.stderr)
     if show_progress:
-        print(file=sys.stderr)
+        print(("\r" if sys.stderr.isatty() else "") + f"dzc: tuned {label}: {len(configs)} configs in "
+              f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     if best is None:
         raise RuntimeError(f"dzc: every config of {label} failed: {failures}")
     elapsed = time.perf_counter() - start

@@ -127,7 +127,7 @@ class DzcBackend:
             fallback = "inductor" if device is not None and device.type != "cpu" else "eager"
         dynamic = sorted({str(v) for v in example_inputs if isinstance(v, torch.SymInt)})
         record = GraphRecord(compile_id, len(graph.nodes), dynamic, self._new_break_reasons(), fallback,
-                             execution.describe(), _unfused_ops(graph),
+                             execution.describe(), execution.not_runnable_reason, _unfused_ops(graph),
                              [(s.name, s.text) for s in stages])
         self.report.graphs.append(record)
         _dump(stages, compile_id)

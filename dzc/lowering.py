@@ -35,7 +35,7 @@ class Execution:
 
     def describe(self) -> str:
         if self.runtime is None:
-            return f"not runnable here: {self.not_runnable_reason}"
+            return "not runnable here"
         return "triton interpreter (cpu)" if self.runtime.interpreted else self.runtime.device_type
 
 
@@ -72,7 +72,7 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
     kernel_dir = cache / "kernels"
     kernel_dir.mkdir(parents=True, exist_ok=True)
     database = TuningDatabase(cache / "tuning.json")
-    records = []
+    records: dict[str, KernelRecord] = {}
     for node in graph.nodes:
         op = dzc_op_name(node)
         if op is None:
@@ -84,6 +84,10 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
         source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
         digest = hashlib.sha256(f"{target.profile.fingerprint}\n{source}".encode()).hexdigest()
         kernel_id = f"{op}.{codegen_name}.{digest[:10]}"
+        node.update_kwarg("kernel", kernel_id)
+        if kernel_id in records:  # the same spec elsewhere in the graph (every layer's norm, usually)
+            records[kernel_id].uses += 1
+            continue
         path = kernel_dir / f"{kernel_id.replace('.', '_')}.py"
         if not path.exists() or path.read_text() != source:
             path.write_text(source)
@@ -95,8 +99,8 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
         if not reason and codegen_name == "tilelang" and not execution.runtime.runs_tilelang:
             reason = "TileLang kernels need a GPU (TileLang has no CPU interpreter); use codegen='triton' here"
         record = KernelRecord(kernel_id, op, codegen_name, target.profile.name, spec.describe(), str(path),
-                              f"not runnable here: {reason}" if reason else execution.describe(),
-                              len(legal) + illegal, illegal)
+                              execution.describe() if not reason or execution.runtime is None
+                              else f"not runnable here: {reason}", len(legal) + illegal, illegal)
         if reason:
             kernel = NotRunnable(kernel_id, reason)
         else:
@@ -106,6 +110,5 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
                                      source_hash=digest, record=record, autotune=options.autotune,
                                      database=database)
         runtime.register_kernel(kernel_id, kernel)
-        node.update_kwarg("kernel", kernel_id)
-        records.append(record)
-    return records
+        records[kernel_id] = record
+    return list(records.values())

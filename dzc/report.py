@@ -22,6 +22,7 @@ class GraphRecord:
     break_reasons: list[str]  # graph breaks Dynamo recorded since the previous graph
     fallback: str  # who runs the unfused ops of this graph
     execution: str
+    not_runnable_reason: str
     unfused_ops: dict[str, int]  # ATen op -> count, left to the fallback
     stages: list[tuple[str, str]] = field(default_factory=list)  # (stage name, IR text); not in summaries
 
@@ -71,6 +72,8 @@ class CompileReport:
             dynamic = ", ".join(graph.dynamic_sizes) or "none"
             lines.append(f"  graph {graph.compile_id}: {graph.nodes} nodes, dynamic sizes: {dynamic}, "
                          f"kernels run on: {graph.execution}")
+            if graph.not_runnable_reason:
+                lines.append(f"    why: {graph.not_runnable_reason}")
             if graph.unfused_ops:
                 ops = ", ".join(f"{op} x{n}" for op, n in sorted(graph.unfused_ops.items()))
                 lines.append(f"    left to {graph.fallback}: {ops}")
@@ -83,7 +86,7 @@ class CompileReport:
                 lines.append(f"      refused at {site}: {reason}")
         lines.append(f"  kernels: {len(self.kernels)}")
         for k in self.kernels:
-            lines.append(f"    {k.kernel_id}: op {k.op}, {k.codegen} for {k.profile}, {k.spec}")
+            lines.append(f"    {k.kernel_id}: op {k.op} (x{k.uses}), {k.codegen} for {k.profile}, {k.spec}")
             lines.append(f"      source: {k.source_path}")
             lines.append(f"      runs on: {k.execution}; {k.configs_considered} configs "
                          f"({k.configs_illegal} illegal for the profile, pruned)")

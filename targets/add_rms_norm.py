@@ -179,9 +179,12 @@ TILELANG_FACTORY_NAME = "build"
 
 _TILELANG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
-# Per-thread fp32 elements of the row block: below a vector a thread idles; above ~64 the block spills registers.
+# The fp32 row block lives in registers: at most 64 elements per thread, and 16K per block (at 1024 threads
+# that is 16 per thread, since a thread of a full-size block has only 64 registers in all).
 _TILELANG_MAX_ELEMENTS_PER_THREAD = 64
-# A thread count is kept only if its padded row is at most this much wider than the narrowest padding possible.
+_TILELANG_MAX_ELEMENTS_PER_BLOCK = 16384
+# Padding columns are idle lanes: a thread count is kept only if its padded row is at most this much wider than
+# the narrowest padded row any thread count gets.
 _TILELANG_MAX_PADDING_GROWTH = 1.25
 
 
@@ -231,7 +234,8 @@ def tilelang_configs(spec: AddRmsNormSpec, profile: DeviceProfile) -> list[Kerne
         if width > _TILELANG_MAX_PADDING_GROWTH * narrowest:
             continue
         for rows in (1, 2, 4, 8, 16):
-            if rows * width // threads > _TILELANG_MAX_ELEMENTS_PER_THREAD:
+            elements = rows * width
+            if elements > _TILELANG_MAX_ELEMENTS_PER_BLOCK or elements // threads > _TILELANG_MAX_ELEMENTS_PER_THREAD:
                 break
             config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=1,
                                        THREADS=threads, ROWS=rows)

@@ -35,6 +35,7 @@ class KernelRecord:
     execution: str  # "gpu" | "triton interpreter (cpu)" | "not runnable here: <why>"
     configs_considered: int
     configs_illegal: int
+    uses: int = 1  # dzc op nodes of the graph that run this kernel
     # token bucket -> {"config": str, "from_cache": bool, "tuning_seconds": float, "failed_configs": int}
     tuned: dict[int, dict] = field(default_factory=dict)
 

@@ -70,7 +70,7 @@ def tvm_target(profile: DeviceProfile):
     return tvm.target.Target(config)
 
 
-def _installed_target_kinds() -> set[str]:
+def installed_target_kinds() -> set[str]:
     """Target kinds the installed TileLang can lower to.
 
     TileLang 0.1.15 keeps them in its backend registry; older releases, and tilelang_musa (forked from one),
@@ -87,7 +87,7 @@ def _installed_target_kinds() -> set[str]:
 
 
 def _require_target_kind(kind: str, profile: DeviceProfile) -> None:
-    kinds = _installed_target_kinds()
+    kinds = installed_target_kinds()
     if kind in kinds:
         return
     needed = _FORKS_BY_TARGET_KIND.get(kind, f"a TileLang build with a {kind!r} backend")
