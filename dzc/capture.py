@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.decomposition import select_decomp_table
 
 from dzc import config, ir, runtime
 from dzc.lowering import Execution, dzc_op_name, lower_graph
@@ -19,9 +20,10 @@ from dzc.pipeline import run_pipeline
 from dzc.report import CompileReport, GraphRecord
 from dzc.targets import INTERPRETER, Target, triton_codegen
 
-# ATen decompositions applied during capture: ops whose fused CUDA kernels would otherwise hide the pattern that
-# passes look for (torch.rms_norm traces to aten._fused_rms_norm on CUDA, to pow/mean/rsqrt on CPU).
-_DECOMPOSITIONS = torch._decomp.get_decompositions([torch.ops.aten._fused_rms_norm])
+# Capture applies Inductor's decomposition table, whichever fallback runs the graph: Inductor requires it, and the
+# passes then see one graph form on every device (torch.rms_norm, for one, traces to aten._fused_rms_norm on
+# CUDA and to pow/mean/rsqrt on CPU; decomposed, both are pow/mean/rsqrt).
+_DECOMPOSITIONS = select_decomp_table()
 
 
 def _input_device(example_inputs) -> torch.device | None:
@@ -79,7 +81,7 @@ def _direct_launches(gm: torch.fx.GraphModule) -> None:
     """Eager fallback: call the kernels' launchers straight from the graph, skipping the dispatcher hop that the
     op would make to find the same launcher (the graph text still shows the dzc op)."""
     for node in gm.graph.nodes:
-        kernel_id = node.kwargs.get("kernel") if dzc_op_name(node) else None
+        kernel_id = node.kwargs.get("kernel_id") if dzc_op_name(node) else None
         if kernel_id:
             node.target = runtime.direct_launcher(kernel_id)
             node.kwargs = {}
@@ -94,6 +96,7 @@ class DzcBackend:
         self.options = options
         self.report = CompileReport(target.name, repr(options))
         self._graph_breaks_seen = collections.Counter()
+        self._frames_compiled: set = set()
         self._aot = aot_autograd(fw_compiler=self._refuse_training, inference_compiler=self._compile_graph,
                                  decompositions=_DECOMPOSITIONS)
 
@@ -112,7 +115,13 @@ class DzcBackend:
         return new
 
     def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs):
-        compile_id = str(torch._guards.CompileContext.current_compile_id() or "0/0")
+        dynamo_id = torch._guards.CompileContext.current_compile_id()
+        compile_id = str(dynamo_id) if dynamo_id is not None else "0/0"
+        # A recompile is a second graph for a frame this backend already compiled (Dynamo's own compile counter
+        # is per code object and process, so it also counts other models sharing the same forward).
+        frame = dynamo_id.frame_id if dynamo_id is not None else None
+        recompile = frame in self._frames_compiled
+        self._frames_compiled.add(frame)
         device = _input_device(example_inputs)
         execution = _execution_for(self.target, device)
         graph, stages = run_pipeline(gm.graph, self.target, self.options.disable_passes)
@@ -126,7 +135,7 @@ class DzcBackend:
         if fallback == "auto":
             fallback = "inductor" if device is not None and device.type != "cpu" else "eager"
         dynamic = sorted({str(v) for v in example_inputs if isinstance(v, torch.SymInt)})
-        record = GraphRecord(compile_id, len(graph.nodes), dynamic, self._new_break_reasons(), fallback,
+        record = GraphRecord(compile_id, recompile, len(graph.nodes), dynamic, self._new_break_reasons(), fallback,
                              execution.describe(), execution.not_runnable_reason, _unfused_ops(graph),
                              [(s.name, s.text) for s in stages])
         self.report.graphs.append(record)

@@ -2,7 +2,7 @@
 
 For each dzc op node: take the op's kernel family, read its spec from the node's fake values, choose the codegen,
 render the source into the cache directory (named by a hash of source and profile, so identical kernels are
-shared across models and processes), load it, and write the kernel id into the node's `kernel` argument.
+shared across models and processes), load it, and write the kernel id into the node's `kernel_id` argument.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
         source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
         digest = hashlib.sha256(f"{target.profile.fingerprint}\n{source}".encode()).hexdigest()
         kernel_id = f"{op}.{codegen_name}.{digest[:10]}"
-        node.update_kwarg("kernel", kernel_id)
+        node.update_kwarg("kernel_id", kernel_id)
         if kernel_id in records:  # the same spec elsewhere in the graph (every layer's norm, usually)
             records[kernel_id].uses += 1
             continue

@@ -1,8 +1,8 @@
 """dzc's op set: each fused operation is a torch.library op with exactly one plain-torch reference.
 
 The reference defines what the op means; every generated kernel is tested against it. Passes rewrite ATen
-subgraphs into these ops; lowering fills in the `kernel` argument with the id of a generated kernel, and the
-op then launches that kernel instead of running the reference (an empty `kernel` runs the reference).
+subgraphs into these ops; lowering fills in the `kernel_id` argument with the id of a generated kernel, and the
+op then launches that kernel instead of running the reference (an empty `kernel_id` runs the reference).
 """
 
 from __future__ import annotations
@@ -54,16 +54,16 @@ def add_rms_norm(
     cast_before_weight: bool,
     out_dtype: torch.dtype,
     sum_dtype: torch.dtype,
-    kernel: str = "",
+    kernel_id: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    if kernel:
-        return runtime.launch(kernel, x, residual, weight, eps, sum_in_fp32, cast_before_weight, out_dtype,
+    if kernel_id:
+        return runtime.launch(kernel_id, x, residual, weight, eps, sum_in_fp32, cast_before_weight, out_dtype,
                               sum_dtype)
     return add_rms_norm_reference(x, residual, weight, eps, sum_in_fp32, cast_before_weight, out_dtype, sum_dtype)
 
 
 @add_rms_norm.register_fake
-def _add_rms_norm_fake(x, residual, weight, eps, sum_in_fp32, cast_before_weight, out_dtype, sum_dtype, kernel=""):
+def _add_rms_norm_fake(x, residual, weight, eps, sum_in_fp32, cast_before_weight, out_dtype, sum_dtype, kernel_id=""):
     shape = torch.broadcast_shapes(x.shape, residual.shape)
     return x.new_empty(shape, dtype=out_dtype), x.new_empty(shape, dtype=sum_dtype)
 

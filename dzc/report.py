@@ -16,7 +16,8 @@ from dzc.targets.launch import KernelRecord
 
 @dataclass
 class GraphRecord:
-    compile_id: str  # Dynamo's "frame/compile" id; compile > 0 means a recompile of that frame
+    compile_id: str  # Dynamo's "frame/compile" id
+    recompile: bool  # Dynamo compiled this frame before (a guard on shapes, dtypes or globals failed)
     nodes: int
     dynamic_sizes: list[str]  # symbolic sizes among the graph's inputs
     break_reasons: list[str]  # graph breaks Dynamo recorded since the previous graph
@@ -43,7 +44,7 @@ class CompileReport:
 
     @property
     def recompiles(self) -> int:
-        return sum(1 for g in self.graphs if not g.compile_id.endswith("/0"))
+        return sum(1 for g in self.graphs if g.recompile)
 
     @property
     def graph_breaks(self) -> list[str]:

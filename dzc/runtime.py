@@ -1,6 +1,6 @@
 """Run-time side of compiled graphs: the table of loaded kernels, and CUDA-graph replay for small token counts.
 
-Lowered dzc op nodes name their kernel by id (`kernel='add_rms_norm.triton.3f2a9c01'`); the op looks the id up
+Lowered dzc op nodes name their kernel by id (`kernel_id='add_rms_norm.triton.3f2a9c01'`); the op looks the id up
 here. Ids are hashes of the generated source and profile, so a graph printed in one process names the same
 kernels as in another.
 """

@@ -3,12 +3,12 @@
 Before (HF transformers RMSNorm; the DeepSeek reference adds `x.float() + residual.float()` instead and casts h):
 
     %h = aten.add.Tensor(%x, %residual)                      # bf16: the residual stream of the next layer
-    %v = aten._to_copy.default(%h, dtype=f32)
+    %v = prims.convert_element_type.default(%h, f32)     # capture applies Inductor's decompositions
     %p = aten.pow.Tensor_Scalar(%v, 2)                       # or aten.mul.Tensor(%v, %v)
     %m = aten.mean.dim(%p, [-1], True)
     %r = aten.rsqrt.default(aten.add(%m, eps))
     %n = aten.mul.Tensor(%v, %r)
-    %y = aten.mul.Tensor(%weight, aten._to_copy(%n, dtype=bf16))   # casts before/after the multiply vary
+    %y = aten.mul.Tensor(%weight, prims.convert_element_type(%n, bf16))  # casts before/after the mul vary
 
 After:
 
@@ -35,6 +35,7 @@ import torch.fx
 from dzc.passes.graph_pass import PassResult, copy_graph, location_of
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 dzc = torch.ops.dzc
 
 NAME = "fuse_residual_norm"
@@ -49,19 +50,25 @@ def _is_call(node, *targets) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
-def _is_dtype_cast(node) -> bool:
-    """aten._to_copy that changes only the dtype (Dynamo spells `.to(dtype)` this way)."""
+def _cast_dtype(node) -> torch.dtype | None:
+    """The target dtype if node is a plain dtype cast (`.to(dtype)`, `.float()`), else None."""
+    if _is_call(node, prims.convert_element_type.default):
+        return node.args[1]
     if not _is_call(node, aten._to_copy.default) or "dtype" not in node.kwargs:
-        return False
+        return None
     source = _val(node.args[0])
     for key, value in node.kwargs.items():
         if key == "layout" and value not in (None, torch.strided):
-            return False
+            return None
         if key == "device" and value is not None and source is not None and torch.device(value) != source.device:
-            return False
+            return None
         if key not in ("dtype", "layout", "device"):
-            return False
-    return True
+            return None
+    return node.kwargs["dtype"]
+
+
+def _is_dtype_cast(node) -> bool:
+    return _cast_dtype(node) is not None
 
 
 def _other_operand(mul, node):
@@ -180,7 +187,7 @@ def _match_norm(rsqrt: torch.fx.Node) -> _Match | None:
         if value.dtype not in _FLOAT_DTYPES:
             raise _Refusal(f"unsupported dtype {value.dtype}")
     sum_dtype = _val(h).dtype if h is not None else x_val.dtype
-    if cast_before is not None and cast_before.kwargs["dtype"] != sum_dtype:
+    if cast_before is not None and _cast_dtype(cast_before) != sum_dtype:
         raise _Refusal("the normalised value is cast to a dtype other than the norm input's")
     for node in chain:
         if node is not y and node is not h and any(u not in chain and u is not y for u in node.users):

@@ -49,6 +49,7 @@ def load_factory(path: Path, factory_name: str):
 
 
 def build_prim_func(path: Path, factory_name: str, config: KernelConfig):
+    """The generated module's prim_func for one config."""
     factory = load_factory(path, factory_name)
     return factory(**{name.lower(): value for name, value in config.params})
 
@@ -73,17 +74,28 @@ def tvm_target(profile: DeviceProfile):
 def installed_target_kinds() -> set[str]:
     """Target kinds the installed TileLang can lower to.
 
-    TileLang 0.1.15 keeps them in its backend registry; older releases, and tilelang_musa (forked from one),
-    list them in tilelang.utils.target.SUPPORTED_TARGETS.
+    TileLang 0.1.15 keeps them in its backend registry (tilelang.backend); older releases, and tilelang_musa
+    (forked from one), list them in tilelang.utils.target.SUPPORTED_TARGETS. Either may be missing.
     """
-    import tilelang.backend
+    import tilelang
 
-    kinds = {kind for backend in tilelang.backend.list_backends().values() for kind in backend.target_kinds}
+    kinds = set()
+    try:
+        from tilelang.backend import list_backends
+    except ImportError:
+        pass
+    else:
+        kinds.update(kind for backend in list_backends().values() for kind in backend.target_kinds)
     try:
         from tilelang.utils.target import SUPPORTED_TARGETS
     except ImportError:
-        return kinds
-    return kinds | set(SUPPORTED_TARGETS)
+        pass
+    else:
+        kinds.update(SUPPORTED_TARGETS)
+    kinds.discard("auto")  # a request to detect the device, not a target
+    if not kinds:
+        raise RuntimeError(f"cannot tell which targets tilelang {tilelang.__version__} supports")
+    return kinds
 
 
 def _require_target_kind(kind: str, profile: DeviceProfile) -> None:
@@ -102,7 +114,7 @@ def lower(path: Path, factory_name: str, config: KernelConfig, profile: DevicePr
 
     target = tvm_target(profile)
     prim_func = build_prim_func(path, factory_name, config)
-    # Lowering reads the target from the TVM context as well as from the argument.
+    # tilelang.lower also reads the target from TVM's context; without one it fails with 'Target context required'.
     with target:
         return tilelang.lower(prim_func, target=target)
 

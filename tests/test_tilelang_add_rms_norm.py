@@ -131,6 +131,33 @@ def test_every_emitted_config_is_legal(spec_id, profile):
     assert add_rms_norm.tilelang_default_config(spec, profile) in configs
 
 
+class RecordingKernels:
+    """Stands in for tilelang_codegen.load's result: records what the launcher hands the kernel."""
+
+    def __init__(self):
+        self.calls = []
+
+    def kernel_for(self, config):
+        return lambda *args: self.calls.append((config, args))
+
+
+def test_launch_hands_the_kernel_dense_rows():
+    spec = SPECS["fp32-64-deepseek"]
+    config = add_rms_norm.tilelang_default_config(spec, SM_90)
+    x = torch.randn(3, 2 * spec.hidden)[:, :spec.hidden]  # rows of a wider buffer
+    residual, weight = torch.randn(3, spec.hidden), torch.randn(spec.hidden)
+    y, h = torch.empty(3, spec.hidden), torch.empty(3, spec.hidden)
+    kernels = RecordingKernels()
+    add_rms_norm.tilelang_launch(kernels, config, x, residual, weight, 1e-6, y, h)
+    ((used_config, (x_arg, residual_arg, weight_arg, y_arg, h_arg, eps_arg)),) = kernels.calls
+    assert used_config == config
+    assert x_arg.is_contiguous() and torch.equal(x_arg, x)
+    assert residual_arg is residual and weight_arg is weight and y_arg is y and h_arg is h
+    assert eps_arg == 1e-6 and isinstance(eps_arg, float)
+    with pytest.raises(ValueError, match="dense"):
+        add_rms_norm.tilelang_launch(kernels, config, x, residual, weight, 1e-6, torch.empty(6, 64)[::2], h)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Lowering (TileLang, no GPU)
 
@@ -196,11 +223,11 @@ def gpu_profile():
 
 def random_inputs(spec: AddRmsNormSpec, tokens: int, seed: int, device: str, x_row_stride: int | None = None):
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens, x_row_stride or spec.hidden, generator=generator)[:, :spec.hidden]
+    # Sliced on the device: .to() would make a strided tensor dense.
+    x = torch.randn(tokens, x_row_stride or spec.hidden, generator=generator).to(device, spec.x_dtype)
     residual = torch.randn(tokens, spec.hidden, generator=generator)
     weight = 1 + 0.1 * torch.randn(spec.hidden, generator=generator)
-    return (x.to(device, spec.x_dtype), residual.to(device, spec.residual_dtype),
-            weight.to(device, spec.weight_dtype))
+    return (x[:, :spec.hidden], residual.to(device, spec.residual_dtype), weight.to(device, spec.weight_dtype))
 
 
 @pytest.mark.gpu
