@@ -179,9 +179,6 @@ class KernelsByConfig:
         return kernel
 
 
-def load(family, path: Path, spec, profile: DeviceProfile, interpret: bool) -> KernelsByConfig:
-    """The loaded kernel a family's tilelang_launch takes. TileLang has no interpreter: `interpret` must be
-    False."""
-    if interpret:
-        raise RuntimeError("TileLang kernels cannot run in an interpreter; they need a GPU")
+def load(family, path: Path, spec, profile: DeviceProfile) -> KernelsByConfig:
+    """The loaded kernel a family's tilelang_launch takes (lowering only loads TileLang kernels for a GPU)."""
     return KernelsByConfig(path, family.TILELANG_FACTORY_NAME, profile)

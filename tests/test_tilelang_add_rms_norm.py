@@ -236,8 +236,7 @@ def random_inputs(spec: AddRmsNormSpec, tokens: int, seed: int, device: str, x_r
 def test_kernel_matches_reference_on_gpu(spec_id, source_dir):
     spec = SPECS[spec_id]
     profile = gpu_profile()
-    kernels = tilelang_codegen.load(add_rms_norm, write_source(source_dir, spec_id, profile), spec, profile,
-                                    interpret=False)
+    kernels = tilelang_codegen.load(add_rms_norm, write_source(source_dir, spec_id, profile), spec, profile)
     configs = add_rms_norm.tilelang_configs(spec, profile)
     # The default, and the config with the most rows per block (partial last blocks exercise the row masks).
     tested = {add_rms_norm.tilelang_default_config(spec, profile), max(configs, key=lambda c: c["ROWS"])}
