@@ -5,7 +5,7 @@ inference graph with symbolic token sizes, and dzc runs its pipeline, lowers, an
 from __future__ import annotations
 
 import collections
-import os
+import operator
 from pathlib import Path
 
 import torch
@@ -65,6 +65,17 @@ def _unfused_ops(graph: torch.fx.Graph) -> dict[str, int]:
         if node.op == "call_function" and dzc_op_name(node) is None
         and isinstance(node.target, torch._ops.OpOverload))
     return dict(counts)
+
+
+# Ops that only reinterpret or unpack values: a graph of dzc ops and these has nothing for Inductor to do.
+_METADATA_OPS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+                 torch.ops.aten.sym_size.int}
+
+
+def _unfused_compute(graph: torch.fx.Graph) -> bool:
+    return any(node.op == "call_function" and dzc_op_name(node) is None and node.target is not operator.getitem
+               and node.target not in _METADATA_OPS and isinstance(node.target, torch._ops.OpOverload)
+               for node in graph.nodes)
 
 
 def _dump(stages, compile_id: str) -> None:
@@ -134,6 +145,10 @@ class DzcBackend:
         fallback = self.options.fallback
         if fallback == "auto":
             fallback = "inductor" if device is not None and device.type != "cpu" else "eager"
+        if fallback == "inductor" and not _unfused_compute(graph):
+            # Nothing left for Inductor to fuse: running the graph directly skips the dispatcher hop that an
+            # Inductor-compiled graph makes into each dzc op (tens of microseconds a call).
+            fallback = "eager (nothing left for inductor)"
         dynamic = sorted({str(v) for v in example_inputs if isinstance(v, torch.SymInt)})
         record = GraphRecord(compile_id, recompile, len(graph.nodes), dynamic, self._new_break_reasons(), fallback,
                              execution.describe(), execution.not_runnable_reason, _unfused_ops(graph),
@@ -148,7 +163,7 @@ class DzcBackend:
 
         lowered = torch.fx.GraphModule(gm, graph)
         if fallback == "inductor":
-            from torch._inductor.compile_fx import compile_fx_inner
+            from torch._inductor.compile_fx import compile_fx_inner  # noqa: PLC0415 (heavy; only when used)
 
             boxed = compile_fx_inner(lowered, example_inputs)
 

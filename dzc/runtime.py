@@ -45,7 +45,7 @@ def direct_launcher(kernel_id: str) -> Callable:
 
 
 class CudaGraphRunner:
-    """Replays one CUDA graph per shape of the dynamic sizes, for calls whose token count is small.
+    """Replays one CUDA graph per input shape, for calls whose token count is small.
 
     Small calls are bound by launch overhead; a graph replay costs one launch. Inputs are copied into the
     graph's static buffers, and outputs are cloned out so that a later call cannot overwrite what the caller
@@ -60,19 +60,18 @@ class CudaGraphRunner:
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()
 
-    def tokens(self, args) -> int | None:
-        """Product of the dynamic sizes (the SymInt arguments of the captured graph); None if there are none."""
-        sizes = [a for a in args if isinstance(a, int)]
-        if not sizes:
-            return None
-        product = 1
-        for s in sizes:
-            product *= s
-        return product
+    @staticmethod
+    def tokens(args) -> int:
+        """Rows of the largest activation input: the product of all but the last dim of each tensor argument
+        that is not a parameter (parameters are captured in place and never copied)."""
+        rows = 0
+        for a in args:
+            if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) and a.dim() > 1:
+                rows = max(rows, a.numel() // a.shape[-1])
+        return rows
 
     def __call__(self, *args):
-        tokens = self.tokens(args)
-        if tokens is None or tokens > self.max_tokens or torch.cuda.is_current_stream_capturing():
+        if self.tokens(args) > self.max_tokens or torch.cuda.is_current_stream_capturing():
             return self.fn(*args)
         key = tuple((a.shape, a.dtype, a.stride()) if isinstance(a, torch.Tensor) else a for a in args)
         entry = self.graphs.get(key)

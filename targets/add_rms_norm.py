@@ -144,28 +144,22 @@ def triton_signature(spec: AddRmsNormSpec, config: KernelConfig) -> tuple[dict, 
 
 
 def prepare(spec: AddRmsNormSpec, x, residual, weight, eps, *_static):
-    """Op arguments -> (kernel inputs, preallocated outputs, token count, outputs -> op results).
+    """Op arguments -> (kernel inputs, kernel outputs (preallocated), token count, the op's results).
+
+    The kernel writes 2-D views of the results, so nothing is copied after the launch.
 
     The op's static arguments (_static: flags and dtypes) are already in the spec the kernel was built for."""
     shape = x.shape
     if residual.shape != shape or weight.shape != (spec.hidden,):
         raise ValueError(f"add_rms_norm kernel for hidden={spec.hidden} got x {tuple(shape)}, residual "
                          f"{tuple(residual.shape)}, weight {tuple(weight.shape)}")
-    # Kernels index rows by stride and columns contiguously.
-    x2d = x.reshape(-1, spec.hidden)
-    residual2d = residual.reshape(-1, spec.hidden)
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    if residual2d.stride(-1) != 1:
-        residual2d = residual2d.contiguous()
-    weight = weight.contiguous()
-    y = torch.empty(x2d.shape, dtype=spec.out_dtype, device=x.device)
-    h = torch.empty(x2d.shape, dtype=spec.sum_dtype, device=x.device)
-
-    def finish(outputs):
-        return outputs[0].view(shape), outputs[1].view(shape)
-
-    return (x2d, residual2d, weight, float(eps)), (y, h), x2d.shape[0], finish
+    # Kernels index rows by stride and columns contiguously; dense inputs (the usual case) pass as views.
+    x2d = x.view(-1, spec.hidden) if x.is_contiguous() else x.reshape(-1, spec.hidden).contiguous()
+    residual2d = (residual.view(-1, spec.hidden) if residual.is_contiguous()
+                  else residual.reshape(-1, spec.hidden).contiguous())
+    y = torch.empty(shape, dtype=spec.out_dtype, device=x.device)
+    h = torch.empty(shape, dtype=spec.sum_dtype, device=x.device)
+    return (x2d, residual2d, weight.contiguous(), eps), (y.view(x2d.shape), h.view(x2d.shape)), x2d.shape[0], (y, h)
 
 
 # ---------------------------------------------------------------------------------------------------------

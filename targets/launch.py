@@ -107,9 +107,8 @@ class GeneratedKernel:
         return config
 
     def __call__(self, *op_args):
-        prepared, outputs, tokens, finish = self.family.prepare(self.spec, *op_args)
-        if tokens == 0:
-            return finish(outputs)
-        config = self._config_for(self.family.token_bucket(tokens), prepared + outputs)
-        self._launch(self.compiled, config, *prepared, *outputs)
-        return finish(outputs)
+        inputs, outputs, tokens, results = self.family.prepare(self.spec, *op_args)
+        if tokens:
+            config = self._config_for(self.family.token_bucket(tokens), inputs + outputs)
+            self._launch(self.compiled, config, *inputs, *outputs)
+        return results

@@ -16,5 +16,7 @@ if [ "$step" = 1 ]; then
   python3 -m pytest tests/test_add_rms_norm_kernels.py -q -p no:logging 2>&1 | tee "$OUT/gpu_tests_triton.log" | tail -5
 else
   python3 -m pytest tests/test_tilelang_add_rms_norm.py -m gpu -q -p no:logging 2>&1 | tee "$OUT/gpu_tests_tilelang.log" | tail -5
-  python3 tools/bench_add_rms_norm.py --out "$OUT/add_rms_norm_h200.md" 2>&1 | tee "$OUT/bench.log" | tail -40
+  python3 tools/diagnose_overhead.py --hidden 2880 --tokens 1 4096 2>&1 | grep -v "^ *[-A-Z]" > "$OUT/overhead.log"
+  python3 tools/bench_add_rms_norm.py --out "$OUT/add_rms_norm_h200.md" 2>&1 | tee "$OUT/bench.log" | tail -14
+  cat "$OUT/overhead.log"
 fi

@@ -1,0 +1,315 @@
+"""Autotuning: the tuning database is hit by a second compile, survives corruption and concurrent writers, and a
+config that fails is skipped rather than fatal."""
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from conftest import assert_close_for_dtype
+from torch import nn
+
+import dzc
+from dzc.autotune import FORMAT_VERSION, TuningDatabase, tune
+from dzc.models.decoder import HFRMSNorm
+from dzc.targets.kernel_config import KernelConfig
+
+
+class HFAddNorm(nn.Module):
+    def __init__(self, hidden=64):
+        super().__init__()
+        self.norm = HFRMSNorm(hidden, 1e-6)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.1)  # ones would hide a missing weight multiply
+
+    def forward(self, x, residual):
+        h = x + residual
+        return self.norm(h), h
+
+
+TOKENS = (3, 9)  # token buckets 4 and 16
+
+
+def _compile_and_check(model, cache_dir):
+    """Compile with tuning on, run every token count, check against eager; returns the report."""
+    options = dzc.CompileOptions(cache_dir=str(cache_dir), autotune=True)
+    compiled = dzc.compile(model, "cuda", options)
+    for tokens in TOKENS:
+        x, residual = torch.randn(tokens, 64).bfloat16(), torch.randn(tokens, 64).bfloat16()
+        y, h = compiled(x, residual)
+        with torch.no_grad():
+            expected_y, expected_h = model(x, residual)
+        assert_close_for_dtype(h, expected_h, max_bf16_ulps=1.0)
+        torch.testing.assert_close(y, expected_y, atol=1e-2, rtol=2**-6)
+    report = compiled.report
+    assert report.passes == {"fuse_residual_norm": 1}
+    assert len(report.kernels) == 1
+    return report
+
+
+def _tuned(report) -> dict:
+    [kernel] = report.kernels
+    assert sorted(kernel.tuned) == [4, 16], kernel.tuned
+    return kernel.tuned
+
+
+def _read_database(path) -> dict:
+    data = json.loads(path.read_text())
+    assert data["format"] == FORMAT_VERSION
+    assert isinstance(data["entries"], dict)
+    return data["entries"]
+
+
+def test_second_compile_is_a_tuning_database_hit(tmp_path, seed):
+    cache = tmp_path / "cache"
+    model = HFAddNorm().bfloat16()
+
+    first = _tuned(_compile_and_check(model, cache))
+    for bucket, entry in first.items():
+        assert entry["from_cache"] is False, (bucket, entry)
+        assert entry["how"] != "tuning database" and entry["how"].startswith("timed"), (bucket, entry)
+    entries = _read_database(cache / "tuning.json")
+    assert sorted(e["key"]["token_bucket"] for e in entries.values()) == [4, 16]
+
+    second = _tuned(_compile_and_check(model, cache))
+    for bucket, entry in second.items():
+        assert entry["from_cache"] is True, (bucket, entry)
+        assert entry["how"] == "tuning database", (bucket, entry)
+        assert entry["config"] == first[bucket]["config"], "the database should give back the tuned winner"
+    assert _read_database(cache / "tuning.json") == entries, "a database hit must not rewrite the database"
+
+
+def test_corrupt_database_is_set_aside_and_rebuilt(tmp_path, seed):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    database = cache / "tuning.json"
+    garbage = "{this is not json"
+    database.write_text(garbage)
+
+    with pytest.warns(RuntimeWarning, match=re.escape(str(database))):
+        report = _compile_and_check(HFAddNorm().bfloat16(), cache)
+
+    aside = cache / "tuning.json.corrupt"
+    assert aside.read_text() == garbage
+    for entry in _tuned(report).values():
+        assert entry["from_cache"] is False and entry["how"].startswith("timed")
+    entries = _read_database(database)
+    assert sorted(e["key"]["token_bucket"] for e in entries.values()) == [4, 16]
+
+
+@pytest.mark.parametrize("content", ["[1, 2, 3]", "42", '{"format": 999, "entries": {}}', '{"format": 1}', ""])
+def test_unreadable_database_contents_warn_and_start_over(tmp_path, content):
+    path = tmp_path / "tuning.json"
+    path.write_text(content)
+    key = {"op": "x", "token_bucket": 4}
+    with pytest.warns(RuntimeWarning, match=re.escape(str(path))):
+        assert TuningDatabase(path).lookup(key) is None
+    assert (tmp_path / "tuning.json.corrupt").read_text() == content
+    TuningDatabase(path).store(key, {"config": KernelConfig.make(num_warps=2, ROWS=1).to_json()})
+    assert list(_read_database(path)) == [TuningDatabase.key_string(key)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Concurrent writers
+
+_STORE_WORKER = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from dzc.autotune import TuningDatabase
+
+    path, worker, count = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    (path.parent / f"ready.{worker}").touch()
+    deadline = time.time() + 120
+    while not (path.parent / "go").exists():  # start storing together with the other workers
+        if time.time() > deadline:
+            sys.exit("no go signal")
+        time.sleep(0.005)
+    database = TuningDatabase(path)
+    for i in range(count):
+        key = {"worker": worker, "i": i, "token_bucket": 1 << (i % 8)}
+        database.store(key, {"config": {"params": {"ROWS": 1}, "num_warps": worker + 1, "num_stages": 1},
+                             "seconds_per_call": 1e-6 * i})
+    print("stored", count)
+""")
+
+
+def _subprocess_env():
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"
+    env.pop("DZC_DUMP_DIR", None)
+    env.pop("DZC_DEBUG", None)
+    return env
+
+
+def test_concurrent_stores_from_several_processes_keep_every_key(tmp_path):
+    workers, count = 3, 30
+    path = tmp_path / "db" / "tuning.json"
+    path.parent.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _STORE_WORKER, str(path), str(w), str(count)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_subprocess_env(),
+                              cwd=tmp_path)
+             for w in range(workers)]
+    try:
+        deadline = time.time() + 120
+        while not all((path.parent / f"ready.{w}").exists() for w in range(workers)):
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs if p.poll() is not None]
+            assert time.time() < deadline, "workers did not start"
+            time.sleep(0.01)
+        (path.parent / "go").touch()
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err
+        assert f"stored {count}" in out
+
+    entries = _read_database(path)
+    expected = {TuningDatabase.key_string({"worker": w, "i": i, "token_bucket": 1 << (i % 8)})
+                for w in range(workers) for i in range(count)}
+    assert set(entries) == expected, f"lost {len(expected - set(entries))} of {len(expected)} keys"
+    for key_text, entry in entries.items():
+        key = json.loads(key_text)
+        assert entry["key"] == key and entry["config"]["num_warps"] == key["worker"] + 1
+    # Every writer replaced the file atomically: no temporary files are left behind.
+    assert sorted(p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")) == []
+    # And a fresh reader sees every key.
+    database = TuningDatabase(path)
+    assert all(database.lookup(json.loads(k)) is not None for k in expected)
+
+
+_COMPILE_WORKER = textwrap.dedent("""
+    import json, sys
+    import torch
+    import dzc
+    from dzc.models.decoder import HFRMSNorm
+
+    class AddNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = HFRMSNorm(64, 1e-6)
+
+        def forward(self, x, residual):
+            h = x + residual
+            return self.norm(h), h
+
+    torch.manual_seed(int(sys.argv[2]))
+    model = AddNorm().bfloat16()
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=sys.argv[1], autotune=True))
+    for tokens in (3, 9):
+        x, residual = torch.randn(tokens, 64).bfloat16(), torch.randn(tokens, 64).bfloat16()
+        y, h = compiled(x, residual)
+        with torch.no_grad():
+            ey, eh = model(x, residual)
+        torch.testing.assert_close(h, eh, atol=0, rtol=2**-7)
+        torch.testing.assert_close(y, ey, atol=1e-2, rtol=2**-6)
+    [kernel] = compiled.report.kernels
+    print("TUNED", json.dumps({str(k): v for k, v in kernel.tuned.items()}))
+""")
+
+
+def test_concurrent_compiles_share_one_cache_dir(tmp_path):
+    cache = tmp_path / "cache"
+    procs = [subprocess.Popen([sys.executable, "-c", _COMPILE_WORKER, str(cache), str(seed)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_subprocess_env(),
+                              cwd=tmp_path)
+             for seed in (1, 2)]
+    try:
+        results = [p.communicate(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    tuned = []
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-4000:]
+        [line] = [line for line in out.splitlines() if line.startswith("TUNED ")]
+        tuned.append(json.loads(line.removeprefix("TUNED ")))
+    for entries in tuned:
+        assert sorted(entries) == ["16", "4"]
+    entries = _read_database(cache / "tuning.json")
+    assert sorted(e["key"]["token_bucket"] for e in entries.values()) == [4, 16]
+    assert not (cache / "tuning.json.corrupt").exists()
+    # Both processes generated the same kernel source under the same name.
+    kernels = sorted((cache / "kernels").iterdir())
+    assert len(kernels) == 1 and "def add_rms_norm_kernel" in kernels[0].read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tune() itself
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def autotune_log():
+    logger = logging.getLogger("dzc.autotune")
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+CONFIGS = [KernelConfig.make(num_warps=w, num_stages=1, ROWS=r, BLOCK=64) for w, r in ((1, 1), (2, 4), (4, 8))]
+KEY = {"op": "add_rms_norm", "spec": "test", "token_bucket": 16}
+
+
+def test_a_failing_config_is_skipped_and_logged(tmp_path, autotune_log):
+    bad = CONFIGS[0]
+    seconds = {CONFIGS[0]: 1e-7, CONFIGS[1]: 3e-6, CONFIGS[2]: 2e-6}  # the failing one would be fastest
+    ran = []
+
+    def run(cfg):
+        ran.append(cfg)
+        if cfg == bad:
+            raise ValueError("out of resources: shared memory\nsecond line")
+        return seconds[cfg]
+
+    database = TuningDatabase(tmp_path / "tuning.json")
+    result = tune("k[tokens<=16]", KEY, CONFIGS, run=run, bench=lambda fn: fn(), database=database)
+    assert result.config == CONFIGS[2]
+    assert result.from_cache is False
+    assert result.failures == {str(bad): "ValueError: out of resources: shared memory"}
+    assert result.timings == {str(CONFIGS[1]): 3e-6, str(CONFIGS[2]): 2e-6}
+    assert ran == CONFIGS
+    assert any(str(bad) in m and "out of resources" in m for m in autotune_log), autotune_log
+
+    record = database.lookup(KEY)
+    assert KernelConfig.from_json(record["config"]) == CONFIGS[2]
+    assert record["configs_tried"] == 3 and record["configs_failed"] == 1
+
+    # Known key: the database answers, nothing runs.
+    ran.clear()
+    again = tune("k[tokens<=16]", KEY, CONFIGS, run=run, bench=lambda fn: fn(),
+                 database=TuningDatabase(tmp_path / "tuning.json"))
+    assert again.config == CONFIGS[2] and again.from_cache is True and ran == []
+
+
+def test_every_config_failing_raises(tmp_path, autotune_log):
+    def run(cfg):
+        raise RuntimeError(f"cannot compile {cfg}")
+
+    database = TuningDatabase(tmp_path / "tuning.json")
+    with pytest.raises(RuntimeError, match="every config of k\\[tokens<=16\\] failed"):
+        tune("k[tokens<=16]", KEY, CONFIGS, run=run, bench=lambda fn: fn(), database=database)
+    assert len([m for m in autotune_log if "failed" in m]) == len(CONFIGS)
+    assert database.lookup(KEY) is None
+    assert not (tmp_path / "tuning.json").exists(), "a failed tuning run must not store anything"

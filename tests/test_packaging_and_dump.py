@@ -1,0 +1,206 @@
+"""Packaging and front ends: imports go through the dzc package, every DZC_* variable is a declared knob, dzc-dump
+works on a machine without a GPU, and torch.compile(backend="dzc") is registered."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dzc
+from dzc import config
+from dzc.models.decoder import HFRMSNorm
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE_DIRS = ("dzc", "passes", "targets", "models", "tests", "tools")
+PACKAGE_DIRS = ("dzc", "passes", "targets", "models")
+
+
+def _python_files(dirs):
+    for name in dirs:
+        directory = ROOT / name
+        if directory.is_dir():
+            yield from sorted(p for p in directory.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Static checks
+
+
+def test_subpackages_are_imported_through_dzc():
+    """passes/, targets/ and models/ install as dzc.passes, dzc.targets, dzc.models; a top-level import of them
+    works only from the repository root and breaks once installed."""
+    top_level = re.compile(r"^\s*(import|from)\s+(passes|targets|models)\b")
+    dynamic = re.compile(r"""import_module\(\s*["'](passes|targets|models)\b""")
+    offending = []
+    files = list(_python_files(SOURCE_DIRS))
+    assert len(files) > 10, "the scan found too few files: is ROOT right?"
+    for path in files:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if top_level.match(line) or dynamic.search(line):
+                offending.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offending, "import these as dzc.<package>:\n" + "\n".join(offending)
+
+
+def test_every_dzc_environment_variable_is_a_declared_knob():
+    declared = {knob.env for knob in config.KNOBS}
+    # Every Knob that config.py defines is in KNOBS (so scope() and the docs know it), once.
+    defined = [value for value in vars(config).values() if isinstance(value, config.Knob)]
+    assert {k.env for k in defined} == declared
+    assert len(config.KNOBS) == len(declared), "a knob is declared twice"
+    assert all(name.startswith("DZC_") for name in declared)
+
+    name = re.compile(r"\bDZC_[A-Z0-9_]+")
+    config_py = ROOT / "dzc" / "config.py"
+    templates = [p for d in PACKAGE_DIRS for p in sorted((ROOT / d).rglob("*.tmpl"))]
+    undeclared = []
+    for path in list(_python_files(PACKAGE_DIRS)) + templates:
+        if path == config_py:
+            continue  # its docs name knobs; its declarations are checked above
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for used in name.findall(line):
+                if used.rstrip("_") not in declared:
+                    undeclared.append(f"{path.relative_to(ROOT)}:{number}: {used}")
+    assert not undeclared, f"not in dzc/config.py KNOBS ({sorted(declared)}):\n" + "\n".join(undeclared)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dzc-dump
+
+
+def _env(cache_dir):
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"
+    env["DZC_CACHE_DIR"] = str(cache_dir)
+    for knob in ("DZC_DUMP_DIR", "DZC_DEBUG", "DZC_AUTOTUNE_LOG"):
+        env.pop(knob, None)
+    return env
+
+
+DUMPS = {
+    "list": ["--list-models"],
+    "kernels": ["llama_decoder", "--target", "musa", "--kernels"],
+    "capture": ["llama_decoder", "--target", "musa", "--after", "capture"],
+    "json": ["llama_decoder", "--target", "musa", "--json"],
+    "bad_after": ["llama_decoder", "--target", "musa", "--after", "nosuchpass"],
+}
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory):
+    """Runs every dzc-dump command line once, all at the same time (each pays Python + torch start-up)."""
+    procs = {}
+    for key, args in DUMPS.items():
+        cache = tmp_path_factory.mktemp(f"dump_{key}")
+        argv = [sys.executable, "-m", "dzc.dump", *args]
+        if key != "list":
+            argv += ["--cache-dir", str(cache / "cache")]
+        procs[key] = (subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       env=_env(cache / "env-cache"), cwd=cache), cache)
+    results = {}
+    try:
+        for key, (proc, cache) in procs.items():
+            out, err = proc.communicate(timeout=300)
+            results[key] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            results[key].cache = cache
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return results
+
+
+def _ok(result):
+    assert result.returncode == 0, f"{' '.join(result.args)}\n{result.stderr[-6000:]}"
+    return result.stdout
+
+
+def test_dump_lists_the_models(dumps):
+    listed = [line.split()[0] for line in _ok(dumps["list"]).splitlines() if line.strip()]
+    assert "llama_decoder" in listed and "deepseek_decoder" in listed
+    assert listed == sorted(listed)
+
+
+def test_dump_musa_kernels_without_a_musa_gpu(dumps):
+    result = dumps["kernels"]
+    out = _ok(result)
+    assert "fuse_residual_norm: 4 rewrite(s)" in out
+    assert "dzc.add_rms_norm" in out
+    assert "musa:mp_31" in out
+    assert "import triton" in out
+    assert "not run" in out
+    assert "==== kernel add_rms_norm.triton." in out
+    # The sources went to --cache-dir, not $DZC_CACHE_DIR.
+    assert list((result.cache / "cache" / "kernels").glob("add_rms_norm_triton_*.py"))
+    assert not (result.cache / "env-cache").exists()
+
+
+def test_dump_after_capture_prints_only_the_captured_graph(dumps):
+    out = _ok(dumps["capture"])
+    assert out.count("==== graph ") == 1
+    assert "# captured by Dynamo + AOTAutograd" in out
+    assert "# built by" not in out and "# lowered for" not in out
+    assert "dzc.add_rms_norm" not in out, "the captured graph has no dzc op yet"
+    assert "aten.rsqrt" in out
+    assert "import triton" not in out, "no --kernels: no kernel sources"
+
+
+def test_dump_json(dumps):
+    data = json.loads(_ok(dumps["json"]))
+    assert data["report"]["passes"] == {"fuse_residual_norm": 4}
+    assert data["report"]["target"] == "musa:mp_31"
+    assert data["run"].startswith("compiled, not run")
+    assert [s["stage"] for s in data["stages"]] == ["capture", "fuse_residual_norm", "lowered"]
+    assert data["kernels"] == {}
+    [kernel] = data["report"]["kernels"]
+    assert kernel["uses"] == 4 and kernel["profile"] == "musa:mp_31"
+
+
+def test_dump_after_an_unknown_stage_lists_the_stages(dumps):
+    result = dumps["bad_after"]
+    assert result.returncode != 0
+    assert "nosuchpass" in result.stderr
+    for stage in ("capture", "fuse_residual_norm", "lowered"):
+        assert stage in result.stderr, result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.compile(backend="dzc")
+
+
+class HFAddNorm(nn.Module):
+    def __init__(self, hidden=64):
+        super().__init__()
+        self.norm = HFRMSNorm(hidden, 1e-6)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.1)
+
+    def forward(self, x, residual):
+        h = x + residual
+        return self.norm(h), h
+
+
+def test_torch_compile_backend_name(tmp_path, monkeypatch, seed):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    monkeypatch.setenv("DZC_CACHE_DIR", str(tmp_path / "cache"))  # the registered backend uses default options
+    assert "dzc" in torch._dynamo.list_backends()
+    registered = lookup_backend("dzc")
+    rewrites_before = registered.report.passes.get("fuse_residual_norm", 0)
+
+    model = HFAddNorm().float()
+    compiled = torch.compile(model, backend="dzc")
+    x, residual = torch.randn(5, 64), torch.randn(5, 64)
+    with torch.no_grad():
+        y, h = compiled(x, residual)
+        expected_y, expected_h = model(x, residual)
+    torch.testing.assert_close(h, expected_h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y, expected_y, atol=1e-5, rtol=1e-5)
+    assert registered.report.passes["fuse_residual_norm"] == rewrites_before + 1
+    assert registered.report.target == "cuda:sm_90"
+    assert list((tmp_path / "cache" / "kernels").glob("add_rms_norm_triton_*.py"))
