@@ -110,7 +110,11 @@ def tune(
     """
     record = database.lookup(key)
     if record is not None:
-        return TuningResult(KernelConfig.from_json(record["config"]), True, 0.0, {}, {})
+        try:
+            return TuningResult(KernelConfig.from_json(record["config"]), True, 0.0, {}, {})
+        except (KeyError, TypeError, ValueError) as err:  # a hand-edited entry: tune again and overwrite it
+            warnings.warn(f"dzc: ignoring a malformed tuning-database entry for {label} ({err!r}); retuning",
+                          RuntimeWarning, stacklevel=2)
     start = time.perf_counter()
     timings: dict[str, float] = {}
     failures: dict[str, str] = {}

@@ -8,6 +8,7 @@ shared across models and processes), load it, and write the kernel id into the n
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,7 +91,10 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
             continue
         path = kernel_dir / f"{kernel_id.replace('.', '_')}.py"
         if not path.exists() or path.read_text() != source:
-            path.write_text(source)
+            # Write then rename: a process compiling the same kernel at once never imports a half-written file.
+            partial = path.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(source)
+            os.replace(partial, path)
         legal, illegal = legal_configs(family, codegen_name, spec, target.profile)
         if not legal:
             raise RuntimeError(f"dzc: no legal {codegen_name} config for {op} ({spec.describe()}) on "

@@ -88,7 +88,7 @@ class GeneratedKernel:
             return config
         start = time.perf_counter()
         if not self.autotune or len(self._configs) <= 1:
-            config = self._configs[0] if self._configs else self._default
+            config = self._default
             entry = {"config": str(config), "from_cache": False, "tuning_seconds": 0.0, "failed_configs": 0,
                      "how": "untuned default"}
         else:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import pytest
 import torch
@@ -113,6 +114,29 @@ def test_unreadable_database_contents_warn_and_start_over(tmp_path, content):
     assert (tmp_path / "tuning.json.corrupt").read_text() == content
     TuningDatabase(path).store(key, {"config": KernelConfig.make(num_warps=2, ROWS=1).to_json()})
     assert list(_read_database(path)) == [TuningDatabase.key_string(key)]
+
+
+def test_autotune_off_runs_the_family_default_config(tmp_path):
+    """CompileOptions.autotune=False: "every kernel runs its family's default config" (dzc/options.py), which for
+    Triton is add_rms_norm.triton_default_config. hidden 2880 is a size where that differs from the first config
+    of the tuning space."""
+    from dzc.targets import add_rms_norm, resolve_target
+
+    hidden = 2880
+    model = HFAddNorm(hidden).bfloat16()
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False))
+    x, residual = torch.randn(2, hidden).bfloat16(), torch.randn(2, hidden).bfloat16()
+    y, h = compiled(x, residual)
+    with torch.no_grad():
+        expected_y, expected_h = model(x, residual)
+    assert_close_for_dtype(h, expected_h, max_bf16_ulps=1.0)
+    torch.testing.assert_close(y, expected_y, atol=1e-2, rtol=2**-6)
+    [kernel] = compiled.report.kernels
+    spec = add_rms_norm.AddRmsNormSpec(hidden, *[torch.bfloat16] * 5, False, True)
+    default = add_rms_norm.triton_default_config(spec, resolve_target("cuda").profile)
+    assert kernel.tuned[2]["how"] == "untuned default"
+    assert kernel.tuned[2]["config"] == str(default)
+    assert not (tmp_path / "tuning.json").exists(), "no tuning, no database"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -313,3 +337,16 @@ def test_every_config_failing_raises(tmp_path, autotune_log):
     assert len([m for m in autotune_log if "failed" in m]) == len(CONFIGS)
     assert database.lookup(KEY) is None
     assert not (tmp_path / "tuning.json").exists(), "a failed tuning run must not store anything"
+
+
+def test_a_malformed_entry_in_a_well_formed_database_is_not_fatal(tmp_path):
+    """A hand-edited entry (here: its config removed) must not crash the call that looks it up: the entry is
+    unusable, so the kernel is tuned again (or the file set aside, like any other corrupt database)."""
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"format": FORMAT_VERSION, "entries": {
+        TuningDatabase.key_string(KEY): {"key": KEY, "seconds_per_call": 1e-6}}}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        result = tune("k[tokens<=16]", KEY, CONFIGS, run=lambda cfg: 1e-6 * cfg.num_warps, bench=lambda fn: fn(),
+                      database=TuningDatabase(path))
+    assert result.config == CONFIGS[0] and result.from_cache is False

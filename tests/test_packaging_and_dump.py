@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-import dzc
+import dzc  # noqa: F401  (registers backend="dzc")
 from dzc import config
 from dzc.models.decoder import HFRMSNorm
 

@@ -29,7 +29,7 @@ def per_call_us(fn, calls=300) -> float:
 
 
 def main():
-    from tools.bench_add_rms_norm import AddNorm
+    from bench_add_rms_norm import AddNorm  # tools/ is on sys.path when run as a script
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=2880)
