@@ -29,9 +29,6 @@ def build_pipeline(target: Target) -> list[GraphPass]:
     ]
 
 
-PASS_NAMES = ("fuse_residual_norm",)
-
-
 @dataclass
 class Stage:
     """One step of the pipeline as the dumps show it: the graph text after it, and what it did."""
@@ -43,11 +40,13 @@ class Stage:
 
 def run_pipeline(graph: torch.fx.Graph, target: Target, disabled: tuple[str, ...] = (),
                  verify: bool = True) -> tuple[torch.fx.Graph, list[Stage]]:
-    unknown = set(disabled) - set(PASS_NAMES)
+    passes = build_pipeline(target)
+    names = [p.__name__ for p in passes]
+    unknown = set(disabled) - set(names)
     if unknown:
-        raise ValueError(f"unknown passes {sorted(unknown)} in disable_passes; passes: {', '.join(PASS_NAMES)}")
+        raise ValueError(f"unknown passes {sorted(unknown)} in disable_passes; passes: {', '.join(names)}")
     stages = [Stage("capture", ir.print_graph(graph, "captured by Dynamo + AOTAutograd"), None)]
-    for graph_pass in build_pipeline(target):
+    for graph_pass in passes:
         if graph_pass.__name__ in disabled:
             continue
         result = graph_pass(graph)

@@ -16,9 +16,9 @@ import importlib.metadata
 import importlib.util
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
+from dzc.targets.generated_module import import_generated
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.profiles import DeviceProfile
 
@@ -34,17 +34,7 @@ _FORKS_BY_TARGET_KIND = {
 
 def load_factory(path: Path, factory_name: str):
     """Import the generated module at `path` (once per process) and return its prim_func factory."""
-    # The module name comes from the file's full path, so equal file names in different directories never
-    # share a cached module.
-    path = Path(path).resolve()
-    path_hash = hashlib.sha256(str(path).encode()).hexdigest()[:8]
-    module_name = f"dzc_generated.tilelang_{path.stem}_{path_hash}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[module_name] = module
+    module = import_generated(path)
     return getattr(module, factory_name)
 
 

@@ -7,12 +7,11 @@ imported (dzc/__init__.py chooses the interpreter when no GPU is present).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import triton
 
+from dzc.targets.generated_module import import_generated
 from dzc.targets.profiles import DeviceProfile
 
 NAME = "triton"
@@ -26,13 +25,7 @@ def interpreting() -> bool:
 
 def load_kernel(path: Path, kernel_name: str):
     """Import the generated module at `path` and return its @triton.jit function."""
-    module_name = f"dzc_generated.{path.stem}"
-    module = sys.modules.get(module_name)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[module_name] = module
+    module = import_generated(path)
     return getattr(module, kernel_name)
 
 
