@@ -48,5 +48,10 @@ def compile_ahead_of_time(path: Path, kernel_name: str, signature: dict, constex
 
 def load(family, path: Path, spec, profile: DeviceProfile):
     """The loaded kernel a family's triton_launch takes: the @triton.jit function itself (configs are launch
-    arguments, so one load serves every config)."""
+    arguments, so one load serves every config). A family whose op runs several kernels (routing, then GEMMs)
+    names them in TRITON_KERNEL_NAMES and gets a dict from name to @triton.jit function."""
+    names = getattr(family, "TRITON_KERNEL_NAMES", None)
+    if names is not None:
+        module = import_generated(path)
+        return {name: getattr(module, name) for name in names}
     return load_kernel(path, family.TRITON_KERNEL_NAME)

@@ -1,18 +1,10 @@
-"""dzc's op set: each fused operation is a torch.library op with exactly one plain-torch reference.
-
-The reference defines what the op means; every generated kernel is tested against it. Passes rewrite ATen
-subgraphs into these ops; lowering fills in the `kernel_id` argument with the id of a generated kernel, and the
-op then launches that kernel instead of running the reference (an empty `kernel_id` runs the reference).
-"""
+"""dzc.add_rms_norm: the residual add of one layer fused with the RMSNorm that opens the next."""
 
 from __future__ import annotations
 
 import torch
 
 from dzc import runtime
-
-# ---------------------------------------------------------------------------------------------------------
-# add_rms_norm: the residual add of one layer fused with the RMSNorm that opens the next.
 
 
 def add_rms_norm_reference(
@@ -66,9 +58,3 @@ def add_rms_norm(
 def _add_rms_norm_fake(x, residual, weight, eps, sum_in_fp32, cast_before_weight, out_dtype, sum_dtype, kernel_id=""):
     shape = torch.broadcast_shapes(x.shape, residual.shape)
     return x.new_empty(shape, dtype=out_dtype), x.new_empty(shape, dtype=sum_dtype)
-
-
-# Every dzc op, by the name the IR printer and the report use, with its reference implementation.
-OPS = {
-    "add_rms_norm": (torch.ops.dzc.add_rms_norm.default, add_rms_norm_reference),
-}
