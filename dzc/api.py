@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dzc import runtime
 from dzc.capture import DzcBackend
 from dzc.options import CompileOptions
 from dzc.targets import resolve_target
@@ -42,17 +43,37 @@ class CompiledModel:
         self.options = options
         self.backend = backend(target, options)
         self._compiled = torch.compile(model, backend=self.backend, dynamic=None if options.dynamic_tokens else False)
+        # Dynamo reads these when it traces, which any call may do (a guard fails): set around every guarded call.
+        # Built once: a fresh config.patch per call costs tens of microseconds.
+        self._dynamo_settings = torch._dynamo.config.patch(
+            capture_dynamic_output_shape_ops=options.capture_dynamic_output_shapes,
+            capture_scalar_outputs=options.capture_scalar_outputs)
+        self._cuda_graphs = None
+        if options.cuda_graph_max_tokens > 0 and self.backend.target.profile.torch_device_type == "cuda":
+            self._cuda_graphs = runtime.CudaGraphRunner(self._run_compiled, options.cuda_graph_max_tokens,
+                                                        reuse_outputs=options.cuda_graph_reuse_outputs)
 
     @property
     def report(self):
         return self.backend.report
 
+    def reset_cuda_graphs(self) -> None:
+        """Drop captured CUDA graphs (after reassigning parameters or changing module attributes)."""
+        if self._cuda_graphs is not None:
+            self._cuda_graphs.reset()
+
     def __call__(self, *args, **kwargs):
-        if self.options.dynamic_tokens:
+        if self._cuda_graphs is not None and not kwargs and self.backend.report.graphs:
+            return self._cuda_graphs(*args)
+        return self._run_compiled(*args, **kwargs)
+
+    def _run_compiled(self, *args, **kwargs):
+        if self.options.dynamic_tokens and not self.backend.report.graphs:
+            # A hint for the first compile; later compiles of the frame keep what Dynamo learnt was dynamic.
             _mark_token_dims(args)
             _mark_token_dims(kwargs)
         # dzc compiles inference graphs (AOTAutograd's inference path).
-        with torch.no_grad():
+        with torch.no_grad(), self._dynamo_settings:
             return self._compiled(*args, **kwargs)
 
 

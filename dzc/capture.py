@@ -145,6 +145,9 @@ class DzcBackend:
         fallback = self.options.fallback
         if fallback == "auto":
             fallback = "inductor" if device is not None and device.type != "cpu" else "eager"
+            if fallback == "inductor" and execution.runtime is not None and not execution.runtime.inductor_available():
+                # MUSA without torch_musa's Inductor backend registered: torch_musa's ATen ops run the rest.
+                fallback = f"eager (no inductor backend for {device.type})"
         if fallback == "inductor" and not _unfused_compute(graph):
             # Nothing left for Inductor to fuse: running the graph directly skips the dispatcher hop that an
             # Inductor-compiled graph makes into each dzc op (tens of microseconds a call).
@@ -165,14 +168,14 @@ class DzcBackend:
         if fallback == "inductor":
             from torch._inductor.compile_fx import compile_fx_inner  # noqa: PLC0415 (heavy; only when used)
 
-            boxed = compile_fx_inner(lowered, example_inputs)
+            # MUSA Triton builds fail when Inductor compiles in several processes (torch_musa sets one thread).
+            serial = {} if self.target.profile.compile_in_parallel else {"compile_threads": 1}
+            with torch._inductor.config.patch(serial):
+                boxed = compile_fx_inner(lowered, example_inputs)
 
             def compiled(*args):
                 return boxed(list(args))  # Inductor's callable takes its arguments as one list
         else:
             _direct_launches(lowered)
-            compiled = lowered
-        if (execution.runtime is not None and execution.runtime.device_type == "cuda"
-                and self.options.cuda_graph_max_tokens > 0):
-            return runtime.CudaGraphRunner(compiled, self.options.cuda_graph_max_tokens)
+            compiled = lowered.forward  # the generated function itself: no nn.Module call machinery per call
         return compiled

@@ -29,8 +29,11 @@ DEBUG = Knob("DZC_DEBUG", "0",
 DUMP_DIR = Knob("DZC_DUMP_DIR", "",
                 "if set, write 000_capture.txt, 001_<pass>.txt, ... and report.txt for every compiled graph there")
 AUTOTUNE_LOG = Knob("DZC_AUTOTUNE_LOG", "0", "1: log every tuning run with each config's time")
+TUNING_DB = Knob("DZC_TUNING_DB", "",
+                 "a shipped tuning database (dzc-tune --out), consulted read-only before the local cache "
+                 "(CompileOptions.tuning_db wins); refused on a device other than the one it was tuned on")
 
-KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG)
+KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB)
 
 
 def debug_level() -> int:

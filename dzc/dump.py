@@ -22,11 +22,12 @@ from dzc.options import CompileOptions
 from dzc.runtime import NotRunnableError
 
 
-def _load_model(spec: str):
+def load_model(spec: str, **kwargs):
+    """MODEL (a dzc.models name or package.module:factory) -> (model, example_inputs); kwargs go to the factory."""
     if ":" in spec:
         module_name, factory = spec.split(":", 1)
-        return getattr(importlib.import_module(module_name), factory)()
-    return build_model(spec)
+        return getattr(importlib.import_module(module_name), factory)(**kwargs)
+    return build_model(spec, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model:
         parser.error("MODEL is required (see --list-models)")
 
-    model, inputs = _load_model(args.model)
+    model, inputs = load_model(args.model)
     # Dumps show what would run; tuning on the CPU interpreter would only slow them down.
     options = CompileOptions(codegen=args.codegen, autotune=False, cache_dir=args.cache_dir)
     compiled = dzc.compile(model, target=args.target, options=options)

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from dzc import runtime
-from dzc.autotune import TuningDatabase
+from dzc.autotune import open_database
 from dzc.options import CompileOptions
 from dzc.targets import KERNEL_FAMILIES, Target
 from dzc.targets.device_runtime import DeviceRuntime
@@ -24,7 +24,14 @@ from dzc.targets.launch import GeneratedKernel, KernelRecord, legal_configs
 
 # The codegen each op prefers when options.codegen is "auto", best first. Memory-bound ops go to Triton, whose
 # kernels also run on CPU tensors (interpreter); GEMM-heavy ops will prefer TileLang.
-PREFERRED_CODEGENS = {"add_rms_norm": ("triton", "tilelang")}
+PREFERRED_CODEGENS = {"add_rms_norm": ("triton", "tilelang"),
+                      # Attention is matmul-bound: TileLang's T.gemm takes 80-wide tiles (Triton pads to 64 + 16).
+                      "varlen_attention": ("tilelang", "triton"),
+                      # Triton first: only its kernels have the workspace path (prefill) besides online dequant.
+                      "mxfp4_moe": ("triton", "tilelang"),
+                      # DSA: the indexer and top-k are Triton-only; sparse attention is MMA-bound (TileLang first).
+                      "dsa_indexer": ("triton",), "dsa_topk": ("triton",),
+                      "sparse_attention": ("tilelang", "triton")}
 
 
 @dataclass(frozen=True)
@@ -47,10 +54,20 @@ def dzc_op_name(node: torch.fx.Node) -> str | None:
     return None
 
 
-def choose_codegen(op: str, options: CompileOptions, execution: Execution) -> str:
+def _takes_kernel_id(node: torch.fx.Node) -> bool:
+    """dzc ops without a kernel_id argument (dzc.mxfp4_dequantize, which MXFP4 model code calls) run as
+    themselves: they have no kernel family; a pass fuses them where they matter."""
+    return any(argument.name == "kernel_id" for argument in node.target._schema.arguments)
+
+
+def choose_codegen(op: str, options: CompileOptions, execution: Execution, spec=None) -> str:
     if options.codegen != "auto":
         return options.codegen
     for name in PREFERRED_CODEGENS[op]:
+        # A family may have no kernel of a codegen for some specs (`<codegen>_supports(spec)` says so).
+        supports = getattr(KERNEL_FAMILIES[op], f"{name}_supports", None)
+        if spec is not None and supports is not None and not supports(spec):
+            continue
         if name == "triton" or execution.runtime is None or execution.runtime.runs_tilelang:
             return name
     return "triton"
@@ -72,15 +89,15 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
     cache = Path(options.resolved_cache_dir())
     kernel_dir = cache / "kernels"
     kernel_dir.mkdir(parents=True, exist_ok=True)
-    database = TuningDatabase(cache / "tuning.json")
+    database = open_database(cache, options.tuning_db)
     records: dict[str, KernelRecord] = {}
     for node in graph.nodes:
         op = dzc_op_name(node)
-        if op is None:
+        if op is None or not _takes_kernel_id(node):
             continue
         family = KERNEL_FAMILIES[op]
         spec = family.spec_from_node(node)
-        codegen_name = choose_codegen(op, options, execution)
+        codegen_name = choose_codegen(op, options, execution, spec)
         codegen = target.codegens[codegen_name]
         source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
         digest = hashlib.sha256(f"{target.profile.fingerprint}\n{source}".encode()).hexdigest()

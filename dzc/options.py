@@ -27,11 +27,26 @@ class CompileOptions:
     # Mark the leading (token) dimensions of tensor inputs dynamic so that a new batch or sequence length does
     # not recompile. False: specialise on every shape.
     dynamic_tokens: bool = True
-    # On CUDA, replay a CUDA graph per input shape when an input's tokens (product of its dynamic sizes) are at
-    # most this many: launch overhead dominates there. 0 turns it off.
+    # On CUDA, replay a CUDA graph per input signature when the call has at most this many tokens (rows of its
+    # largest input): host overhead dominates there. The replay skips Dynamo's guards, so parameters and module
+    # attributes count as frozen once a shape was captured (see dzc.runtime.CudaGraphRunner). 0 turns it off.
     cuda_graph_max_tokens: int = 256
+    # Return the CUDA graph's own output buffers instead of copies: saves a copy per output, but the next replay
+    # of the same shape overwrites what the previous call returned (a decode loop that consumes each step first).
+    cuda_graph_reuse_outputs: bool = False
     # Passes to skip, by name (see dzc.pipeline); for bisecting a numerics problem.
     disable_passes: tuple[str, ...] = ()
+    # Capture ops whose output shape depends on data (aten.nonzero: `torch.where(topk_ids == e)` in a per-expert MoE
+    # loop) into the graph with unbacked sizes, instead of breaking the graph there (Dynamo's
+    # capture_dynamic_output_shape_ops). Off: such code graph-breaks, and fuse_mxfp4_experts sees no whole loop.
+    capture_dynamic_output_shapes: bool = True
+    # Capture `.item()` / `.tolist()` into the graph as unbacked symbolic ints instead of breaking the graph there
+    # (Dynamo's capture_scalar_outputs): packed vision attention reads its segment lengths (`cu_seqlens`) this way.
+    capture_scalar_outputs: bool = True
+    # A shipped tuning database (written by dzc-tune) consulted read-only before the local cache when tuning;
+    # None = $DZC_TUNING_DB if set. A database tuned on another device (arch, multiprocessors, versions) is
+    # refused with an error, never partly used.
+    tuning_db: str | None = None
 
     def resolved_cache_dir(self) -> str:
         return self.cache_dir or config.CACHE_DIR.get()

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 import torch.fx
 
 from dzc import ir
+from dzc.passes.fuse_mxfp4_experts import fuse_mxfp4_experts
 from dzc.passes.fuse_residual_norm import fuse_residual_norm
+from dzc.passes.fuse_sparse_attention import fuse_sparse_attention
+from dzc.passes.fuse_vision_attention import fuse_vision_attention
 from dzc.passes.graph_pass import PassResult
 from dzc.targets import Target
 
@@ -26,6 +29,17 @@ def build_pipeline(target: Target) -> list[GraphPass]:
         # Residual add + RMSNorm -> dzc.add_rms_norm. First: it only needs the captured ATen ops, and later
         # fusions (attention, MoE) consume the normalised activations it produces.
         fuse_residual_norm,
+        # DSA top-k masked dense attention -> dzc.dsa_indexer + dsa_topk + sparse_attention. Independent of the
+        # norm fusion; it must see the dense attention's bmm/softmax before any attention fusion claims it.
+        fuse_sparse_attention,
+        # Attention over packed images (per-image split/cat loop, block-diagonal cu_seqlens mask, windows) ->
+        # dzc.varlen_attention, with HF's vision RoPE folded in. After fuse_sparse_attention, which must see dense
+        # attention first (this pass only claims attention delimited by cu_seqlens, so the two never compete).
+        fuse_vision_attention,
+        # MoE expert matmuls on MXFP4-dequantized weights (+ routing glue, combine) -> dzc.mxfp4_moe. Independent
+        # of the other fusions (it takes the normalised activations from whichever node produces them); before
+        # lowering, which must never see the dequantized weights it removes.
+        fuse_mxfp4_experts,
     ]
 
 

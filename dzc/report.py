@@ -50,6 +50,10 @@ class CompileReport:
     def graph_breaks(self) -> list[str]:
         return [reason for g in self.graphs for reason in g.break_reasons]
 
+    def fired(self) -> dict[str, int]:
+        """The passes that rewrote something, with how many times (report.passes lists every pass that ran)."""
+        return {name: count for name, count in self.passes.items() if count}
+
     def record_pass(self, name: str, rewrites: list[str], refusals: list[tuple[str, str]]) -> None:
         self.passes[name] = self.passes.get(name, 0) + len(rewrites)
         self.pass_sites.setdefault(name, []).extend(rewrites)
@@ -93,7 +97,8 @@ class CompileReport:
                          f"({k.configs_illegal} illegal for the profile, pruned)")
             for bucket, tuned in sorted(k.tuned.items()):
                 lines.append(f"      tokens <= {bucket}: {tuned['config']} ({tuned['how']}, "
-                             f"{tuned['tuning_seconds']:.2f} s, {tuned['failed_configs']} failed)")
+                             f"{tuned['tuning_seconds']:.2f} s, {tuned['failed_configs']} failed)"
+                             + (f"; path: {tuned['path']}" if "path" in tuned else ""))
         return "\n".join(lines)
 
     def to_json_text(self) -> str:

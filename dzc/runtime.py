@@ -1,4 +1,4 @@
-"""Run-time side of compiled graphs: the table of loaded kernels, and CUDA-graph replay for small token counts.
+"""Run-time side of compiled models: the table of loaded kernels, and CUDA-graph replay for small token counts.
 
 Lowered dzc op nodes name their kernel by id (`kernel_id='add_rms_norm.triton.3f2a9c01'`); the op looks the id up
 here. Ids are hashes of the generated source and profile, so a graph printed in one process names the same
@@ -11,6 +11,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 _KERNELS: dict[str, Callable] = {}
 
@@ -45,63 +46,113 @@ def direct_launcher(kernel_id: str) -> Callable:
 
 
 class CudaGraphRunner:
-    """Replays one CUDA graph per input shape, for calls whose token count is small.
+    """Replays one CUDA graph per input signature for calls with few tokens, above Dynamo (dzc.compile's wrapper).
 
-    Small calls are bound by launch overhead; a graph replay costs one launch. Inputs are copied into the
-    graph's static buffers, and outputs are cloned out so that a later call cannot overwrite what the caller
-    holds (the clone costs one small copy per output, which is what keeps this path honest).
+    Small calls are bound by host time: Dynamo's guards, AOTAutograd's wrappers and one launch per kernel cost
+    far more than the GPU work. A replay costs one graph launch. It skips the guards, so the contract (the one
+    serving engines' CUDA graphs have) is: parameters and module attributes are frozen once a shape has been
+    captured (in-place weight updates are seen; reassigned parameters are not: call `reset()` or compile again).
+    The graph's input buffers are its own: an argument is copied in unless it is the same tensor, unmodified
+    (same version counter), as at the previous replay. Outputs are cloned out unless `reuse_outputs`, where the
+    returned tensors are the graph's buffers and the next replay of that shape overwrites them (a decode loop
+    that consumes each step's output first).
+    Calls it cannot key (keyword or non-tensor unhashable arguments) or with more tokens go to `fn` unchanged.
     """
 
-    MAX_GRAPHS = 32  # distinct small shapes kept; the least recently used graph is dropped beyond that
+    MAX_GRAPHS = 32  # distinct small signatures kept; the least recently used graph is dropped beyond that
 
-    def __init__(self, fn: Callable, max_tokens: int):
+    def __init__(self, fn: Callable, max_tokens: int, reuse_outputs: bool):
         self.fn = fn
         self.max_tokens = max_tokens
-        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
-        self.pool = torch.cuda.graph_pool_handle()
+        self.reuse_outputs = reuse_outputs
+        self.graphs: OrderedDict[tuple, _CapturedGraph] = OrderedDict()
+        self.pool = None
 
     @staticmethod
     def tokens(args) -> int:
-        """Rows of the largest activation input: the product of all but the last dim of each tensor argument
-        that is not a parameter (parameters are captured in place and never copied)."""
+        """Tokens of the call: rows of the largest floating input (all but its last dim), or elements of the
+        largest integer input (token ids)."""
         rows = 0
         for a in args:
-            if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) and a.dim() > 1:
-                rows = max(rows, a.numel() // a.shape[-1])
+            if isinstance(a, torch.Tensor) and a.dim() > 0:
+                rows = max(rows, a.numel() // a.shape[-1] if a.is_floating_point() else a.numel())
         return rows
 
+    def reset(self) -> None:
+        self.graphs.clear()
+
     def __call__(self, *args):
-        if self.tokens(args) > self.max_tokens or torch.cuda.is_current_stream_capturing():
+        key = self._key(args)
+        if key is None or self.tokens(args) > self.max_tokens or torch.cuda.is_current_stream_capturing():
             return self.fn(*args)
-        key = tuple((a.shape, a.dtype, a.stride()) if isinstance(a, torch.Tensor) else a for a in args)
-        entry = self.graphs.get(key)
-        if entry is None:
-            entry = self._capture(args)
-            self.graphs[key] = entry
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(args)
             if len(self.graphs) > self.MAX_GRAPHS:
                 self.graphs.popitem(last=False)
         else:
             self.graphs.move_to_end(key)
-        graph, static_inputs, static_outputs = entry
-        # Parameters were captured in place: only inputs at another address than at capture are copied.
-        tensors = [(s, a) for s, a in zip(static_inputs, args)
-                   if isinstance(a, torch.Tensor) and a.data_ptr() != s.data_ptr()]
-        if tensors:
-            torch._foreach_copy_([s for s, _ in tensors], [a for _, a in tensors])
-        graph.replay()
-        return [o.clone() if isinstance(o, torch.Tensor) else o for o in static_outputs]
+        graph = self.graphs[key]
+        return self.fn(*args) if graph is None else graph.replay(args, self.reuse_outputs)
 
-    def _capture(self, args):
-        static_inputs = [a.clone() if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) else a
-                         for a in args]
-        # Warm up on a side stream: first calls tune kernels and allocate, neither of which may be captured.
+    @staticmethod
+    def _key(args) -> tuple | None:
+        key = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if a.device.type != "cuda":
+                    return None
+                key.append((a.shape, a.dtype, a.stride(), a.device))
+            elif isinstance(a, (int, float, bool, str, type(None))):
+                key.append(a)
+            else:
+                return None
+        return tuple(key)
+
+    def _capture(self, args) -> "_CapturedGraph | None":
+        """The graph for this signature, or None when the call mutates an input (a cache written in place):
+        a replay would write the graph's copy, not the caller's tensor, so such calls always run `fn`."""
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        versions = [a._version for a in static_inputs if isinstance(a, torch.Tensor)]
+        # Warm up on a side stream: first calls compile, tune kernels and allocate, none of which may be captured.
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
                 self.fn(*static_inputs)
         torch.cuda.current_stream().wait_stream(stream)
+        if versions != [a._version for a in static_inputs if isinstance(a, torch.Tensor)]:
+            return None
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            static_outputs = self.fn(*static_inputs)
-        return graph, static_inputs, static_outputs
+            outputs = self.fn(*static_inputs)
+        return _CapturedGraph(graph, static_inputs, outputs)
+
+
+class _CapturedGraph:
+    def __init__(self, graph, static_inputs: list, outputs):
+        self.graph = graph
+        self.static_inputs = static_inputs
+        self.flat_outputs, self.output_spec = pytree.tree_flatten(outputs)
+        # Per tensor input: the argument last copied in and its version counter then.
+        self.copied_from: list = [None] * len(static_inputs)
+
+    def replay(self, args, reuse_outputs: bool):
+        targets, sources = [], []
+        for i, (static, a) in enumerate(zip(self.static_inputs, args)):
+            if not isinstance(a, torch.Tensor):
+                continue
+            last = self.copied_from[i]
+            if last is None or last[0] is not a or last[1] != a._version:
+                targets.append(static)
+                sources.append(a)
+                self.copied_from[i] = (a, a._version)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        self.graph.replay()
+        if reuse_outputs:
+            flat = self.flat_outputs
+        else:
+            flat = [o.clone() if isinstance(o, torch.Tensor) else o for o in self.flat_outputs]
+        return pytree.tree_unflatten(flat, self.output_spec)

@@ -44,6 +44,21 @@ class HFRMSNorm(nn.Module):
         return self.weight * hidden_states.to(input_dtype)
 
 
+class AddRMSNorm(nn.Module):
+    """One residual add and the HF RMSNorm after it, returning (normed, sum): the smallest module the residual
+    fusion applies to (tests, benchmarks). The weight is drawn around 1: ones would hide a missing multiply."""
+
+    def __init__(self, hidden: int = 64, eps: float = 1e-6):
+        super().__init__()
+        self.norm = HFRMSNorm(hidden, eps)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.1)
+
+    def forward(self, x, residual):
+        h = x + residual
+        return self.norm(h), h
+
+
 class DeepSeekRMSNorm(nn.Module):
     """DeepSeek-V3 reference RMSNorm: fp32 weight, optional fused residual stream."""
 

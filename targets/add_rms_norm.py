@@ -153,12 +153,19 @@ def prepare(spec: AddRmsNormSpec, x, residual, weight, eps, *_static):
     if residual.shape != shape or weight.shape != (spec.hidden,):
         raise ValueError(f"add_rms_norm kernel for hidden={spec.hidden} got x {tuple(shape)}, residual "
                          f"{tuple(residual.shape)}, weight {tuple(weight.shape)}")
+    # Outputs are dense. empty_like of a dense x (no keyword arguments to parse) costs half of torch.empty.
+    dense = x.is_contiguous()
+    y = torch.empty_like(x) if dense and spec.out_dtype == x.dtype else \
+        torch.empty(shape, dtype=spec.out_dtype, device=x.device)
+    h = torch.empty_like(x) if dense and spec.sum_dtype == x.dtype else \
+        torch.empty(shape, dtype=spec.sum_dtype, device=x.device)
+    if len(shape) == 2 and x.stride(1) == 1 and residual.stride(1) == 1 and weight.is_contiguous():
+        # Already [tokens, hidden] with dense rows: no view or copy at all (each costs host time per call).
+        return (x, residual, weight, eps), (y, h), shape[0], (y, h)
     # Kernels index rows by stride and columns contiguously; dense inputs (the usual case) pass as views.
     x2d = x.view(-1, spec.hidden) if x.is_contiguous() else x.reshape(-1, spec.hidden).contiguous()
     residual2d = (residual.view(-1, spec.hidden) if residual.is_contiguous()
                   else residual.reshape(-1, spec.hidden).contiguous())
-    y = torch.empty(shape, dtype=spec.out_dtype, device=x.device)
-    h = torch.empty(shape, dtype=spec.sum_dtype, device=x.device)
     return (x2d, residual2d, weight.contiguous(), eps), (y.view(x2d.shape), h.view(x2d.shape)), x2d.shape[0], (y, h)
 
 
@@ -265,3 +272,38 @@ def tilelang_launch(compiled, config: KernelConfig, x, residual, weight, eps, y,
         raise ValueError("TileLang add_rms_norm writes dense [tokens, hidden] outputs; got strided y or h")
     kernel = compiled.kernel_for(config)
     kernel(x.contiguous(), residual.contiguous(), weight.contiguous(), y, h, float(eps))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Self-test (dzc-selftest)
+
+# (case name, hidden, tokens, activation dtype, residual/sum dtype, sum_in_fp32, cast_before_weight): the HF
+# Llama spelling at a hidden size that needs padding, DeepSeek's fp32 residual stream, and fp16/fp32 rows.
+_SELFTEST_CASES = (
+    ("bf16 hidden=2880 hf", 2880, 7, torch.bfloat16, torch.bfloat16, False, True),
+    ("bf16+fp32 residual hidden=7168 deepseek", 7168, 5, torch.bfloat16, torch.float32, True, False),
+    ("fp16 hidden=64 hf", 64, 33, torch.float16, torch.float16, False, True),
+    ("fp32 hidden=1024 deepseek", 1024, 3, torch.float32, torch.float32, True, False),
+)
+
+
+def selftest_cases(profile: DeviceProfile):
+    """Named small cases whose dtypes `profile` supports; each builds the op's arguments (without kernel_id) on a
+    device from a generator, with random activations and a weight around 1 (ones would hide the multiply)."""
+    cases = []
+    for name, hidden, tokens, dtype, sum_dtype, sum_in_fp32, cast_before_weight in _SELFTEST_CASES:
+        if not (profile.supports_dtype(dtype) and profile.supports_dtype(sum_dtype)):
+            continue
+
+        def make_args(device, generator, hidden=hidden, tokens=tokens, dtype=dtype, sum_dtype=sum_dtype,
+                      sum_in_fp32=sum_in_fp32, cast_before_weight=cast_before_weight):
+            def randn(*shape):
+                return torch.randn(*shape, generator=generator, device=device)
+
+            x = randn(tokens, hidden).to(dtype)
+            residual = randn(tokens, hidden).to(sum_dtype)
+            weight = (1.0 + 0.1 * randn(hidden)).to(dtype)
+            return x, residual, weight, 1e-6, sum_in_fp32, cast_before_weight, dtype, sum_dtype
+
+        cases.append((name, make_args))
+    return cases

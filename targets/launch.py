@@ -77,7 +77,7 @@ class GeneratedKernel:
     def _tuning_key(self, bucket: int, device: torch.device) -> dict:
         return {
             "dzc": dzc.__version__, "profile": self.profile.name, "profile_hash": self.profile.fingerprint,
-            "device": self.runtime.device_name(device), "codegen": self.codegen.NAME,
+            "device": self.runtime.tuning_identity(device), "codegen": self.codegen.NAME,
             "codegen_version": self.codegen.VERSION, "source_hash": self.source_hash, "op": self.record.op,
             "spec": self.spec.describe(), "token_bucket": bucket,
         }
@@ -87,21 +87,28 @@ class GeneratedKernel:
         if config is not None:
             return config
         start = time.perf_counter()
-        if not self.autotune or len(self._configs) <= 1:
-            config = self._default
+        configs, default = self._configs, self._default
+        narrow = getattr(self.family, "configs_for_bucket", None)
+        if narrow is not None:  # a family whose tiles (or path) depend on the token count times only those
+            configs, default = narrow(self.spec, self.profile, bucket, configs, default)
+        if not self.autotune or len(configs) <= 1:
+            config = default
             entry = {"config": str(config), "from_cache": False, "tuning_seconds": 0.0, "failed_configs": 0,
                      "how": "untuned default"}
         else:
             device = args[0].device
             result = tune(
-                f"{self.record.kernel_id}[tokens<={bucket}]", self._tuning_key(bucket, device), self._configs,
+                f"{self.record.kernel_id}[tokens<={bucket}]", self._tuning_key(bucket, device), configs,
                 run=lambda cfg: self._launch(self.compiled, cfg, *args),
                 bench=lambda fn: self.runtime.bench(fn, device), database=self.database)
             config = result.config
             entry = {"config": str(config), "from_cache": result.from_cache,
                      "tuning_seconds": round(time.perf_counter() - start, 3),
                      "failed_configs": len(result.failures),
-                     "how": "tuning database" if result.from_cache else f"timed {len(self._configs)} configs"}
+                     "how": result.how}
+        describe = getattr(self.family, "describe_config", None)
+        if describe is not None:  # e.g. which path (online dequant or workspace) the chosen config runs
+            entry["path"] = describe(config)
         self.record.tuned[bucket] = entry
         self._config_by_bucket[bucket] = config
         return config

@@ -34,6 +34,11 @@ class DeviceProfile:
     compile_in_parallel: bool  # MUSA Triton builds fail when compiling in several processes at once
     peak_bandwidth_bytes_per_s: float  # datasheet figure; only used to print roofline fractions
     notes: str = ""
+    # TileLang pass configs (tilelang.PassConfigKey member names) for this target's kernels; names the installed
+    # TileLang lacks are skipped (upstream has only some of tilelang_musa's).
+    tilelang_pass_configs: tuple[tuple[str, bool], ...] = ()
+    # Extra device-compiler flags for TileLang kernels (mcc's on MUSA).
+    tilelang_compile_flags: tuple[str, ...] = ()
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return str(dtype).removeprefix("torch.") in self.native_dtypes
@@ -46,6 +51,21 @@ class DeviceProfile:
 
 
 _FP32_FP16 = ("float32", "float16")
+
+# What Moore Threads compiles its own TileLang kernels with (sglang hardware_backend/musa/jit_kernel/tilelang/
+# utils.py; MATE gdn/sparse-MLA kernels; musa.md §4): no warp specialisation or TMA lowering, no fast math, MUSA
+# burst loads and reductions. Left out on purpose: TL_DISABLE_SAFE_MEMORY_ACCESS, TL_DISABLE_THREAD_STORAGE_SYNC
+# and TL_DISABLE_INDEX_TYPE_PROMOTION remove the bounds guards, automatic barriers and 64-bit indices that MT's
+# hand-written kernels do without but dzc's generated templates rely on (padded rows, shared-memory reductions).
+_MUSA_TILELANG_PASS_CONFIGS = (
+    ("TL_DISABLE_WARP_SPECIALIZED", True), ("TL_DISABLE_TMA_LOWER", True), ("TL_ENABLE_FAST_MATH", False),
+    ("TL_ENABLE_MUSA_BURST", True), ("TL_ENABLE_REDUCE_BURST", True),
+)
+# mcc flags of the same kernels; denormals flush to zero, as on MT's own kernels.
+_MUSA_TILELANG_COMPILE_FLAGS = (
+    "-Od3", "-fno-signed-zeros", "-fmusa-flush-denormals-to-zero", "-mllvm", "-misched=mtgpu-max-ilp",
+    "-mllvm", "-mtgpu-if-convert=1", "-mllvm", "-mtgpu-tiny-offset-hint=1", "-mllvm", "-mtgpu-combine-fop-instr=1",
+)
 
 SM_90 = DeviceProfile(
     name="cuda:sm_90",
@@ -108,6 +128,8 @@ MP_22 = DeviceProfile(
     compile_in_parallel=False,
     peak_bandwidth_bytes_per_s=768e9,
     notes="MTT S4000 (QY2)",
+    tilelang_pass_configs=_MUSA_TILELANG_PASS_CONFIGS,
+    tilelang_compile_flags=_MUSA_TILELANG_COMPILE_FLAGS,
 )
 
 MP_31 = DeviceProfile(
@@ -129,4 +151,6 @@ MP_31 = DeviceProfile(
     compile_in_parallel=False,
     peak_bandwidth_bytes_per_s=1.6e12,
     notes="MTT S5000 (PH1)",
+    tilelang_pass_configs=_MUSA_TILELANG_PASS_CONFIGS,
+    tilelang_compile_flags=_MUSA_TILELANG_COMPILE_FLAGS,
 )

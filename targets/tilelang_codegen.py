@@ -11,6 +11,7 @@ the functions that need it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -23,7 +24,10 @@ from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.profiles import DeviceProfile
 
 NAME = "tilelang"
-VERSION = importlib.metadata.version("tilelang")
+try:
+    VERSION = importlib.metadata.version("tilelang")
+except importlib.metadata.PackageNotFoundError:  # dzc still imports; TileLang kernels fail when first built
+    VERSION = "not installed"
 
 # Target kinds that upstream TileLang lacks, and the TileLang build that provides each.
 _FORKS_BY_TARGET_KIND = {
@@ -98,14 +102,27 @@ def _require_target_kind(kind: str, profile: DeviceProfile) -> None:
         f"{needed}; the installed tilelang {VERSION} targets only {', '.join(sorted(kinds))}")
 
 
+def pass_configs(profile: DeviceProfile) -> dict:
+    """The profile's TileLang pass configs that the installed TileLang knows, as PassConfigKey -> value."""
+    import tilelang
+
+    return {getattr(tilelang.PassConfigKey, name): value for name, value in profile.tilelang_pass_configs
+            if hasattr(tilelang.PassConfigKey, name)}
+
+
 def lower(path: Path, factory_name: str, config: KernelConfig, profile: DeviceProfile):
     """Lower the kernel for `config` to `profile`'s target without a device; returns TileLang's artifact."""
     import tilelang
+    from tilelang import tvm
 
     target = tvm_target(profile)
     prim_func = build_prim_func(path, factory_name, config)
     # tilelang.lower also reads the target from TVM's context; without one it fails with 'Target context required'.
-    with target:
+    # Pass configs reach it through a PassContext, as tilelang.compile passes them (only where the profile has any,
+    # so CUDA lowering is exactly TileLang's default).
+    configs = pass_configs(profile)
+    context = tvm.transform.PassContext(opt_level=3, config=configs) if configs else contextlib.nullcontext()
+    with context, target:
         return tilelang.lower(prim_func, target=target)
 
 
@@ -148,7 +165,9 @@ def compile_for_device(path: Path, factory_name: str, config: KernelConfig, prof
     import tilelang
 
     target = tvm_target(profile)
-    return tilelang.compile(build_prim_func(path, factory_name, config), target=target)
+    return tilelang.compile(build_prim_func(path, factory_name, config), target=target,
+                            pass_configs=pass_configs(profile),
+                            compile_flags=list(profile.tilelang_compile_flags) or None)
 
 
 class KernelsByConfig:

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import dzc  # noqa: F401  (registers backend="dzc")
 from dzc import config
-from dzc.models.decoder import HFRMSNorm
+from dzc.models.decoder import AddRMSNorm
+from dzc.pipeline import build_pipeline
+from dzc.targets import resolve_target
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE_DIRS = ("dzc", "passes", "targets", "models", "tests", "tools")
@@ -152,10 +153,11 @@ def test_dump_after_capture_prints_only_the_captured_graph(dumps):
 
 def test_dump_json(dumps):
     data = json.loads(_ok(dumps["json"]))
-    assert data["report"]["passes"] == {"fuse_residual_norm": 4}
+    assert {k: n for k, n in data["report"]["passes"].items() if n} == {"fuse_residual_norm": 4}
     assert data["report"]["target"] == "musa:mp_31"
     assert data["run"].startswith("compiled, not run")
-    assert [s["stage"] for s in data["stages"]] == ["capture", "fuse_residual_norm", "lowered"]
+    passes = [p.__name__ for p in build_pipeline(resolve_target("musa"))]
+    assert [s["stage"] for s in data["stages"]] == ["capture", *passes, "lowered"]
     assert data["kernels"] == {}
     [kernel] = data["report"]["kernels"]
     assert kernel["uses"] == 4 and kernel["profile"] == "musa:mp_31"
@@ -173,27 +175,16 @@ def test_dump_after_an_unknown_stage_lists_the_stages(dumps):
 # torch.compile(backend="dzc")
 
 
-class HFAddNorm(nn.Module):
-    def __init__(self, hidden=64):
-        super().__init__()
-        self.norm = HFRMSNorm(hidden, 1e-6)
-        with torch.no_grad():
-            self.norm.weight.normal_(1.0, 0.1)
-
-    def forward(self, x, residual):
-        h = x + residual
-        return self.norm(h), h
-
-
 def test_torch_compile_backend_name(tmp_path, monkeypatch, seed):
     from torch._dynamo.backends.registry import lookup_backend
 
     monkeypatch.setenv("DZC_CACHE_DIR", str(tmp_path / "cache"))  # the registered backend uses default options
     assert "dzc" in torch._dynamo.list_backends()
+    torch._dynamo.reset()  # AddRMSNorm.forward may sit in Dynamo's cache, compiled by another test's backend
     registered = lookup_backend("dzc")
     rewrites_before = registered.report.passes.get("fuse_residual_norm", 0)
 
-    model = HFAddNorm().float()
+    model = AddRMSNorm().float()
     compiled = torch.compile(model, backend="dzc")
     x, residual = torch.randn(5, 64), torch.randn(5, 64)
     with torch.no_grad():

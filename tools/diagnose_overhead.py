@@ -15,6 +15,7 @@ import dzc  # noqa: F401  (first: it decides Triton's mode)
 import torch
 
 from dzc import runtime
+from dzc.models.decoder import AddRMSNorm
 
 
 def per_call_us(fn, calls=300) -> float:
@@ -29,14 +30,13 @@ def per_call_us(fn, calls=300) -> float:
 
 
 def main():
-    from bench_add_rms_norm import AddNorm  # tools/ is on sys.path when run as a script
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=2880)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
     args = parser.parse_args()
     torch._dynamo.config.recompile_limit = 64
-    model = AddNorm(args.hidden).cuda().bfloat16()
+    model = AddRMSNorm(args.hidden).cuda().bfloat16()
     for tokens in args.tokens:
         x = torch.randn(tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
         r = torch.randn_like(x)
@@ -59,8 +59,16 @@ def main():
             lambda: torch.ops.dzc.add_rms_norm.default(x, r, w, 1e-6, *statics, kernel_id=kernel_id))
         config = next(iter(kernel._config_by_bucket.values()))
         y, h = torch.empty_like(x), torch.empty_like(x)
-        results["bare triton launch"] = per_call_us(
+        results["cached triton launch"] = per_call_us(
             lambda: kernel._launch(kernel.compiled, config, x, r, w, 1e-6, y, h))
+        results["triton JIT launch"] = per_call_us(
+            lambda: kernel._launch(kernel.compiled.fn, config, x, r, w, 1e-6, y, h))
+        with torch.no_grad():
+            graphed = torch.compile(model, mode="reduce-overhead", dynamic=False)
+            results["torch.compile reduce-overhead"] = per_call_us(lambda: graphed(x, r))
+            backend_only = torch.compile(model, backend=dzc.backend("cuda", dzc.CompileOptions(
+                cuda_graph_max_tokens=0, cache_dir="/tmp/dzc-diag")))
+            results["torch.compile(backend=dzc), no wrapper"] = per_call_us(lambda: backend_only(x, r))
         print(f"H={args.hidden} T={tokens}")
         for name, us in results.items():
             print(f"  {name:40s} {us:8.1f} us/call")

@@ -1,0 +1,196 @@
+"""A paged KV cache for DeepSeek Sparse Attention (DSA) models: the state that survives across decode steps.
+
+Memory is a pool of fixed-size pages (64 tokens each, the page size vLLM's and SGLang's DSA backends use).
+Each sequence owns a list of pages, its row of the block table: token position p of sequence b lives in
+physical page `block_table[b, p // 64]`, slot `p % 64`. Prefill writes a sequence's first tokens; each decode
+step appends one token per sequence, taking a page from the free list when the last page is full. Nothing is
+ever moved or concatenated: a step writes only its new tokens, so the state survives without copying the cache.
+
+Per layer the cache holds:
+- the MLA latent cache: bf16 [pages, 64, 1, 576] (KV latent 512 + RoPE key 64, one "head" shared by all
+  attention heads; FlashMLA's layout). The 656 B/token FP8 latent layout is a later extension.
+- the lightning indexer's key cache, in one of two layouts chosen by the device profile (`supports_dtype(fp8)`,
+  never the vendor):
+  - FP8: uint8 [pages, 64 * 132]: per page the 64 x 128 e4m3 values first, then 64 fp32 scales, one per token
+    (132 B/token, the layout vLLM and SGLang use). A key is quantized with amax clamped >= 1e-4, its scale
+    amax / 448 rounded up to a power of two (DeepSeek's `act_quant(..., scale_fmt="ue8m0")`).
+  - BF16: bf16 [pages, 64, 128].
+
+The layout functions here (`fp8_index_page_bytes`, `split_fp8_index_pages`, `quantize_index_keys`) are the one
+definition of the FP8 indexer layout; dzc.ops.dsa reads caches through them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dzc.targets.profiles import DeviceProfile
+
+PAGE_SIZE = 64
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_AMAX_FLOOR = 1e-4  # keys whose amax is below this get the scale of this amax (no division by ~0)
+SCALE_BYTES = 4  # one fp32 scale per token
+
+
+def fp8_index_page_bytes(page_size: int, head_dim: int) -> int:
+    """Bytes of one page of the FP8 indexer key cache: page_size * head_dim e4m3 values, then fp32 scales."""
+    return page_size * (head_dim + SCALE_BYTES)
+
+
+def split_fp8_index_pages(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [pages, page_size * (head_dim + 4)] -> (e4m3 values [pages, page_size, head_dim], fp32 scales
+    [pages, page_size]), both views of the cache's memory."""
+    pages, page_bytes = cache.shape
+    if cache.dtype != torch.uint8 or page_bytes % (head_dim + SCALE_BYTES):
+        raise ValueError(f"an FP8 indexer key cache is uint8 [pages, page_size * {head_dim + SCALE_BYTES}]; got "
+                         f"{cache.dtype} {list(cache.shape)}")
+    page_size = page_bytes // (head_dim + SCALE_BYTES)
+    values = cache[:, : page_size * head_dim].view(torch.float8_e4m3fn).view(pages, page_size, head_dim)
+    scales = cache[:, page_size * head_dim:].view(torch.float32)
+    return values, scales
+
+
+def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys [..., head_dim] -> (e4m3 values, fp32 power-of-two scales [...]); keys ~= values * scale.
+
+    One scale per key (DeepSeek quantizes in blocks of 128 = the index head dim): amax clamped >= 1e-4, scale =
+    2^ceil(log2(amax / 448)), so that the largest value maps inside e4m3's range and the scale is exact."""
+    amax = keys.float().abs().amax(dim=-1).clamp_min(FP8_AMAX_FLOOR)
+    scales = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    values = (keys.float() / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values, scales
+
+
+@dataclass(frozen=True)
+class DSACacheConfig:
+    """What a layer stores per token; the defaults are DeepSeek-V3.2's."""
+
+    layers: int
+    kv_lora_rank: int = 512
+    qk_rope_head_dim: int = 64
+    index_head_dim: int = 128
+    page_size: int = PAGE_SIZE
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+class PagedKVCache:
+    """Pages, block tables and lengths for a batch of sequences, plus the per-layer latent and indexer caches.
+
+    Usage per forward step: `slots = cache.reserve(new_tokens)` (allocates pages, grows the lengths), the model
+    writes each layer's new rows through `write_latent` / `write_index_keys` at those slots, and reads the state
+    through `block_table` / `seq_lens` (device tensors, rebuilt only when a page is added or a length grows).
+    """
+
+    def __init__(self, config: DSACacheConfig, max_pages: int, batch: int, fp8_index: bool,
+                 device: torch.device | str = "cpu", latent_dtype: torch.dtype = torch.bfloat16):
+        if max_pages < 1 or batch < 1:
+            raise ValueError(f"a paged cache needs at least one page and one sequence (max_pages={max_pages}, "
+                             f"batch={batch})")
+        self.config = config
+        self.page_size = config.page_size
+        self.fp8_index = fp8_index
+        self.device = torch.device(device)
+        self.free_pages = list(range(max_pages - 1, -1, -1))  # pop() hands out page 0 first
+        self.pages: list[list[int]] = [[] for _ in range(batch)]
+        self.lengths = [0] * batch
+        self.latent = [torch.zeros(max_pages, self.page_size, 1, config.latent_dim, dtype=latent_dtype,
+                                   device=self.device) for _ in range(config.layers)]
+        if fp8_index:
+            shape = (max_pages, fp8_index_page_bytes(self.page_size, config.index_head_dim))
+            self.index_keys = [torch.zeros(shape, dtype=torch.uint8, device=self.device)
+                               for _ in range(config.layers)]
+        else:
+            shape = (max_pages, self.page_size, config.index_head_dim)
+            self.index_keys = [torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+                               for _ in range(config.layers)]
+
+    @classmethod
+    def for_profile(cls, profile: DeviceProfile, config: DSACacheConfig, max_pages: int, batch: int,
+                    device: torch.device | str = "cpu") -> PagedKVCache:
+        """The indexer keys in FP8 where the profile has e4m3, BF16 elsewhere (mp_22, sm_80)."""
+        return cls(config, max_pages, batch, profile.supports_dtype(torch.float8_e4m3fn), device)
+
+    @property
+    def batch(self) -> int:
+        return len(self.pages)
+
+    def reserve(self, new_tokens: list[int]) -> torch.Tensor:
+        """Grow sequence b by new_tokens[b] tokens, allocating pages from the free list; returns the physical
+        slots (page * page_size + offset) of the new tokens, in sequence order, int64 [sum(new_tokens)]."""
+        if len(new_tokens) != self.batch or any(n < 0 for n in new_tokens):
+            raise ValueError(f"reserve takes one non-negative token count per sequence ({self.batch}); "
+                             f"got {new_tokens}")
+        needed = sum(math.ceil((self.lengths[b] + n) / self.page_size) - len(self.pages[b])
+                     for b, n in enumerate(new_tokens))
+        if needed > len(self.free_pages):
+            raise RuntimeError(f"paged KV cache out of pages: {needed} more needed, {len(self.free_pages)} free")
+        slots = []
+        for b, count in enumerate(new_tokens):
+            for position in range(self.lengths[b], self.lengths[b] + count):
+                if position // self.page_size == len(self.pages[b]):
+                    self.pages[b].append(self.free_pages.pop())
+                slots.append(self.pages[b][position // self.page_size] * self.page_size + position % self.page_size)
+            self.lengths[b] += count
+        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+
+    def free(self, sequence: int) -> None:
+        """Return a finished sequence's pages to the free list; its row restarts empty."""
+        self.free_pages.extend(reversed(self.pages[sequence]))
+        self.pages[sequence] = []
+        self.lengths[sequence] = 0
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """int32 [batch, max pages in use]; rows of shorter sequences are padded with page 0 (never read: the
+        lengths mark those positions invalid)."""
+        width = max(1, max(len(p) for p in self.pages))
+        rows = [p + [0] * (width - len(p)) for p in self.pages]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device)
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return torch.tensor(self.lengths, dtype=torch.int32, device=self.device)
+
+    def write_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        """latent [tokens, 576] -> the layer's latent cache at `slots` (in place)."""
+        flat = self.latent[layer].view(-1, self.config.latent_dim)
+        flat[slots] = latent.to(flat.dtype)
+
+    def write_index_keys(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """keys [tokens, 128] -> the layer's indexer key cache at `slots` (in place), quantized when FP8."""
+        write_index_keys(self.index_keys[layer], slots, keys)
+
+
+def write_index_keys(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor) -> None:
+    """Store keys [tokens, head_dim] at physical slots of an indexer key cache in either layout (in place).
+
+    The FP8 layout quantizes each key (quantize_index_keys) and writes its e4m3 values and scale into the page
+    areas split_fp8_index_pages defines. A plain function of tensors, so that a model's forward can call it."""
+    head_dim = keys.shape[-1]
+    if cache.dtype == torch.uint8:
+        values, scales = split_fp8_index_pages(cache, head_dim)
+        key_values, key_scales = quantize_index_keys(keys)
+        # Index (page, offset): a page's values and scales are not one flat run, so no flat view exists.
+        pages, offsets = slots // values.shape[1], slots % values.shape[1]
+        values[pages, offsets] = key_values
+        scales[pages, offsets] = key_scales
+    else:
+        cache.view(-1, head_dim)[slots] = keys.to(cache.dtype)
+
+
+def gather_index_keys(cache: torch.Tensor, block_table: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Dense fp32 keys [batch, max_pages * page_size, head_dim] of every sequence, dequantized (k_fp8 * scale) for
+    the FP8 layout. For references and tests; kernels read pages in place."""
+    table = block_table.long()
+    if cache.dtype == torch.uint8:
+        values, scales = split_fp8_index_pages(cache, head_dim)
+        keys = values[table].float() * scales[table].unsqueeze(-1)
+    else:
+        keys = cache[table].float()
+    return keys.flatten(1, 2)

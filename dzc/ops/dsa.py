@@ -1,0 +1,205 @@
+"""DeepSeek Sparse Attention (DSA): dzc.dsa_indexer, dzc.dsa_topk, dzc.sparse_attention.
+
+The three steps of a DSA layer (../shared/reference/kernels.md §1), each a custom op with one plain-torch
+reference. They read paged caches: a cache tensor's dim 0 is the page, dim 1 the token within the page. A dense
+[B, S, ...] tensor is a cache of B pages of S tokens with block_table = arange(B)[:, None]; that is how a graph
+with dense keys (HF transformers) uses the same ops.
+
+Rows of the query side are flat: query t belongs to sequence query_seq[t] and sits at position query_pos[t] of it
+(causal: keys at positions <= query_pos[t] are visible). block_table int32 [B, max_pages] maps a sequence's
+position p to page block_table[b, p // page_size]; seq_lens int32 [B] counts its tokens.
+
+The `check_*` functions validate arguments (shapes and dtypes only: no device synchronisation); kernel families
+call them too, so that a bad call fails the same way with or without a kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dzc import runtime
+from dzc.kv_cache import SCALE_BYTES, gather_index_keys
+
+_QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+_ATTENTION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _require(condition: bool, op: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"dzc.{op}: {message}")
+
+
+def _check_sequence_tables(op: str, queries: int, block_table, seq_lens, query_seq, query_pos=None) -> None:
+    _require(block_table.dim() == 2 and block_table.dtype == torch.int32, op,
+             f"block_table must be int32 [batch, max_pages], got {block_table.dtype} {list(block_table.shape)}")
+    _require(seq_lens.dim() == 1 and seq_lens.dtype == torch.int32 and seq_lens.shape[0] == block_table.shape[0],
+             op, f"seq_lens must be int32 [batch={block_table.shape[0]}], got {seq_lens.dtype} "
+                 f"{list(seq_lens.shape)}")
+    for name, rows in (("query_seq", query_seq), ("query_pos", query_pos)):
+        if rows is not None:
+            _require(rows.dim() == 1 and rows.dtype == torch.int32 and rows.shape[0] == queries, op,
+                     f"{name} must be int32 [queries={queries}], got {rows.dtype} {list(rows.shape)}")
+
+
+def index_k_cache_layout(index_k_cache: torch.Tensor, head_dim: int) -> tuple[int, bool]:
+    """(page_size, is_fp8) of an indexer key cache: bf16/fp16/fp32 [pages, page_size, head_dim], or the FP8
+    layout uint8 [pages, page_size * (head_dim + 4)] (values, then one fp32 scale per token)."""
+    if index_k_cache.dtype == torch.uint8:
+        _require(index_k_cache.dim() == 2 and index_k_cache.shape[1] % (head_dim + SCALE_BYTES) == 0, "dsa_indexer",
+                 f"an FP8 index_k_cache is uint8 [pages, page_size * {head_dim + SCALE_BYTES}], got "
+                 f"{list(index_k_cache.shape)}")
+        return index_k_cache.shape[1] // (head_dim + SCALE_BYTES), True
+    _require(index_k_cache.dim() == 3 and index_k_cache.shape[2] == head_dim
+             and index_k_cache.dtype in _ATTENTION_DTYPES, "dsa_indexer",
+             f"index_k_cache must be [pages, page_size, {head_dim}] in bf16/fp16/fp32 or the uint8 FP8 layout, got "
+             f"{index_k_cache.dtype} {list(index_k_cache.shape)}")
+    return index_k_cache.shape[1], False
+
+
+def check_dsa_indexer_args(q, weights, index_k_cache, block_table, seq_lens, query_seq, query_pos) -> None:
+    _require(q.dim() == 3 and q.dtype in _QUERY_DTYPES, "dsa_indexer",
+             f"q must be [queries, heads, head_dim] in bf16/fp16/fp32/float8_e4m3fn, got {q.dtype} {list(q.shape)}")
+    _require(weights.dtype == torch.float32 and tuple(weights.shape) == tuple(q.shape[:2]), "dsa_indexer",
+             f"weights must be fp32 [queries, heads] = {list(q.shape[:2])}, got {weights.dtype} "
+             f"{list(weights.shape)}")
+    index_k_cache_layout(index_k_cache, q.shape[2])
+    _check_sequence_tables("dsa_indexer", q.shape[0], block_table, seq_lens, query_seq, query_pos)
+
+
+def check_dsa_topk_args(logits, lengths, k) -> None:
+    _require(logits.dim() == 2 and logits.dtype == torch.float32, "dsa_topk",
+             f"logits must be fp32 [queries, context], got {logits.dtype} {list(logits.shape)}")
+    _require(lengths.dim() == 1 and lengths.dtype == torch.int32 and lengths.shape[0] == logits.shape[0], "dsa_topk",
+             f"lengths must be int32 [queries={logits.shape[0]}], got {lengths.dtype} {list(lengths.shape)}")
+    _require(k >= 1, "dsa_topk", f"k must be >= 1, got {k}")
+
+
+def check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v) -> None:
+    _require(q.dim() == 3 and q.dtype in _ATTENTION_DTYPES, "sparse_attention",
+             f"q must be [queries, heads, d_qk] in bf16/fp16/fp32, got {q.dtype} {list(q.shape)}")
+    queries, heads, d_qk = q.shape
+    _require(k_cache.dim() == 4 and k_cache.shape[3] == d_qk and k_cache.shape[2] in (1, heads), "sparse_attention",
+             f"k_cache must be [pages, page_size, 1 or {heads} heads, {d_qk}], got {list(k_cache.shape)}")
+    if v_cache is None:
+        _require(d_v <= d_qk, "sparse_attention", f"without v_cache V is K[..., :d_v]; d_v={d_v} > d_qk={d_qk}")
+    else:
+        _require(v_cache.dim() == 4 and tuple(v_cache.shape[:3]) == tuple(k_cache.shape[:3])
+                 and v_cache.shape[3] == d_v, "sparse_attention",
+                 f"v_cache must be [{', '.join(str(s) for s in k_cache.shape[:3])}, d_v={d_v}], got "
+                 f"{list(v_cache.shape)}")
+    _require(indices.dim() == 2 and indices.dtype == torch.int32 and indices.shape[0] == queries, "sparse_attention",
+             f"indices must be int32 [queries={queries}, topk], got {indices.dtype} {list(indices.shape)}")
+    _check_sequence_tables("sparse_attention", queries, block_table, seq_lens, query_seq)
+
+
+def dsa_indexer_reference(q, weights, index_k_cache, block_table, seq_lens, query_seq, query_pos,
+                          max_context: int) -> torch.Tensor:
+    """logits[t, s] = sum_h weights[t, h] * relu(q[t, h] . k[s]) for the keys of sequence query_seq[t] that are
+    visible (s <= query_pos[t] and s < its seq_len); -inf elsewhere. fp32 [queries, max_context]. FP8 keys are
+    dequantized (values * scale); an FP8 q carries its scales in `weights`."""
+    head_dim = q.shape[2]
+    keys = gather_index_keys(index_k_cache, block_table, head_dim)  # [B, capacity, D] fp32
+    capacity = keys.shape[1]
+    if capacity < max_context:
+        keys = torch.nn.functional.pad(keys, (0, 0, 0, max_context - capacity))
+    keys = keys[:, :max_context][query_seq.long()]  # [T, context, D]
+    scores = torch.einsum("thd,tsd->ths", q.float(), keys).relu()
+    logits = torch.einsum("th,ths->ts", weights.float(), scores)
+    positions = torch.arange(max_context, device=q.device)
+    visible = (positions <= query_pos[:, None]) & (positions < seq_lens[query_seq.long()][:, None])
+    return logits.masked_fill(~visible, float("-inf"))
+
+
+def dsa_topk_reference(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+    """The k largest logits[t, :lengths[t]] (ties: the smaller position first), their positions in ascending
+    order, padded with -1 where fewer than k are available. int32 [queries, k]."""
+    context = logits.shape[1]
+    lengths = lengths.long().clamp(0, context)
+    valid = torch.arange(context, device=logits.device) < lengths[:, None]
+    # Stable descending sort: equal logits keep position order (smaller first). Positions past the length become
+    # -inf and so sort after every valid position, a valid -inf included, since they are larger positions.
+    ranked_positions = torch.sort(logits.masked_fill(~valid, float("-inf")), dim=-1, descending=True,
+                                  stable=True).indices
+    chosen = ranked_positions[:, :k]
+    if chosen.shape[1] < k:
+        chosen = torch.nn.functional.pad(chosen, (0, k - chosen.shape[1]), value=context)
+    taken = torch.arange(k, device=logits.device) < lengths[:, None]
+    chosen = torch.where(taken, chosen, context).sort(dim=-1).values
+    return torch.where(chosen == context, -1, chosen).to(torch.int32)
+
+
+def sparse_attention_reference(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale: float,
+                               d_v: int) -> torch.Tensor:
+    """out[t, h] = softmax over the valid selected positions of (q[t, h] . k[s]) * sm_scale, times v[s].
+
+    indices[t] are positions in sequence query_seq[t]; -1 or >= its seq_len is invalid. K rows are read through
+    the block table; V = v_cache rows, or K[..., :d_v] when v_cache is None (MLA latent). A row with no valid
+    index is 0. [queries, heads, d_v] in q's dtype."""
+    page_size = k_cache.shape[1]
+    sequences = query_seq.long()
+    positions = indices.long()
+    valid = (positions >= 0) & (positions < seq_lens[sequences].long()[:, None])
+    positions = torch.where(valid, positions, 0)
+    page_column = (positions // page_size).clamp(max=block_table.shape[1] - 1)
+    pages = block_table.long()[sequences[:, None], page_column]  # [T, topk]
+    offsets = positions % page_size
+    keys = k_cache[pages, offsets].float()  # [T, topk, Hkv, d_qk]
+    values = keys[..., :d_v] if v_cache is None else v_cache[pages, offsets].float()
+    heads = q.shape[1]
+    keys = keys.expand(-1, -1, heads, -1)
+    values = values.expand(-1, -1, heads, -1)
+    scores = torch.einsum("thd,tkhd->thk", q.float(), keys) * sm_scale
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-invalid row: softmax of -inf is NaN -> 0
+    return torch.einsum("thk,tkhd->thd", probs, values).to(q.dtype)
+
+
+@torch.library.custom_op("dzc::dsa_indexer", mutates_args=())
+def dsa_indexer(q: torch.Tensor, weights: torch.Tensor, index_k_cache: torch.Tensor, block_table: torch.Tensor,
+                seq_lens: torch.Tensor, query_seq: torch.Tensor, query_pos: torch.Tensor, max_context: int,
+                kernel_id: str = "") -> torch.Tensor:
+    check_dsa_indexer_args(q, weights, index_k_cache, block_table, seq_lens, query_seq, query_pos)
+    if kernel_id:
+        return runtime.launch(kernel_id, q, weights, index_k_cache, block_table, seq_lens, query_seq, query_pos,
+                              max_context)
+    return dsa_indexer_reference(q, weights, index_k_cache, block_table, seq_lens, query_seq, query_pos,
+                                 max_context)
+
+
+@dsa_indexer.register_fake
+def _dsa_indexer_fake(q, weights, index_k_cache, block_table, seq_lens, query_seq, query_pos, max_context,
+                      kernel_id=""):
+    check_dsa_indexer_args(q, weights, index_k_cache, block_table, seq_lens, query_seq, query_pos)
+    return q.new_empty((q.shape[0], max_context), dtype=torch.float32)
+
+
+@torch.library.custom_op("dzc::dsa_topk", mutates_args=())
+def dsa_topk(logits: torch.Tensor, lengths: torch.Tensor, k: int, kernel_id: str = "") -> torch.Tensor:
+    check_dsa_topk_args(logits, lengths, k)
+    if kernel_id:
+        return runtime.launch(kernel_id, logits, lengths, k)
+    return dsa_topk_reference(logits, lengths, k)
+
+
+@dsa_topk.register_fake
+def _dsa_topk_fake(logits, lengths, k, kernel_id=""):
+    check_dsa_topk_args(logits, lengths, k)
+    return logits.new_empty((logits.shape[0], k), dtype=torch.int32)
+
+
+@torch.library.custom_op("dzc::sparse_attention", mutates_args=())
+def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, query_seq: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                     d_v: int, kernel_id: str = "") -> torch.Tensor:
+    check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v)
+    if kernel_id:
+        return runtime.launch(kernel_id, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale,
+                              d_v)
+    return sparse_attention_reference(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale, d_v)
+
+
+@sparse_attention.register_fake
+def _sparse_attention_fake(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale, d_v,
+                           kernel_id=""):
+    check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v)
+    return q.new_empty((q.shape[0], q.shape[1], d_v))

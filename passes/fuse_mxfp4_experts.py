@@ -1,0 +1,704 @@
+"""fuse_mxfp4_experts: MoE expert matmuls on MXFP4-dequantized weights, with their routing glue and combine  =>
+one dzc.mxfp4_moe node; the dequantized weights disappear from the graph.
+
+Before (three spellings; W13 = dzc.mxfp4_dequantize(w13_blocks, w13_scales, bf16) [E, 2I, H], W2 likewise
+[E, H, I]; `act` is one of the recognised activations below, biases optional):
+
+  per-expert loop (dzc models' "per_expert", DeepSeek-V3 reference style), repeated for e = 0 .. E-1:
+    %tok, %slot = aten.unbind(aten.nonzero(aten.eq.Scalar(%topk_ids, e)), 1)
+    %gu  = aten.add(aten.mm(aten.index(%x, [%tok]), aten.permute(aten.select(%W13, 0, e), [1, 0])),
+                    aten.select(%b13, 0, e))                       # or aten.addmm(bias, x, w)
+    %y   = aten.add(aten.mm(act(%gu), aten.permute(aten.select(%W2, 0, e), [1, 0])), aten.select(%b2, 0, e))
+    %acc = aten.index_add(%acc, 0, %tok, aten.mul(%y, aten.index(aten.unsqueeze(%topk_weights, 2), [%tok, %slot])))
+  with %acc starting as aten.full([T, H], 0).
+
+  gathered bmm (dzc models' "gathered_bmm", transformers' batched_mm style):
+    %ids = aten.view(%topk_ids, [-1]);  %rows = repeat_interleave(%x, k)  (unsqueeze, expand, clone, view)
+    %gu  = aten.squeeze(aten.bmm(aten.index(%W13, [%ids]), aten.unsqueeze(%rows, -1)), -1) + aten.index(%b13, [%ids])
+    %y   = aten.squeeze(aten.bmm(aten.index(%W2, [%ids]), aten.unsqueeze(act(%gu), -1)), -1) + aten.index(%b2, [%ids])
+    %out = aten.sum(aten.view(aten.mul(%y, aten.view(%topk_weights, [-1, 1])), [T, k, H]), [1])
+
+  grouped mm (transformers 5.x default experts implementation, e.g. GptOss; aten._grouped_mm, or its custom
+  transformers.grouped_mm_fallback op for non-bf16 weights):
+    %ids_g, %perm = aten.sort(aten.view(%topk_ids, [-1]));  %offs = aten.cumsum(aten.histc(%ids_g, E, 0, E-1))
+    %gu  = aten._grouped_mm(aten.index(%x, [%perm // k]), aten.permute(%W13, [0, 2, 1]), %offs)
+           + aten.index(%b13, [%ids_g])
+    %y   = aten._grouped_mm(act(%gu), aten.permute(%W2, [0, 2, 1]), %offs) + aten.index(%b2, [%ids_g])
+    %y   = aten.mul(%y, aten.unsqueeze(aten.index(aten.view(%topk_weights, [-1]), [%perm]), -1))
+    %out = aten.sum(aten.view(aten.index(%y, [inverse of %perm]), [T, k, H]), [1])
+
+After:
+
+    %out = dzc.mxfp4_moe.default(%x, %topk_ids, %topk_weights, %w13_blocks, %w13_scales, %b13, %w2_blocks,
+                                 %w2_scales, %b2, activation, gate_up_interleaved, alpha, limit)
+
+The routing (router GEMM, scoring, top-k, renormalisation) stays as it is: the op starts from topk ids and weights.
+
+Activations (fp32 casts between the ops are ignored; mul and add match in either operand order):
+    gate/up split: slices 0::2 / 1::2 of gu (interleaved), or split/chunk into halves (concatenated)
+    "silu_glu":           silu(gate) * up, silu spelled aten.silu, gate * sigmoid(gate) or gate / (1 + exp(-gate))
+    "gptoss_clamped_glu": g = clamp_max(gate, L); (clamp_max(clamp_min(up, -L), L) + 1) * (g * sigmoid(g * alpha))
+
+Every node between the layer's inputs and its output must be accounted for by the match, so nothing the op would
+not compute is dropped. The pass refuses (reported, graph unchanged there) when: the expert weights are plain
+tensors rather than MXFP4 dequantizations (BF16 experts stay as they are, for the fallback); an intermediate
+(including a dequantized weight) has a use outside the layer; the loop does not cover every expert exactly once;
+the activation is not one of the above; the dequantized dtype differs from the activations'.
+
+Ordering: runs on the captured ATen graph, after fuse_residual_norm (independent of it: it reads the normalised
+activations whichever node produces them) and before lowering. The per-expert loop spelling reaches the pass as
+one graph only when Dynamo captures aten.nonzero (capture_dynamic_output_shape_ops, which dzc.compile turns on).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from dzc.passes.graph_pass import PassResult, copy_graph, location_of
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+NAME = "fuse_mxfp4_experts"
+_DEQUANTIZE = torch.ops.dzc.mxfp4_dequantize.default
+_MXFP4_MOE = torch.ops.dzc.mxfp4_moe.default
+_GROUPED_MMS = (aten._grouped_mm.default,)
+_ACTIVATION_OPS = 40  # more nodes than any recognised activation spans
+
+
+def _grouped_mm_targets() -> tuple:
+    """aten._grouped_mm, plus transformers' custom fallback op when transformers has registered it."""
+    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
+    try:
+        return _GROUPED_MMS + ((fallback.default,) if fallback is not None else ())
+    except AttributeError:  # the namespace exists but the op is not registered
+        return _GROUPED_MMS
+
+
+class _Refusal(Exception):
+    pass
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _is_call(node, *targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _arg(node: torch.fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+@dataclass
+class _Match:
+    """One MoE layer: the op's operands, the node it replaces, and every node the match accounted for."""
+
+    x: torch.fx.Node
+    topk_ids: torch.fx.Node
+    topk_weights: torch.fx.Node
+    w13: torch.fx.Node  # the dequantize nodes
+    w2: torch.fx.Node
+    b13: torch.fx.Node | None
+    b2: torch.fx.Node | None
+    activation: tuple[str, bool, float, float]  # name, interleaved, alpha, limit
+    out: torch.fx.Node
+    seen: set = field(default_factory=set)
+
+
+class _Tracker:
+    """Records the nodes a matcher walks through, so that the rewrite can check it accounted for the region."""
+
+    def __init__(self):
+        self.seen: set[torch.fx.Node] = set()
+
+    def take(self, node, *targets):
+        """node if it calls one of targets (recorded), else raise _Refusal."""
+        if not _is_call(node, *targets):
+            raise _Refusal(f"expected {'/'.join(str(t) for t in targets)}, found "
+                           f"{node.format_node() if isinstance(node, torch.fx.Node) else repr(node)}")
+        self.seen.add(node)
+        return node
+
+    def snapshot(self) -> set:
+        return set(self.seen)
+
+    def restore(self, snapshot: set) -> None:
+        """Forget what a failed alternative recorded."""
+        self.seen = snapshot
+
+    def strip_casts(self, node):
+        """The value under dtype casts (prims.convert_element_type, aten._to_copy with only a dtype)."""
+        while _is_call(node, prims.convert_element_type.default) or (
+                _is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}):
+            self.seen.add(node)
+            node = node.args[0]
+        return node
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Activation
+
+def _silu(t: _Tracker, node, gate_var: list) -> bool:
+    """node computes silu(g) for one g (bound into gate_var[0])."""
+    node = t.strip_casts(node)
+    if _is_call(node, aten.silu.default):
+        t.seen.add(node)
+        gate_var.append(t.strip_casts(node.args[0]))
+        return True
+    if _is_call(node, aten.mul.Tensor):  # g * sigmoid(g)
+        for a, b in (node.args[:2], node.args[1::-1]):
+            b_inner = t.strip_casts(b)
+            if _is_call(b_inner, aten.sigmoid.default) and t.strip_casts(b_inner.args[0]) is t.strip_casts(a):
+                t.seen.update((node, b_inner))
+                gate_var.append(t.strip_casts(a))
+                return True
+        return False
+    if _is_call(node, aten.div.Tensor):  # g / (1 + exp(-g))
+        g, denominator = t.strip_casts(node.args[0]), t.strip_casts(node.args[1])
+        if _is_call(denominator, aten.add.Tensor) and denominator.args[1] == 1:
+            exp = t.strip_casts(denominator.args[0])
+            if _is_call(exp, aten.exp.default):
+                neg = t.strip_casts(exp.args[0])
+                if _is_call(neg, aten.neg.default) and t.strip_casts(neg.args[0]) is g:
+                    t.seen.update((node, denominator, exp, neg))
+                    gate_var.append(g)
+                    return True
+    return False
+
+
+def _operands(t: _Tracker, node, target):
+    """Both orders of a commutative binary node's operands (casts stripped), or () if node is not that op."""
+    node = t.strip_casts(node)
+    if not _is_call(node, target) or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return ()
+    t.seen.add(node)
+    a, b = (t.strip_casts(v) for v in node.args)
+    return ((a, b), (b, a))
+
+
+def _match_silu_glu(t: _Tracker, out) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    for silu, up in _operands(t, out, aten.mul.Tensor):
+        gate: list = []
+        if _silu(t, silu, gate):
+            return gate[0], up
+    return None
+
+
+def _clamp_bounds(t: _Tracker, node) -> tuple[torch.fx.Node, float | None, float | None]:
+    """Peel clamp_max / clamp_min / clamp: (clamped value, min, max)."""
+    low = high = None
+    node = t.strip_casts(node)
+    while True:
+        if _is_call(node, aten.clamp_max.default) and high is None:
+            high = node.args[1]
+        elif _is_call(node, aten.clamp_min.default) and low is None:
+            low = node.args[1]
+        elif _is_call(node, aten.clamp.default) and low is None and high is None:
+            low, high = _arg(node, 1, "min"), _arg(node, 2, "max")
+        else:
+            return node, low, high
+        t.seen.add(node)
+        node = t.strip_casts(node.args[0])
+
+
+def _match_gptoss_glu(t: _Tracker, out) -> tuple[torch.fx.Node, torch.fx.Node, float, float] | None:
+    # (clamped_up + 1) * (g * sigmoid(g * alpha)), g = clamp_max(gate, limit)
+    for up_plus_one, glu in _operands(t, out, aten.mul.Tensor):
+        if not (_is_call(up_plus_one, aten.add.Tensor) and up_plus_one.args[1] == 1
+                and up_plus_one.kwargs.get("alpha", 1) == 1):
+            continue
+        for g, sig in _operands(t, glu, aten.mul.Tensor):
+            if not _is_call(sig, aten.sigmoid.default):
+                continue
+            for g_again, alpha in _operands(t, sig.args[0], aten.mul.Tensor):
+                if g_again is not g or not isinstance(alpha, float):
+                    continue
+                gate, gate_low, limit = _clamp_bounds(t, g)
+                up, up_low, up_high = _clamp_bounds(t, up_plus_one.args[0])
+                if gate_low is not None or not isinstance(limit, (int, float)) or (up_low, up_high) != (-limit, limit):
+                    raise _Refusal("clamped SwiGLU whose clamps are not min(gate, L) and clamp(up, -L, L)")
+                t.seen.update((up_plus_one, sig))
+                return gate, up, float(alpha), float(limit)
+    return None
+
+
+def _split_of(t: _Tracker, gate, up, gu) -> bool:
+    """Whether gate / up are gu's halves; returns interleaved (rows 0::2 / 1::2) or raises."""
+    dim = _val(gu).dim() - 1
+    width = _val(gu).shape[-1]
+
+    def slice_of(node):
+        if _is_call(node, aten.slice.Tensor) and node.args[0] is gu and node.args[1] in (-1, dim):
+            start, end, step = (list(node.args[2:]) + [None, None, None])[:3]
+            return start or 0, end if end is not None and end < width else width, step or 1
+        return None
+
+    gate_slice, up_slice = slice_of(gate), slice_of(up)
+    if gate_slice == (0, width, 2) and up_slice == (1, width, 2):
+        t.seen.update((gate, up))
+        return True
+    if gate_slice == (0, width // 2, 1) and up_slice == (width // 2, width, 1):
+        t.seen.update((gate, up))
+        return False
+    if (_is_call(gate, operator.getitem) and _is_call(up, operator.getitem) and gate.args[0] is up.args[0]
+            and (gate.args[1], up.args[1]) == (0, 1)):
+        split = gate.args[0]
+        if (_is_call(split, aten.split.Tensor, aten.split_with_sizes.default) and split.args[0] is gu
+                and _arg(split, 2, "dim", 0) in (-1, dim) and len(_val(split)) == 2
+                and _val(gate).shape[-1] == _val(up).shape[-1]):
+            t.seen.update((gate, up, split))
+            return False
+    raise _Refusal("the activation's gate and up are not the two halves (or the even/odd rows) of the gate_up GEMM")
+
+
+def _match_activation(t: _Tracker, a, gu) -> tuple[str, bool, float, float]:
+    """The activation between gu (the gate_up GEMM + bias) and a (the down GEMM's input)."""
+    before = t.snapshot()
+    gptoss = _match_gptoss_glu(t, a)
+    if gptoss is not None:
+        gate, up, alpha, limit = gptoss
+        return "gptoss_clamped_glu", _split_of(t, gate, up, gu), alpha, limit
+    t.restore(before)
+    silu = _match_silu_glu(t, a)
+    if silu is not None:
+        gate, up = silu
+        # alpha and limit are unused by silu_glu; fixed values keep the node's text deterministic.
+        return "silu_glu", _split_of(t, gate, up, gu), 1.0, 0.0
+    raise _Refusal(f"unrecognised activation between the expert GEMMs (ending in {t.strip_casts(a).format_node()})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Weights
+
+def _dequantized(t: _Tracker, node, what: str) -> torch.fx.Node:
+    """The dzc.mxfp4_dequantize node under views of a weight; a refusal if the weight is a plain tensor."""
+    node = t.strip_casts(node)
+    if not _is_call(node, _DEQUANTIZE):
+        raise _Refusal(f"the {what} expert weights are plain {_val(node).dtype if _val(node) is not None else ''} "
+                       f"tensors, not MXFP4 (no dzc.mxfp4_dequantize): left to the fallback")
+    t.seen.add(node)
+    return node
+
+
+def _linear(t: _Tracker, node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node | None]:
+    """mm (+ add bias) or addmm: (input, weight operand, bias operand or None); node = the result."""
+    node = t.strip_casts(node)
+    if _is_call(node, aten.addmm.default):
+        t.seen.add(node)
+        return node.args[1], node.args[2], node.args[0]
+    for product, bias in _operands(t, node, aten.add.Tensor):
+        if _is_call(product, aten.mm.default):
+            t.seen.add(product)
+            return product.args[0], product.args[1], bias
+    if _is_call(node, aten.mm.default):
+        t.seen.add(node)
+        return node.args[0], node.args[1], None
+    raise _Refusal(f"expected an expert GEMM, found {node.format_node()}")
+
+
+def _transposed_expert(t: _Tracker, node, expert: int) -> torch.fx.Node:
+    """permute(select(W, 0, e), [1, 0]) -> W (also t / transpose)."""
+    node = t.strip_casts(node)
+    if _is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0]:
+        t.seen.add(node)
+    elif _is_call(node, aten.t.default) or (_is_call(node, aten.transpose.int) and set(node.args[1:]) in ({0, 1},
+                                                                                                       {-1, -2})):
+        t.seen.add(node)
+    else:
+        raise _Refusal(f"expert weight operand is not W[e].t(): {node.format_node()}")
+    select = t.take(node.args[0], aten.select.int)
+    if select.args[1] != 0 or select.args[2] != expert:
+        raise _Refusal(f"expert {expert}'s GEMM reads another expert's weight ({select.format_node()})")
+    return select.args[0]
+
+
+def _same(values, what: str):
+    first = values[0]
+    if any(v is not first if isinstance(first, torch.fx.Node) else v != first for v in values[1:]):
+        raise _Refusal(f"the experts of one layer use different {what}")
+    return first
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Spellings
+
+def _match_per_expert_loop(final: torch.fx.Node) -> _Match:
+    """final = the last aten.index_add of the accumulation chain."""
+    t = _Tracker()
+    links = []
+    acc = final
+    while _is_call(acc, aten.index_add.default):
+        t.seen.add(acc)
+        links.append(acc)
+        acc = acc.args[0]
+    zeros = t.take(acc, aten.full.default, aten.zeros.default)
+    if _is_call(zeros, aten.full.default) and zeros.args[1] != 0:
+        raise _Refusal("the accumulator does not start at zero")
+    xs, ids_list, weights_list, w13s, w2s, b13s, b2s, activations = ([] for _ in range(8))
+    experts = []
+    for link in reversed(links):
+        if link.args[1] != 0 or len(link.args) > 4 or link.kwargs.get("alpha", 1) != 1:
+            raise _Refusal("index_add not along tokens")
+        tokens, contribution = link.args[2], link.args[3]
+        weighted = None
+        for y, w in _operands(t, contribution, aten.mul.Tensor):
+            if _is_call(w, aten.index.Tensor):
+                weighted = (y, w)
+                break
+        if weighted is None:
+            raise _Refusal("an expert's contribution is not multiplied by its routing weights")
+        y, w_index = weighted
+        t.seen.add(w_index)
+        w_source, index_list = w_index.args
+        if _is_call(w_source, aten.unsqueeze.default) and w_source.args[1] in (2, -1):
+            t.seen.add(w_source)
+            weights_list.append(w_source.args[0])
+        else:
+            raise _Refusal("routing weights indexed in an unrecognised way")
+        if len(index_list) != 2 or index_list[0] is not tokens:
+            raise _Refusal("routing weights indexed by other tokens than the contribution")
+        slots = index_list[1]
+        token_item, slot_item = (t.take(n, operator.getitem) for n in (tokens, slots))
+        unbind = token_item.args[0]
+        if slot_item.args[0] is not unbind or (token_item.args[1], slot_item.args[1]) != (0, 1):
+            raise _Refusal("tokens and slots do not come from one torch.where")
+        t.take(unbind, aten.unbind.int)
+        nonzero = t.take(unbind.args[0], aten.nonzero.default)
+        eq = t.take(nonzero.args[0], aten.eq.Scalar)
+        ids_list.append(eq.args[0])
+        expert = eq.args[1]
+        if not isinstance(expert, int):
+            raise _Refusal("an expert id compared with a non-constant")
+        experts.append(expert)
+        down_in, down_w, down_b = _linear(t, y)
+        w2s.append(_transposed_expert(t, down_w, expert))
+        if down_b is not None:
+            b2s.append(t.take(down_b, aten.select.int).args[0])
+            if down_b.args[1:] != (0, expert):
+                raise _Refusal("the down bias is another expert's")
+        gu = _up_gu(down_in)
+        up_in, up_w, up_b = _linear(t, gu)
+        w13s.append(_transposed_expert(t, up_w, expert))
+        if up_b is not None:
+            b13s.append(t.take(up_b, aten.select.int).args[0])
+            if up_b.args[1:] != (0, expert):
+                raise _Refusal("the gate_up bias is another expert's")
+        x_index = t.take(up_in, aten.index.Tensor)
+        if len(x_index.args[1]) != 1 or x_index.args[1][0] is not tokens:
+            raise _Refusal("an expert reads other rows than its tokens")
+        xs.append(x_index.args[0])
+        activations.append(_match_activation(t, down_in, gu))
+    w13 = _dequantized(t, _same(w13s, "gate_up weights"), "gate_up")
+    w2 = _dequantized(t, _same(w2s, "down weights"), "down")
+    count = _val(w13).shape[0]
+    if sorted(experts) != list(range(count)):
+        raise _Refusal(f"the loop covers experts {sorted(experts)}, not each of the {count} experts once")
+    for biases in (b13s, b2s):
+        if biases and len(biases) != count:
+            raise _Refusal("only some experts add a bias")
+    return _Match(_same(xs, "inputs"), _same(ids_list, "topk ids"), _same(weights_list, "routing weights"), w13, w2,
+                  _same(b13s, "gate_up biases") if b13s else None, _same(b2s, "down biases") if b2s else None,
+                  _same(activations, "activations"), final, t.seen)
+
+
+def _up_gu(node) -> torch.fx.Node:
+    """The gate_up GEMM's result (with bias) that the activation ending at `node` splits: the operand of the first
+    slice/split above node. The activation is a few ops, so the search stops after _ACTIVATION_OPS nodes."""
+    frontier, visited = [node], set()
+    while frontier and len(visited) < _ACTIVATION_OPS:
+        current = frontier.pop()
+        if current in visited or not isinstance(current, torch.fx.Node):
+            continue
+        visited.add(current)
+        if _is_call(current, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default):
+            return current.args[0]
+        frontier.extend(a for a in current.args if isinstance(a, torch.fx.Node))
+    raise _Refusal("no gate/up split found before the down GEMM")
+
+
+def _squeezed_bmm(t: _Tracker, node, what: str):
+    """squeeze(bmm(index(W, [ids]), unsqueeze(v, -1)), -1) -> (W operand, ids, v)."""
+    squeeze = t.take(t.strip_casts(node), aten.squeeze.dim)
+    bmm = t.take(squeeze.args[0], aten.bmm.default)
+    gathered = t.take(bmm.args[0], aten.index.Tensor)
+    column = t.take(bmm.args[1], aten.unsqueeze.default)
+    if squeeze.args[1] not in (-1, 2) or column.args[1] not in (-1, 2) or len(gathered.args[1]) != 1:
+        raise _Refusal(f"the {what} bmm is not W[ids] @ v[..., None]")
+    return gathered.args[0], gathered.args[1][0], column.args[0]
+
+
+def _biased(t: _Tracker, node):
+    """node = value + bias[ids] (either order, bias [E, N]) -> (value, bias tensor, ids); else (node, None, None)."""
+    before = t.snapshot()
+    for value, bias in _operands(t, node, aten.add.Tensor):
+        if (_is_call(bias, aten.index.Tensor) and len(bias.args[1]) == 1 and _val(bias.args[0]) is not None
+                and _val(bias.args[0]).dim() == 2):
+            t.seen.add(bias)
+            return value, bias.args[0], bias.args[1][0]
+    t.restore(before)
+    return node, None, None
+
+
+def _token_sum(t: _Tracker, out):
+    """sum(view(v, [T, k, H]), [1]) -> (v, k)."""
+    total = t.take(out, aten.sum.dim_IntList)
+    if list(total.args[1]) != [1] or _arg(total, 2, "keepdim", False):
+        raise _Refusal("the combine does not sum over the top-k slots")
+    view = t.take(total.args[0], aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+    shape = _val(view).shape
+    return view.args[0], shape[1]
+
+
+def _match_gathered_bmm(out: torch.fx.Node) -> _Match:
+    """out = the combine's aten.sum over the slots."""
+    t = _Tracker()
+    weighted, k = _token_sum(t, out)
+    for y, w in _operands(t, weighted, aten.mul.Tensor):
+        if _is_call(w, aten.view.default) and list(_val(w).shape[1:]) == [1]:
+            t.seen.add(w)
+            topk_weights = w.args[0]
+            break
+    else:
+        raise _Refusal("the expert outputs are not multiplied by the routing weights")
+    y, b2, b2_ids = _biased(t, y)
+    w2, ids, a = _squeezed_bmm(t, y, "down")
+    gu = _up_gu(a)
+    gu_value, b13, b13_ids = _biased(t, gu)
+    w13, ids_up, rows = _squeezed_bmm(t, gu_value, "gate_up")
+    if ids_up is not ids or any(b is not None and b_ids is not ids for b, b_ids in ((b2, b2_ids), (b13, b13_ids))):
+        raise _Refusal("the GEMMs and biases gather by different ids")
+    activation = _match_activation(t, a, gu)
+    ids_view = t.take(ids, aten.view.default, aten.reshape.default)
+    topk_ids = ids_view.args[0]
+    x = _repeated_rows(t, rows, k)
+    return _Match(x, topk_ids, topk_weights, _dequantized(t, w13, "gate_up"), _dequantized(t, w2, "down"), b13, b2,
+                  activation, out, t.seen)
+
+
+def _repeated_rows(t: _Tracker, rows, k) -> torch.fx.Node:
+    """x.repeat_interleave(k, dim=0) as capture decomposes it: view(clone(expand(unsqueeze(x, 1), [T, k, H])))."""
+    view = t.take(rows, aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+    inner = view.args[0]
+    if _is_call(inner, aten.clone.default):
+        t.seen.add(inner)
+        inner = inner.args[0]
+    expand = t.take(inner, aten.expand.default)
+    unsqueeze = t.take(expand.args[0], aten.unsqueeze.default)
+    if unsqueeze.args[1] != 1 or _val(expand).shape[1] != k:
+        raise _Refusal("the GEMM rows are not each token repeated k times")
+    return unsqueeze.args[0]
+
+
+def _match_grouped_mm(out: torch.fx.Node) -> _Match:
+    """out = the combine's aten.sum over the slots (transformers' grouped_mm experts)."""
+    t = _Tracker()
+    grouped = _grouped_mm_targets()
+    unpermuted, k = _token_sum(t, out)
+    unperm = t.take(unpermuted, aten.index.Tensor)
+    inverse = t.take(unperm.args[1][0], aten.index_put.default)
+    t.take(inverse.args[0], aten.empty.memory_format)
+    perm = inverse.args[1][0]
+    t.take(inverse.args[2], prims.iota.default)
+    weighted = unperm.args[0]
+    for y, w in _operands(t, weighted, aten.mul.Tensor):
+        if _is_call(w, aten.unsqueeze.default):
+            t.seen.add(w)
+            w_sorted = t.take(w.args[0], aten.index.Tensor)
+            break
+    else:
+        raise _Refusal("the expert outputs are not multiplied by the routing weights")
+    if w_sorted.args[1][0] is not perm:
+        raise _Refusal("routing weights permuted differently from the tokens")
+    topk_weights = t.take(w_sorted.args[0], aten.view.default, aten.reshape.default).args[0]
+    # Routing: perm and sorted ids from one sort of the flattened ids; offsets = cumsum(histc(sorted ids)).
+    t.take(perm, operator.getitem)
+    sort = t.take(perm.args[0], aten.sort.default, aten.sort.stable)
+    sorted_ids = next((u for u in sort.users if _is_call(u, operator.getitem) and u.args[1] == 0), None)
+    if sorted_ids is None or perm.args[1] != 1 or _arg(sort, 2, "descending", False):
+        raise _Refusal("the grouping permutation is not an ascending sort of the expert ids")
+    t.seen.add(sorted_ids)
+    y, b2, b2_ids = _biased(t, y)
+    a, w2_op, offsets = _grouped_operands(t, y, grouped)
+    gu = _up_gu(a)
+    gu_value, b13, b13_ids = _biased(t, gu)
+    rows, w13_op, offsets_up = _grouped_operands(t, gu_value, grouped)
+    if offsets_up is not offsets:
+        raise _Refusal("the two grouped GEMMs use different group offsets")
+    if any(b is not None and b_ids is not sorted_ids for b, b_ids in ((b2, b2_ids), (b13, b13_ids))):
+        raise _Refusal("a bias is gathered by other ids than the sorted expert ids")
+    activation = _match_activation(t, a, gu)
+    topk_ids = t.take(sort.args[0], aten.view.default, aten.reshape.default).args[0]
+    w13 = _grouped_weight(t, w13_op, "gate_up")
+    w2 = _grouped_weight(t, w2_op, "down")
+    experts = _val(w13).shape[0]
+    cumsum = t.take(offsets, aten.cumsum.default)
+    if cumsum.args[1] not in (0, -1):
+        raise _Refusal("the group offsets are not a cumulative sum over experts")
+    histc = t.take(cumsum.args[0], aten.histc.default)
+    if (t.strip_casts(histc.args[0]) is not sorted_ids
+            or [_arg(histc, 1, "bins", 100), _arg(histc, 2, "min", 0), _arg(histc, 3, "max", 0)] != [experts, 0,
+                                                                                                   experts - 1]):
+        raise _Refusal("the group offsets are not a histogram of the sorted expert ids over all experts")
+    source = t.take(rows, aten.index.Tensor)
+    row_ids = t.take(source.args[1][0], aten.div.Tensor_mode)
+    if row_ids.args[0] is not perm or row_ids.args[1] != k or row_ids.kwargs.get("rounding_mode") != "floor":
+        raise _Refusal("the grouped rows are not the tokens of the sorted (token, slot) pairs")
+    return _Match(source.args[0], topk_ids, topk_weights, w13, w2, b13, b2, activation, out, t.seen)
+
+
+def _grouped_operands(t: _Tracker, node, grouped) -> tuple:
+    """A grouped GEMM without bias or output dtype: (rows, weight operand, offsets)."""
+    mm = t.take(t.strip_casts(node), *grouped)
+    rows, weight = mm.args[:2]
+    offsets = _arg(mm, 2, "offs")
+    if _arg(mm, 3, "bias") is not None or _arg(mm, 4, "out_dtype") is not None or offsets is None:
+        raise _Refusal("a grouped GEMM with a bias, an output dtype or no offsets")
+    return rows, weight, offsets
+
+
+def _grouped_weight(t: _Tracker, node, what: str) -> torch.fx.Node:
+    """permute(W, [0, 2, 1]) / transpose(W, 1, 2) -> the dequantize node."""
+    node = t.strip_casts(node)
+    transposed = (_is_call(node, aten.permute.default) and list(node.args[1]) == [0, 2, 1]) or (
+        _is_call(node, aten.transpose.int) and set(node.args[1:]) in ({1, 2}, {-1, -2}))
+    if transposed:
+        t.seen.add(node)
+    weight = _dequantized(t, node.args[0] if transposed else node, what)
+    if not transposed:
+        # dequantize gives [E, out, in] (scales run along K); the grouped GEMM needs [E, in, out]
+        raise _Refusal(f"the {what} grouped GEMM multiplies by a dequantized weight that is not transposed")
+    return weight
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Anchors and the rewrite
+
+def _anchors(graph: torch.fx.Graph):
+    """(spelling, node) for each candidate MoE combine, in graph order."""
+    grouped = _grouped_mm_targets()
+    for node in graph.nodes:
+        if _is_call(node, aten.index_add.default) and not any(_is_call(u, aten.index_add.default) and u.args[0] is node
+                                                              for u in node.users):
+            yield _match_per_expert_loop, node
+        elif _is_call(node, aten.sum.dim_IntList):
+            source = node.args[0]
+            feeding = _feeding_ops(source, depth=6)
+            if any(_is_call(n, *grouped) for n in feeding):
+                yield _match_grouped_mm, node
+            elif any(_is_call(n, aten.bmm.default) and _is_expert_gather(n.args[0]) for n in feeding):
+                yield _match_gathered_bmm, node
+
+
+def _is_expert_gather(node) -> bool:
+    """index(W [E, N, K], [ids]): per-row expert weights."""
+    return (_is_call(node, aten.index.Tensor) and len(node.args[1]) == 1 and _val(node.args[0]) is not None
+            and _val(node.args[0]).dim() == 3)
+
+
+def _feeding_ops(node, depth: int) -> list:
+    """Nodes up to `depth` steps above node (to tell which spelling a combine belongs to)."""
+    found, frontier = [], [node]
+    for _ in range(depth):
+        frontier = [a for n in frontier if isinstance(n, torch.fx.Node) for a in n.all_input_nodes]
+        found.extend(frontier)
+    return found
+
+
+def _ancestors(nodes) -> set:
+    seen, stack = set(), list(nodes)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _check_region(match: _Match) -> set:
+    """The nodes the op replaces: ancestors of the output that are not ancestors of the op's inputs. Each must have
+    been accounted for by the matcher, and none may be used outside the region."""
+    inputs = [n for n in (match.x, match.topk_ids, match.topk_weights, match.b13, match.b2, *match.w13.args[:2],
+                          *match.w2.args[:2]) if n is not None]
+    region = _ancestors([match.out]) - _ancestors(inputs)
+    region = {n for n in region if n.op == "call_function"}
+    # Size arithmetic (SymInt values) computes no tensor; the views it sizes are matched.
+    unaccounted = sorted((n for n in region if n not in match.seen and not isinstance(_val(n), torch.SymInt)),
+                         key=lambda n: n.name)
+    if unaccounted:
+        raise _Refusal(f"the layer computes something the fused op would not: {unaccounted[0].format_node()}")
+    for node in region - {match.out}:
+        if isinstance(_val(node), torch.SymInt):
+            continue  # a size shared with other layers stays (the rewrite erases only what lost every user)
+        outside = [u for u in node.users if u not in region and not _is_runtime_check(u)]
+        if outside:
+            what = "a dequantized weight" if node.target is _DEQUANTIZE else f"intermediate {node.name}"
+            raise _Refusal(f"{what} has a use outside the MoE layer ({outside[0].format_node()})")
+    return region
+
+
+def _is_runtime_check(node: torch.fx.Node) -> bool:
+    """Size bookkeeping that capture adds after data-dependent ops (sym_size, comparisons, _assert_scalar)."""
+    return node.op == "call_function" and (
+        node.target in (aten.sym_size.int, aten._assert_scalar.default)
+        or not isinstance(node.target, torch._ops.OpOverload) and node.target is not operator.getitem)
+
+
+def _check_types(match: _Match) -> None:
+    x_val = _val(match.x)
+    for name, node in (("gate_up", match.w13), ("down", match.w2)):
+        if node.args[2] != x_val.dtype:
+            raise _Refusal(f"the {name} weights are dequantized to {node.args[2]} while the activations are "
+                           f"{x_val.dtype}")
+    if _val(match.out).dtype != x_val.dtype or tuple(_val(match.out).shape) != tuple(x_val.shape):
+        raise _Refusal("the layer's output differs from its input in dtype or shape")
+    if _val(match.topk_ids).dtype not in (torch.int32, torch.int64):
+        raise _Refusal(f"topk ids are {_val(match.topk_ids).dtype}")
+
+
+def _rewrite(graph: torch.fx.Graph, match: _Match, region: set) -> None:
+    name, interleaved, alpha, limit = match.activation
+    with graph.inserting_before(match.out):
+        fused = graph.call_function(_MXFP4_MOE, (
+            match.x, match.topk_ids, match.topk_weights, match.w13.args[0], match.w13.args[1], match.b13,
+            match.w2.args[0], match.w2.args[1], match.b2, name, interleaved, alpha, limit))
+    fused.meta["val"] = _val(match.out)
+    fused.meta["stack_trace"] = match.out.meta.get("stack_trace")
+    match.out.replace_all_uses_with(fused)
+    # Remove the region bottom-up, and the runtime size checks that only guarded its data-dependent sizes.
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    removable = set(region)
+    for node in graph.nodes:
+        if _is_runtime_check(node) and node.all_input_nodes and all(a in removable for a in node.all_input_nodes):
+            removable.add(node)
+    for node in sorted(removable, key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+
+
+def fuse_mxfp4_experts(graph: torch.fx.Graph) -> PassResult:
+    """Rewrite every MXFP4 MoE experts computation into dzc.mxfp4_moe; returns a new graph and a report."""
+    graph = copy_graph(graph)
+    result = PassResult(NAME, graph)
+    for matcher, node in list(_anchors(graph)):
+        if getattr(node, "_erased", False):  # removed by an earlier rewrite
+            continue
+        try:
+            match = matcher(node)
+            region = _check_region(match)
+            _check_types(match)
+        except _Refusal as refusal:
+            result.refused(location_of(node), str(refusal))
+            continue
+        where = location_of(node)
+        _rewrite(graph, match, region)
+        result.rewrote(where)
+    return result

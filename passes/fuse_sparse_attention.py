@@ -1,0 +1,628 @@
+"""fuse_sparse_attention: DSA written as dense masked attention  =>  dzc.dsa_indexer + dzc.dsa_topk + dzc.sparse_attention
+
+Upstream DSA code (DeepSeek's reference, HF transformers' DeepseekV32) scores every key with the lightning
+indexer, takes the top-k, scatters them into a mask over the whole context and runs dense attention under it:
+O(queries x context) memory and compute. This pass matches that subgraph and replaces it with ops that touch only
+the selected keys.
+
+Before (ATen, after capture; [B, S] queries, context T, H heads; `[...]` = view/expand/clone plumbing):
+
+    # indexer: per-head ReLU(q.k), weighted, summed over heads, causal mask, top-k
+    %s   = aten.bmm(%q_index[...], %k_index^T[...])                   # [B*S, Hi, T]
+    %r   = aten.relu(aten.mul(%s[...], scale)?)                         # [B, S, Hi, T]
+    %l   = aten.bmm(%weights[...], %r[...])[...]                        # [B, S, T]
+    %top = aten.topk(%l + causal_mask, k)[1]                            # or where(~keep, -inf, %l)
+    # the sparse mask, scattered from the indices, merged with the causal mask or added separately
+    %m   = aten.scatter(full(-inf), -1, %top, 0) (+ causal_mask)       # HF: where(scatter(full(True), .., False), min, causal)
+    # dense attention (eager matmul/softmax, or SDPA's math decomposition with a float/bool mask)
+    %p   = softmax(aten.bmm(%q[...], %k^T[...]) * scale + %m[...])       # [B, H, S, T]
+    %o   = aten.bmm(%p[...], %v[...])                                   # [B, H, S, Dv]
+
+After:
+
+    %logits = dzc.dsa_indexer(%q_index, %weights * scale, %index_keys, %block_table, %seq_lens, %query_seq,
+                              %query_pos, T)                             # [B*S, T]: the only [queries x T] tensor
+    %idx    = dzc.dsa_topk(%logits, %query_pos + 1, k)                   # [B*S, k]
+    %o      = dzc.sparse_attention(%q, %k_cache, %v_cache or None, %block_table, %seq_lens, %query_seq, %idx,
+                                   scale, Dv)                             # [B*S, H, Dv], viewed back as %o
+
+Caches: when the keys are a paged read `cache[block_table].flatten(1, 2)` (dzc.models.dsa over
+dzc.kv_cache.PagedKVCache), the ops get the cache and its block table and read the selected rows in place;
+otherwise (HF's DynamicCache) the dense [B, T, ...] keys are a cache of B pages of T tokens with block table
+arange(B)[:, None]. V that is a prefix of K's last dim (MLA's latent) becomes v_cache=None, d_v.
+Positions: the causal mask must be `key_position <= query_position` with key positions arange(T); the query
+positions it compares with become query_pos, and seq_lens = T (keys past a sequence's end are later positions,
+so causality hides them). The top-k width is the model's k (`min(k, T)` of upstream code becomes k: dsa_topk pads
+with -1 where fewer keys are visible, the same selection).
+
+Refusals (recorded with the reason, graph untouched at that site): a mask that is not exactly causal + top-k (a
+padding mask, a sliding window), top-k indices or the sparse mask or the scores with another use, an indexer
+scale that is not a positive constant, a top-k over something other than an indexer score. A dense attention
+without a top-k mask has no topk node and is never looked at.
+
+Ordering: runs on the captured ATen graph, before lowering. It does not depend on fuse_residual_norm.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from dzc.passes.graph_pass import PassResult, copy_graph, location_of
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+dzc = torch.ops.dzc
+
+NAME = "fuse_sparse_attention"
+
+# Ops that only re-view a value; the matcher looks through them.
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+          aten.clone.default, aten.alias.default)
+_SHAPE_ONLY = _VIEWS + (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default)
+# Anything at or below this is a "masked out" additive value: -inf, or finfo(dtype).min (HF; fp16's is -65504).
+_MASKED = -65504.0
+_WHOLE = 9223372036854775807  # the end of an open slice `x[a:]`
+
+
+class _Refusal(Exception):
+    pass
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _is(node, *targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _strip(node, ops=_VIEWS):
+    while _is(node, *ops):
+        node = node.args[0]
+    return node
+
+
+def _strip_casts(node):
+    while _is(node, prims.convert_element_type.default):
+        node = node.args[0]
+    return node
+
+
+def _scalar(node):
+    """The value of a constant scalar (a Python number, or a 0-d full/scalar_tensor node), else None."""
+    if isinstance(node, (int, float)):
+        return float(node)
+    node = _strip(node)
+    if _is(node, aten.scalar_tensor.default):
+        return float(node.args[0])
+    if _is(node, aten.full.default) and all(s == 1 for s in node.args[0]):
+        return float(node.args[1])
+    return None
+
+
+def _fill(node):
+    """The value a full(...) tensor (any shape) is filled with, else None."""
+    node = _strip(node)
+    if _is(node, aten.full.default):
+        return float(node.args[1])
+    return _scalar(node)
+
+
+def _same(a, b) -> bool:
+    return a is b or statically_known_true(a == b)
+
+
+def _is_whole_slice(node) -> bool:
+    """x[..., 0:end] with end past the dim's size: the same values (HF slices its masks to the key length)."""
+    if not _is(node, aten.slice.Tensor) or len(node.args) < 4:
+        return False
+    dim, start, end = node.args[1:4]
+    size = _val(node.args[0]).shape[dim]
+    end = _val(end) if isinstance(end, torch.fx.Node) else end
+    return start in (0, None) and (end == _WHOLE or _same(end, size) or statically_known_true(end >= size))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Masks: an additive float mask, or a boolean keep/drop mask, is decomposed into terms:
+#   ("causal", query_positions)  keys at positions <= the query's position are visible
+#   ("topk", indices)            the keys at these indices are visible
+# Anything else (padding, sliding windows, a mask from a model input) is not a DSA mask.
+
+
+class _NotAMask(Exception):
+    pass
+
+
+def _topk_indices(node):
+    node = _strip_casts(node)
+    if _is(node, operator.getitem) and node.args[1] == 1 and _is(node.args[0], aten.topk.default):
+        return node
+    raise _NotAMask("scatter indices do not come from a top-k")
+
+
+def _causal(keys, queries):
+    """('causal', q) when keys is arange(T) broadcast along the last dim."""
+    keys = _strip(keys, _SHAPE_ONLY)
+    while _is_whole_slice(keys):  # HF's [..., kv_offset:] with offset 0
+        keys = _strip(keys.args[0], _SHAPE_ONLY)
+    if _is(keys, aten.add.Tensor) and keys.args[1] == 0:
+        keys = keys.args[0]
+    if not (_is(keys, prims.iota.default) and keys.kwargs.get("start", 0) == 0 and keys.kwargs.get("step", 1) == 1):
+        raise _NotAMask("the causal comparison is not against key positions arange(T)")
+    return [("causal", queries)]
+
+
+def _keep_terms(node):
+    """Terms of a boolean mask that is True where a key is visible."""
+    if _is(node, *_SHAPE_ONLY, aten.select.int) or _is_whole_slice(node):
+        return _keep_terms(node.args[0])
+    if _is(node, aten.bitwise_and.Tensor, aten.logical_and.default):
+        return _keep_terms(node.args[0]) + _keep_terms(node.args[1])
+    if _is(node, aten.bitwise_not.default, aten.logical_not.default):
+        return _drop_terms(node.args[0])
+    if _is(node, aten.le.Tensor):
+        return _causal(node.args[0], node.args[1])
+    if _is(node, aten.ge.Tensor):
+        return _causal(node.args[1], node.args[0])
+    if _is(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] is True \
+            and _fill(node.args[0]) == 0.0:
+        return [("topk", _topk_indices(node.args[2]))]
+    raise _NotAMask(f"{node} is not a causal or top-k keep mask")
+
+
+def _drop_terms(node):
+    """Terms of a boolean mask that is True where a key is hidden."""
+    if _is(node, *_SHAPE_ONLY, aten.select.int) or _is_whole_slice(node):
+        return _drop_terms(node.args[0])
+    if _is(node, aten.bitwise_or.Tensor, aten.logical_or.default):
+        return _drop_terms(node.args[0]) + _drop_terms(node.args[1])
+    if _is(node, aten.bitwise_not.default, aten.logical_not.default):
+        return _keep_terms(node.args[0])
+    if _is(node, aten.gt.Tensor):
+        return _causal(node.args[0], node.args[1])
+    if _is(node, aten.lt.Tensor):
+        return _causal(node.args[1], node.args[0])
+    if _is(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] is False \
+            and _fill(node.args[0]) == 1.0:
+        return [("topk", _topk_indices(node.args[2]))]
+    raise _NotAMask(f"{node} is not a causal or top-k drop mask")
+
+
+def _additive_terms(node):
+    """Terms of a float mask that is 0 where a key is visible and -inf (or finfo.min) where hidden."""
+    value = _scalar(node)
+    if value == 0.0:
+        return []
+    if _is(node, *_SHAPE_ONLY, aten.select.int, prims.convert_element_type.default) or _is_whole_slice(node):
+        return _additive_terms(node.args[0])
+    if _is(node, aten.add.Tensor):
+        return _additive_terms(node.args[0]) + _additive_terms(node.args[1])
+    if _is(node, aten.where.self):
+        condition, if_true, if_false = node.args
+        if (_scalar(if_true) or 0.0) <= _MASKED and _scalar(if_true) is not None:
+            return _drop_terms(condition) + _additive_terms(if_false)
+        if _scalar(if_false) is not None and _scalar(if_false) <= _MASKED:
+            return _keep_terms(condition) + _additive_terms(if_true)
+    if _is(node, aten.masked_fill.Scalar) and node.args[2] <= _MASKED:
+        return _drop_terms(node.args[1]) + _additive_terms(node.args[0])
+    if _is(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] == 0 \
+            and (_fill(node.args[0]) or 0.0) <= _MASKED:
+        return [("topk", _topk_indices(node.args[2]))]
+    raise _NotAMask(f"{node} is not a causal or top-k additive mask")
+
+
+def _split_masked(node):
+    """node = x masked by a DSA mask -> (x, terms); x is the operand that is not a mask."""
+    if _is(node, aten.add.Tensor):
+        for value, mask in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            try:
+                terms = _additive_terms(mask)
+            except _NotAMask:
+                continue
+            inner, more = _split_masked(value)
+            return inner, terms + more
+    if _is(node, aten.where.self) and _scalar(node.args[1]) is not None and _scalar(node.args[1]) <= _MASKED:
+        inner, more = _split_masked(node.args[2])
+        return inner, _drop_terms(node.args[0]) + more
+    if _is(node, aten.masked_fill.Scalar) and node.args[2] <= _MASKED:
+        inner, more = _split_masked(node.args[0])
+        return inner, _drop_terms(node.args[1]) + more
+    return node, []
+
+
+def _query_positions(terms, what: str):
+    causal = [q for kind, q in terms if kind == "causal"]
+    if not causal:
+        raise _Refusal(f"the {what} mask has no causal term (key position <= query position)")
+    first = _strip(causal[0], _SHAPE_ONLY)
+    if any(_strip(q, _SHAPE_ONLY) is not first for q in causal[1:]):
+        raise _Refusal(f"the {what} mask compares with different query positions")
+    return causal[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The pieces of the pattern.
+
+
+def _bmm_operands(node):
+    """node = view(bmm(a, b)) (optionally times constant scales) -> (a, b, scale)."""
+    scale = 1.0
+    while _is(node, aten.mul.Tensor, aten.mul.Scalar) and _scalar(node.args[1]) is not None:
+        scale *= _scalar(node.args[1])
+        node = node.args[0]
+    node = _strip(node, _SHAPE_ONLY)
+    if not _is(node, aten.bmm.default):
+        return None
+    return node.args[0], node.args[1], scale
+
+
+def _scaled_source(node):
+    """Strip view plumbing and constant multiplies (SDPA's math form scales q and k by sqrt(scale) each)."""
+    scale = 1.0
+    node = _strip(node)
+    while _is(node, aten.mul.Tensor, aten.mul.Scalar) and _scalar(node.args[1]) is not None:
+        scale *= _scalar(node.args[1])
+        node = _strip(node.args[0])
+    return node, scale
+
+
+def _transposed(node):
+    """node = K^T over the last two dims -> K, else None."""
+    if _is(node, aten.permute.default):
+        dims = [d % len(node.args[1]) for d in node.args[1]]
+        rank = len(dims)
+        if dims == list(range(rank - 2)) + [rank - 1, rank - 2]:
+            return node.args[0]
+    if _is(node, aten.transpose.int):
+        rank = _val(node).dim()
+        if sorted(d % rank for d in node.args[1:3]) == [rank - 2, rank - 1]:
+            return node.args[0]
+    return None
+
+
+def _paged_source(dense):
+    """dense [B, P * page, ...] = cache[block_table].flatten(1, 2) -> (cache, block_table int32 node), else None."""
+    node = _strip_casts(dense)
+    if not _is(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return None
+    gathered = _strip_casts(node.args[0])
+    cast = gathered is not node.args[0] or node is not dense
+    if not _is(gathered, aten.index.Tensor) or len(gathered.args[1]) != 1:
+        return None
+    cache, table = gathered.args[0], gathered.args[1][0]
+    cache_val, gathered_val, dense_val = _val(cache), _val(gathered), _val(node)
+    if gathered_val.dim() != cache_val.dim() + 1 or dense_val.dim() != cache_val.dim():
+        return None
+    if not _same(dense_val.shape[1], gathered_val.shape[1] * gathered_val.shape[2]):
+        return None
+    table = _strip_casts(table)
+    if _val(table) is None or _val(table).dim() != 2 or _val(table).dtype.is_floating_point:
+        return None
+    if _val(cache).dtype != _val(dense).dtype and not cast:
+        return None
+    return cache, table
+
+
+@dataclass
+class _Indexer:
+    q: torch.fx.Node  # [B*S, Hi, Di] before any upcast
+    weights: torch.fx.Node  # [B*S, 1, Hi] as the bmm reads it
+    weight_scale: float
+    keys: torch.fx.Node  # [B, T, Di]
+    logits: torch.fx.Node  # [B, S, T]
+    nodes: list  # the scoring subgraph (dead after the rewrite)
+
+
+def _match_indexer(logits) -> _Indexer:
+    """logits [B, S, T] = sum_h w[h] * relu(scale * q[h] . k) as matmuls (HF / upstream bf16 spelling)."""
+    outer = _bmm_operands(logits)
+    if outer is None:
+        raise _Refusal("the top-k input is not a weighted head sum of indexer scores")
+    weights, relu_operand, outer_scale = outer
+    relu = _strip(relu_operand)
+    if not _is(relu, aten.relu.default):
+        raise _Refusal("the indexer scores are not ReLU(q.k)")
+    inner = _bmm_operands(relu.args[0])
+    if inner is None:
+        raise _Refusal("the indexer scores are not a q.k matmul")
+    q, k_operand, inner_scale = inner
+    if inner_scale <= 0:
+        raise _Refusal("the indexer's score scale is not a positive constant")
+    k4 = _strip(k_operand)
+    if _is(k4, aten.unsqueeze.default):
+        k4 = k4.args[0]
+    keys = _transposed(k4)
+    if keys is None or _val(keys).dim() != 3:
+        raise _Refusal("the indexer keys are not one [B, T, D] key per token")
+    source = _strip(q)
+    if _is(source, prims.convert_element_type.default) and _val(source.args[0]).dtype in (torch.bfloat16,
+                                                                                          torch.float16):
+        q = source.args[0]  # the upcast of HF's q.float() happens inside the op
+    return _Indexer(q, weights, inner_scale * outer_scale, keys, logits, [relu])
+
+
+@dataclass
+class _Attention:
+    q: torch.fx.Node  # [B, H, S, Dqk]
+    k: torch.fx.Node  # [B, Hkv, T, Dqk]
+    v: torch.fx.Node  # [B, Hkv, T, Dv]
+    scale: float
+    out: torch.fx.Node  # [B, H, S, Dv], replaced
+    scores: torch.fx.Node  # the masked scores (dead after the rewrite)
+    terms: list
+
+
+def _softmax_output(masked):
+    """masked -> the softmax probabilities node (amax/sub/exp/sum/div decomposition), else None."""
+    start = masked
+    users = list(start.users)
+    if len(users) == 1 and _is(users[0], prims.convert_element_type.default):
+        start = users[0]
+    amax = next((u for u in start.users if _is(u, aten.amax.default)), None)
+    sub = next((u for u in start.users if _is(u, aten.sub.Tensor) and u.args[1] is amax), None)
+    if amax is None or sub is None:
+        return None
+    exp = next(iter(sub.users), None)
+    if not _is(exp, aten.exp.default):
+        return None
+    div = next((u for u in exp.users if _is(u, aten.div.Tensor)), None)
+    return div
+
+
+def _probabilities_consumer(probs):
+    """Follow probs through casts, SDPA's all-masked-row fixup and views to the bmm with V."""
+    node = probs
+    while True:
+        users = [u for u in node.users]
+        if len(users) != 1:
+            return None
+        user = users[0]
+        if _is(user, aten.bmm.default) and user.args[0] is node:
+            return user
+        if _is(user, prims.convert_element_type.default, *_VIEWS):
+            node = user
+            continue
+        if _is(user, aten.where.self) and user.args[2] is node and _fill(user.args[1]) == 0.0:
+            node = user  # SDPA: rows with every key masked give 0 instead of NaN
+            continue
+        return None
+
+
+def _match_attention(masked) -> _Attention:
+    scores, terms = _split_masked(masked)
+    operands = _bmm_operands(scores)
+    if operands is None:
+        raise _Refusal("the masked values are not q.k scores")
+    q_operand, k_operand, scale = operands
+    q, q_scale = _scaled_source(q_operand)
+    k_t, k_scale = _scaled_source(k_operand)
+    k = _transposed(k_t)
+    if k is None or _val(q).dim() != 4 or _val(k).dim() != 4:
+        raise _Refusal("the attention operands are not [B, H, S, D] queries and transposed [B, H, T, D] keys")
+    probs = _softmax_output(masked)
+    if probs is None:
+        raise _Refusal("the masked scores do not feed a softmax")
+    pv = _probabilities_consumer(probs)
+    if pv is None:
+        raise _Refusal("the attention probabilities have another use than the matmul with V")
+    v = _strip(pv.args[1])
+    out = next(iter(pv.users), None)
+    if len(pv.users) != 1 or not _is(out, aten.view.default, aten._unsafe_view.default) or _val(out).dim() != 4 \
+            or _val(v).dim() != 4:
+        raise _Refusal("the attention output is not [B, H, S, Dv]")
+    return _Attention(q, k, v, scale * q_scale * k_scale, out, masked, terms)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The rewrite.
+
+
+class _Builder:
+    """Inserts nodes before `anchor`, each with meta['val'] computed from its arguments' fake values."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, stack_trace):
+        self.graph, self.anchor, self.stack_trace = graph, anchor, stack_trace
+        values = [n.meta.get("val") for n in graph.nodes]
+        self.fake_mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+
+    def __call__(self, target, *args, **kwargs):
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        node.meta["stack_trace"] = self.stack_trace
+        return node
+
+    def size(self, node, dim):
+        size = node.meta["val"].shape[dim]
+        return size if isinstance(size, int) else self(aten.sym_size.int, node, dim)
+
+
+def _topk_width(topk) -> int | torch.fx.Node:
+    """The k of upstream's topk(min(k, T)): the constant k (dsa_topk pads with -1 where fewer are visible)."""
+    k = topk.args[1]
+    if _is(k, torch.sym_min) or (isinstance(k, torch.fx.Node) and getattr(k.target, "__name__", "") == "sym_min"):
+        constants = [a for a in k.args if isinstance(a, int)]
+        if constants:
+            return constants[0]
+    return k
+
+
+def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention):
+    build = _Builder(graph, attention.out, attention.out.meta.get("stack_trace"))
+    q4, out4 = attention.q, attention.out
+    batch, heads, queries = build.size(q4, 0), build.size(q4, 1), build.size(q4, 2)
+
+    # Which sequence each query row belongs to, and its position (from the causal mask).
+    positions = _query_positions(index_terms, "indexer")
+    positions = build(aten.view.default, positions, [-1, queries])
+    positions = build(aten.expand.default, positions, [batch, queries])
+    query_pos = build(prims.convert_element_type.default, build(aten.reshape.default, positions, [-1]), torch.int32)
+    sequence = build(prims.iota.default, batch, start=0, step=1, dtype=torch.int32, device=_val(q4).device,
+                     requires_grad=False)
+    query_seq = build(aten.reshape.default, build(aten.expand.default, build(aten.unsqueeze.default, sequence, 1),
+                                                  [batch, queries]), [-1])
+
+    # Caches: paged reads keep their block table; dense keys are B pages of T tokens.
+    dense_table = build(aten.unsqueeze.default, sequence, 1)
+
+    def cache_of(rows):
+        paged = _paged_source(rows)
+        if paged is None:
+            return rows, dense_table
+        cache, table = paged
+        if _val(table).dtype != torch.int32:
+            table = build(prims.convert_element_type.default, table, torch.int32)
+        return cache, table
+
+    def rows_of(heads_first):  # [B, H, T, D] -> [B, T, H, D], looking through the model's own transpose
+        if _is(heads_first, aten.permute.default) and list(heads_first.args[1]) == [0, 2, 1, 3]:
+            return heads_first.args[0]
+        return build(aten.permute.default, heads_first, [0, 2, 1, 3])
+
+    index_cache, index_table = cache_of(indexer.keys)
+    context = build.size(indexer.keys, 1)
+    seq_lens = build(aten.full.default, [batch], context, dtype=torch.int32, device=_val(q4).device)
+
+    index_q = build(aten.reshape.default, indexer.q, [-1, build.size(indexer.q, -2), build.size(indexer.q, -1)])
+    weights = build(aten.reshape.default, indexer.weights, [-1, build.size(indexer.weights, -1)])
+    if _val(weights).dtype != torch.float32:
+        weights = build(prims.convert_element_type.default, weights, torch.float32)
+    if indexer.weight_scale != 1.0:
+        weights = build(aten.mul.Tensor, weights, indexer.weight_scale)
+    logits = build(dzc.dsa_indexer.default, index_q, weights, index_cache, index_table, seq_lens, query_seq,
+                   query_pos, context)
+    visible = build(aten.minimum.default, build(aten.add.Tensor, query_pos, 1),
+                    build(aten.index.Tensor, seq_lens, [query_seq]))
+    indices = build(dzc.dsa_topk.default, logits, visible, _topk_width(topk))
+
+    # Attention: [B, H, S, D] -> [B*S, H, D]; keys [B, Hkv, T, D] -> cache [pages, page, Hkv, D].
+    q = build(aten.reshape.default, build(aten.permute.default, q4, [0, 2, 1, 3]), [-1, heads, build.size(q4, 3)])
+    k_cache, k_table = cache_of(rows_of(attention.k))
+    v = attention.v
+    d_v = _val(v).shape[-1]
+    if _is(v, aten.slice.Tensor) and v.args[0] is attention.k and v.args[1] in (-1, 3) and v.args[2] == 0:
+        v_cache = None  # V = K[..., :d_v] (MLA's latent); sparse_attention reads it from the K rows
+    else:
+        v_cache, v_table = cache_of(rows_of(v))
+        if v_table is not k_table:  # one paged, the other dense: read both dense
+            k_cache, k_table = rows_of(attention.k), dense_table
+            v_cache = rows_of(v)
+    out = build(dzc.sparse_attention.default, q, k_cache, v_cache, k_table, seq_lens, query_seq, indices,
+                attention.scale, d_v)
+    out = build(aten.permute.default, build(aten.view.default, out, [batch, queries, heads, d_v]), [0, 2, 1, 3])
+    if _val(out).dtype != _val(out4).dtype:
+        out = build(prims.convert_element_type.default, out, _val(out4).dtype)
+    out4.replace_all_uses_with(out)
+    return out
+
+
+def _remove_dead(graph, roots) -> None:
+    """Erase the replaced subgraph: the roots and whatever they alone used (never unrelated dead code)."""
+    pending, erased = list(roots), set()
+    while pending:
+        node = pending.pop()
+        if node in erased or node.users or node.op != "call_function":
+            continue
+        pending.extend(node.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+
+
+def _match(topk):
+    """topk -> (indexer, index terms, attention); None if this top-k does not select DSA keys."""
+    dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
+    largest = topk.args[3] if len(topk.args) > 3 else topk.kwargs.get("largest", True)
+    indices = next((u for u in topk.users if _is(u, operator.getitem) and u.args[1] == 1), None)
+    if indices is None:
+        return None
+    scatters = []
+    pending = [indices]
+    while pending:
+        node = pending.pop()
+        for user in node.users:
+            if _is(user, prims.convert_element_type.default):
+                pending.append(user)
+            elif _is(user, aten.scatter.value) and user.args[2] is node:
+                scatters.append(user)
+            else:
+                raise _Refusal("the top-k indices have another use than the sparse mask")
+    if not scatters:
+        return None
+    if len(scatters) != 1:
+        raise _Refusal("the top-k indices build more than one mask")
+    if dim not in (-1, _val(topk.args[0]).dim() - 1) or not largest:
+        raise _Refusal("the top-k is not over the largest scores of the last dim")
+    if any(u.args[1] == 0 and u.users for u in topk.users if _is(u, operator.getitem)):
+        raise _Refusal("the top-k values are used")
+
+    logits, index_terms = _split_masked(topk.args[0])
+    if [kind for kind, _ in index_terms] != ["causal"]:
+        raise _Refusal("the indexer mask is not exactly causal")
+    indexer = _match_indexer(logits)
+
+    # The attention: the add (or where) of the mask into scores that feeds a softmax.
+    masked = None
+    frontier, seen = [scatters[0]], set()
+    for _ in range(10):
+        following = []
+        for node in frontier:
+            for user in node.users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                if _is(user, aten.add.Tensor, aten.where.self) and _softmax_output(user) is not None:
+                    masked = masked or user
+                following.append(user)
+        frontier = following
+    if masked is None:
+        raise _Refusal("the sparse mask does not reach an attention softmax")
+    try:
+        attention = _match_attention(masked)
+    except _NotAMask as why:
+        raise _Refusal(f"the attention mask is not causal + top-k: {why}") from None
+    kinds = sorted(kind for kind, _ in attention.terms)
+    if kinds != ["causal", "topk"] or next(n for kind, n in attention.terms if kind == "topk") is not indices:
+        raise _Refusal(f"the attention mask is not exactly causal + this top-k (terms: {kinds})")
+    if _strip(_query_positions(attention.terms, "attention"), _SHAPE_ONLY) is not \
+            _strip(_query_positions(index_terms, "indexer"), _SHAPE_ONLY):
+        raise _Refusal("the indexer and the attention use different query positions")
+    _check_private(masked, attention)
+    return indexer, index_terms, attention
+
+
+def _check_private(masked, attention) -> None:
+    """The masked scores feed only the softmax pattern (another use would keep the dense attention alive)."""
+    users = list(masked.users)
+    if len(users) == 1 and _is(users[0], prims.convert_element_type.default):
+        users = list(users[0].users)
+    if any(not _is(u, aten.amax.default, aten.sub.Tensor, aten.eq.Scalar) for u in users):
+        raise _Refusal("the masked attention scores have another use")
+
+
+def fuse_sparse_attention(graph: torch.fx.Graph) -> PassResult:
+    """Rewrite every DSA top-k masked attention into dsa_indexer + dsa_topk + sparse_attention."""
+    graph = copy_graph(graph)
+    result = PassResult(NAME, graph)
+    for topk in [n for n in graph.nodes if _is(n, aten.topk.default)]:
+        if topk.graph is not graph:
+            continue
+        try:
+            match = _match(topk)
+        except (_Refusal, _NotAMask) as refusal:
+            result.refused(location_of(topk), str(refusal))
+            continue
+        if match is None:
+            continue
+        indexer, index_terms, attention = match
+        where = location_of(attention.out)
+        _rewrite(graph, topk, indexer, index_terms, attention)
+        _remove_dead(graph, [attention.out, topk, indexer.logits])
+        result.rewrote(where)
+    return result

@@ -1,0 +1,222 @@
+"""Kernels for dzc.dsa_indexer: the lightning indexer's logits over a paged key cache, FP8 or BF16.
+
+logits[t, s] = Σ_h weights[t, h] · ReLU(q[t, h] · k[s]) for the keys each query may see (causal, inside its
+sequence), −inf for the rest of the [T, max_context] output. One program scores ROWS query rows against
+BLOCKS_PER_PROGRAM·BLOCK_N key positions: the rows' heads form the M dimension of one MMA per gathered key tile
+(FP8 × FP8 where the cache holds FP8 values with a per-token fp32 scale, BF16 × BF16 otherwise).
+
+Decode is memory-bound: 132 bytes per cached token for the FP8 layout (Di = 128 values + a 4-byte scale), read
+once per query row. Prefill is compute-bound; key blocks above every row's causal limit are skipped.
+
+Tuning bucket: query rows × max_context (the number of logits), rounded up to a power of two.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+import torch
+
+from dzc import kv_cache
+from dzc.ops import dsa as dsa_ops
+from dzc.targets import dsa_cases, triton_codegen
+from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.profiles import DeviceProfile
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+_TL_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+                     torch.float8_e4m3fn: "*fp8e4nv"}
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class DsaIndexerSpec:
+    """Everything a kernel is specialised on; tokens, context, page size and page count are run-time values."""
+
+    heads: int
+    head_dim: int
+    q_dtype: torch.dtype  # float8_e4m3fn (q scales folded into the weights) with the FP8 cache; else the cache's
+    fp8: bool  # the cache is the uint8 FP8 layout (e4m3 values, then one fp32 scale per token, per page)
+
+    @property
+    def key_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.fp8 else self.q_dtype
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return (self.q_dtype, self.key_dtype, torch.float32)
+
+    @property
+    def block_heads(self) -> int:
+        return max(16, _pow2_at_least(self.heads))  # tl.dot needs M >= 16
+
+    @property
+    def block_dim(self) -> int:
+        return max(32 if self.fp8 else 16, _pow2_at_least(self.head_dim))  # an MMA's K: >= 32 for fp8
+
+    def bytes_per_token(self) -> int:
+        """Cache bytes read per key: Di values (+ the fp32 scale in the FP8 layout)."""
+        return self.head_dim * self.key_dtype.itemsize + (kv_cache.SCALE_BYTES if self.fp8 else 0)
+
+    def describe(self) -> str:
+        cache = "fp8 values + fp32 scale per token" if self.fp8 else str(self.key_dtype).removeprefix("torch.")
+        return f"heads={self.heads} head_dim={self.head_dim} q={str(self.q_dtype).removeprefix('torch.')} " \
+               f"cache={cache}"
+
+
+def spec_for(q: torch.Tensor, index_k_cache: torch.Tensor) -> DsaIndexerSpec:
+    """The spec of a call (works on fake tensors). The op's checks ran already; the kernels also need q in the
+    cache's MMA dtype: float8_e4m3fn with the FP8 layout, the cache's own dtype otherwise."""
+    _, heads, head_dim = q.shape
+    fp8 = index_k_cache.dtype == torch.uint8
+    wanted = torch.float8_e4m3fn if fp8 else index_k_cache.dtype
+    if q.dtype != wanted:
+        raise ValueError(f"dsa_indexer kernels multiply q and keys in one dtype: a {index_k_cache.dtype} key cache "
+                         f"needs a {wanted} q, got {q.dtype}")
+    return DsaIndexerSpec(int(heads), int(head_dim), q.dtype, fp8)
+
+
+def spec_from_node(node) -> DsaIndexerSpec:
+    return spec_for(node.args[0].meta["val"], node.args[2].meta["val"])
+
+
+def token_bucket(tokens: int) -> int:
+    """`tokens` is query rows × max_context; tuning results are kept per power of two of it."""
+    return _pow2_at_least(tokens)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton
+
+TRITON_KERNEL_NAME = "dsa_indexer_kernel"
+
+
+def triton_source(spec: DsaIndexerSpec, profile: DeviceProfile) -> str:
+    fields = dict(profile=profile.name, spec=spec.describe())
+    return Template((TEMPLATES / "dsa_indexer.triton.py.tmpl").read_text()).substitute(fields)
+
+
+def _constexprs(spec: DsaIndexerSpec, config: KernelConfig, mma_in_fp32: bool) -> dict:
+    return dict(HEADS=spec.heads, BLOCK_H=spec.block_heads, HEAD_DIM=spec.head_dim, BLOCK_D=spec.block_dim,
+                FP8=spec.fp8, MMA_IN_FP32=mma_in_fp32,
+                # fp32 caches multiply in full precision (Triton's default for fp32 operands is TF32).
+                DOT_PRECISION="ieee" if spec.q_dtype == torch.float32 else "tf32",
+                ROWS=config["ROWS"], BLOCK_N=config["BLOCK_N"],
+                BLOCKS_PER_PROGRAM=config["BLOCKS_PER_PROGRAM"])
+
+
+def triton_configs(spec: DsaIndexerSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """Query rows per program (rows × heads is the MMA's M, at most 256) × keys per tile × tiles per program
+    (more tiles amortise loading q) × warps × pipeline stages: 32 configs, each its own compile."""
+    configs = []
+    for rows in (1, 2):
+        if rows * spec.block_heads > 256 and rows > 1:
+            continue
+        for block_n in (64, 128):
+            for blocks in (4, 16):
+                for num_warps in (4, 8):
+                    for num_stages in (2, 3):
+                        configs.append(KernelConfig.make(num_warps=num_warps, num_stages=num_stages, ROWS=rows,
+                                                         BLOCK_N=block_n, BLOCKS_PER_PROGRAM=blocks))
+    return configs
+
+
+def triton_default_config(spec: DsaIndexerSpec, profile: DeviceProfile) -> KernelConfig:
+    """Untuned choice: one row, 64-key tiles, 4 tiles per program, 4 warps."""
+    return KernelConfig.make(num_warps=4, num_stages=2, ROWS=1, BLOCK_N=64, BLOCKS_PER_PROGRAM=4)
+
+
+def triton_shared_memory_bytes(spec: DsaIndexerSpec, config: KernelConfig) -> int:
+    """Upper estimate: the q tile, one key tile per pipeline stage, and the fp32 score tile when the head sum
+    converts its layout through shared memory."""
+    item = 1 if spec.fp8 else 2
+    m = config["ROWS"] * spec.block_heads
+    return (m * spec.block_dim * item + config.num_stages * config["BLOCK_N"] * spec.block_dim * item
+            + m * config["BLOCK_N"] * 4)
+
+
+def triton_launch(kernel, config: KernelConfig, q, weights, k_values, k_scales, block_table, seq_lens, query_seq,
+                  query_pos, page_size, max_context, spec, logits):
+    """k_values: [pages, page_size, Di] (bf16, or fp8 viewed from the uint8 pages); k_scales: fp32 [pages,
+    page_size] view of the FP8 layout's scales (k_values itself for bf16, never read)."""
+    rows = q.shape[0]
+    span = config["BLOCK_N"] * config["BLOCKS_PER_PROGRAM"]
+    grid = (-(-rows // config["ROWS"]), -(-max_context // span))
+    kernel[grid](q, weights, k_values, k_scales, block_table, seq_lens, query_seq, query_pos, logits,
+                 rows, max_context, page_size,
+                 q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
+                 k_values.stride(0), k_values.stride(1), k_values.stride(2), k_scales.stride(0), k_scales.stride(1),
+                 block_table.stride(0), block_table.stride(1), logits.stride(0), logits.stride(1),
+                 **_constexprs(spec, config, triton_codegen.interpreting()),
+                 num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def triton_signature(spec: DsaIndexerSpec, config: KernelConfig) -> tuple[dict, dict]:
+    """(signature, constexprs) for compiling the kernel ahead of time with triton.compile (no GPU needed)."""
+    q_type = _TL_POINTER_TYPES[spec.q_dtype]
+    signature = {
+        "q_ptr": q_type, "weights_ptr": "*fp32", "k_ptr": q_type, "k_scale_ptr": "*fp32" if spec.fp8 else q_type,
+        "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_seq_ptr": "*i32", "query_pos_ptr": "*i32",
+        "logits_ptr": "*fp32", "n_rows": "i32", "max_context": "i32", "page_size": "i32",
+    }
+    for name in ("stride_qt", "stride_qh", "stride_qd", "stride_wt", "stride_wh", "stride_kp", "stride_ks",
+                 "stride_kd", "stride_sp", "stride_ss", "stride_bt_seq", "stride_bt_page", "stride_lt",
+                 "stride_ls"):
+        signature[name] = "i32"
+    constexprs = _constexprs(spec, config, mma_in_fp32=False)
+    signature.update({name: "constexpr" for name in constexprs})
+    return signature, constexprs
+
+
+def cache_views(spec: DsaIndexerSpec, index_k_cache: torch.Tensor):
+    """(page_size, values [pages, page_size, Di], scales [pages, page_size]) of a key cache, as views.
+
+    FP8 layout: dzc.kv_cache.split_fp8_index_pages (the one definition of it). Other layouts: `scales` is the
+    cache itself (the kernel never reads it)."""
+    if not spec.fp8:
+        return index_k_cache.shape[1], index_k_cache, index_k_cache
+    if index_k_cache.stride(1) != 1 or index_k_cache.stride(0) % kv_cache.SCALE_BYTES \
+            or index_k_cache.storage_offset() % kv_cache.SCALE_BYTES:
+        raise ValueError("dsa_indexer: the FP8 key cache's pages must be dense byte rows, 4-byte aligned "
+                         f"(got strides {index_k_cache.stride()}, offset {index_k_cache.storage_offset()})")
+    values, scales = kv_cache.split_fp8_index_pages(index_k_cache, spec.head_dim)
+    return values.shape[1], values, scales
+
+
+def prepare(spec: DsaIndexerSpec, q, weights, index_k_cache, block_table, seq_lens, query_seq, query_pos,
+            max_context, *_static):
+    """Op arguments -> (kernel inputs, kernel outputs (preallocated), logits count, the op's result)."""
+    dsa_ops.check_dsa_indexer_args(q, weights, index_k_cache, block_table, seq_lens, query_seq, query_pos)
+    if spec_for(q, index_k_cache) != spec:
+        raise ValueError(f"dsa_indexer kernel for {spec.describe()} got q {q.dtype} {tuple(q.shape)} and cache "
+                         f"{index_k_cache.dtype} {tuple(index_k_cache.shape)}")
+    rows = q.shape[0]
+    page_size, values, scales = cache_views(spec, index_k_cache)
+    max_context = int(max_context)
+    logits = torch.empty(rows, max_context, dtype=torch.float32, device=q.device)
+    inputs = (q, weights, values, scales, block_table, seq_lens, query_seq, query_pos, page_size, max_context, spec)
+    return inputs, (logits,), rows * max_context, logits
+
+
+def selftest_cases(profile: DeviceProfile):
+    """Named small cases for dzc-selftest: (name, build(device, generator) -> the op's arguments). Ragged batches
+    in shuffled pages; decode (1-2 queries per sequence) and prefill chunks; FP8 only where the profile has it."""
+    layouts = [("bf16", False)] + ([("fp8", True)] if profile.supports_dtype(torch.float8_e4m3fn) else [])
+    cases = []
+    for name, fp8 in layouts:
+        for shape, per_seq in (("decode", [1, 2, 1]), ("prefill", [8, 12, 3])):
+            cases.append((f"{shape}-{name}", functools.partial(
+                _build_case, seq_lens=[37, 200, 5], per_seq=per_seq, fp8=fp8)))
+    return cases
+
+
+def _build_case(device, generator, *, seq_lens, per_seq, fp8):
+    return dsa_cases.indexer_args(seq_lens, per_seq, heads=8, head_dim=64, fp8=fp8, page_size=16, device=device,
+                                  generator=generator)

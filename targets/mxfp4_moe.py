@@ -1,0 +1,614 @@
+"""Kernels for dzc.mxfp4_moe: routing, the two expert GEMMs on MXFP4 weights, and the weighted combine.
+
+One call runs (kernels in targets/mxfp4_moe_routing.py and the generated module):
+    route (count, schedule, scatter) -> gate/up GEMM with the activation fused -> down GEMM with the routing
+    weight fused, per (token, slot) pair -> combine (out[t] = sum_j, deterministic) ,
+on one of two paths, chosen per token bucket (a config parameter, WORKSPACE, so the tuner can also measure it):
+  online dequant (default for decode): weights stay packed; each GEMM decodes its tiles in registers (W4A16).
+  workspace (prefill): the activated experts' weights are dequantized once into one per-device buffer, shared by
+      every layer, and both GEMMs read plain bf16 tiles. It moves ~4.8x the weight bytes, so it only pays when
+      each expert has enough rows that decoding the same tile again for every row block costs more.
+
+Decode is weight-bandwidth bound: useful bytes = the packed weights (and scales) of the experts actually touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+import torch
+
+from dzc import mxfp4
+from dzc.ops.mxfp4_moe import ACTIVATIONS, check_mxfp4_moe_args
+from dzc.targets import mxfp4_moe_routing as routing
+from dzc.targets import triton_codegen
+from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.legality import config_problems
+from dzc.targets.profiles import DeviceProfile
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+# Cost model for the untuned choice of path: dequantizing an expert to the workspace costs ~2 extra bytes written
+# and read per weight (vs ~0.53 packed), while the online path decodes each weight tile once per row block. With
+# 128-row blocks, an expert with >= 128 rows on average decodes every tile at least twice online: from there on
+# the workspace is the cheaper path (kernels.md §2.8 puts the break-even for an fp8 workspace at 500-1000 rows;
+# bf16 MMA halves the MMA time per weight, which moves it down). The tuner measures both when it runs.
+WORKSPACE_MIN_ROWS_PER_EXPERT = 128
+# Row blocks of 16 suit decode (an expert rarely has more rows than that); beyond that, larger blocks.
+DECODE_MAX_ROWS_PER_EXPERT = 16
+
+
+@dataclass(frozen=True)
+class MXFP4MoESpec:
+    """What the kernels are specialised on; the token count is a run-time size."""
+
+    hidden: int  # H
+    inter: int  # I
+    experts: int  # E
+    top_k: int
+    hidden_dtype: torch.dtype
+    weights_dtype: torch.dtype  # topk_weights
+    w13_bias_dtype: torch.dtype | None
+    w2_bias_dtype: torch.dtype | None
+    activation: str
+    interleaved: bool
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return tuple(d for d in (self.hidden_dtype, self.weights_dtype, self.w13_bias_dtype, self.w2_bias_dtype)
+                     if d is not None)
+
+    @property
+    def dot_fp32(self) -> bool:
+        """bf16 activations multiply bf16 weights (exact); fp16/fp32 activations multiply in fp32."""
+        return self.hidden_dtype != torch.bfloat16
+
+    @property
+    def workspace_dtype(self) -> torch.dtype:
+        return torch.float32 if self.dot_fp32 else torch.bfloat16
+
+    def describe(self) -> str:
+        bias = "/".join("none" if d is None else str(d).removeprefix("torch.")
+                        for d in (self.w13_bias_dtype, self.w2_bias_dtype))
+        return (f"H={self.hidden} I={self.inter} E={self.experts} top_k={self.top_k} "
+                f"x={str(self.hidden_dtype).removeprefix('torch.')} "
+                f"topk_weights={str(self.weights_dtype).removeprefix('torch.')} bias={bias} "
+                f"{self.activation} interleaved={self.interleaved}")
+
+
+def spec_from_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias,
+                   activation, gate_up_interleaved) -> MXFP4MoESpec:
+    check_mxfp4_moe_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
+                         w2_bias, activation)
+    experts, two_i, _ = w13_scales.shape
+    return MXFP4MoESpec(int(hidden.shape[1]), int(two_i) // 2, int(experts), int(topk_ids.shape[1]), hidden.dtype,
+                        topk_weights.dtype, None if w13_bias is None else w13_bias.dtype,
+                        None if w2_bias is None else w2_bias.dtype, activation, bool(gate_up_interleaved))
+
+
+def spec_from_node(node) -> MXFP4MoESpec:
+    values = [a.meta["val"] if hasattr(a, "meta") else a for a in node.args[:9]]
+    activation, interleaved = node.args[9], node.args[10]
+    return spec_from_args(*values, activation, interleaved)
+
+
+def token_bucket(tokens: int) -> int:
+    """Tuning results are kept per power-of-two bucket of the token count."""
+    return 1 << max(tokens - 1, 0).bit_length()
+
+
+def rows_per_expert(spec: MXFP4MoESpec, tokens: int) -> float:
+    """Average sorted rows (token, slot pairs) per expert: what decides tile sizes and the path."""
+    return tokens * spec.top_k / spec.experts
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Work and bytes (benchmarks and the report's roofline figures)
+
+
+def packed_expert_bytes(spec: MXFP4MoESpec) -> int:
+    """Bytes of one expert's packed weights and scales (gate/up and down)."""
+    elements = 3 * spec.hidden * spec.inter
+    return elements // 2 + elements // mxfp4.BLOCK
+
+
+def flops(spec: MXFP4MoESpec, tokens: int) -> int:
+    """Useful FLOPs: 2 * rows * (2I*H + H*I)."""
+    return 2 * tokens * spec.top_k * 3 * spec.hidden * spec.inter
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The workspace: one buffer per device, shared by every layer (and every kernel of this family).
+
+_WORKSPACES: dict[torch.device, torch.Tensor] = {}
+
+
+def workspace_elements(spec, tokens: int) -> int:
+    """Elements the workspace path needs: the activated experts (at most min(E, tokens * top_k)) of the larger of
+    the two weights, which take turns in the same buffer."""
+    return min(spec.experts, tokens * spec.top_k) * max(2 * spec.inter * spec.hidden, spec.hidden * spec.inter)
+
+
+def workspace(device: torch.device, dtype: torch.dtype, elements: int) -> torch.Tensor:
+    """The device's workspace as `elements` of `dtype`. Allocated on first use and grown only when a larger layer
+    needs more, so the model's largest layer decides its size and every layer reuses it."""
+    device = torch.device(device)
+    nbytes = elements * dtype.itemsize
+    buffer = _WORKSPACES.get(device)
+    if buffer is None or buffer.numel() < nbytes:
+        _WORKSPACES.pop(device, None)
+        buffer = _WORKSPACES[device] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return buffer[:nbytes].view(dtype)
+
+
+def workspace_bytes(device: torch.device) -> int:
+    buffer = _WORKSPACES.get(torch.device(device))
+    return 0 if buffer is None else buffer.numel()
+
+
+def release_workspaces() -> None:
+    """Drop every device's workspace (benchmarks measuring peak memory from a clean state)."""
+    _WORKSPACES.clear()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Routing (host side: launches the routing kernels; no synchronisation)
+
+
+@dataclass
+class Routing:
+    sorted_pairs: torch.Tensor  # int32 [P]: pair index of each sorted row
+    block_expert: torch.Tensor  # int32 [max_blocks]: expert of each row block, -1 past the last
+    block_row_start: torch.Tensor  # int32 [max_blocks]
+    block_row_end: torch.Tensor  # int32 [max_blocks]
+    expert_counts: torch.Tensor  # int32 [E_POW2]
+    expert_slots: torch.Tensor  # int32 [E_POW2]: workspace slot of each activated expert
+    max_blocks: int
+
+
+def route(ids: torch.Tensor, experts: int, block_m: int, num_warps: int = 4) -> Routing:
+    """Group the pairs of `ids` (flat [P] expert ids) by expert into row blocks of block_m rows."""
+    pairs = ids.numel()
+    device = ids.device
+    e_pow2 = triton_next_power_of_2(experts)
+    chunks = -(-pairs // routing.ROUTING_CHUNK)
+    max_blocks = routing.max_row_blocks(pairs, experts, block_m)
+    int32 = dict(dtype=torch.int32, device=device)
+    expert_table = torch.empty(4, e_pow2, **int32)  # offsets, counts, slots, first block
+    blocks = torch.empty(3, max_blocks, **int32)  # expert, row start, row end
+    sorted_pairs = torch.empty(pairs, **int32)
+    schedule = (expert_table[0], expert_table[1], expert_table[2], expert_table[3], blocks[0], blocks[1], blocks[2],
+                max_blocks)
+    if chunks == 1:
+        routing.moe_route_one_chunk_kernel[(1,)](ids, sorted_pairs, pairs, experts, *schedule, E_POW2=e_pow2,
+                                                 BLOCK_M=block_m, SCHEDULE_STEP=routing.SCHEDULE_STEP,
+                                                 CHUNK=routing.ROUTING_CHUNK, num_warps=num_warps)
+    else:
+        chunk_counts = torch.empty(chunks, e_pow2, **int32)
+        chunk_bases = torch.empty(chunks, e_pow2, **int32)
+        routing.moe_count_kernel[(chunks,)](ids, chunk_counts, pairs, experts, E_POW2=e_pow2,
+                                            CHUNK=routing.ROUTING_CHUNK, num_warps=num_warps)
+        routing.moe_schedule_kernel[(1,)](chunk_counts, chunks, chunk_bases, *schedule, E_POW2=e_pow2,
+                                          BLOCK_M=block_m, SCHEDULE_STEP=routing.SCHEDULE_STEP, num_warps=num_warps)
+        routing.moe_scatter_kernel[(chunks,)](ids, chunk_bases, sorted_pairs, pairs, experts, E_POW2=e_pow2,
+                                              CHUNK=routing.ROUTING_CHUNK, num_warps=num_warps)
+    return Routing(sorted_pairs, blocks[0], blocks[1], blocks[2], expert_table[1], expert_table[2], max_blocks)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+COMBINE_BLOCK_H = 1024
+
+
+def combine(pair_out: torch.Tensor, ids: torch.Tensor, spec, out: torch.Tensor) -> None:
+    """out[t] = sum over slots of pair_out[t * top_k + j] (spec: anything with hidden, experts, top_k)."""
+    tokens = out.shape[0]
+    block_h = min(COMBINE_BLOCK_H, triton_next_power_of_2(spec.hidden))
+    routing.moe_combine_kernel[(tokens, -(-spec.hidden // block_h))](
+        pair_out, ids, out, spec.experts, out.stride(0), HIDDEN=spec.hidden, TOP_K=spec.top_k, BLOCK_H=block_h,
+        num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Arguments
+
+
+def prepare(spec: MXFP4MoESpec, hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
+            w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit):
+    """Op arguments -> (kernel inputs, (out,), token count, out). Inputs are made dense (the kernels index them
+    as contiguous rows); the packed weights and biases of a model already are, so they pass as they are."""
+    got = spec_from_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
+                         w2_bias, activation, gate_up_interleaved)
+    if got != spec:
+        raise ValueError(f"mxfp4_moe kernel for {spec.describe()} got arguments for {got.describe()}")
+    dense = [t if t is None or t.is_contiguous() else t.contiguous()
+             for t in (hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
+                       w2_bias)]
+    out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
+    return (*dense, float(alpha), float(limit)), (out,), hidden.shape[0], out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config tiers: which part of the space suits a token bucket (the tuner times only that part)
+
+
+def _tier(spec: MXFP4MoESpec, bucket: int) -> tuple[set[int], set[int]]:
+    """(BLOCK_M values, WORKSPACE values) worth trying for `bucket` tokens."""
+    rows = rows_per_expert(spec, bucket)
+    if rows <= DECODE_MAX_ROWS_PER_EXPERT:
+        return {16}, {0}
+    if rows < WORKSPACE_MIN_ROWS_PER_EXPERT:
+        return {32, 64}, {0}
+    return {64, 128}, {0, 1}
+
+
+def _uses_workspace(config: KernelConfig) -> bool:
+    return dict(config.params).get("WORKSPACE", 0) == 1
+
+
+def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, configs: list[KernelConfig],
+                       default: KernelConfig) -> tuple[list[KernelConfig], KernelConfig]:
+    """The legal configs worth timing for `bucket`, and the untuned choice for it (cost model above)."""
+    block_ms, workspace_flags = _tier(spec, bucket)
+    tier = [c for c in configs if c["BLOCK_M"] in block_ms and dict(c.params).get("WORKSPACE", 0) in workspace_flags]
+    if not tier:
+        return configs, default
+    want_workspace = rows_per_expert(spec, bucket) >= WORKSPACE_MIN_ROWS_PER_EXPERT
+
+    def preference(c: KernelConfig):
+        # The cost model's path, the tier's largest row block, then mid-size tiles: 64 x 128 with 128 threads for
+        # decode (many small blocks keep every SM loading), 256 threads for the larger prefill tiles.
+        threads = c.num_warps * profile.warp_size
+        return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
+                -c["BLOCK_M"], abs(c["BLOCK_N"] - 64), abs(c["BLOCK_K"] - 128),
+                abs(threads - (128 if c["BLOCK_M"] <= 16 else 256)), c.num_stages != 3)
+
+    return tier, min(tier, key=preference)
+
+
+def describe_config(config: KernelConfig) -> str:
+    """Which path a config runs: what the compile report records per token bucket."""
+    if _uses_workspace(config):
+        return "workspace (dequantize activated experts once, then grouped bf16 GEMM)"
+    return "online dequant (MXFP4 decoded in registers inside the GEMMs)"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton
+
+TRITON_KERNEL_NAMES = ("moe_gate_up_kernel", "moe_down_kernel", "mxfp4_dequantize_experts_kernel")
+# The workspace dequantization's tile (it is bandwidth bound; one shape serves).
+DEQUANT_BLOCK_N = 32
+DEQUANT_BLOCK_K = 256
+DEQUANT_NUM_WARPS = 4
+
+_TRITON_ACTIVATIONS = {
+    "silu_glu": ["act = gate / (1.0 + tl.exp(-gate)) * up"],
+    "gptoss_clamped_glu": [
+        "gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)",
+        "up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,",
+        "                propagate_nan=tl.PropagateNan.ALL)",
+        "act = gate / (1.0 + tl.exp(-alpha * gate)) * (up + 1.0)",
+    ],
+}
+
+
+def _name(dtype: torch.dtype | None) -> str:
+    return "none" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _template_fields(spec: MXFP4MoESpec, profile: DeviceProfile) -> dict:
+    return dict(profile=profile.name, hidden=spec.hidden, inter=spec.inter, experts=spec.experts, top_k=spec.top_k,
+                hidden_dtype=_name(spec.hidden_dtype), weights_dtype=_name(spec.weights_dtype),
+                w13_bias=_name(spec.w13_bias_dtype), w2_bias=_name(spec.w2_bias_dtype), activation=spec.activation,
+                interleaved=spec.interleaved, has_w13_bias=spec.w13_bias_dtype is not None,
+                has_w2_bias=spec.w2_bias_dtype is not None, dot_fp32=spec.dot_fp32)
+
+
+def triton_source(spec: MXFP4MoESpec, profile: DeviceProfile) -> str:
+    if spec.activation not in ACTIVATIONS:
+        raise ValueError(f"mxfp4_moe: no kernel for activation {spec.activation!r}")
+    fields = _template_fields(spec, profile)
+    fields["activation_code"] = "\n    ".join(_TRITON_ACTIVATIONS[spec.activation])
+    return Template((TEMPLATES / "mxfp4_moe.triton.py.tmpl").read_text()).substitute(fields)
+
+
+def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """Every tier's tiles (configs_for_bucket picks a tier per bucket), before legality pruning.
+
+    BLOCK_K is at least 64 (each row step reads 32+ contiguous bytes per weight row; decode reads 64+); BLOCK_N
+    tiles the output columns (for the gate/up GEMM BLOCK_N gate and BLOCK_N up rows). Decode tiles also take 1 and
+    2 warps: with 128-lane warps (mp_22) those are the 128- and 256-thread blocks that suit them.
+    """
+    configs = []
+    for block_m, block_n, block_k, warps, stages, use_workspace in (
+            [(16, n, k, w, s, 0) for n in (32, 64, 128) for k in (128, 256) for w in (1, 2, 4, 8) for s in (2, 3)]
+            + [(m, n, k, w, s, 0) for m in (32, 64) for n in (64, 128) for k in (64, 128) for w in (4, 8)
+               for s in (2, 3)]
+            + [(m, n, 64, w, s, ws) for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (3, 4)
+               for ws in (0, 1)]):
+        configs.append(KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=block_m, BLOCK_N=block_n,
+                                         BLOCK_K=block_k, WORKSPACE=use_workspace))
+    return configs
+
+
+def triton_default_config(spec: MXFP4MoESpec, profile: DeviceProfile) -> KernelConfig:
+    """Untuned choice without a token count: the decode tier's (configs_for_bucket refines it per bucket)."""
+    from dzc.targets.launch import legal_configs  # noqa: PLC0415 (launch imports families' modules lazily)
+
+    legal, _ = legal_configs(_this_module(), "triton", spec, profile)
+    _, default = configs_for_bucket(spec, profile, 1, legal, legal[0] if legal else None)
+    if default is None:
+        raise ValueError(f"no legal Triton mxfp4_moe config for {spec.describe()} on {profile.name}")
+    return default
+
+
+def _this_module():
+    import sys  # noqa: PLC0415
+
+    return sys.modules[__name__]
+
+
+def triton_shared_memory_bytes(spec: MXFP4MoESpec, config: KernelConfig) -> int:
+    """Upper estimate: per pipeline stage the activation tile and two weight tiles (gate and up; packed bytes and
+    scales online, bf16/fp32 from the workspace), plus the decoded operands the MMA reads from shared memory."""
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    operand = 4 if spec.dot_fp32 else 2
+    activation = block_m * block_k * spec.hidden_dtype.itemsize
+    if _uses_workspace(config):
+        weights = 2 * block_n * block_k * operand
+    else:
+        weights = 2 * (block_n * block_k // 2 + block_n * block_k // mxfp4.BLOCK)
+    staged = max(config.num_stages - 1, 1) * (activation + weights)
+    return staged + 2 * block_n * block_k * operand + block_m * block_k * operand
+
+
+def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_weights, w13_blocks, w13_scales,
+                  w13_bias, w2_blocks, w2_scales, w2_bias, alpha, limit, out):
+    """Route, run both GEMMs on the config's path, combine into `out` [T, H] (preallocated). Arguments as
+    `prepare` returns them (checked there against the spec the kernels were generated for)."""
+    spec = _LaunchShape.of(hidden, topk_ids, w13_scales)
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    tokens = hidden.shape[0]
+    pairs = tokens * spec.top_k
+    ids = topk_ids.reshape(-1)
+    plan = route(ids, spec.experts, block_m)
+    device = hidden.device
+    act = torch.empty(pairs, spec.inter, dtype=spec.hidden_dtype, device=device)
+    pair_out = torch.empty(pairs, spec.hidden, dtype=torch.float32, device=device)
+    use_workspace = _uses_workspace(config)
+    upcast = triton_codegen.interpreting()
+    options = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WORKSPACE=use_workspace, UPCAST_DOT=upcast,
+                   num_warps=config.num_warps, num_stages=config.num_stages)
+    ws = workspace(device, spec.workspace_dtype, workspace_elements(spec, tokens)) if use_workspace else hidden
+    # Absent biases: any pointer will do, the kernels never read it (HAS_*_BIAS is False in their source).
+    w13_bias_arg = w13_bias if w13_bias is not None else hidden
+    w2_bias_arg = w2_bias if w2_bias is not None else hidden
+    if use_workspace:
+        _dequantize_experts(kernels, w13_blocks, w13_scales, plan, ws, 2 * spec.inter, spec.hidden, spec)
+    kernels["moe_gate_up_kernel"][(plan.max_blocks, -(-spec.inter // block_n))](
+        hidden, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
+        w13_blocks, w13_scales, ws, w13_bias_arg, act, hidden.stride(0), alpha, limit, **options)
+    if use_workspace:
+        _dequantize_experts(kernels, w2_blocks, w2_scales, plan, ws, spec.hidden, spec.inter, spec)
+    kernels["moe_down_kernel"][(plan.max_blocks, -(-spec.hidden // block_n))](
+        act, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
+        w2_blocks, w2_scales, ws, w2_bias_arg, topk_weights.reshape(-1), pair_out, **options)
+    combine(pair_out, ids, spec, out)
+
+
+@dataclass(frozen=True)
+class _LaunchShape:
+    """The sizes a launch needs, read from its arguments (the generated source holds the rest of the spec)."""
+
+    hidden: int
+    inter: int
+    experts: int
+    top_k: int
+    hidden_dtype: torch.dtype
+
+    @staticmethod
+    def of(hidden: torch.Tensor, topk_ids: torch.Tensor, w13_scales: torch.Tensor) -> "_LaunchShape":
+        experts, two_i, _ = w13_scales.shape
+        return _LaunchShape(hidden.shape[1], two_i // 2, experts, topk_ids.shape[1], hidden.dtype)
+
+    @property
+    def workspace_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.hidden_dtype == torch.bfloat16 else torch.float32
+
+
+_TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tuple[dict, dict]]:
+    """Per generated kernel, (signature, constexprs[, num_warps if not the config's]) for compiling it ahead of
+    time with triton.compile (dzc-selftest --dry-run and the tests do)."""
+    x = "*" + _TRITON_TYPES[spec.hidden_dtype]
+    ws = "*" + _TRITON_TYPES[torch.float32 if spec.dot_fp32 else torch.bfloat16]
+    w13_bias = "*" + _TRITON_TYPES[spec.w13_bias_dtype or spec.hidden_dtype]
+    w2_bias = "*" + _TRITON_TYPES[spec.w2_bias_dtype or spec.hidden_dtype]
+    tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+                 WORKSPACE=_uses_workspace(config), UPCAST_DOT=False)
+    constexprs = {name: "constexpr" for name in tiles}
+    schedule = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
+                    block_row_end_ptr="*i32", expert_slots_ptr="*i32", w_blocks_ptr="*u8", w_scales_ptr="*u8",
+                    workspace_ptr=ws)
+    gate_up = dict(x_ptr=x, **schedule, bias_ptr=w13_bias, act_ptr=x, stride_x="i32", alpha="fp32",
+                   limit="fp32", **constexprs)
+    down = dict(act_ptr=x, **schedule, bias_ptr=w2_bias, topk_weights_ptr="*" + _TRITON_TYPES[spec.weights_dtype],
+                pair_out_ptr="*fp32", **constexprs)
+    dequant = dict(w_blocks_ptr="*u8", w_scales_ptr="*u8", expert_counts_ptr="*i32", expert_slots_ptr="*i32",
+                   workspace_ptr=ws, N="constexpr", K="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr")
+    dequant_constexprs = dict(N=2 * spec.inter, K=spec.hidden, BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=DEQUANT_BLOCK_K)
+    return {"moe_gate_up_kernel": (gate_up, tiles), "moe_down_kernel": (down, tiles),
+            "mxfp4_dequantize_experts_kernel": (dequant, dequant_constexprs, DEQUANT_NUM_WARPS)}
+
+
+def _dequantize_experts(kernels, blocks, scales, plan: Routing, ws, n: int, k: int, spec: _LaunchShape) -> None:
+    grid = (spec.experts, -(-n // DEQUANT_BLOCK_N), -(-k // DEQUANT_BLOCK_K))
+    kernels["mxfp4_dequantize_experts_kernel"][grid](blocks, scales, plan.expert_counts, plan.expert_slots, ws,
+                                                     N=n, K=k, BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=DEQUANT_BLOCK_K,
+                                                     num_warps=DEQUANT_NUM_WARPS)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TileLang (online dequant only: the workspace path is Triton's)
+
+TILELANG_FACTORY_NAME = "build"
+_TILELANG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_TILELANG_ACTIVATIONS = {
+    "silu_glu": ["return gate / (1.0 + T.exp(-gate)) * up"],
+    "gptoss_clamped_glu": [
+        "gate = T.if_then_else(gate > limit, limit, gate)",
+        "up = T.if_then_else(up > limit, limit, T.if_then_else(up < -limit, -limit, up))",
+        "return gate / (1.0 + T.exp(-alpha * gate)) * (up + 1.0)",
+    ],
+}
+
+
+def tilelang_source(spec: MXFP4MoESpec, profile: DeviceProfile) -> str:
+    if spec.activation not in ACTIVATIONS:
+        raise ValueError(f"mxfp4_moe: no kernel for activation {spec.activation!r}")
+    fields = _template_fields(spec, profile)
+    fields.update(
+        x_tl_dtype=_TILELANG_DTYPES[spec.hidden_dtype], weights_tl_dtype=_TILELANG_DTYPES[spec.weights_dtype],
+        # An absent bias is passed as fp32 zeros.
+        w13_bias_tl_dtype=_TILELANG_DTYPES[spec.w13_bias_dtype or torch.float32],
+        w2_bias_tl_dtype=_TILELANG_DTYPES[spec.w2_bias_dtype or torch.float32],
+        operand_tl_dtype="float32" if spec.dot_fp32 else "bfloat16",
+        activation_code="\n    ".join(_TILELANG_ACTIVATIONS[spec.activation]))
+    return Template((TEMPLATES / "mxfp4_moe.tilelang.py.tmpl").read_text()).substitute(fields)
+
+
+def tilelang_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """Row block x column block x K step x threads x stages, already pruned to what is legal on `profile`.
+
+    T.gemm needs whole warps along M and N; threads are whole warps of the profile (one 128-lane QY2 warp is four
+    32-lane ones). Row blocks of 16 serve decode, 64 prefill-sized groups."""
+    configs = []
+    for block_m, block_n, block_k, threads, stages in (
+            [(16, n, k, t, s) for n in (64, 128) for k in (64, 128) for t in (128, 256) for s in (1, 2)]
+            + [(64, n, 64, t, s) for n in (64, 128) for t in (128, 256) for s in (1, 2)]):
+        if threads % profile.warp_size:
+            continue
+        config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=stages, BLOCK_M=block_m,
+                                   BLOCK_N=block_n, BLOCK_K=block_k, THREADS=threads, NUM_STAGES=stages)
+        if not config_problems(profile, threads=threads, num_warps=None,
+                               shared_memory_bytes=tilelang_shared_memory_bytes(spec, config), dtypes=spec.dtypes):
+            configs.append(config)
+    return configs
+
+
+def tilelang_default_config(spec: MXFP4MoESpec, profile: DeviceProfile) -> KernelConfig:
+    configs = tilelang_configs(spec, profile)
+    if not configs:
+        raise ValueError(f"no legal TileLang mxfp4_moe config for {spec.describe()} on {profile.name}")
+    return configs_for_bucket(spec, profile, 1, configs, configs[0])[1]
+
+
+def tilelang_shared_memory_bytes(spec: MXFP4MoESpec, config: KernelConfig) -> int:
+    """The activation tile and the two decoded weight tiles (gate and up) in shared memory, once per stage."""
+    operand = 4 if spec.dot_fp32 else 2
+    tiles = (config["BLOCK_M"] + 2 * config["BLOCK_N"]) * config["BLOCK_K"] * operand
+    return max(config["NUM_STAGES"], 1) * tiles + 4 * config["BLOCK_M"]
+
+
+_ZERO_BIASES: dict[tuple, torch.Tensor] = {}
+
+
+def _bias_or_zeros(bias, experts: int, rows: int, device) -> torch.Tensor:
+    """The bias, or cached fp32 zeros of its shape (TileLang kernels always add one)."""
+    if bias is not None:
+        return bias
+    key = (torch.device(device), experts, rows)
+    if key not in _ZERO_BIASES:
+        _ZERO_BIASES[key] = torch.zeros(experts, rows, dtype=torch.float32, device=device)
+    return _ZERO_BIASES[key]
+
+
+def _with_gemm(config: KernelConfig, gemm: int) -> KernelConfig:
+    """The factory arguments of one of the two GEMMs for a tuning config (both share its tiles)."""
+    return KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), GEMM=gemm)
+
+
+def tilelang_launch(compiled, config: KernelConfig, hidden, topk_ids, topk_weights, w13_blocks, w13_scales,
+                    w13_bias, w2_blocks, w2_scales, w2_bias, alpha, limit, out):
+    """Route (Triton routing kernels), both TileLang GEMMs with online dequant, combine into `out`.
+
+    `compiled` is what tilelang_codegen.load returns; the packed weights are passed as [E, N, K/2] bytes."""
+    if _uses_workspace(config):
+        raise ValueError("the TileLang mxfp4_moe kernels have no workspace path (use codegen='triton')")
+    shape = _LaunchShape.of(hidden, topk_ids, w13_scales)
+    pairs = hidden.shape[0] * shape.top_k
+    ids = topk_ids.reshape(-1)
+    plan = route(ids, shape.experts, config["BLOCK_M"])
+    act = torch.empty(pairs, shape.inter, dtype=hidden.dtype, device=hidden.device)
+    pair_out = torch.empty(pairs, shape.hidden, dtype=torch.float32, device=hidden.device)
+    schedule = (plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end)
+    compiled.kernel_for(_with_gemm(config, 0))(
+        hidden, *schedule, w13_blocks.flatten(2), w13_scales,
+        _bias_or_zeros(w13_bias, shape.experts, 2 * shape.inter, hidden.device), act, float(alpha), float(limit))
+    compiled.kernel_for(_with_gemm(config, 1))(
+        act, *schedule, w2_blocks.flatten(2), w2_scales,
+        _bias_or_zeros(w2_bias, shape.experts, shape.hidden, hidden.device), topk_weights.reshape(-1), pair_out)
+    combine(pair_out, ids, shape, out)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Self-test cases: small random problems that exercise every path (dzc-selftest runs them on a device)
+
+
+def random_moe_args(device, generator: torch.Generator, *, tokens: int, hidden: int, inter: int, experts: int,
+                    top_k: int, dtype: torch.dtype = torch.bfloat16, activation: str = "gptoss_clamped_glu",
+                    interleaved: bool = True, bias: bool = True, skew: float = 0.0,
+                    weights_dtype: torch.dtype = torch.float32) -> tuple:
+    """The op's arguments (without kernel_id) for a random MoE layer: weights quantized from random floats by
+    dzc.mxfp4.quantize, distinct top-k experts per token; with `skew` > 0, expert 0 is favoured (skew=3 sends it
+    nearly every token). Built with `generator` on its device, then moved to `device`."""
+    on = dict(generator=generator, device=generator.device)
+
+    def weight(n, k):
+        # Rows of varied magnitude, so that the blocks' scales differ.
+        w = torch.randn(experts, n, k, **on) * torch.exp2(torch.randint(-4, 2, (experts, n, 1), **on).float())
+        return mxfp4.quantize(w * k ** -0.5)
+
+    w13_blocks, w13_scales = weight(2 * inter, hidden)
+    w2_blocks, w2_scales = weight(hidden, inter)
+    logits = torch.randn(tokens, experts, **on)
+    logits[:, 0] += skew * 4
+    top_logits, topk_ids = logits.topk(top_k, dim=-1)
+    topk_weights = torch.softmax(top_logits, dim=-1).to(weights_dtype)
+    x = torch.randn(tokens, hidden, **on).to(dtype)
+    w13_bias = torch.randn(experts, 2 * inter, **on).to(dtype) if bias else None
+    w2_bias = torch.randn(experts, hidden, **on).to(dtype) if bias else None
+    tensors = [x, topk_ids.to(torch.int32), topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
+               w2_bias]
+    tensors = [None if t is None else t.to(device) for t in tensors]
+    return (*tensors, activation, interleaved, 1.702, 7.0)
+
+
+def selftest_cases(profile: DeviceProfile) -> list[tuple[str, Callable[[torch.device, torch.Generator], tuple]]]:
+    """Named small cases, each building the op's arguments (without kernel_id) from fresh random inputs.
+
+    Shapes are tiny multiples of 32 with H != I != a power of two where it matters (K tails); token counts cover
+    decode (1), a few rows per expert (5) and several row blocks with one dominant expert (37, skewed)."""
+    dtypes = [d for d in (torch.bfloat16, torch.float16, torch.float32) if profile.supports_dtype(d)]
+    cases = []
+
+    def case(name, **kwargs):
+        cases.append((name, lambda device, generator, kw=kwargs: random_moe_args(device, generator, **kw)))
+
+    for dtype in dtypes:
+        short = str(dtype).removeprefix("torch.")
+        case(f"gptoss-{short}-T1", tokens=1, hidden=96, inter=64, experts=4, top_k=2, dtype=dtype)
+        case(f"gptoss-{short}-T5", tokens=5, hidden=96, inter=64, experts=4, top_k=2, dtype=dtype)
+    case("silu-concat-nobias-T37-skewed", tokens=37, hidden=64, inter=96, experts=6, top_k=3,
+         activation="silu_glu", interleaved=False, bias=False, skew=3.0)
+    case("gptoss-T37-skewed-bf16-weights", tokens=37, hidden=96, inter=64, experts=5, top_k=2, skew=3.0,
+         weights_dtype=torch.bfloat16)
+    return cases

@@ -1,0 +1,391 @@
+"""Kernels for dzc.sparse_attention: attention of each query row over its top-k selected positions only.
+
+The selected positions are gathered through the block table inside the kernels. Two variants, chosen per call
+by the number of query rows (the report records which one each token bucket ran):
+  prefill (rows > DECODE_MAX_ROWS): compute-bound. One program per (query row, block of BLOCK_H heads) runs an
+      online softmax over all selected positions in tiles of BLOCK_N gathered rows. With one latent KV head
+      (MLA/MQA: Dqk 576 = 512 + 64 rope, V = the first 512 columns of K) all BLOCK_H heads share each gathered
+      tile: scores are one [BLOCK_H, Dqk] × [Dqk, BLOCK_N] MMA and the V tile is the K tile already loaded.
+  decode (rows <= DECODE_MAX_ROWS): memory-bound, few programs. The selected positions are split across SPLITS
+      programs per head block (split-K); each writes its normalised partial output and log-sum-exp, and a
+      second kernel combines them. Workspace: SPLITS × rows × heads × (Dv + 1) fp32, nothing ∝ context.
+MHA (Hkv = H) is supported with per-head gathers (no MMA); it is not the DSA shape.
+
+Tuning bucket: query rows, rounded up to a power of two.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+import torch
+
+from dzc.ops import dsa as dsa_ops
+from dzc.targets import dsa_cases, triton_codegen
+from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.legality import config_problems
+from dzc.targets.profiles import DeviceProfile
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+# Query-row counts at or below this run the decode (split-K) kernels; above, the prefill kernel. 256 covers
+# batch 128 × 2 queries per step (multi-token prediction).
+DECODE_MAX_ROWS = 256
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@dataclass(frozen=True)
+class SparseAttentionSpec:
+    heads: int
+    kv_heads: int  # 1 (MLA/MQA latent) or heads (MHA)
+    d_qk: int
+    d_v: int
+    dtype: torch.dtype  # q, k_cache, v_cache and out
+    separate_v: bool  # v_cache given; otherwise V = K[..., :d_v]
+
+    @property
+    def shared_kv(self) -> bool:
+        return self.kv_heads == 1
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return (self.dtype, torch.float32)  # legality checks float dtypes (indices are int32 everywhere)
+
+    @property
+    def d_main(self) -> int:
+        """The largest power of two in Dqk: the first MMA's K dimension (512 of MLA's 576)."""
+        return 1 << (self.d_qk.bit_length() - 1)
+
+    @property
+    def d_tail(self) -> int:
+        return self.d_qk - self.d_main
+
+    @property
+    def block_tail(self) -> int:
+        """The rest of Dqk (MLA's 64 rope dims) padded to a power of two, at least 16 (an MMA's K)."""
+        return max(16, _pow2_at_least(self.d_tail)) if self.d_tail else 0
+
+    @property
+    def block_dv(self) -> int:
+        return max(16, _pow2_at_least(self.d_v))
+
+    @property
+    def v_is_k_main(self) -> bool:
+        """V is exactly the gathered K tile's main part (MLA: d_v = 512 = d_main): no second load."""
+        return self.shared_kv and not self.separate_v and self.d_v == self.d_main
+
+    def describe(self) -> str:
+        values = "v_cache" if self.separate_v else f"K[..., :{self.d_v}]"
+        return f"heads={self.heads} kv_heads={self.kv_heads} d_qk={self.d_qk} d_v={self.d_v} V={values} " \
+               f"dtype={str(self.dtype).removeprefix('torch.')}"
+
+
+def spec_for(q, k_cache, v_cache, d_v) -> SparseAttentionSpec:
+    """The spec of a call (works on fake tensors; the op's checks ran already). The kernels also need the caches
+    in q's dtype."""
+    _, heads, d_qk = (int(n) for n in q.shape)
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if cache is not None and cache.dtype != q.dtype:
+            raise ValueError(f"sparse_attention kernels read the caches in q's dtype: {name} is {cache.dtype}, "
+                             f"q is {q.dtype}")
+    return SparseAttentionSpec(heads, int(k_cache.shape[2]), d_qk, int(d_v), q.dtype, v_cache is not None)
+
+
+def spec_from_node(node) -> SparseAttentionSpec:
+    q, k_cache = node.args[0].meta["val"], node.args[1].meta["val"]
+    v_cache = node.args[2].meta["val"] if node.args[2] is not None else None
+    return spec_for(q, k_cache, v_cache, node.args[8])
+
+
+def token_bucket(tokens: int) -> int:
+    """`tokens` is the number of query rows; tuning results are kept per power of two of it."""
+    return _pow2_at_least(tokens)
+
+
+def variant_for_bucket(bucket: int) -> str:
+    return "decode" if bucket <= DECODE_MAX_ROWS else "prefill"
+
+
+def config_variant(config: KernelConfig) -> str:
+    """SPLITS = 0: the prefill kernel; SPLITS >= 1: the decode kernels with that many splits."""
+    return "decode" if config["SPLITS"] else "prefill"
+
+
+def describe_config(config: KernelConfig) -> str:
+    """What the report prints as the path a token bucket ran."""
+    if config["SPLITS"]:
+        return f"decode kernels (split-K over {config['SPLITS']} programs per head block, then combine)"
+    return "prefill kernel (one program per query row and head block)"
+
+
+def configs_for_bucket(spec: SparseAttentionSpec, profile: DeviceProfile, bucket: int, configs: list[KernelConfig],
+                       default: KernelConfig) -> tuple[list[KernelConfig], KernelConfig]:
+    """The configs of the variant that serves `bucket` (see targets/launch.py) and that variant's default: the
+    family default (a prefill config) with 4 splits for decode."""
+    variant = variant_for_bucket(bucket)
+    chosen = [c for c in configs if config_variant(c) == variant]
+    if config_variant(default) != variant:
+        default = KernelConfig.make(default.num_warps, default.num_stages,
+                                    **{**dict(default.params), "SPLITS": 4 if variant == "decode" else 0})
+    return chosen, default
+
+
+def prepare(spec: SparseAttentionSpec, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale,
+            d_v, *_static):
+    """Op arguments -> (kernel inputs, kernel outputs (preallocated), query rows, the op's result)."""
+    dsa_ops.check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v)
+    if spec_for(q, k_cache, v_cache, d_v) != spec:
+        raise ValueError(f"sparse_attention kernel for {spec.describe()} got q {q.dtype} {tuple(q.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}, d_v {d_v}")
+    out = torch.empty(q.shape[0], spec.heads, spec.d_v, dtype=q.dtype, device=q.device)
+    # exp2 in the kernels: fold log2(e) into the scale once.
+    scale_log2 = float(sm_scale) * math.log2(math.e)
+    values = v_cache if v_cache is not None else k_cache  # never read when V comes from K
+    inputs = (q, k_cache, values, block_table, seq_lens, query_seq, indices, scale_log2, spec)
+    return inputs, (out,), q.shape[0], out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton
+
+TRITON_KERNEL_NAMES = ("sparse_attention_kernel", "sparse_attention_split_kernel", "sparse_attention_combine_kernel")
+
+
+def triton_source(spec: SparseAttentionSpec, profile: DeviceProfile) -> str:
+    fields = dict(profile=profile.name, heads=spec.heads, kv_heads=spec.kv_heads, d_qk=spec.d_qk,
+                  d_qk_main=spec.d_main, d_qk_tail=spec.d_tail, d_v=spec.d_v, dtype=spec.dtype,
+                  value_source="v_cache" if spec.separate_v else f"K[..., :{spec.d_v}]")
+    return Template((TEMPLATES / "sparse_attention.triton.py.tmpl").read_text()).substitute(fields)
+
+
+def _attend_constexprs(spec: SparseAttentionSpec, config: KernelConfig, mma_in_fp32: bool) -> dict:
+    return dict(HEADS=spec.heads, BLOCK_H=config["BLOCK_H"], SHARED_KV=spec.shared_kv, D_MAIN=spec.d_main,
+                D_TAIL=spec.d_tail, BLOCK_TAIL=spec.block_tail, D_V=spec.d_v, BLOCK_DV=spec.block_dv,
+                V_IS_K_MAIN=spec.v_is_k_main, V_FROM_K=not spec.separate_v, BLOCK_N=config["BLOCK_N"],
+                MMA_IN_FP32=mma_in_fp32,
+                # fp32 caches multiply in full precision (Triton's default for fp32 operands is TF32).
+                DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32")
+
+
+def _combine_constexprs(spec: SparseAttentionSpec, config: KernelConfig) -> dict:
+    return dict(D_V=spec.d_v, BLOCK_DV=spec.block_dv, BLOCK_SPLITS=_pow2_at_least(config["SPLITS"]))
+
+
+def triton_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """Heads per program × gathered rows per tile × warps × stages, for the prefill kernel (SPLITS = 0) and the
+    decode kernels (SPLITS >= 1). The fp32 accumulator [BLOCK_H, Dv] is kept at most 128 values per thread."""
+    if spec.shared_kv:
+        # The two largest head blocks up to 64 (fewer heads per program re-gather the same rows).
+        head_blocks = [h for h in (16, 32, 64) if h <= max(16, _pow2_at_least(spec.heads))][-2:]
+        row_blocks, warp_counts = (32, 64), (4, 8)
+    else:
+        head_blocks, row_blocks, warp_counts = (1, 2, 4), (16, 32), (2, 4)
+    configs = []
+    for splits in (0, 1, 2, 4, 8, 16):
+        for block_h in head_blocks:
+            for block_n in row_blocks:
+                for num_warps in warp_counts:
+                    if block_h * spec.block_dv > 128 * num_warps * profile.warp_size:
+                        continue
+                    for num_stages in ((1, 2) if spec.shared_kv else (1,)):
+                        configs.append(KernelConfig.make(num_warps=num_warps, num_stages=num_stages, SPLITS=splits,
+                                                         BLOCK_H=block_h, BLOCK_N=block_n))
+    return configs
+
+
+def triton_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -> KernelConfig:
+    """Untuned prefill choice (the decode default is the same with 4 splits): the most heads per program whose
+    accumulator fits at 8 warps (4 for MHA), 32 gathered rows per tile."""
+    legal = [c for c in triton_configs(spec, profile) if c["SPLITS"] == 0 and c["BLOCK_N"] == 32
+             and c.num_stages == 1 and c.num_warps <= profile.max_num_warps]
+    return max(legal, key=lambda c: (c["BLOCK_H"] * (1 if c.num_warps <= 8 else 0), c["BLOCK_N"], -c.num_warps))
+
+
+def triton_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) -> int:
+    """Upper estimate. Shared KV: the q tile, one gathered K tile (and V tile when separate) per stage and the
+    probabilities tile, or the fp32 output tile if larger. MHA: the cross-warp reduction scratch of the per-head sums."""
+    item = spec.dtype.itemsize
+    block_h, block_n = config["BLOCK_H"], config["BLOCK_N"]
+    width = spec.d_main + spec.block_tail
+    if not spec.shared_kv:
+        return 4 * block_h * block_n * config.num_warps
+    v_tile = 0 if spec.v_is_k_main else block_n * spec.block_dv * item
+    gathered = config.num_stages * (block_n * width * item + v_tile)
+    operands = block_h * width * item + gathered + block_h * block_n * item
+    # The decode kernel's fp32 partial output goes through shared memory on its way to global memory.
+    return max(operands, block_h * spec.block_dv * 4)
+
+
+def triton_launch(kernels, config: KernelConfig, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices,
+                  scale_log2, spec, out):
+    """kernels: TRITON_KERNEL_NAMES -> @triton.jit. v_cache is k_cache itself when V comes from K (not read)."""
+    rows, topk = indices.shape
+    page_size = k_cache.shape[1]
+    head_blocks = -(-spec.heads // config["BLOCK_H"])
+    common = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+              k_cache.stride(3), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
+              block_table.stride(0), block_table.stride(1), indices.stride(0), indices.stride(1))
+    constexprs = _attend_constexprs(spec, config, triton_codegen.interpreting())
+    splits = config["SPLITS"]
+    if splits == 0:
+        kernels["sparse_attention_kernel"][(rows, head_blocks)](
+            q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, out, topk, page_size, scale_log2,
+            *common, out.stride(0), out.stride(1), out.stride(2), **constexprs,
+            num_warps=config.num_warps, num_stages=config.num_stages)
+        return
+    # Decode: each split covers a whole number of BLOCK_N tiles.
+    per_split = -(-(-(-topk // splits)) // config["BLOCK_N"]) * config["BLOCK_N"]
+    partial = torch.empty(splits, rows, spec.heads, spec.d_v, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, rows, spec.heads, dtype=torch.float32, device=q.device)
+    kernels["sparse_attention_split_kernel"][(rows, head_blocks, splits)](
+        q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, partial, lse, topk, page_size, scale_log2,
+        per_split, *common, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        **constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
+    kernels["sparse_attention_combine_kernel"][(rows, spec.heads)](
+        partial, lse, out, splits, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
+        lse.stride(1), out.stride(0), out.stride(1), out.stride(2), **_combine_constexprs(spec, config),
+        num_warps=4)
+
+
+_TL_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_STRIDES = ("stride_qt", "stride_qh", "stride_qd", "stride_kp", "stride_ks", "stride_kh", "stride_kd", "stride_vp",
+            "stride_vs", "stride_vh", "stride_vd", "stride_bt_seq", "stride_bt_page", "stride_it", "stride_ii")
+
+
+def triton_signatures(spec: SparseAttentionSpec, config: KernelConfig) -> dict[str, tuple[dict, dict, int]]:
+    """Kernel name -> (signature, constexprs, num_warps) of every kernel `config` launches, for compiling them
+    ahead of time with triton.compile (no GPU needed)."""
+    dtype = "*" + _TL_TYPES[spec.dtype]
+    tensors = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
+               "query_seq_ptr": "*i32", "indices_ptr": "*i32"}
+    attend = _attend_constexprs(spec, config, mma_in_fp32=False)
+    as_constexpr = {name: "constexpr" for name in attend}
+    strides = {name: "i32" for name in _STRIDES}
+    if config["SPLITS"] == 0:
+        signature = {**tensors, "out_ptr": dtype, "topk": "i32", "page_size": "i32", "scale_log2": "fp32",
+                     **strides, "stride_ot": "i32", "stride_oh": "i32", "stride_od": "i32", **as_constexpr}
+        return {"sparse_attention_kernel": (signature, attend, config.num_warps)}
+    split = {**tensors, "partial_ptr": "*fp32", "lse_ptr": "*fp32", "topk": "i32", "page_size": "i32",
+             "scale_log2": "fp32", "per_split": "i32", **strides,
+             **{name: "i32" for name in ("stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt")},
+             **as_constexpr}
+    combine_constexprs = _combine_constexprs(spec, config)
+    combine = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": dtype, "splits": "i32",
+               **{name: "i32" for name in ("stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt",
+                                           "stride_ot", "stride_oh", "stride_od")},
+               **{name: "constexpr" for name in combine_constexprs}}
+    return {"sparse_attention_split_kernel": (split, attend, config.num_warps),
+            "sparse_attention_combine_kernel": (combine, combine_constexprs, 4)}
+
+
+def selftest_cases(profile: DeviceProfile):
+    """Named small cases for dzc-selftest: MLA-shaped (one latent KV head, V = K[..., :d_v], Dqk = 64 + 16 rope)
+    in decode (few rows: split-K kernels) and prefill (more than DECODE_MAX_ROWS rows), and MHA with a separate
+    v_cache; invalid indices and rows with none valid in each."""
+    mla = dict(heads=16, kv_heads=1, d_qk=80, d_v=64, separate_v=False)
+    mha = dict(heads=4, kv_heads=4, d_qk=64, d_v=64, separate_v=True)
+    return [
+        ("mla-decode", functools.partial(_build_case, seq_lens=[37, 200, 5], per_seq=[1, 2, 1], **mla)),
+        ("mla-prefill", functools.partial(_build_case, seq_lens=[300, 200], per_seq=[150, 150], **mla)),
+        ("mha-decode", functools.partial(_build_case, seq_lens=[37, 100], per_seq=[2, 1], **mha)),
+    ]
+
+
+def _build_case(device, generator, *, seq_lens, per_seq, heads, kv_heads, d_qk, d_v, separate_v):
+    return dsa_cases.sparse_attention_args(seq_lens, per_seq, heads, kv_heads, d_qk, d_v, separate_v, topk=16,
+                                           page_size=16, device=device, generator=generator)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TileLang
+#
+# The same two variants: build(block_h, block_n, splits=0, ...) is the prefill kernel; splits >= 1 the decode
+# split kernel, and part=1 (derived by tilelang_launch, never tuned) the kernel that combines its splits.
+
+TILELANG_FACTORY_NAME = "build"
+
+_TILELANG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# An MMA's K and N step: every Dqk part and Dv must be whole steps (no padding in the TileLang kernels).
+_TILELANG_MMA_STEP = 16
+
+
+def tilelang_source(spec: SparseAttentionSpec, profile: DeviceProfile) -> str:
+    fields = dict(profile=profile.name, spec=spec.describe(), heads=spec.heads, kv_heads=spec.kv_heads,
+                  d_main=spec.d_main, d_tail=spec.d_tail, d_v=spec.d_v,
+                  d_v_cache=spec.d_v if spec.separate_v else spec.d_qk, v_is_k_main=spec.v_is_k_main,
+                  separate_v=spec.separate_v, tl_dtype=_TILELANG_DTYPES[spec.dtype])
+    return Template((TEMPLATES / "sparse_attention.tilelang.py.tmpl").read_text()).substitute(fields)
+
+
+def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """Heads per block × gathered rows per tile × threads × pipeline stages, for the prefill kernel (SPLITS = 0)
+    and the decode split kernel (SPLITS >= 1); none when a Dqk part or Dv is not whole MMA steps. The fp32
+    accumulator [BLOCK_H, Dv] is kept at most 128 values per thread. Already pruned to what is legal on
+    `profile`."""
+    if any(d % _TILELANG_MMA_STEP for d in (spec.d_main, spec.d_tail, spec.d_v)):
+        return []
+    head_blocks = [h for h in (16, 32, 64) if h <= max(16, _pow2_at_least(spec.heads))] if spec.shared_kv else [16]
+    configs = []
+    # Every TileLang config is a separate compile (tens of seconds): a small space, splits {0 (prefill), 2, 8}.
+    for splits in (0, 2, 8):
+        for block_h in head_blocks:
+            for block_n in (32, 64):
+                for threads in (128, 256):
+                    if threads % profile.warp_size or block_h * spec.d_v > 128 * threads:
+                        continue
+                    # T.gemm gives each 32-lane warp of the scores MMA [BLOCK_H, BLOCK_N] whole 16×8 pieces.
+                    if threads // 32 > (block_h // 16) * (block_n // 8):
+                        continue
+                    for stages in (1, 2):
+                        config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=stages,
+                                                   SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n,
+                                                   THREADS=threads, NUM_STAGES=stages)
+                        if not config_problems(profile, threads=threads, num_warps=None,
+                                               shared_memory_bytes=tilelang_shared_memory_bytes(spec, config),
+                                               dtypes=spec.dtypes):
+                            configs.append(config)
+    return configs
+
+
+def tilelang_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -> KernelConfig:
+    """Untuned prefill choice: the most heads per block, 32-row tiles, 256 threads, one stage, that fit."""
+    prefill = [c for c in tilelang_configs(spec, profile) if c["SPLITS"] == 0 and c["NUM_STAGES"] == 1]
+    if not prefill:
+        raise ValueError(f"no legal TileLang sparse_attention config for {spec.describe()} on {profile.name}")
+    return max(prefill, key=lambda c: (c["BLOCK_H"], c["THREADS"], -c["BLOCK_N"]))
+
+
+def tilelang_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) -> int:
+    """The q tile, one gathered K (and V, unless V is K's main part) tile per pipeline stage, the probabilities."""
+    item = spec.dtype.itemsize
+    block_h, block_n = config["BLOCK_H"], config["BLOCK_N"]
+    gathered = block_n * (spec.d_qk + (0 if spec.v_is_k_main else spec.d_v)) * item
+    return block_h * spec.d_qk * item + config["NUM_STAGES"] * gathered + block_h * block_n * item
+
+
+def tilelang_launch(compiled, config: KernelConfig, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices,
+                    scale_log2, spec, out):
+    """`compiled` is tilelang_codegen's KernelsByConfig. TileLang kernels take dense tensors: strided arguments
+    are copied (a dense cache, as dzc's paged cache is, passes as it is)."""
+    dense = [t.contiguous() for t in (q, k_cache, v_cache, block_table, seq_lens, query_seq, indices)]
+    if not out.is_contiguous():
+        raise ValueError("TileLang sparse_attention writes a dense [tokens, heads, d_v] output")
+    rows = q.shape[0]
+    splits = config["SPLITS"]
+    kernel = compiled.kernel_for(config)
+    if splits == 0:
+        no_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
+        kernel(*dense, out, no_lse, scale_log2)
+        return
+    partial = torch.empty(splits, rows, spec.heads, spec.d_v, dtype=torch.float32, device=q.device)
+    lse = torch.empty(splits, rows, spec.heads, dtype=torch.float32, device=q.device)
+    kernel(*dense, partial, lse, scale_log2)
+    combine = KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), PART=1)
+    compiled.kernel_for(combine)(partial, lse, out)

@@ -1,0 +1,450 @@
+"""Kernels for dzc.varlen_attention: packed variable-length (vision) attention, forward, non-causal.
+
+One launch covers the whole pack: q, k, v are [tokens, heads, head_dim] with the segments (images, windows)
+delimited by cu_seqlens; every (query block, head) of every segment is one program, so long and short images
+share the GPU. Flash-attention style: a query tile stays on chip while key/value tiles stream through, with an
+online softmax in fp32 (exp2, log2(e) folded into the scale). Optional rotary embedding (HF's vision
+convention) is applied to q and k tiles as they load.
+
+Head dims 72 and 80 are not powers of two. Triton tiles must be, so its kernel may split the head dim into a
+power-of-two part and a remainder of >= 16 columns (80 = 64 + 16, 72 = 64 + 16 masked): two dots instead of
+one padded to 128. TileLang tiles take any multiple of 16, so its kernel pads to the next multiple of 16
+(72 -> 80, 80 -> 80, 128 -> 128).
+
+Tuning is bucketed on the longest segment (max_seqlen), not the pack size: the best tile depends on how long
+the segments are (64-token windows want small query blocks, 4K-patch images large ones). Kernels read
+cu_seqlens on the device only (no host sync) and never rely on max_seqlen to cover every row; cu_seqlens'
+values are validated by the op's reference, not here (that would need a sync per call).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+import torch
+
+from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.legality import config_problems
+from dzc.targets.profiles import DeviceProfile
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class VarlenAttentionSpec:
+    """Everything a kernel is specialised on; token, segment and head counts and the scale are run-time."""
+
+    head_dim: int
+    dtype: torch.dtype  # of q, k, v and the output
+    rope_dtype: torch.dtype | None  # of cos and sin; None: no rotary embedding
+
+    @property
+    def rope(self) -> bool:
+        return self.rope_dtype is not None
+
+    @property
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        return (self.dtype,) + ((self.rope_dtype,) if self.rope else ())
+
+    def describe(self) -> str:
+        rope = f"rope={str(self.rope_dtype).removeprefix('torch.')}" if self.rope else "rope=none"
+        return f"head_dim={self.head_dim} dtype={str(self.dtype).removeprefix('torch.')} {rope}"
+
+
+def make_spec(head_dim: int, dtype: torch.dtype, rope_dtype: torch.dtype | None) -> VarlenAttentionSpec:
+    """The spec, or a ValueError naming what no kernel supports."""
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"varlen_attention kernels support q/k/v dtypes {_SUPPORTED_DTYPES}, got {dtype}")
+    if rope_dtype is not None:
+        if rope_dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"varlen_attention kernels support cos/sin dtypes {_SUPPORTED_DTYPES}, got {rope_dtype}")
+        if head_dim % 2:
+            raise ValueError(f"rotary embedding needs an even head dim (rotate_half), got {head_dim}")
+    if not 16 <= head_dim <= 256:
+        raise ValueError(f"varlen_attention kernels support head dims 16..256, got {head_dim}")
+    return VarlenAttentionSpec(head_dim, dtype, rope_dtype)
+
+
+def _node_arguments(node) -> dict:
+    names = [argument.name for argument in node.target._schema.arguments]
+    values = dict(zip(names, node.args))
+    values.update(node.kwargs)
+    return values
+
+
+def spec_from_node(node) -> VarlenAttentionSpec:
+    arguments = _node_arguments(node)
+    q, k, v = (arguments[name].meta["val"] for name in ("q", "k", "v"))
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"varlen_attention needs q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    cos, sin = arguments.get("cos"), arguments.get("sin")
+    if (cos is None) != (sin is None):
+        raise ValueError("varlen_attention takes cos and sin together or neither")
+    rope_dtype = None
+    if cos is not None:
+        cos, sin = cos.meta["val"], sin.meta["val"]
+        if cos.dtype != sin.dtype:
+            raise ValueError(f"varlen_attention needs cos and sin of one dtype, got {cos.dtype}, {sin.dtype}")
+        rope_dtype = cos.dtype
+    return make_spec(int(q.shape[-1]), q.dtype, rope_dtype)
+
+
+def flops(head_dim: int, heads: int, lengths) -> int:
+    """Useful FLOPs of one call: two [L, L] x [L, D] matmuls per segment and head, non-causal."""
+    return sum(4 * heads * length * length * head_dim for length in lengths)
+
+
+def bytes_moved(spec: VarlenAttentionSpec, tokens: int, heads: int) -> int:
+    """Fewest bytes one call must move: read q, k, v and write the output once (plus cos and sin)."""
+    rope = 2 * tokens * spec.head_dim * spec.rope_dtype.itemsize if spec.rope else 0
+    return 4 * tokens * heads * spec.head_dim * spec.dtype.itemsize + rope
+
+
+def token_bucket(max_seqlen: int) -> int:
+    """Tuning results are kept per power-of-two bucket of the longest segment (what `prepare` reports)."""
+    return 1 << max(max_seqlen - 1, 0).bit_length()
+
+
+def prepare(spec: VarlenAttentionSpec, q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin):
+    """Op arguments -> (kernel inputs, kernel outputs (preallocated), work size for the tuning bucket, results).
+
+    The work size is max_seqlen (0 for an empty pack, which launches nothing)."""
+    if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape or q.shape[-1] != spec.head_dim:
+        raise ValueError(f"varlen_attention kernel for head_dim={spec.head_dim} needs q, k, v of one shape "
+                         f"[tokens, heads, {spec.head_dim}]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype == spec.dtype):
+        raise ValueError(f"varlen_attention kernel for {spec.dtype} got q/k/v {q.dtype}/{k.dtype}/{v.dtype}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor [segments + 1], got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    if (cos is None) != (not spec.rope) or (sin is None) != (not spec.rope):
+        raise ValueError(f"varlen_attention kernel built {'with' if spec.rope else 'without'} rotary embedding "
+                         f"got cos={'a tensor' if cos is not None else None}, "
+                         f"sin={'a tensor' if sin is not None else None}")
+    if spec.rope:
+        expected = (q.shape[0], spec.head_dim)
+        if cos.shape != expected or sin.shape != expected or cos.dtype != spec.rope_dtype \
+                or sin.dtype != spec.rope_dtype:
+            raise ValueError(f"cos and sin must be {spec.rope_dtype} [{expected[0]}, {expected[1]}], got "
+                             f"{cos.dtype} {tuple(cos.shape)} and {sin.dtype} {tuple(sin.shape)}")
+        cos, sin = cos.contiguous(), sin.contiguous()
+    # Kernels take a token stride and dense [heads, head_dim] rows (the q/k/v slices of a fused qkv
+    # projection are); anything else is copied.
+    q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == spec.head_dim else t.contiguous() for t in (q, k, v))
+    out = torch.empty(q.shape, dtype=spec.dtype, device=q.device)
+    # Kernels never trust max_seqlen for coverage (a wrong one costs speed, not results); >= 1 keeps a pack
+    # with tokens from looking empty.
+    work = max(int(max_seqlen), 1) if q.shape[0] and q.shape[1] else 0
+    inputs = (q, k, v, cu_seqlens.contiguous(), int(max_seqlen), float(sm_scale), cos, sin)
+    return inputs, (out,), work, out
+
+
+# dzc-selftest's (atol, rtol) for outputs against the reference: an output element is a convex combination of v
+# values (|v| up to ~4 for normal inputs), and the probabilities enter the second matmul rounded to the 16-bit
+# dtype (relative error 2^-8 for bf16): about two bf16 units at |v| = 4.
+SELFTEST_TOLERANCES = {torch.bfloat16: (4e-2, 2**-6), torch.float16: (4e-3, 2e-3)}
+
+
+def selftest_cases(profile: DeviceProfile) -> list[tuple[str, Callable[[torch.device, torch.Generator], tuple]]]:
+    """Named small cases for dzc-selftest, each building the op's arguments (without kernel_id) with fresh random
+    inputs on a device: uneven packs with lengths that are not block multiples, the model head dims, RoPE."""
+    dtype = torch.bfloat16 if profile.supports_dtype(torch.bfloat16) else torch.float16
+
+    def case(lengths: tuple[int, ...], heads: int, head_dim: int, rope: bool):
+        def build(device: torch.device, generator: torch.Generator) -> tuple:
+            return random_pack(lengths, heads, head_dim, dtype, rope, device, generator)
+        return build
+
+    return [
+        ("one image, head_dim 80", case((200,), 2, 80, False)),
+        ("uneven pack (1, 200, 7, 64, 130), head_dim 72, rope", case((1, 200, 7, 64, 130), 2, 72, True)),
+        ("64-token windows, head_dim 80, rope", case((64,) * 6 + (17,), 2, 80, True)),
+        ("two images, head_dim 128", case((100, 157), 2, 128, False)),
+    ]
+
+
+def random_pack(lengths, heads: int, head_dim: int, dtype: torch.dtype, rope: bool, device, generator,
+                rope_dtype: torch.dtype = torch.float32) -> tuple:
+    """The op's arguments for a pack of segments of `lengths`, drawn from `generator` (on the generator's device,
+    then moved to `device`). cos/sin are HF-style: angles of per-position frequencies, duplicated over the two
+    halves of the head dim."""
+    tokens = sum(lengths)
+    source = generator.device
+    q, k, v = (torch.randn(tokens, heads, head_dim, generator=generator, device=source).to(device, dtype)
+               for _ in range(3))
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    cos = sin = None
+    if rope:
+        inverse_frequency = 1.0 / 10000 ** (torch.arange(0, head_dim // 2, dtype=torch.float32) / (head_dim // 2))
+        positions = torch.randint(0, 64, (tokens,), generator=generator, device=source).float().cpu()
+        angles = torch.outer(positions, inverse_frequency)
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = angles.cos().to(device, rope_dtype), angles.sin().to(device, rope_dtype)
+    return q, k, v, cu_seqlens, max(lengths, default=0), 1.0 / math.sqrt(head_dim), cos, sin
+
+
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton
+
+TRITON_KERNEL_NAME = "varlen_attention_kernel"
+
+_TL_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def triton_source(spec: VarlenAttentionSpec, profile: DeviceProfile) -> str:
+    fields = dict(
+        profile=profile.name, head_dim=spec.head_dim, dtype=spec.dtype, rope=spec.rope, rope_dtype=spec.rope_dtype,
+        # fp32 inputs are computed in fp32 (Triton's default would be TF32 on tensor cores).
+        input_precision='"ieee"' if spec.dtype == torch.float32 else "None",
+    )
+    return Template((TEMPLATES / "varlen_attention.triton.py.tmpl").read_text()).substitute(fields)
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def triton_head_splits(head_dim: int) -> list[tuple[int, int]]:
+    """(D_LO, D_HI) tilings of the head dim: one padded power-of-two tile, and where it saves columns, a
+    power-of-two part plus a remainder tile of >= 16 columns (tl.dot's smallest size)."""
+    padded = (_power_of_two_at_least(head_dim), 0)
+    low = 1 << (head_dim.bit_length() - 1)
+    if low == head_dim:
+        return [padded]
+    split = (low, _power_of_two_at_least(max(16, head_dim - low)))
+    return [padded, split] if sum(split) < sum(padded) else [padded]
+
+
+def triton_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """Query block × key block × warps × pipeline stages × head-dim tiling, before legality pruning.
+
+    A warp's tensor-core tile covers 16 query rows, so num_warps * 16 <= BLOCK_M."""
+    configs = []
+    for d_lo, d_hi in triton_head_splits(spec.head_dim):
+        for block_m, block_n, num_warps in ((64, 32, 4), (64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8)):
+            for num_stages in (1, 2, 3):
+                configs.append(KernelConfig.make(num_warps=num_warps, num_stages=num_stages, BLOCK_M=block_m,
+                                                 BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi))
+        # The smallest tile, unpipelined, for tight shared memory (fp32 with RoPE on mp_22's 72 KiB).
+        configs.append(KernelConfig.make(num_warps=2, num_stages=1, BLOCK_M=32, BLOCK_N=16, D_LO=d_lo, D_HI=d_hi))
+    return configs
+
+
+def _legal_triton(spec: VarlenAttentionSpec, profile: DeviceProfile, config: KernelConfig) -> bool:
+    return not config_problems(profile, threads=config.num_warps * profile.warp_size, num_warps=config.num_warps,
+                               shared_memory_bytes=triton_shared_memory_bytes(spec, config), dtypes=spec.dtypes)
+
+
+def triton_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -> KernelConfig:
+    """Untuned choice: the first legal config in order of preference (128-row query blocks, 2 stages, the
+    narrowest head-dim tiling), falling back to smaller tiles where shared memory is short."""
+    split = min(triton_head_splits(spec.head_dim), key=sum)
+    preferred = [(128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 1), (32, 16, 2, 1)]
+    for block_m, block_n, num_warps, num_stages in preferred:
+        config = KernelConfig.make(num_warps=num_warps, num_stages=num_stages, BLOCK_M=block_m, BLOCK_N=block_n,
+                                   D_LO=split[0], D_HI=split[1])
+        if _legal_triton(spec, profile, config):
+            return config
+    raise ValueError(f"no legal Triton varlen_attention config for {spec.describe()} on {profile.name}")
+
+
+def triton_shared_memory_bytes(spec: VarlenAttentionSpec, config: KernelConfig) -> int:
+    """Upper estimate of what Triton allocates: the q tile, and per pipeline stage (at least one) a buffer for
+    every tile the loop loads: k and v, and with RoPE also k's rotation partner, cos and sin. Checked against
+    compiled kernels' metadata.shared by the tests; on sm_90 without RoPE it is exact (q + stages × (k + v))."""
+    width = config["D_LO"] + config["D_HI"]
+    item = spec.dtype.itemsize
+    loaded_per_stage = 2 * config["BLOCK_N"] * width * item
+    if spec.rope:
+        loaded_per_stage += config["BLOCK_N"] * width * (item + 2 * spec.rope_dtype.itemsize)
+    return config["BLOCK_M"] * width * item + max(1, config.num_stages) * loaded_per_stage
+
+
+def triton_divisible_arguments(spec: VarlenAttentionSpec) -> tuple[str, ...]:
+    """Arguments a real launch has Triton specialise as multiples of 16 (for ahead-of-time compiles that match
+    it): pointers from torch's allocator, and token strides of dense [tokens, heads, head_dim] tensors whose
+    heads * head_dim is a multiple of 16 (16 heads of 72 or 80)."""
+    pointers = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "cu_seqlens_ptr") + (("cos_ptr", "sin_ptr") if spec.rope else ())
+    return pointers + ("stride_q_token", "stride_k_token", "stride_v_token", "stride_out_token")
+
+
+def triton_launch(kernel, config: KernelConfig, q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, out):
+    """Launch over (query blocks, heads). The block count is an upper bound computed from shapes alone
+    (sum over segments of ceil(len / BLOCK_M) <= (tokens + segments * (BLOCK_M - 1)) / BLOCK_M), so nothing
+    waits for cu_seqlens' values; max_seqlen is not trusted for the grid."""
+    block_m = config["BLOCK_M"]
+    tokens, heads = q.shape[0], q.shape[1]
+    segments = cu_seqlens.shape[0] - 1
+    blocks = (tokens + segments * (block_m - 1)) // block_m
+    if blocks == 0 or heads == 0:
+        return
+    stride_rope = cos.stride(0) if cos is not None else 0
+    kernel[(blocks, heads)](
+        q, k, v, out, cu_seqlens, cos, sin, segments, sm_scale,
+        q.stride(0), k.stride(0), v.stride(0), out.stride(0), stride_rope,
+        BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], D_LO=config["D_LO"], D_HI=config["D_HI"],
+        num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def triton_signature(spec: VarlenAttentionSpec, config: KernelConfig) -> tuple[dict, dict]:
+    """(signature, constexprs) for compiling the kernel ahead of time with triton.compile (no GPU needed)."""
+    tensor = "*" + _TL_NAMES[spec.dtype]
+    rope = "*" + _TL_NAMES[spec.rope_dtype] if spec.rope else "constexpr"
+    signature = {
+        "q_ptr": tensor, "k_ptr": tensor, "v_ptr": tensor, "out_ptr": tensor, "cu_seqlens_ptr": "*i32",
+        "cos_ptr": rope, "sin_ptr": rope, "num_segments": "i32", "sm_scale": "fp32",
+        **{name: "i32" for name in ("stride_q_token", "stride_k_token", "stride_v_token", "stride_out_token",
+                                    "stride_rope")},
+        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "D_LO": "constexpr", "D_HI": "constexpr",
+    }
+    constexprs = {name: config[name] for name in ("BLOCK_M", "BLOCK_N", "D_LO", "D_HI")}
+    if not spec.rope:
+        constexprs.update(cos_ptr=None, sin_ptr=None)
+    return signature, constexprs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TileLang
+#
+# Block (query block, segment, head) over a grid of ceil(max_seqlen / BLOCK_M) x segments x heads (a block strides
+# on over segments longer than max_seqlen claims); tiles padded to a multiple of 16 columns. The q tile (and with
+# RoPE each k tile) is built element-wise in shared memory: rows past the segment and padding columns 0, the
+# rotation applied on the way; k and v tiles as wide as the head dim are bulk copies, asynchronous in the pipeline.
+
+TILELANG_FACTORY_NAME = "build"
+
+_TILELANG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def tilelang_padded_dim(head_dim: int) -> int:
+    """The tile width: head_dim rounded up to the matrix instructions' k-step of 16 (72 -> 80, 80 -> 80)."""
+    return -(-head_dim // 16) * 16
+
+
+def _tilelang_operand(tensor: str, row: str, valid: str, rope: bool) -> str:
+    """The TIR expression for element (row, d) of a q or k tile (with rotary embedding if `rope`); 0 where not
+    `valid`. if_then_else evaluates only the branch taken, so masked elements never read out of bounds."""
+    element = f"{tensor}[{row}, head, d]"
+    if rope:
+        partner = f"{tensor}[{row}, head, T.if_then_else(d < HALF_DIM, d + HALF_DIM, d - HALF_DIM)]"
+        rotated = f'T.if_then_else(d < HALF_DIM, -T.cast({partner}, "float32"), T.cast({partner}, "float32"))'
+        element = (f'T.cast(T.cast({element}, "float32") * T.cast(cos[{row}, d], "float32") + '
+                   f'{rotated} * T.cast(sin[{row}, d], "float32"), DTYPE)')
+    return f"T.if_then_else({valid}, {element}, T.cast(0, DTYPE))"
+
+
+def tilelang_supports(spec: VarlenAttentionSpec) -> bool:
+    """TileLang's T.gemm computes fp32 operands as TF32 on tensor cores: fp32 attention runs in Triton."""
+    return spec.dtype != torch.float32
+
+
+def _tilelang_key_value_loads(spec: VarlenAttentionSpec) -> str:
+    """Statements filling k_tile and v_tile for one key block.
+
+    Where the tile is as wide as the head dim, a bulk copy (asynchronous in the pipeline): rows past the segment
+    get probability 0 (k's scores are masked), rows past the pack's end read 0. Padded tiles (72 -> 80; TileLang's
+    copy cannot split a 72-wide row into 16-column steps) and rotated k tiles are built element-wise, padding 0.
+    """
+    indent = " " * 20
+    rows = "seq_start + key_start:seq_start + key_start + block_n"
+    valid = "(key_start + j < seq_len) & (d < HEAD_DIM)"
+    padded = tilelang_padded_dim(spec.head_dim) > spec.head_dim
+    lines = []
+    if spec.rope or padded:
+        element = _tilelang_operand("k", "seq_start + key_start + j", valid, rope=spec.rope)
+        lines += [f"{indent}for j, d in T.Parallel(block_n, DIM):", f"{indent}    k_tile[j, d] = {element}"]
+    else:
+        lines += [f"{indent}T.copy(k[{rows}, head, :], k_tile)"]
+    if padded:
+        element = _tilelang_operand("v", "seq_start + key_start + j", valid, rope=False)
+        lines += [f"{indent}for j, d in T.Parallel(block_n, DIM):", f"{indent}    v_tile[j, d] = {element}"]
+    else:
+        lines += [f"{indent}T.copy(v[{rows}, head, :], v_tile)"]
+    return "\n".join(lines)
+
+
+def tilelang_source(spec: VarlenAttentionSpec, profile: DeviceProfile) -> str:
+    if not tilelang_supports(spec):
+        raise ValueError(f"the TileLang varlen_attention kernel takes float16/bfloat16 q/k/v ({spec.describe()}): "
+                         f"T.gemm would compute fp32 as TF32; use codegen='triton' for fp32")
+    rope_parameters = ""
+    if spec.rope:
+        rope_type = _TILELANG_DTYPES[spec.rope_dtype]
+        rope_parameters = (f'        cos: T.Tensor((tokens, HEAD_DIM), "{rope_type}"),\n'
+                           f'        sin: T.Tensor((tokens, HEAD_DIM), "{rope_type}"),\n')
+    fields = dict(
+        profile=profile.name, head_dim=spec.head_dim, padded_dim=tilelang_padded_dim(spec.head_dim),
+        dtype=spec.dtype, tl_dtype=_TILELANG_DTYPES[spec.dtype], rope=spec.rope, rope_dtype=spec.rope_dtype,
+        rope_parameters=rope_parameters,
+        q_element=_tilelang_operand("q", "seq_start + q_start + i", "(q_start + i < seq_len) & (d < HEAD_DIM)",
+                                    spec.rope),
+        key_value_loads=_tilelang_key_value_loads(spec),
+    )
+    return Template((TEMPLATES / "varlen_attention.tilelang.py.tmpl").read_text()).substitute(fields)
+
+
+def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """Query block × key block × pipeline stages × threads, pruned to what is legal on `profile`.
+
+    Threads are whole warps of the profile and at most 2 per query row: T.gemm's FullRow policy gives each
+    128-thread group (a Hopper warpgroup) 64 query rows."""
+    if not tilelang_supports(spec):
+        return []
+    configs = []
+    for block_m, block_n in ((64, 32), (64, 64), (128, 64), (128, 128)):
+        for num_stages in (1, 2):
+            for threads in (128, 256):
+                if threads % profile.warp_size or threads > 2 * block_m:
+                    continue
+                config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=num_stages,
+                                           BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, THREADS=threads)
+                if not config_problems(profile, threads=threads, num_warps=None,
+                                       shared_memory_bytes=tilelang_shared_memory_bytes(spec, config),
+                                       dtypes=spec.dtypes):
+                    configs.append(config)
+    return configs
+
+
+def tilelang_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -> KernelConfig:
+    """Untuned choice: the first legal of 128 x 64 tiles with 256 threads, 64 x 64 with 128 (most stages first),
+    then anything."""
+    configs = tilelang_configs(spec, profile)
+    if not configs:
+        raise ValueError(f"no legal TileLang varlen_attention config for {spec.describe()} on {profile.name}")
+    for block_m, block_n, threads in ((128, 64, 256), (64, 64, 128)):
+        for config in sorted(configs, key=lambda c: -c["NUM_STAGES"]):
+            if (config["BLOCK_M"], config["BLOCK_N"], config["THREADS"]) == (block_m, block_n, threads):
+                return config
+    return configs[0]
+
+
+def tilelang_shared_memory_bytes(spec: VarlenAttentionSpec, config: KernelConfig) -> int:
+    """The q tile, a k and a v tile per pipeline stage, the reduction workspace (one fp32 per thread)."""
+    width = tilelang_padded_dim(spec.head_dim)
+    item = spec.dtype.itemsize
+    stages = max(1, config["NUM_STAGES"])
+    return (config["BLOCK_M"] + 2 * stages * config["BLOCK_N"]) * width * item + 4 * config["THREADS"]
+
+
+def tilelang_launch(compiled, config: KernelConfig, q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, out):
+    """Launch on dense [tokens, heads, head_dim] tensors (the kernel indexes them densely, which lets TileLang
+    prove 16-byte alignment); strided ones are copied here, the output must be dense."""
+    if not out.is_contiguous():
+        raise ValueError("TileLang varlen_attention writes a dense [tokens, heads, head_dim] output")
+    if q.shape[0] == 0 or q.shape[1] == 0 or cu_seqlens.shape[0] < 2:
+        return
+    kernel = compiled.kernel_for(config)
+    rope = (cos.contiguous(), sin.contiguous()) if cos is not None else ()
+    # The grid's width comes from max_seqlen; the kernel strides over longer segments, so it only has to be >= 1.
+    kernel(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, *rope, out, max(int(max_seqlen), 1),
+           float(sm_scale))

@@ -1,0 +1,364 @@
+"""Kernels of the DSA ops (dzc.dsa_indexer, dzc.dsa_topk, dzc.sparse_attention) against the ops' references.
+
+CPU: the Triton kernels run through Triton's interpreter on small shapes (ragged batches in shuffled pages, both
+indexer cache layouts, invalid indices, rows with no valid index, tied logits, rows shorter than k), in the
+default config and in configs that take the other code paths (several query rows per program across a sequence
+boundary, several tiles per program, decode split-K). Every emitted config is checked for legality on every
+profile; Triton kernels are compiled ahead of time for sm_90 in a subprocess; the TileLang sparse attention is
+lowered to CUDA and compiled with nvcc for sm_90a. GPU tests (marked gpu) run full DeepSeek-V3.2 shapes.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dzc.lowering import Execution
+from dzc.ops.dsa import dsa_indexer_reference, dsa_topk_reference, sparse_attention_reference
+from dzc.options import CompileOptions
+from dzc.selftest import lower_op
+from dzc.targets import INTERPRETER, TARGETS, dsa_cases, dsa_indexer, dsa_topk, sparse_attention, tilelang_codegen
+from dzc.targets import triton_codegen
+from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.launch import legal_configs
+from dzc.targets.legality import config_problems
+from dzc.targets.profiles import MP_22, MP_31, SM_80, SM_90
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FAMILIES = {"dsa_indexer": dsa_indexer, "dsa_topk": dsa_topk, "sparse_attention": sparse_attention}
+
+
+def _generator(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _load_triton(family, spec, tmp_path):
+    path = tmp_path / f"{family.__name__.rsplit('.', 1)[1]}_{abs(hash(spec))}.py"
+    path.write_text(family.triton_source(spec, SM_90))
+    return triton_codegen.load(family, path, spec, SM_90)
+
+
+def _run_triton(family, spec, kernel, config, args):
+    """Launch `config` on the op's arguments with NaN/garbage-poisoned outputs; returns the op's result."""
+    inputs, outputs, _, result = family.prepare(spec, *args)
+    for out in outputs:
+        out.fill_(float("nan") if out.is_floating_point() else -7)
+    family.triton_launch(kernel, config, *inputs, *outputs)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dsa_indexer
+
+INDEXER_CASES = {
+    # (seq_lens, queries per sequence, max_context): decode (1-2 per sequence), prefill chunks, a context wider
+    # than every sequence (columns past the end are −inf) and one narrower than the longest.
+    "decode": ([37, 200, 5, 64], [1, 2, 1, 1], None),
+    "prefill": ([37, 130, 5], [6, 10, 3], 150),
+    "narrow-context": ([90, 140], [2, 1], 100),
+}
+INDEXER_LAYOUTS = {"bf16": (False, torch.bfloat16), "fp8": (True, None), "fp32": (False, torch.float32)}
+# fp32 caches (allowed by the op, multiplied in full precision) once; both DSA layouts in every case.
+INDEXER_PARAMS = [(case, layout) for case in INDEXER_CASES for layout in ("bf16", "fp8")] + [("decode", "fp32")]
+INDEXER_CONFIGS = [
+    None,  # the default
+    KernelConfig.make(num_warps=4, num_stages=2, ROWS=4, BLOCK_N=32, BLOCKS_PER_PROGRAM=1),  # rows span sequences
+    KernelConfig.make(num_warps=4, num_stages=2, ROWS=2, BLOCK_N=64, BLOCKS_PER_PROGRAM=3),  # tiles per program
+]
+
+
+@pytest.mark.parametrize("case, layout", INDEXER_PARAMS)
+def test_indexer_matches_reference(case, layout, seed, tmp_path):
+    seq_lens, per_seq, max_context = INDEXER_CASES[case]
+    fp8, dtype = INDEXER_LAYOUTS[layout]
+    args = dsa_cases.indexer_args(seq_lens, per_seq, heads=4, head_dim=64, fp8=fp8, page_size=16, device=DEVICE,
+                                  generator=_generator(seed), max_context=max_context,
+                                  **({"dtype": dtype} if dtype else {}))
+    spec = dsa_indexer.spec_for(args[0], args[2])
+    kernel = _load_triton(dsa_indexer, spec, tmp_path)
+    expected = dsa_indexer_reference(*args)
+    for config in INDEXER_CONFIGS:
+        config = config or dsa_indexer.triton_default_config(spec, SM_90)
+        logits = _run_triton(dsa_indexer, spec, kernel, config, args)
+        assert not logits.isnan().any(), f"{config}: unwritten logits"
+        assert torch.equal(logits.isinf(), expected.isinf()), f"{config}: −inf (masked) columns differ"
+        # Exact products, fp32 sums in another order: relative to the magnitude of the terms.
+        scale = expected[expected.isfinite()].abs().max()
+        torch.testing.assert_close(logits, expected, atol=1e-5 * scale, rtol=1e-5, msg=lambda m: f"{config}: {m}")
+
+
+def test_indexer_rejects_mismatched_q_and_cache():
+    args = dsa_cases.indexer_args([20], [1], 4, 64, fp8=True, page_size=16, device="cpu", generator=_generator(0))
+    with pytest.raises(ValueError, match="float8_e4m3fn q"):
+        dsa_indexer.spec_for(args[0].to(torch.bfloat16), args[2])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dsa_topk
+
+TOPK_CONFIGS = [
+    KernelConfig.make(num_warps=4, num_stages=1, BLOCK=128, RADIX_BITS=8),
+    KernelConfig.make(num_warps=4, num_stages=1, BLOCK=64, RADIX_BITS=4),  # 8 passes, chunks that end mid-row
+]
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("k", [16, 300])  # 300 > width: every row is shorter than k
+def test_topk_matches_reference(ties, k, seed, tmp_path):
+    # Rows longer than k, shorter than k, empty, a length past the width (clamped), one short of the width.
+    args = dsa_cases.topk_args(6, 200, [200, 10, 0, 1000, 199, 17], k, DEVICE, _generator(seed), ties=ties)
+    spec = dsa_topk.DsaTopkSpec()
+    kernel = _load_triton(dsa_topk, spec, tmp_path)
+    expected = dsa_topk_reference(*args)
+    for config in TOPK_CONFIGS:
+        indices = _run_triton(dsa_topk, spec, kernel, config, args)
+        torch.testing.assert_close(indices, expected, atol=0, rtol=0, msg=lambda m: f"{config}: {m}")
+
+
+def test_topk_all_equal_row_takes_smallest_positions(tmp_path):
+    """Every key equal: no digit separates them; the first k positions win."""
+    logits = torch.full((2, 200), 0.5, device=DEVICE)
+    logits[1, 150:] = float("-inf")  # −inf inside the length is still a candidate, after every finite value
+    args = (logits, torch.tensor([200, 180], dtype=torch.int32, device=DEVICE), 160)
+    spec = dsa_topk.DsaTopkSpec()
+    indices = _run_triton(dsa_topk, spec, _load_triton(dsa_topk, spec, tmp_path), TOPK_CONFIGS[0], args)
+    torch.testing.assert_close(indices, dsa_topk_reference(*args), atol=0, rtol=0)
+    assert indices[0].tolist() == list(range(160))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# sparse_attention
+
+ATTENTION_SHAPES = {
+    # heads, kv_heads, d_qk, d_v, separate v_cache
+    "mla": (16, 1, 80, 64, False),  # latent MQA: V = K[..., :64] (64 + 16 rope, FlashMLA's 512 + 64 in small)
+    "mla-narrow-v": (16, 1, 80, 32, False),  # V = K[..., :32]: a second gather
+    "mqa-v-cache": (4, 1, 48, 32, True),
+    "mha": (4, 4, 64, 64, True),
+}
+
+
+def _attention_configs(spec):
+    default = sparse_attention.triton_default_config(spec, SM_90)
+    decode = sparse_attention.configs_for_bucket(spec, SM_90, 1, sparse_attention.triton_configs(spec, SM_90),
+                                                 default)[1]
+    split3 = KernelConfig.make(decode.num_warps, decode.num_stages, **{**dict(decode.params), "SPLITS": 3})
+    return [default, decode, split3]
+
+
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES)
+def test_sparse_attention_matches_reference(shape, seed, tmp_path):
+    heads, kv_heads, d_qk, d_v, separate_v = ATTENTION_SHAPES[shape]
+    args = dsa_cases.sparse_attention_args([37, 100, 5], [1, 4, 2], heads, kv_heads, d_qk, d_v, separate_v,
+                                           topk=24, page_size=16, device=DEVICE, generator=_generator(seed))
+    spec = sparse_attention.spec_for(args[0], args[1], args[2], args[8])
+    kernels = _load_triton(sparse_attention, spec, tmp_path)
+    expected = sparse_attention_reference(*args)
+    assert (expected == 0).all(dim=(1, 2)).any(), "the case should have a row with no valid index"
+    for config in _attention_configs(spec):
+        out = _run_triton(sparse_attention, spec, kernels, config, args)
+        assert not out.isnan().any(), f"{config}: unwritten output"
+        # bf16 output of an fp32 softmax: two bf16 units at unit magnitude.
+        torch.testing.assert_close(out.float(), expected.float(), atol=2**-6, rtol=2**-7,
+                                   msg=lambda m: f"{config}: {m}")
+
+
+def test_prefill_and_decode_buckets_pick_their_kernels():
+    spec = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False)
+    for codegen in ("triton", "tilelang"):
+        configs = getattr(sparse_attention, f"{codegen}_configs")(spec, SM_90)
+        default = getattr(sparse_attention, f"{codegen}_default_config")(spec, SM_90)
+        decode, decode_default = sparse_attention.configs_for_bucket(spec, SM_90, 128, configs, default)
+        prefill, prefill_default = sparse_attention.configs_for_bucket(spec, SM_90, 4096, configs, default)
+        assert decode and all(c["SPLITS"] >= 1 for c in decode + [decode_default])
+        assert prefill and all(c["SPLITS"] == 0 for c in prefill + [prefill_default])
+        assert "decode" in sparse_attention.describe_config(decode_default)
+        assert "prefill" in sparse_attention.describe_config(prefill_default)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Through dzc's lowering: the op called with the kernel id that lowering binds (the path compiled graphs take)
+
+
+@pytest.mark.parametrize("op", FAMILIES)
+def test_selftest_cases_through_lowering(op, seed, tmp_path):
+    family = FAMILIES[op]
+    target = TARGETS["cuda:sm_90"]
+    options = CompileOptions(cache_dir=str(tmp_path / "cache"), autotune=False, codegen="triton")
+    from dzc.ops import OPS
+
+    op_overload, reference = OPS[op]
+    for index, (name, build) in enumerate(family.selftest_cases(SM_90)):
+        if name == "mla-prefill" and DEVICE.type == "cpu":
+            continue  # 300 query rows: minutes in the interpreter (test_sparse_attention_* covers the kernel)
+        args = build(DEVICE, _generator(seed + index))
+        record, _ = lower_op(op, args, target, options, Execution(INTERPRETER if DEVICE.type == "cpu" else
+                                                                    target.runtime))
+        result = op_overload(*args, kernel_id=record.kernel_id)
+        expected = reference(*args)
+        if op == "dsa_topk":
+            assert torch.equal(result, expected), name
+        elif op == "dsa_indexer":
+            assert torch.equal(result.isinf(), expected.isinf()), name
+            torch.testing.assert_close(result, expected, atol=1e-3, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        else:
+            torch.testing.assert_close(result.float(), expected.float(), atol=2**-6, rtol=2**-7,
+                                       msg=lambda m: f"{name}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config legality on every profile
+
+INDEXER_SPECS = [dsa_indexer.DsaIndexerSpec(64, 128, dtype, fp8)
+                 for dtype, fp8 in ((torch.float8_e4m3fn, True), (torch.bfloat16, False))]
+ATTENTION_SPECS = [sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False),
+                   sparse_attention.SparseAttentionSpec(16, 16, 192, 128, torch.bfloat16, True)]
+SPECS = [(dsa_indexer, s) for s in INDEXER_SPECS] + [(dsa_topk, dsa_topk.DsaTopkSpec())] \
+    + [(sparse_attention, s) for s in ATTENTION_SPECS]
+
+
+@pytest.mark.parametrize("profile", [SM_90, SM_80, MP_22, MP_31], ids=lambda p: p.name)
+def test_every_emitted_config_is_legal(profile):
+    for family, spec in SPECS:
+        for codegen in ("triton", "tilelang"):
+            if not hasattr(family, f"{codegen}_configs"):
+                continue
+            legal, _ = legal_configs(family, codegen, spec, profile)
+            fp8_without_fp8 = getattr(spec, "fp8", False) and not profile.supports_dtype(torch.float8_e4m3fn)
+            mha_tilelang = codegen == "tilelang" and not getattr(spec, "shared_kv", True)
+            where = (profile.name, codegen, spec.describe())
+            assert bool(legal) != fp8_without_fp8 or mha_tilelang and legal, where
+            smem = getattr(family, f"{codegen}_shared_memory_bytes")
+            for config in legal:
+                threads = config.num_warps * profile.warp_size
+                assert threads <= profile.max_threads_per_block and threads % profile.warp_size == 0, where
+                assert smem(spec, config) <= profile.shared_memory_per_block, (where, str(config))
+                if codegen == "triton":
+                    assert config.num_warps <= profile.max_num_warps, (where, str(config))
+                assert config_problems(profile, threads=threads, num_warps=config.num_warps if codegen == "triton"
+                                       else None, shared_memory_bytes=smem(spec, config), dtypes=spec.dtypes) == []
+
+
+def test_fp8_indexer_has_configs_only_where_the_profile_has_fp8():
+    fp8 = INDEXER_SPECS[0]
+    assert legal_configs(dsa_indexer, "triton", fp8, MP_31)[0]
+    assert not legal_configs(dsa_indexer, "triton", fp8, MP_22)[0]
+    assert legal_configs(dsa_indexer, "triton", INDEXER_SPECS[1], MP_22)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ahead-of-time compilation for sm_90 (catches what the interpreter lets through: layouts, dot shapes, dtypes)
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    import torch
+    from dzc.targets import dsa_indexer, dsa_topk, sparse_attention, triton_codegen
+    from dzc.targets.profiles import SM_90
+    workdir = Path(sys.argv[1])
+    results = []
+    def compile_one(family, spec, name, signature, constexprs, num_warps):
+        path = workdir / (family.__name__.rsplit(".", 1)[1] + ".py")
+        path.write_text(family.triton_source(spec, SM_90))
+        compiled = triton_codegen.compile_ahead_of_time(path, name, signature, constexprs, num_warps, SM_90)
+        results.append([name, compiled.metadata.shared])
+    for spec in (dsa_indexer.DsaIndexerSpec(64, 128, torch.float8_e4m3fn, True),
+                 dsa_indexer.DsaIndexerSpec(64, 128, torch.bfloat16, False)):
+        config = dsa_indexer.triton_default_config(spec, SM_90)
+        compile_one(dsa_indexer, spec, dsa_indexer.TRITON_KERNEL_NAME, *dsa_indexer.triton_signature(spec, config),
+                    config.num_warps)
+        results[-1].append(dsa_indexer.triton_shared_memory_bytes(spec, config))
+    spec = dsa_topk.DsaTopkSpec()
+    config = dsa_topk.triton_default_config(spec, SM_90)
+    compile_one(dsa_topk, spec, dsa_topk.TRITON_KERNEL_NAME, *dsa_topk.triton_signature(spec, config),
+                config.num_warps)
+    results[-1].append(dsa_topk.triton_shared_memory_bytes(spec, config))
+    spec = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False)
+    prefill = sparse_attention.triton_default_config(spec, SM_90)
+    decode = sparse_attention.configs_for_bucket(spec, SM_90, 1, [], prefill)[1]
+    for config in (prefill, decode):
+        for name, (signature, constexprs, num_warps) in sparse_attention.triton_signatures(spec, config).items():
+            compile_one(sparse_attention, spec, name, signature, constexprs, num_warps)
+            results[-1].append(sparse_attention.triton_shared_memory_bytes(spec, config))
+    print(json.dumps(results))
+""")
+
+
+@pytest.mark.slow
+def test_triton_kernels_compile_for_sm90(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {name for name, *_ in results} == {dsa_indexer.TRITON_KERNEL_NAME, dsa_topk.TRITON_KERNEL_NAME,
+                                               *sparse_attention.TRITON_KERNEL_NAMES}
+    for name, shared, estimate in results:
+        # The legality estimate must bound what Triton really allocates, or pruning would let illegal configs by.
+        assert shared <= estimate, (name, shared, estimate)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TileLang sparse attention: lowered to CUDA and compiled with nvcc for sm_90a (no GPU needed)
+
+requires_nvcc = pytest.mark.skipif(
+    not __import__("shutil").which("nvcc"), reason="nvcc is not installed")
+
+
+@requires_nvcc
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["prefill", "decode"])
+def test_tilelang_sparse_attention_compiles_for_sm90a(variant, tmp_path):
+    spec = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False)
+    path = tmp_path / "sparse_attention_tilelang.py"
+    path.write_text(sparse_attention.tilelang_source(spec, SM_90))
+    configs = sparse_attention.tilelang_configs(spec, SM_90)
+    _, default = sparse_attention.configs_for_bucket(spec, SM_90, 1 if variant == "decode" else 4096, configs,
+                                                     sparse_attention.tilelang_default_config(spec, SM_90))
+    kernels = [default]
+    if variant == "decode":
+        kernels.append(KernelConfig.make(default.num_warps, default.num_stages, **dict(default.params), PART=1))
+    for config in kernels:
+        source = tilelang_codegen.lower_to_device_source(path, sparse_attention.TILELANG_FACTORY_NAME, config, SM_90)
+        assert tilelang_codegen.nvcc_compile(source, SM_90, tmp_path).stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: DeepSeek-V3.2 shapes through dzc's lowering, both codegens for sparse attention
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codegen", ["triton", "tilelang"])
+@pytest.mark.parametrize("rows_per_seq", [[2, 1, 2], [200, 150, 300]], ids=["decode", "prefill"])
+def test_full_size_sparse_attention_on_gpu(codegen, rows_per_seq, seed, tmp_path):
+    target = TARGETS["cuda:sm_90"]
+    args = dsa_cases.sparse_attention_args([3000, 700, 2500], rows_per_seq, 128, 1, 576, 512, False, topk=2048,
+                                           page_size=64, device=DEVICE, generator=_generator(seed))
+    options = CompileOptions(cache_dir=str(tmp_path / "cache"), autotune=False, codegen=codegen)
+    record, _ = lower_op("sparse_attention", args, target, options, Execution(target.runtime))
+    out = torch.ops.dzc.sparse_attention(*args, kernel_id=record.kernel_id)
+    torch.testing.assert_close(out.float(), sparse_attention_reference(*args).float(), atol=2**-6, rtol=2**-6)
+    [(_, tuned)] = record.tuned.items()
+    assert ("decode" if sum(rows_per_seq) <= sparse_attention.DECODE_MAX_ROWS else "prefill") in tuned["path"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_full_size_indexer_and_topk_on_gpu(fp8, seed, tmp_path):
+    target = TARGETS["cuda:sm_90"]
+    options = CompileOptions(cache_dir=str(tmp_path / "cache"), autotune=True)
+    args = dsa_cases.indexer_args([5000, 1200, 4097], [2, 1, 64], 64, 128, fp8, 64, DEVICE, _generator(seed))
+    record, _ = lower_op("dsa_indexer", args, target, options, Execution(target.runtime))
+    logits = torch.ops.dzc.dsa_indexer(*args, kernel_id=record.kernel_id)
+    expected = dsa_indexer_reference(*args)
+    assert torch.equal(logits.isinf(), expected.isinf())
+    scale = expected[expected.isfinite()].abs().max()
+    torch.testing.assert_close(logits, expected, atol=1e-4 * scale, rtol=1e-4)
+    lengths = (args[6] + 1).to(torch.int32)
+    record, _ = lower_op("dsa_topk", (expected, lengths, 2048), target, options, Execution(target.runtime))
+    indices = torch.ops.dzc.dsa_topk(expected, lengths, 2048, kernel_id=record.kernel_id)
+    assert torch.equal(indices, dsa_topk_reference(expected, lengths, 2048))

@@ -1,0 +1,327 @@
+"""fuse_mxfp4_experts: golden IR before/after, every expert-loop spelling (dzc's reference MoE, transformers' GptOss)
+fires, leaves no dequantized weight and matches eager; and the cases it must refuse."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.decomposition import select_decomp_table
+
+import dzc
+from dzc.models.gpt_oss_hf import build_tiny_gpt_oss
+from dzc.models.moe import CONFIGS, build_moe
+from dzc.passes.fuse_mxfp4_experts import fuse_mxfp4_experts
+from dzc.pipeline import run_pipeline
+from dzc.targets import resolve_target
+
+PASS = "fuse_mxfp4_experts"
+
+
+def _moe(name="tiny-gptoss", dtype=torch.bfloat16, weight_format="mxfp4", **changes):
+    return build_moe(replace(CONFIGS[name], **changes), dtype, weight_format)
+
+
+def _bf16_tolerance(expected: torch.Tensor) -> dict:
+    # The fused op computes GEMMs, activation and combine in fp32 and rounds the activation once; eager rounds to
+    # bf16 after every op. A few bf16 units at the output's magnitude.
+    return {"atol": 2**-5 * expected.abs().max().item(), "rtol": 2**-5}
+
+
+def _stages(compiled) -> dict:
+    assert compiled.report.compiles == 1
+    return dict(compiled.report.graphs[0].stages)
+
+
+def test_golden_gathered_bmm(options, seed):
+    model = _moe("tiny-deepseek", experts=4, top_k=2, shared_expert=False, expert_loop="gathered_bmm")
+    compiled = dzc.compile(model, "cuda", options)
+    x = torch.randn(3, 64).bfloat16()
+    actual = compiled(x)
+    stages = _stages(compiled)
+    assert stages["capture"] == """\
+# captured by Dynamo + AOTAutograd
+graph(%a0: sym s0, %a1: bf16[s0, 64], %a2: bf16[4, 64], %a3: u8[4, 64, 2, 16], %a4: u8[4, 64, 2], %a5: u8[4, 64, 1, 16], %a6: u8[4, 64, 1]):
+  %0 = aten.view.default(%a1, [-1, 64])  # bf16[s0, 64]
+  %1 = aten.permute.default(%a2, [1, 0])  # bf16[64, 4]
+  %2 = aten.mm.default(%0, %1)  # bf16[s0, 4]
+  %3 = prims.convert_element_type.default(%2, f32)  # f32[s0, 4]
+  %4 = aten.sigmoid.default(%3)  # f32[s0, 4]
+  %5 = aten.topk.default(%4, 2)  # (f32[s0, 2], i64[s0, 2])
+  %6 = %5[0]  # f32[s0, 2]
+  %7 = %5[1]  # i64[s0, 2]
+  %8 = aten.sum.dim_IntList(%6, [-1], True)  # f32[s0, 1]
+  %9 = aten.div.Tensor(%6, %8)  # f32[s0, 2]
+  %10 = prims.convert_element_type.default(%9, bf16)  # bf16[s0, 2]
+  %11 = dzc.mxfp4_dequantize.default(%a3, %a4, bf16)  # bf16[4, 64, 64]
+  %12 = dzc.mxfp4_dequantize.default(%a5, %a6, bf16)  # bf16[4, 64, 32]
+  %13 = aten.view.default(%7, [-1])  # i64[2*s0]
+  %14 = aten.unsqueeze.default(%0, 1)  # bf16[s0, 1, 64]
+  %15 = aten.expand.default(%14, [%a0, 2, 64])  # bf16[s0, 2, 64]
+  %16 = aten.clone.default(%15, memory_format=torch.contiguous_format)  # bf16[s0, 2, 64]
+  %17 = mul(%a0, 2)  # sym 2*s0
+  %18 = aten.view.default(%16, [%17, 64])  # bf16[2*s0, 64]
+  %19 = aten.unsqueeze.default(%18, -1)  # bf16[2*s0, 64, 1]
+  %20 = aten.index.Tensor(%11, [%13])  # bf16[2*s0, 64, 64]
+  %21 = aten.bmm.default(%20, %19)  # bf16[2*s0, 64, 1]
+  %22 = aten.squeeze.dim(%21, -1)  # bf16[2*s0, 64]
+  %23 = aten.index.Tensor(%12, [%13])  # bf16[2*s0, 64, 32]
+  %24 = aten.split.Tensor(%22, 32, -1)  # (bf16[2*s0, 32], bf16[2*s0, 32])
+  %25 = %24[0]  # bf16[2*s0, 32]
+  %26 = %24[1]  # bf16[2*s0, 32]
+  %27 = prims.convert_element_type.default(%25, f32)  # f32[2*s0, 32]
+  %28 = aten.neg.default(%27)  # f32[2*s0, 32]
+  %29 = aten.exp.default(%28)  # f32[2*s0, 32]
+  %30 = aten.add.Tensor(%29, 1)  # f32[2*s0, 32]
+  %31 = aten.div.Tensor(%27, %30)  # f32[2*s0, 32]
+  %32 = prims.convert_element_type.default(%31, bf16)  # bf16[2*s0, 32]
+  %33 = aten.mul.Tensor(%32, %26)  # bf16[2*s0, 32]
+  %34 = aten.unsqueeze.default(%33, -1)  # bf16[2*s0, 32, 1]
+  %35 = aten.bmm.default(%23, %34)  # bf16[2*s0, 64, 1]
+  %36 = aten.squeeze.dim(%35, -1)  # bf16[2*s0, 64]
+  %37 = aten.view.default(%10, [-1, 1])  # bf16[2*s0, 1]
+  %38 = aten.mul.Tensor(%36, %37)  # bf16[2*s0, 64]
+  %39 = aten.view.default(%38, [%a0, 2, -1])  # bf16[s0, 2, 64]
+  %40 = aten.sum.dim_IntList(%39, [1])  # bf16[s0, 64]
+  %41 = aten.view.default(%40, [%a0, 64])  # bf16[s0, 64]
+  return (%41,)
+"""
+    assert stages[PASS] == """\
+# built by fuse_mxfp4_experts
+graph(%a0: sym s0, %a1: bf16[s0, 64], %a2: bf16[4, 64], %a3: u8[4, 64, 2, 16], %a4: u8[4, 64, 2], %a5: u8[4, 64, 1, 16], %a6: u8[4, 64, 1]):
+  %0 = aten.view.default(%a1, [-1, 64])  # bf16[s0, 64]
+  %1 = aten.permute.default(%a2, [1, 0])  # bf16[64, 4]
+  %2 = aten.mm.default(%0, %1)  # bf16[s0, 4]
+  %3 = prims.convert_element_type.default(%2, f32)  # f32[s0, 4]
+  %4 = aten.sigmoid.default(%3)  # f32[s0, 4]
+  %5 = aten.topk.default(%4, 2)  # (f32[s0, 2], i64[s0, 2])
+  %6 = %5[0]  # f32[s0, 2]
+  %7 = %5[1]  # i64[s0, 2]
+  %8 = aten.sum.dim_IntList(%6, [-1], True)  # f32[s0, 1]
+  %9 = aten.div.Tensor(%6, %8)  # f32[s0, 2]
+  %10 = prims.convert_element_type.default(%9, bf16)  # bf16[s0, 2]
+  %11 = dzc.mxfp4_moe.default(%0, %7, %10, %a3, %a4, None, %a5, %a6, None, 'silu_glu', False, 1.0, 0.0)  # bf16[s0, 64]
+  %12 = aten.view.default(%11, [%a0, 64])  # bf16[s0, 64]
+  return (%12,)
+"""
+    assert compiled.report.fired() == {PASS: 1}
+    assert "mxfp4_dequantize" not in stages["lowered"] and "kernel_id='mxfp4_moe." in stages["lowered"]
+    expected = model(x)
+    torch.testing.assert_close(actual, expected, **_bf16_tolerance(expected))
+
+
+GOLDEN_LOOP = """\
+# built by fuse_mxfp4_experts
+graph(%a0: sym s0, %a1: bf16[s0, 64], %a2: bf16[2, 64], %a3: bf16[2], %a4: u8[2, 64, 2, 16], %a5: u8[2, 64, 2], %a6: u8[2, 64, 1, 16], %a7: u8[2, 64, 1], %a8: bf16[2, 64], %a9: bf16[2, 64]):
+  %0 = aten.view.default(%a1, [-1, 64])  # bf16[s0, 64]
+  %1 = aten.permute.default(%a2, [1, 0])  # bf16[64, 2]
+  %2 = aten.addmm.default(%a3, %0, %1)  # bf16[s0, 2]
+  %3 = prims.convert_element_type.default(%2, f32)  # f32[s0, 2]
+  %4 = aten.amax.default(%3, [-1], True)  # f32[s0, 1]
+  %5 = aten.sub.Tensor(%3, %4)  # f32[s0, 2]
+  %6 = aten.exp.default(%5)  # f32[s0, 2]
+  %7 = aten.sum.dim_IntList(%6, [-1], True)  # f32[s0, 1]
+  %8 = aten.div.Tensor(%6, %7)  # f32[s0, 2]
+  %9 = aten.topk.default(%8, 1)  # (f32[s0, 1], i64[s0, 1])
+  %10 = %9[0]  # f32[s0, 1]
+  %11 = %9[1]  # i64[s0, 1]
+  %12 = aten.sum.dim_IntList(%10, [-1], True)  # f32[s0, 1]
+  %13 = aten.div.Tensor(%10, %12)  # f32[s0, 1]
+  %14 = prims.convert_element_type.default(%13, bf16)  # bf16[s0, 1]
+  %15 = dzc.mxfp4_moe.default(%0, %11, %14, %a4, %a5, %a8, %a6, %a7, %a9, 'gptoss_clamped_glu', True, 1.702, 7.0)  # bf16[s0, 64]
+  %16 = aten.view.default(%15, [%a0, 64])  # bf16[s0, 64]
+  return (%16,)
+"""
+
+
+def test_golden_per_expert_loop(options, seed):
+    model = _moe("tiny-gptoss", experts=2, top_k=1)
+    compiled = dzc.compile(model, "cuda", options)
+    x = torch.randn(4, 64).bfloat16()
+    actual = compiled(x)
+    stages = _stages(compiled)
+    captured = stages["capture"]
+    # One graph: each expert's torch.where is an aten.nonzero with its own data-dependent size.
+    assert captured.count("aten.nonzero.default") == 2 and captured.count("aten.mm.default") == 4
+    assert captured.count("aten.index_add.default") == 2 and captured.count("dzc.mxfp4_dequantize") == 2
+    assert stages[PASS] == GOLDEN_LOOP
+    assert compiled.report.fired() == {PASS: 1}
+    assert "nonzero" not in stages[PASS] and "_assert_scalar" not in stages[PASS]
+    expected = model(x)
+    torch.testing.assert_close(actual, expected, **_bf16_tolerance(expected))
+
+
+def test_deepseek_style_with_shared_expert_matches_eager(options, seed):
+    model = _moe("tiny-deepseek", expert_loop="gathered_bmm")
+    compiled = dzc.compile(model, "cuda", options)
+    x = torch.randn(5, 64).bfloat16()
+    actual = compiled(x)
+    expected = model(x)
+    torch.testing.assert_close(actual, expected, **_bf16_tolerance(expected))
+    assert compiled.report.fired().get(PASS) == 1
+    assert "mxfp4_dequantize" not in _stages(compiled)["lowered"]
+
+
+def test_hf_gpt_oss_grouped_mm_fuses_and_matches_eager(options, seed):
+    model = build_tiny_gpt_oss(torch.bfloat16, layers=2)
+    assert model.config._experts_implementation == "grouped_mm"  # transformers 5.x default
+    compiled = dzc.compile(model, "cuda", options)
+    ids = torch.randint(0, 128, (1, 7))
+    actual = compiled(input_ids=ids, use_cache=False).logits
+    expected = model(input_ids=ids, use_cache=False).logits
+    report = compiled.report
+    assert report.compiles == 1 and not report.graph_breaks
+    assert report.fired()[PASS] == 2  # both layers
+    lowered = _stages(compiled)["lowered"]
+    assert "mxfp4_dequantize" not in lowered and "_grouped_mm" not in lowered
+    assert lowered.count("kernel_id='mxfp4_moe.") == 2
+    torch.testing.assert_close(actual, expected, **_bf16_tolerance(expected))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The rewrite alone, in fp32, against the op's reference (no kernels): the matched spelling means what the op means.
+
+def _pipeline_run(model, *inputs):
+    """Capture like dzc.compile, run the pass pipeline, and execute the rewritten graph (dzc ops run their
+    references: nothing is lowered)."""
+    results = []
+
+    def compiler(gm, example_inputs):
+        graph, stages = run_pipeline(gm.graph, resolve_target("cuda"))
+        results.append(stages)
+        return torch.fx.GraphModule(gm, graph)
+
+    backend = aot_autograd(fw_compiler=compiler, inference_compiler=compiler, decompositions=select_decomp_table())
+    with torch.no_grad(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        out = torch.compile(model, backend=backend, dynamic=True)(*inputs)
+    return out, results
+
+
+@pytest.mark.parametrize("loop,name", [("per_expert", "tiny-gptoss"), ("gathered_bmm", "tiny-gptoss"),
+                                       ("per_expert", "tiny-deepseek"), ("gathered_bmm", "tiny-deepseek")])
+def test_rewrite_matches_eager_in_fp32(loop, name, seed):
+    torch._dynamo.reset()
+    model = _moe(name, torch.float32, expert_loop=loop)
+    x = torch.randn(9, 64)
+    actual, results = _pipeline_run(model, x)
+    [stages] = results
+    result = next(stage.result for stage in stages if stage.name == PASS)
+    assert len(result.rewrites) == 1 and not result.refusals
+    assert "mxfp4_dequantize" not in stages[-1].text
+    torch.testing.assert_close(actual, model(x), atol=2e-5, rtol=2e-5)
+
+
+def test_hf_gpt_oss_fp32_uses_transformers_fallback_op_and_fuses(seed):
+    torch._dynamo.reset()
+    model = build_tiny_gpt_oss(torch.float32, layers=1)
+    ids = torch.randint(0, 128, (1, 6))
+    actual, results = _pipeline_run(model, ids)
+    [stages] = results
+    assert "transformers.grouped_mm_fallback" in stages[0].text  # non-bf16 weights under torch.compile
+    result = next(stage.result for stage in stages if stage.name == PASS)
+    assert len(result.rewrites) == 1 and "mxfp4_dequantize" not in stages[-1].text
+    with torch.no_grad():
+        torch.testing.assert_close(actual.logits, model(ids).logits, atol=2e-5, rtol=2e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Refusals
+
+@pytest.mark.parametrize("loop", ["per_expert", "gathered_bmm"])
+def test_refuses_plain_bf16_experts(options, loop):
+    model = _moe("tiny-gptoss", weight_format="bf16", expert_loop=loop)
+    compiled = dzc.compile(model, "cuda", options)
+    x = torch.randn(5, 64).bfloat16()
+    torch.testing.assert_close(compiled(x), model(x), atol=0, rtol=0)  # nothing fused: the same ATen ops run
+    stages = _stages(compiled)
+    assert PASS not in compiled.report.fired()
+    [(_, reason)] = compiled.report.refusals[PASS]
+    assert reason.startswith("the gate_up expert weights are plain torch.bfloat16 tensors, not MXFP4")
+    previous = list(stages)[list(stages).index(PASS) - 1]
+    assert stages[PASS].splitlines()[1:] == stages[previous].splitlines()[1:]
+
+
+def test_refuses_hf_gpt_oss_with_bf16_experts(options):
+    model = build_tiny_gpt_oss(torch.bfloat16, layers=1, mxfp4_experts=False)
+    compiled = dzc.compile(model, "cuda", options)
+    ids = torch.randint(0, 128, (1, 5))
+    compiled(input_ids=ids, use_cache=False)
+    assert PASS not in compiled.report.fired()
+    [(_, reason)] = compiled.report.refusals[PASS]
+    assert "plain torch.bfloat16 tensors, not MXFP4" in reason
+    assert "aten._grouped_mm" in _stages(compiled)["lowered"]
+
+
+class _WeightEscapes(nn.Module):
+    """The dequantized gate_up weight is also returned: the fused op cannot serve that use."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = _moe("tiny-gptoss", expert_loop="gathered_bmm")
+
+    def forward(self, x):
+        ids, weights = self.moe.router(x)
+        experts = self.moe.experts
+        gate_up, _ = experts.weights()
+        return experts(x, ids, weights), gate_up.sum()
+
+
+class _GeluExperts(nn.Module):
+    """Experts with an activation the op does not have (gelu(gate) * up)."""
+
+    def __init__(self):
+        super().__init__()
+        self.moe = _moe("tiny-deepseek", expert_loop="gathered_bmm", shared_expert=False)
+        self.moe.experts.activation = lambda gate_up: (torch.nn.functional.gelu(gate_up.chunk(2, -1)[0])
+                                                       * gate_up.chunk(2, -1)[1])
+
+    def forward(self, x):
+        return self.moe(x)
+
+
+@pytest.mark.parametrize("model,reason", [
+    (_WeightEscapes, "a dequantized weight has a use outside the MoE layer"),
+    (_GeluExperts, "unrecognised activation between the expert GEMMs"),
+])
+def test_refusals_leave_the_layer_to_the_fallback(model, reason):
+    torch._dynamo.reset()
+    model = model()
+    x = torch.randn(5, 64).bfloat16()
+    actual, results = _pipeline_run(model, x)
+    [stages] = results
+    result = next(stage.result for stage in stages if stage.name == PASS)
+    assert not result.rewrites
+    assert [r for _, r in result.refusals if r.startswith(reason)], result.refusals
+    assert "mxfp4_dequantize" in stages[-1].text
+    torch.testing.assert_close(actual, model(x), atol=0, rtol=0)
+
+
+def test_per_expert_loop_graph_breaks_without_dynamic_output_shapes(tmp_path):
+    """Honest capture: without capture_dynamic_output_shapes each torch.where breaks the graph, no graph holds a
+    whole MoE layer, and the pass does not fire (the layer runs eagerly, still correct)."""
+    options = dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False, capture_dynamic_output_shapes=False)
+    model = _moe("tiny-gptoss", experts=2, top_k=1)
+    compiled = dzc.compile(model, "cuda", options)
+    x = torch.randn(4, 64).bfloat16()
+    torch.testing.assert_close(compiled(x), model(x), atol=0, rtol=0)
+    report = compiled.report
+    assert report.compiles > 1 and report.graph_breaks
+    assert PASS not in report.fired()
+
+
+def test_pass_does_not_mutate_its_input():
+    torch._dynamo.reset()
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm.graph)
+        return gm
+
+    model = _moe("tiny-gptoss", expert_loop="gathered_bmm")
+    backend = aot_autograd(fw_compiler=keep, decompositions=select_decomp_table())
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(3, 64).bfloat16())
+    before = str(graphs[0])
+    result = fuse_mxfp4_experts(graphs[0])
+    assert result.rewrites and str(graphs[0]) == before

@@ -1,0 +1,410 @@
+"""dzc.mxfp4_moe kernels: routing, both GEMM paths (online dequant, workspace), configs on every profile, Triton
+compiled ahead of time for sm_90, TileLang lowered and nvcc-compiled for sm_90a, and GPU numerics.
+
+On CPU the Triton kernels run through the interpreter (dots upcast to exact fp32; its fp32 -> bf16 casts truncate,
+so bf16 results may differ from the reference by a unit in the last place per rounding). Inputs are fresh seeded
+random MoE layers (weights quantized from random floats by dzc.mxfp4), outputs NaN-poisoned before every launch.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from dzc.ops import mxfp4_moe_reference
+from dzc.targets import TARGETS, mxfp4_moe, mxfp4_moe_routing, tilelang_codegen, triton_codegen
+from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.launch import legal_configs
+from dzc.targets.legality import config_problems
+from dzc.targets.profiles import MP_22, SM_90
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROFILES = {name: target.profile for name, target in TARGETS.items()}
+
+ONLINE_DECODE = KernelConfig.make(num_warps=4, num_stages=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, WORKSPACE=0)
+ONLINE_WIDE = KernelConfig.make(num_warps=4, num_stages=2, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0)
+WORKSPACE = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, WORKSPACE=1)
+
+
+def tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict:
+    """bf16: one rounding of the activation and one of the output, each a bf16 ulp (2^-8 relative), carried
+    through the down GEMM; fp16 likewise at 2^-11; fp32: accumulation order only."""
+    scale = expected.float().abs().max().item()
+    relative = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-5}[dtype]
+    return dict(atol=relative * scale, rtol=relative)
+
+
+def check_against_reference(args, out):
+    expected = mxfp4_moe_reference(*args)
+    assert out.dtype == expected.dtype
+    assert not out.isnan().any(), "NaN in the output: an element was not written (outputs are poisoned)"
+    torch.testing.assert_close(out, expected, **tolerance(out.dtype, expected))
+
+
+def load_triton(spec, tmp_path, profile=SM_90):
+    path = tmp_path / f"mxfp4_moe_{abs(hash(spec))}.py"
+    path.write_text(mxfp4_moe.triton_source(spec, profile))
+    return triton_codegen.load(mxfp4_moe, path, spec, profile)
+
+
+def run_triton(args, config, tmp_path):
+    spec = mxfp4_moe.spec_from_args(*args[:11])
+    kernels = load_triton(spec, tmp_path)
+    inputs, (out,), tokens, result = mxfp4_moe.prepare(spec, *args)
+    assert tokens == args[0].shape[0] and result is out
+    out.fill_(float("nan"))
+    mxfp4_moe.triton_launch(kernels, config, *inputs, out)
+    return out
+
+
+def case_args(name: str, seed: int, device=DEVICE):
+    cases = dict(mxfp4_moe.selftest_cases(SM_90))
+    return cases[name](torch.device(device), torch.Generator().manual_seed(seed))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Routing
+
+
+@pytest.mark.parametrize("pairs", [100, 300], ids=["one-chunk", "three-chunks"])
+def test_routing_groups_pairs_by_expert_deterministically(pairs, seed):
+    """Decode-sized calls route in one launch, larger ones in count / schedule / scatter: same result."""
+    experts, block_m = 5, 4
+    ids = torch.randint(0, experts, (pairs,), dtype=torch.int64, device=DEVICE)
+    ids[::7] = 0  # one dominant expert
+    ids[3], ids[pairs // 2] = experts, -1  # outside [0, E): left out
+    assert (pairs <= mxfp4_moe_routing.ROUTING_CHUNK) == (pairs == 100)
+    plan = mxfp4_moe.route(ids, experts, block_m)
+    valid = (ids >= 0) & (ids < experts)
+    counts = torch.bincount(ids[valid], minlength=experts)
+    assert plan.expert_counts[:experts].tolist() == counts.tolist()
+    # Sorted rows: by expert, then by pair index (stable), exactly what a stable sort gives.
+    expected_order = torch.argsort(torch.where(valid, ids, experts), stable=True)[: int(valid.sum())]
+    assert plan.sorted_pairs[: int(valid.sum())].long().tolist() == expected_order.tolist()
+    # Row blocks: every valid row in exactly one block of its expert, at most block_m rows each, then -1.
+    used = plan.block_expert >= 0
+    n_used = int(used.sum())
+    assert used[:n_used].all() and not used[n_used:].any()
+    assert plan.block_expert.numel() == mxfp4_moe_routing.max_row_blocks(pairs, experts, block_m)
+    covered = []
+    for b in range(n_used):
+        start, end = int(plan.block_row_start[b]), int(plan.block_row_end[b])
+        assert 0 < end - start <= block_m
+        rows = plan.sorted_pairs[start:end].long()
+        assert (ids[rows] == plan.block_expert[b]).all()
+        covered.extend(range(start, end))
+    assert covered == list(range(int(valid.sum())))
+    # Workspace slots: activated experts numbered 0.. in expert order.
+    active = (counts > 0).nonzero().flatten().tolist()
+    assert [int(plan.expert_slots[e]) for e in active] == list(range(len(active)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Numerics of both paths (interpreter on CPU, compiled on a GPU)
+
+NUMERIC_CASES = [
+    ("gptoss-bfloat16-T1", ONLINE_DECODE),
+    ("gptoss-bfloat16-T5", WORKSPACE),
+    ("gptoss-float32-T5", ONLINE_WIDE),
+    ("gptoss-float16-T1", WORKSPACE),
+    ("silu-concat-nobias-T37-skewed", ONLINE_DECODE),
+    ("silu-concat-nobias-T37-skewed", WORKSPACE),
+    ("gptoss-T37-skewed-bf16-weights", ONLINE_WIDE),
+]
+
+
+@pytest.mark.parametrize("case, config", NUMERIC_CASES,
+                         ids=[f"{c}-{'workspace' if cfg['WORKSPACE'] else 'online'}" for c, cfg in NUMERIC_CASES])
+def test_triton_path_matches_reference(case, config, seed, tmp_path):
+    args = case_args(case, seed)
+    if case.endswith("skewed"):
+        counts = torch.bincount(args[1].flatten().long())
+        assert counts[0] >= 0.8 * args[0].shape[0], "routing should send nearly every token to expert 0"
+    if config["WORKSPACE"]:
+        mxfp4_moe.release_workspaces()
+    out = run_triton(args, config, tmp_path)
+    check_against_reference(args, out)
+    if config["WORKSPACE"]:
+        spec = mxfp4_moe.spec_from_args(*args[:11])
+        assert mxfp4_moe.workspace_bytes(args[0].device) == (
+            mxfp4_moe.workspace_elements(spec, args[0].shape[0]) * (4 if spec.dot_fp32 else 2))
+
+
+def test_int64_ids_and_strided_hidden(seed, tmp_path):
+    args = list(case_args("gptoss-bfloat16-T5", seed))
+    wide = torch.randn(5, 2 * args[0].shape[1], device=DEVICE).to(args[0].dtype)
+    wide[:, : args[0].shape[1]] = args[0]
+    args[0] = wide[:, : args[0].shape[1]]
+    args[1] = args[1].long()
+    out = run_triton(tuple(args), ONLINE_DECODE, tmp_path)
+    check_against_reference(tuple(args), out)
+
+
+def test_bad_routing_and_nan_scales_show_as_nan(seed, tmp_path):
+    """An expert id outside [0, E) cannot raise without a host sync: its token's row becomes NaN. A NaN scale
+    (0xFF) makes the output columns it feeds NaN, as the reference's NaN weight does."""
+    args = list(case_args("gptoss-bfloat16-T5", seed))
+    args[1] = args[1].clone()
+    args[1][2, 1] = 99
+    out = run_triton(tuple(args), ONLINE_DECODE, tmp_path)
+    assert out[2].isnan().all()
+    good = [0, 1, 3, 4]
+    args[1][2, 1] = args[1][2, 0]  # what the reference can evaluate
+    expected = mxfp4_moe_reference(*args)
+    torch.testing.assert_close(out[good], expected[good], **tolerance(out.dtype, expected))
+
+    args = list(case_args("gptoss-bfloat16-T1", seed))
+    w2_scales = args[7].clone()
+    expert = int(args[1][0, 0])
+    w2_scales[expert, 3, 0] = 255  # output column 3 of the down GEMM
+    args[7] = w2_scales
+    out = run_triton(tuple(args), ONLINE_DECODE, tmp_path)
+    assert out[0, 3].isnan()
+    assert not out[0, torch.arange(out.shape[1]) != 3].isnan().any()
+
+
+def test_prepare_rejects_arguments_of_another_spec(seed, tmp_path):
+    args = case_args("gptoss-bfloat16-T1", seed)
+    spec = mxfp4_moe.spec_from_args(*args[:11])
+    with pytest.raises(ValueError, match="got arguments for"):
+        mxfp4_moe.prepare(spec, args[0].float(), *args[1:])
+    with pytest.raises(ValueError, match="activation"):
+        mxfp4_moe.prepare(spec, *args[:9], "relu", *args[10:])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Configs: legal on every profile, tiers per token bucket, path recorded
+
+
+SPECS = {
+    "gptoss-120b": mxfp4_moe.MXFP4MoESpec(2880, 2880, 128, 4, torch.bfloat16, torch.float32, torch.bfloat16,
+                                          torch.bfloat16, "gptoss_clamped_glu", True),
+    "deepseek": mxfp4_moe.MXFP4MoESpec(7168, 2048, 256, 8, torch.bfloat16, torch.float32, None, None, "silu_glu",
+                                       False),
+    "fp32-tiny": mxfp4_moe.MXFP4MoESpec(96, 64, 4, 2, torch.float32, torch.float32, torch.float32, None,
+                                        "gptoss_clamped_glu", True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+@pytest.mark.parametrize("codegen", ["triton", "tilelang"])
+def test_every_emitted_config_is_legal(codegen, name):
+    profile = PROFILES[name]
+    for spec_name, spec in SPECS.items():
+        legal, illegal = legal_configs(mxfp4_moe, codegen, spec, profile)
+        emitted = getattr(mxfp4_moe, f"{codegen}_configs")(spec, profile)
+        assert legal, (codegen, name, spec_name)
+        smem = getattr(mxfp4_moe, f"{codegen}_shared_memory_bytes")
+        for config in legal:
+            threads = config["THREADS"] if codegen == "tilelang" else config.num_warps * profile.warp_size
+            where = (codegen, name, spec_name, str(config))
+            assert threads <= profile.max_threads_per_block and threads % profile.warp_size == 0, where
+            assert config.num_warps * profile.warp_size == threads, where
+            if codegen == "triton":
+                assert config.num_warps <= profile.max_num_warps, where
+            assert smem(spec, config) <= profile.shared_memory_per_block, where
+            assert not config_problems(profile, threads=threads, num_warps=None, shared_memory_bytes=smem(spec, config),
+                                       dtypes=spec.dtypes), where
+        assert len(legal) + illegal == len(emitted)
+        default = getattr(mxfp4_moe, f"{codegen}_default_config")(spec, profile)
+        assert default in legal, (codegen, name, spec_name)
+        # Every token bucket gets a non-empty tier and a default inside it.
+        for bucket in (1, 8, 64, 512, 2048, 8192):
+            tier, bucket_default = mxfp4_moe.configs_for_bucket(spec, profile, bucket, legal, default)
+            assert tier and bucket_default in tier and set(tier) <= set(legal), (codegen, name, spec_name, bucket)
+
+
+def test_mp_22_prunes_wide_tiles_and_keeps_decode_configs():
+    spec = SPECS["gptoss-120b"]
+    legal, illegal = legal_configs(mxfp4_moe, "triton", spec, MP_22)
+    assert illegal > 0
+    assert all(c.num_warps * 128 <= 1024 and mxfp4_moe.triton_shared_memory_bytes(spec, c) <= 72 * 1024
+               for c in legal)
+    tier, _ = mxfp4_moe.configs_for_bucket(spec, MP_22, 1, legal, legal[0])
+    assert all(c["BLOCK_M"] == 16 for c in tier)
+
+
+def test_cost_model_picks_online_for_decode_and_workspace_for_prefill():
+    spec = SPECS["gptoss-120b"]
+    legal, _ = legal_configs(mxfp4_moe, "triton", spec, SM_90)
+    default = mxfp4_moe.triton_default_config(spec, SM_90)
+    paths = {}
+    for bucket in (1, 64, 8192):
+        _, config = mxfp4_moe.configs_for_bucket(spec, SM_90, bucket, legal, default)
+        paths[bucket] = mxfp4_moe.describe_config(config)
+    assert paths[1].startswith("online") and paths[64].startswith("online")
+    assert paths[8192].startswith("workspace")  # 8192 * 4 / 128 = 256 rows per expert
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Ahead-of-time Triton compilation for sm_90 (no GPU needed)
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import dzc
+    from dzc.targets import mxfp4_moe as family, mxfp4_moe_routing as routing, triton_codegen
+    from dzc.targets.kernel_config import KernelConfig
+    from dzc.targets.profiles import SM_90
+
+    assert not triton_codegen.interpreting()
+    out = Path(sys.argv[1])
+    target = GPUTarget("cuda", 90, 32)
+    results = []
+
+    def compile_kernel(fn, signature, constexprs, num_warps, num_stages, label):
+        kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs), target=target,
+                                options={"num_warps": num_warps, "num_stages": num_stages})
+        results.append(dict(label=label, shared=kernel.metadata.shared, ptx="ld.global" in kernel.asm["ptx"],
+                            mma="mma" in kernel.asm["ptx"]))
+
+    # (spec, config): gpt-oss decode (online) and prefill (workspace, with the dequantization kernel), and the
+    # fp32-operand variant that fp16 activations take.
+    specs = {
+        "gptoss-bf16": family.MXFP4MoESpec(2880, 2880, 128, 4, torch.bfloat16, torch.float32, torch.bfloat16,
+                                           torch.bfloat16, "gptoss_clamped_glu", True),
+        "deepseek-fp16": family.MXFP4MoESpec(7168, 2048, 256, 8, torch.float16, torch.bfloat16, None, None,
+                                             "silu_glu", False),
+    }
+    cases = [("gptoss-bf16", "decode", KernelConfig.make(4, 3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0)),
+             ("gptoss-bf16", "prefill-workspace",
+              KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORKSPACE=1)),
+             ("deepseek-fp16", "decode", KernelConfig.make(4, 2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, WORKSPACE=0))]
+    for spec_name, config_name, config in cases:
+        spec = specs[spec_name]
+        path = out / f"mxfp4_moe_{spec_name}.py"
+        path.write_text(family.triton_source(spec, SM_90))
+        kernels = triton_codegen.load(family, path, spec, SM_90)
+        for name, (signature, constexprs) in family.triton_signatures(spec, config).items():
+            if name == "moe_down_kernel" and spec_name == "deepseek-fp16":
+                continue
+            if name == "mxfp4_dequantize_experts_kernel" and config_name != "prefill-workspace":
+                continue
+            fn = getattr(kernels[name], "fn", kernels[name])
+            compile_kernel(fn, signature, constexprs, config.num_warps, config.num_stages,
+                           f"{spec_name}/{config_name}/{name}")
+            if name != "mxfp4_dequantize_experts_kernel":
+                results[-1]["estimate"] = family.triton_shared_memory_bytes(spec, config)
+    e_pow2, chunk = 256, routing.ROUTING_CHUNK
+    i32 = "*i32"
+    compile_kernel(routing.moe_route_one_chunk_kernel, dict(ids_ptr=i32, sorted_pairs_ptr=i32, pairs="i32",
+                   num_experts="i32", expert_offsets_ptr=i32, expert_counts_ptr=i32, expert_slots_ptr=i32,
+                   expert_first_block_ptr=i32, block_expert_ptr=i32, block_row_start_ptr=i32, block_row_end_ptr=i32,
+                   max_blocks="i32", E_POW2="constexpr", BLOCK_M="constexpr", SCHEDULE_STEP="constexpr",
+                   CHUNK="constexpr"), dict(E_POW2=e_pow2, BLOCK_M=16, SCHEDULE_STEP=routing.SCHEDULE_STEP,
+                   CHUNK=chunk), 4, 1, "routing/one-chunk")
+    compile_kernel(routing.moe_count_kernel, dict(ids_ptr="*i64", chunk_counts_ptr=i32, pairs="i32",
+                   num_experts="i32", E_POW2="constexpr", CHUNK="constexpr"), dict(E_POW2=e_pow2, CHUNK=chunk),
+                   4, 1, "routing/count")
+    compile_kernel(routing.moe_schedule_kernel, dict(chunk_counts_ptr=i32, n_chunks="i32", chunk_bases_ptr=i32,
+                   expert_offsets_ptr=i32, expert_counts_ptr=i32, expert_slots_ptr=i32, expert_first_block_ptr=i32,
+                   block_expert_ptr=i32, block_row_start_ptr=i32, block_row_end_ptr=i32, max_blocks="i32",
+                   E_POW2="constexpr", BLOCK_M="constexpr", SCHEDULE_STEP="constexpr"),
+                   dict(E_POW2=e_pow2, BLOCK_M=16, SCHEDULE_STEP=routing.SCHEDULE_STEP), 4, 1, "routing/schedule")
+    compile_kernel(routing.moe_scatter_kernel, dict(ids_ptr=i32, chunk_bases_ptr=i32, sorted_pairs_ptr=i32,
+                   pairs="i32", num_experts="i32", E_POW2="constexpr", CHUNK="constexpr"),
+                   dict(E_POW2=e_pow2, CHUNK=chunk), 4, 1, "routing/scatter")
+    compile_kernel(routing.moe_combine_kernel, dict(pair_out_ptr="*fp32", ids_ptr=i32, out_ptr="*bf16",
+                   num_experts="i32", stride_out="i32", HIDDEN="constexpr", TOP_K="constexpr", BLOCK_H="constexpr"),
+                   dict(HIDDEN=2880, TOP_K=4, BLOCK_H=1024), 4, 1, "routing/combine")
+    print("RESULTS " + json.dumps(results))
+""")
+
+
+def test_triton_kernels_compile_ahead_of_time_for_sm_90(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    results = json.loads(line.removeprefix("RESULTS "))
+    labels = [r["label"] for r in results]
+    assert len(results) == 2 + 3 + 1 + 5, labels
+    for r in results:
+        assert r["ptx"], r
+        if "estimate" in r and "bf16" in r["label"]:
+            assert r["mma"], f"{r['label']}: the GEMM did not use matrix instructions"
+            assert r["shared"] <= r["estimate"], f"{r['label']}: shared memory {r['shared']} > estimate"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TileLang: rendered, lowered to CUDA, compiled by nvcc for sm_90a (no GPU needed)
+
+
+def test_tilelang_source_renders_both_gemms():
+    for spec in SPECS.values():
+        source = mxfp4_moe.tilelang_source(spec, SM_90)
+        assert "$" not in source and "do not edit" in source
+        compile(source, "mxfp4_moe.tilelang.py", "exec")
+        assert "def build(block_m: int, block_n: int, block_k: int, threads: int, num_stages: int, gemm: int)" in source
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not tilelang_codegen.installed_target_kinds() or not os.environ.get("PATH"),
+                    reason="no TileLang")
+def test_tilelang_gemms_lower_to_cuda_and_compile_with_nvcc(tmp_path):
+    import shutil
+
+    spec = SPECS["gptoss-120b"]
+    path = tmp_path / "mxfp4_moe_tilelang.py"
+    path.write_text(mxfp4_moe.tilelang_source(spec, SM_90))
+    config = next(c for c in mxfp4_moe.tilelang_configs(spec, SM_90)
+                  if c["BLOCK_M"] == 16 and c["BLOCK_N"] == 64 and c["BLOCK_K"] == 64 and c["THREADS"] == 128
+                  and c["NUM_STAGES"] == 1)
+    for gemm, kernel_name in ((0, "moe_gate_up_kernel"), (1, "moe_down_kernel")):
+        cuda_source = tilelang_codegen.lower_to_device_source(path, mxfp4_moe.TILELANG_FACTORY_NAME,
+                                                              mxfp4_moe._with_gemm(config, gemm), SM_90)
+        assert f"void __launch_bounds__(128, 1) {kernel_name}" in cuda_source
+        assert "if (0 <= expert)" in cuda_source  # unused row blocks of the upper-bound grid do nothing
+        if shutil.which("nvcc"):
+            assert tilelang_codegen.nvcc_compile(cuda_source, SM_90, tmp_path / "nvcc").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: both codegens, both paths, every self-test case
+
+
+def gpu_profile():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the mxfp4_moe GPU tests target sm_90")
+    return SM_90
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [ONLINE_DECODE, ONLINE_WIDE, WORKSPACE,
+                                    KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORKSPACE=1)],
+                         ids=str)
+def test_triton_on_gpu_every_selftest_case(config, seed, tmp_path):
+    profile = gpu_profile()
+    for name, build in mxfp4_moe.selftest_cases(profile):
+        args = build(torch.device("cuda"), torch.Generator(device="cuda").manual_seed(seed))
+        out = run_triton(args, config, tmp_path)
+        check_against_reference(args, out)
+
+
+@pytest.mark.gpu
+def test_tilelang_on_gpu_every_selftest_case(seed, tmp_path):
+    profile = gpu_profile()
+    for name, build in mxfp4_moe.selftest_cases(profile):
+        args = build(torch.device("cuda"), torch.Generator(device="cuda").manual_seed(seed))
+        spec = mxfp4_moe.spec_from_args(*args[:11])
+        path = tmp_path / f"mxfp4_moe_tl_{abs(hash(spec))}.py"
+        path.write_text(mxfp4_moe.tilelang_source(spec, profile))
+        kernels = tilelang_codegen.load(mxfp4_moe, path, spec, profile)
+        inputs, (out,), _, _ = mxfp4_moe.prepare(spec, *args)
+        for config in (mxfp4_moe.tilelang_default_config(spec, profile),
+                       next(c for c in mxfp4_moe.tilelang_configs(spec, profile) if c["BLOCK_M"] == 64)):
+            out.fill_(float("nan"))
+            mxfp4_moe.tilelang_launch(kernels, config, *inputs, out)
+            check_against_reference(args, out)

@@ -1,0 +1,133 @@
+"""The shipped tuning database: dzc-tune's export round-trips into CompileOptions(tuning_db=...) and DZC_TUNING_DB,
+is refused whole on a device it was not tuned on, and external candidates (a vendor library's kernel) are timed
+like configs and win only when faster."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+import dzc
+from dzc import config
+from dzc.autotune import (ExternalCandidate, ShippedTuningDatabase, TuningDatabase, TuningDatabaseMismatch,
+                          open_database, tune)
+from dzc.models import build_model
+from dzc.targets import INTERPRETER
+from dzc.targets.kernel_config import KernelConfig
+from dzc.tune import main as tune_main
+from dzc.tune import tune_model
+
+
+@pytest.fixture
+def shipped(tmp_path):
+    """A database dzc-tune exported after tuning the llama decoder on this machine (Triton's interpreter)."""
+    model, inputs = build_model("llama_decoder", seq=4, batch=1)
+    out = tmp_path / "shipped.json"
+    summary = tune_model(model, [inputs], "cuda", out, runtime=INTERPRETER, device=torch.device("cpu"),
+                         model_name="llama_decoder", cache_dir=str(tmp_path / "tuning-cache"))
+    assert summary["entries"] >= 1
+    return out, summary
+
+
+def _tuned_entries(compiled) -> list[dict]:
+    return [entry for kernel in compiled.report.kernels for entry in kernel.tuned.values()]
+
+
+def test_export_round_trips_through_tuning_db_and_the_environment(shipped, tmp_path):
+    out, summary = shipped
+    data = json.loads(out.read_text())
+    assert data["kind"] == ShippedTuningDatabase.KIND and data["model"] == "llama_decoder"
+    assert data["device"] == INTERPRETER.tuning_identity(torch.device("cpu"))
+    assert data["device"]["arch"].startswith("triton-interpreter") and data["device"]["multiprocessors"] >= 1
+    tuned_configs = {entry["config"] for buckets in summary["kernels"].values() for entry in buckets.values()}
+    shipped_configs = {str(KernelConfig.from_json(e["config"])) for e in data["entries"].values()}
+    assert shipped_configs == tuned_configs
+
+    model, inputs = build_model("llama_decoder", seq=4, batch=1)
+    expected = model(*inputs)
+    for how in ("option", "environment"):
+        cache = tmp_path / f"fresh-{how}"
+        options = dzc.CompileOptions(cache_dir=str(cache), autotune=True,
+                                     tuning_db=str(out) if how == "option" else None)
+        with config.scope(DZC_TUNING_DB=str(out) if how == "environment" else ""):
+            compiled = dzc.compile(model, "cuda", options)
+            result = compiled(*inputs)
+        torch.testing.assert_close(result, expected, atol=2e-2, rtol=2**-6)
+        entries = _tuned_entries(compiled)
+        assert entries and all(e["how"] == f"shipped tuning database {out}" for e in entries), entries
+        assert {e["config"] for e in entries} <= tuned_configs
+        assert not (cache / "tuning.json").exists(), "nothing was timed, so the local database stays empty"
+
+
+@pytest.mark.parametrize("field, value", [("arch", "mp_31"), ("multiprocessors", 12345), ("triton", "3.2.0 (mtgpu)")])
+def test_a_database_from_another_device_is_refused_whole(shipped, tmp_path, field, value):
+    out, _ = shipped
+    data = json.loads(out.read_text())
+    here = data["device"][field]
+    data["device"][field] = value
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps(data))
+    model, inputs = build_model("llama_decoder", seq=4, batch=1)
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path / "c"), tuning_db=str(foreign)))
+    with pytest.raises(TuningDatabaseMismatch) as err:
+        compiled(*inputs)
+    message = str(err.value)
+    assert str(foreign) in message and str(value) in message and str(here) in message, message
+    if field == "arch":
+        assert "another arch" in message
+
+
+def test_malformed_shipped_databases_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        open_database(tmp_path, str(tmp_path / "missing.json"))
+    local = tmp_path / "tuning.json"
+    TuningDatabase(local).store({"op": "x"}, {"config": KernelConfig.make(ROWS=1).to_json()})
+    with pytest.raises(ValueError, match="not a shipped tuning database"):
+        open_database(tmp_path, str(local))
+    (tmp_path / "text.json").write_text("{not json")
+    with pytest.raises(ValueError, match="is not JSON"):
+        open_database(tmp_path, str(tmp_path / "text.json"))
+    assert open_database(tmp_path, None).shipped is None
+
+
+def test_dzc_tune_without_the_device_names_what_is_missing(tmp_path, capsys, monkeypatch):
+    monkeypatch.delattr(torch, "musa", raising=False)
+    assert tune_main(["llama_decoder", "--target", "musa", "--out", str(tmp_path / "db.json")]) == 2
+    assert "torch_musa" in capsys.readouterr().err
+    assert not (tmp_path / "db.json").exists()
+
+
+def _sleeper(seconds: float):
+    def run(*_):
+        time.sleep(seconds)
+    return run
+
+
+def test_external_candidates_are_timed_like_configs_and_kept_as_an_option(tmp_path):
+    """A faster external candidate wins and is recorded by name; a process without it installed falls back to
+    the best config from the same record; a slower one never wins."""
+    configs = [KernelConfig.make(num_warps=w, ROWS=1) for w in (1, 2)]
+    run = {configs[0]: _sleeper(0.004), configs[1]: _sleeper(0.006)}
+    fast = ExternalCandidate("vendor.fast_kernel", _sleeper(0.0005))
+    database = TuningDatabase(tmp_path / "tuning.json")
+    bench = lambda fn: INTERPRETER.bench(fn, torch.device("cpu"))  # noqa: E731
+
+    result = tune("op", {"k": 1}, configs, lambda c: run[c](), bench, database, externals=[fast],
+                  run_external=lambda e: e.fn())
+    assert result.external == fast and result.config == configs[0]
+    assert set(result.timings) == {str(configs[0]), str(configs[1]), "external vendor.fast_kernel"}
+    again = tune("op", {"k": 1}, configs, lambda c: run[c](), bench, database, externals=[fast],
+                 run_external=lambda e: e.fn())
+    assert again.from_cache and again.external == fast
+    without = tune("op", {"k": 1}, configs, lambda c: run[c](), bench, database)
+    assert without.from_cache and without.external is None and without.config == configs[0]
+
+    slow = ExternalCandidate("vendor.slow_kernel", _sleeper(0.02))
+    lost = tune("op", {"k": 2}, configs, lambda c: run[c](), bench, database, externals=[slow],
+                run_external=lambda e: e.fn())
+    assert lost.external is None and lost.config == configs[0]
+    record = database.lookup({"k": 2})
+    assert record["external"] is None and record["external_seconds_per_call"] > record["seconds_per_call"]

@@ -1,0 +1,374 @@
+"""Kernels of dzc.varlen_attention (Triton and TileLang) against the op's reference, on fresh random packs.
+
+CPU: Triton kernels through the interpreter (small packs: a pack of one image, very uneven lengths with an empty
+segment, lengths that are not block multiples, head dims 72/80/128, with and without RoPE, fp32/fp16/bf16,
+strided q/k/v as a fused qkv projection gives them); outputs poisoned with NaN before each launch. Every emitted
+config is legal on every profile; Triton kernels compile ahead of time for sm_90 (what the interpreter lets
+through: dot shapes, layouts, shared memory against the estimate); TileLang lowers to CUDA and nvcc compiles it.
+GPU (marked gpu): both codegens on the device (Triton: every legal config on one pack), with strided q/k/v and
+an understated max_seqlen.
+
+Tolerance: an output element is a convex combination of v values, so errors are measured in units of the output
+dtype's epsilon times the largest |v| of the element's segment and head (the probabilities enter the second
+matmul rounded to the 16-bit dtype, 2^-8 relative for bf16; the interpreter truncates instead of rounding).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dzc.ops.varlen_attention import varlen_attention_reference
+from dzc.targets import TARGETS, tilelang_codegen, triton_codegen
+from dzc.targets import varlen_attention as family
+from dzc.targets.launch import legal_configs
+from dzc.targets.legality import config_problems
+from dzc.targets.profiles import SM_90
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Allowed error in output-dtype epsilons of the segment's largest |v| (see the module docstring).
+MAX_EPSILONS = {FP32: 16.0, FP16: 2.0, BF16: 2.0}
+
+# (lengths, heads, head_dim, dtype, rope): kept small for the interpreter (tokens <= ~300, heads <= 2).
+CPU_CASES = {
+    "one-image-80-bf16": ((150,), 1, 80, BF16, False),
+    "uneven-72-fp32-rope": ((1, 130, 0, 7, 3), 1, 72, FP32, True),
+    "uneven-80-bf16-rope": ((5, 70, 1, 40), 2, 80, BF16, True),
+    "two-images-72-fp16": ((129, 31), 1, 72, FP16, False),
+    "windows-80-fp16-rope": ((64, 64, 17), 2, 80, FP16, True),
+    "one-token-128-fp32": ((1,), 2, 128, FP32, False),
+}
+
+
+def make_pack(case, seed: int, device=DEVICE, strided: bool = False):
+    lengths, heads, head_dim, dtype, rope = case
+    generator = torch.Generator().manual_seed(seed)
+    args = family.random_pack(lengths, heads, head_dim, dtype, rope, device, generator)
+    if strided:  # q, k, v as slices of one [tokens, 3, heads, head_dim] qkv projection (row stride 3·H·D)
+        qkv = torch.stack(args[:3], dim=1)
+        args = (qkv[:, 0], qkv[:, 1], qkv[:, 2], *args[3:])
+    return args
+
+
+def spec_for(case) -> family.VarlenAttentionSpec:
+    _lengths, _heads, head_dim, dtype, rope = case
+    return family.make_spec(head_dim, dtype, FP32 if rope else None)
+
+
+def assert_attention_close(actual, expected, v, cu_seqlens, where: str):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, where
+    assert not actual.isnan().any(), f"{where}: NaN in the output: an element was not written (outputs poisoned)"
+    scale = torch.empty(v.shape[:2])
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            scale[start:end] = v[start:end].float().abs().amax(dim=(0, 2)).cpu()
+    error = (actual.float() - expected.float()).abs().amax(dim=-1).cpu()
+    epsilons = error / (torch.finfo(actual.dtype).eps * scale.clamp_min(1e-6))
+    worst = epsilons.max().item()
+    assert worst <= MAX_EPSILONS[actual.dtype], f"{where}: {worst:.2f} epsilons of max|v| apart"
+
+
+def launch_triton(kernel, spec, config, args):
+    inputs, (out,), _work, result = family.prepare(spec, *args)
+    out.fill_(float("nan"))
+    family.triton_launch(kernel, config, *inputs, out)
+    return result
+
+
+def configs_to_check(spec, profile):
+    """The default, and per head-dim tiling the config with the smallest query block and the fewest stages (a
+    different block→segment schedule and masking pattern)."""
+    legal, _ = legal_configs(family, "triton", spec, profile)
+    chosen = {family.triton_default_config(spec, profile)}
+    for split in family.triton_head_splits(spec.head_dim):
+        options = [c for c in legal if (c["D_LO"], c["D_HI"]) == split]
+        chosen.add(min(options, key=lambda c: (c["BLOCK_M"], c["BLOCK_N"], c.num_stages)))
+    return sorted(chosen, key=str)
+
+
+@pytest.fixture(scope="module")
+def triton_kernels(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("varlen_attention_triton")
+    kernels = {}
+
+    def load(spec):
+        if spec not in kernels:
+            path = directory / f"varlen_attention_{len(kernels)}.py"
+            path.write_text(family.triton_source(spec, SM_90))
+            kernels[spec] = triton_codegen.load(family, path, spec, SM_90)
+        return kernels[spec]
+
+    return load
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton numerics (interpreter on CPU, compiled on a GPU)
+
+
+@pytest.mark.parametrize("case_id", CPU_CASES)
+def test_triton_matches_reference(case_id, seed, triton_kernels):
+    case = CPU_CASES[case_id]
+    spec = spec_for(case)
+    kernel = triton_kernels(spec)
+    args = make_pack(case, seed, strided=case_id == "uneven-80-bf16-rope")
+    expected = varlen_attention_reference(*args)
+    for config in configs_to_check(spec, SM_90):
+        actual = launch_triton(kernel, spec, config, args)
+        assert_attention_close(actual, expected, args[2], args[3], f"{case_id} {config} seed={seed}")
+
+
+def test_segments_never_see_each_other(seed, triton_kernels):
+    """Changing one segment's keys and values leaves every other segment's output bit-identical."""
+    case = ((50, 70, 9), 2, 80, FP32, False)
+    spec = spec_for(case)
+    kernel = triton_kernels(spec)
+    q, k, v, cu_seqlens, *rest = make_pack(case, seed)
+    config = family.triton_default_config(spec, SM_90)
+    before = launch_triton(kernel, spec, config, (q, k, v, cu_seqlens, *rest))
+    k2, v2 = k.clone(), v.clone()
+    k2[50:120] = torch.randn_like(k2[50:120])
+    v2[50:120] = 100 + torch.randn_like(v2[50:120])
+    after = launch_triton(kernel, spec, config, (q, k2, v2, cu_seqlens, *rest))
+    assert torch.equal(before[:50], after[:50]) and torch.equal(before[120:], after[120:])
+    assert (after[50:120] - before[50:120]).abs().min() > 50  # the changed segment does see its new values
+
+
+def test_understated_max_seqlen_still_covers_every_row(seed, triton_kernels):
+    """max_seqlen only sizes grids and tuning buckets: a value below the longest segment costs speed, never rows."""
+    case = ((90, 3), 1, 72, FP32, False)
+    spec = spec_for(case)
+    args = make_pack(case, seed)
+    expected = varlen_attention_reference(*args)
+    understated = (*args[:4], 1, *args[5:])
+    actual = launch_triton(triton_kernels(spec), spec, family.triton_default_config(spec, SM_90), understated)
+    assert_attention_close(actual, expected, args[2], args[3], f"seed={seed}")
+
+
+def test_prepare_rejects_mismatched_arguments():
+    spec = family.make_spec(80, BF16, None)
+    q, k, v, cu_seqlens, max_seqlen, scale, _cos, _sin = make_pack(((10,), 1, 80, BF16, False), 0, "cpu")
+    with pytest.raises(ValueError, match="head_dim=80"):
+        family.prepare(spec, q[..., :72], k[..., :72], v[..., :72], cu_seqlens, max_seqlen, scale, None, None)
+    with pytest.raises(ValueError, match="int32"):
+        family.prepare(spec, q, k, v, cu_seqlens.long(), max_seqlen, scale, None, None)
+    with pytest.raises(ValueError, match="rotary"):
+        family.prepare(spec, q, k, v, cu_seqlens, max_seqlen, scale, torch.ones(10, 80), torch.ones(10, 80))
+    with pytest.raises(ValueError, match="even head dim"):
+        family.make_spec(81, BF16, FP32)
+
+
+class PackedAttention(torch.nn.Module):
+    """What fuse_vision_attention leaves in a graph: the dzc op on the model's q, k, v (no kernel bound yet)."""
+
+    def forward(self, q, k, v, cu_seqlens, cos, sin):
+        return torch.ops.dzc.varlen_attention(q, k, v, cu_seqlens, 130, 0.125, cos, sin)
+
+
+def test_compiled_graph_runs_the_generated_kernel(seed, options):
+    """Through dzc.compile: the node's spec, the codegen choice (Triton: no TileLang here), the kernel's result."""
+    import dzc
+
+    args = make_pack(((3, 130, 20), 2, 80, BF16, True), seed)
+    q, k, v, cu_seqlens, _max_seqlen, _scale, cos, sin = args
+    compiled = dzc.compile(PackedAttention(), target="cuda", options=options)
+    actual = compiled(q, k, v, cu_seqlens, cos, sin)
+    expected = varlen_attention_reference(q, k, v, cu_seqlens, 130, 0.125, cos, sin)
+    assert_attention_close(actual, expected, v, cu_seqlens, f"seed={seed}")
+    [kernel] = compiled.report.kernels
+    assert kernel.op == "varlen_attention" and kernel.codegen == "triton", kernel
+    assert kernel.spec == "head_dim=80 dtype=bfloat16 rope=float32"
+
+
+def test_gpu_codegen_choice_prefers_tilelang_except_for_fp32():
+    from dzc.lowering import Execution, choose_codegen
+    from dzc.options import CompileOptions
+    from dzc.targets.device_runtime import CudaRuntime
+
+    gpu = Execution(CudaRuntime())
+    auto = CompileOptions()
+    assert choose_codegen("varlen_attention", auto, gpu, family.make_spec(80, BF16, FP32)) == "tilelang"
+    assert choose_codegen("varlen_attention", auto, gpu, family.make_spec(80, FP32, None)) == "triton"
+    with pytest.raises(ValueError, match="TF32"):
+        family.tilelang_source(family.make_spec(80, FP32, None), SM_90)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Configs: legal everywhere, the estimate honest
+
+
+SPECS = [family.make_spec(d, dtype, rope) for d in (72, 80, 128) for dtype in (BF16, FP16, FP32)
+         for rope in (None, FP32, BF16)]
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_every_emitted_config_is_legal(name):
+    profile = TARGETS[name].profile
+    for spec in SPECS:
+        if not all(profile.supports_dtype(d) for d in spec.dtypes):
+            continue
+        legal, illegal = legal_configs(family, "triton", spec, profile)
+        assert legal, (name, spec.describe())
+        assert family.triton_default_config(spec, profile) in legal, (name, spec.describe())
+        for config in legal:
+            assert config.num_warps <= profile.max_num_warps and config.num_warps * 16 <= config["BLOCK_M"]
+            assert family.triton_shared_memory_bytes(spec, config) <= profile.shared_memory_per_block
+            assert config["D_LO"] + config["D_HI"] >= spec.head_dim
+        tilelang = family.tilelang_configs(spec, profile)
+        if not family.tilelang_supports(spec):  # fp32: Triton only (T.gemm would round to TF32)
+            assert tilelang == []
+            continue
+        assert tilelang and family.tilelang_default_config(spec, profile) in tilelang, (name, spec.describe())
+        for config in tilelang:
+            assert config["THREADS"] == config.num_warps * profile.warp_size
+            assert not config_problems(profile, threads=config["THREADS"], num_warps=None,
+                                       shared_memory_bytes=family.tilelang_shared_memory_bytes(spec, config),
+                                       dtypes=spec.dtypes), (name, spec.describe(), str(config))
+
+
+def test_musa_limits_prune_the_largest_tiles():
+    """mp_22 (72 KiB of shared memory, 128-lane warps) drops what sm_90 keeps."""
+    spec = family.make_spec(80, BF16, FP32)
+    kept_sm90, dropped_sm90 = legal_configs(family, "triton", spec, SM_90)
+    kept_mp22, dropped_mp22 = legal_configs(family, "triton", spec, TARGETS["musa:mp_22"].profile)
+    assert dropped_mp22 > dropped_sm90 and set(kept_mp22) < set(kept_sm90)
+
+
+def test_head_dim_tilings():
+    assert family.triton_head_splits(80) == [(128, 0), (64, 16)]
+    assert family.triton_head_splits(72) == [(128, 0), (64, 16)]
+    assert family.triton_head_splits(128) == [(128, 0)]
+    assert [family.tilelang_padded_dim(d) for d in (72, 80, 128)] == [80, 80, 128]
+
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+
+    import torch
+    import dzc
+    from dzc.targets import triton_codegen, varlen_attention as family
+    from dzc.targets.launch import legal_configs
+    from dzc.targets.profiles import SM_90
+
+    assert not triton_codegen.interpreting()
+    out = Path(sys.argv[1])
+    results = []
+    # The default config of the model head dims (bf16, with and without RoPE), and the largest legal one.
+    for head_dim, rope, which in ((80, torch.float32, "default"), (72, None, "default"), (80, None, "largest")):
+        spec = family.make_spec(head_dim, torch.bfloat16, rope)
+        legal, _ = legal_configs(family, "triton", spec, SM_90)
+        config = (family.triton_default_config(spec, SM_90) if which == "default" else
+                  max(legal, key=lambda c: family.triton_shared_memory_bytes(spec, c)))
+        path = out / f"varlen_attention_{head_dim}_{rope is not None}.py"
+        path.write_text(family.triton_source(spec, SM_90))
+        kernel = triton_codegen.compile_ahead_of_time(path, family.TRITON_KERNEL_NAME,
+                                                      *family.triton_signature(spec, config),
+                                                      num_warps=config.num_warps, profile=SM_90,
+                                                      num_stages=config.num_stages,
+                                                      divisible_by_16=family.triton_divisible_arguments(spec))
+        results.append(dict(spec=spec.describe(), config=str(config), legal=config in legal,
+                            estimate=family.triton_shared_memory_bytes(spec, config), shared=kernel.metadata.shared,
+                            limit=SM_90.shared_memory_per_block, mma="wgmma" in kernel.asm["ptx"],
+                            pipelined=config.num_stages == 1 or "cp.async" in kernel.asm["ptx"],
+                            warps=kernel.metadata.num_warps, expected_warps=config.num_warps))
+    print("RESULTS " + json.dumps(results))
+""")
+
+
+def test_triton_compiles_ahead_of_time_for_sm_90(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
+               TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    results = json.loads(line.removeprefix("RESULTS "))
+    assert len(results) == 3
+    for r in results:
+        # Tensor cores, and (with more than one stage) key/value tiles loaded asynchronously ahead of use.
+        assert r["legal"] and r["mma"] and r["pipelined"] and r["warps"] == r["expected_warps"], r
+        # The legality estimate must not undercount what Triton allocates.
+        assert r["shared"] <= r["estimate"] <= r["limit"], r
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TileLang: lowered to CUDA and compiled by nvcc without a GPU
+
+
+@pytest.mark.parametrize("head_dim, rope", [(72, FP32), (80, None)], ids=["72-rope", "80"])
+def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
+    """Head dim 72 with RoPE: tiles padded to 80 columns (the matrix instructions' k-step) built element-wise,
+    rotated on the way. Head dim 80 without: bulk (asynchronous) copies of k and v."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    spec = family.make_spec(head_dim, BF16, rope)
+    path = tmp_path / "varlen_attention_tilelang.py"
+    path.write_text(family.tilelang_source(spec, SM_90))
+    config = family.tilelang_default_config(spec, SM_90)
+    artifact = tilelang_codegen.lower(path, family.TILELANG_FACTORY_NAME, config, SM_90)
+    cuda = artifact.kernel_source
+    (device_func,) = artifact.device_mod.functions.values()
+    assert int(device_func.attrs.get("dyn_shared_memory_buf", 0)) <= family.tilelang_shared_memory_bytes(spec, config)
+    # Both matmuls run on Hopper's wgmma, the second one 80 columns wide (not padded to 128).
+    assert re.search(r"wgmma_\w+<[^;]*\b64, 80\b", cuda), "no 64x80 wgmma in the lowered kernel"
+    assert "float sm_scale" in cuda and "int max_seqlen" in cuda
+    assert ("cp.async" in cuda or "cp_async" in cuda) == (rope is None)
+    assert tilelang_codegen.nvcc_compile(cuda, SM_90, tmp_path / "nvcc").stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU
+
+GPU_LENGTHS = (1, 1000, 0, 257, 4096, 64, 64, 7, 2304)
+# (head_dim, dtype, rope): the model head dims in both 16-bit dtypes, with and without RoPE, and 128.
+GPU_SPECS = ((80, BF16, True), (72, BF16, False), (72, FP16, True), (80, FP16, False), (128, BF16, False))
+GPU_CASES = {f"d{d}-{str(dtype)[6:]}-rope{int(rope)}": (GPU_LENGTHS, 4, d, dtype, rope) for d, dtype, rope in GPU_SPECS}
+FIRST_GPU_CASE = next(iter(GPU_CASES))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", GPU_CASES)
+def test_triton_on_gpu(case_id, seed, triton_kernels):
+    case = GPU_CASES[case_id]
+    spec = spec_for(case)
+    kernel = triton_kernels(spec)
+    args = make_pack(case, seed)
+    expected = varlen_attention_reference(*args)
+    # Every legal config on the first case; the default and the tested alternatives on the others.
+    legal, _ = legal_configs(family, "triton", spec, SM_90)
+    configs = legal if case_id == FIRST_GPU_CASE else configs_to_check(spec, SM_90)
+    for config in configs:
+        actual = launch_triton(kernel, spec, config, args)
+        assert_attention_close(actual, expected, args[2], args[3], f"{spec.describe()} {config} seed={seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", GPU_CASES)
+def test_tilelang_on_gpu(case_id, seed, tmp_path):
+    case = GPU_CASES[case_id]
+    spec = spec_for(case)
+    path = tmp_path / "varlen_attention_tilelang.py"
+    path.write_text(family.tilelang_source(spec, SM_90))
+    kernels = tilelang_codegen.load(family, path, spec, SM_90)
+    args = make_pack(case, seed, strided=True)
+    expected = varlen_attention_reference(*args)
+    # The default and the smallest tile (TileLang compiles each config with nvcc: ~10-30 s apiece).
+    configs = [family.tilelang_default_config(spec, SM_90), family.tilelang_configs(spec, SM_90)[0]]
+    for config in configs:
+        # The first config also runs with max_seqlen far below the longest segment (blocks must stride on).
+        for max_seqlen in (args[4], 64) if config == configs[0] else (args[4],):
+            inputs, (out,), _work, result = family.prepare(spec, *args[:4], max_seqlen, *args[5:])
+            out.fill_(float("nan"))
+            family.tilelang_launch(kernels, config, *inputs, out)
+            assert_attention_close(result, expected, args[2], args[3],
+                                   f"{spec.describe()} {config} max_seqlen={max_seqlen} seed={seed}")

@@ -1,0 +1,410 @@
+"""Benchmark dzc's mxfp4_moe kernels (Triton: online dequant and workspace paths; TileLang: online dequant) against
+eager dequantize-then-matmul, torch.compile of it, and BF16 weights through torch._grouped_mm, in one run (H200).
+
+    python tools/bench_mxfp4_moe.py [--quick] [--musa-legal] [--models gpt-oss-120b deepseek-style]
+                                    [--tokens 1 2 4 8 16 32 64 2048 8192] [--routing uniform skewed] [--out results.md]
+
+Shapes are dzc.models.moe.CONFIGS (gpt-oss-120b: E=128, top-4, H=I=2880, clamped SwiGLU, biases, gate/up
+interleaved; deepseek-style: E=256, top-8, H=7168, I=2048, SwiGLU, no biases). Weights are random MXFP4 (uniform
+random E2M1 codes, scales 2^-8..2^-4), routing uniform-random top-k or skewed (Zipf over experts, s=1.2).
+
+Figures: effective bandwidth = bytes of the packed weights and scales of the experts the call actually touches
+÷ time (the decode roofline: 4.8 TB/s datasheet, ~4.3 copy); TFLOP/s = 2·T·k·3·H·I ÷ time (bf16 dense ~790,
+datasheet 989); ratios against the eager dequant path and the BF16 grouped GEMM. dzc's kernels are timed as dzc
+runs them: the whole op (routing, both GEMMs, combine) replayed from a CUDA graph (no host synchronisation in it),
+with triton.testing.do_bench (L2 flushed before each call). Per token bucket the family's tier of configs is
+timed and the best kept ("tuned"), besides the cost model's untuned choice ("default"). Every variant is checked
+against the op's reference (dzc.ops.mxfp4_moe_reference) once before it is timed.
+
+--musa-legal: only configs legal on musa:mp_22 (128-lane warps, <= 8 warps, 72 KiB shared memory, no fp8),
+launched with the same thread counts on the H200 (num_warps x4): validates the algorithm and its tiling as the
+MUSA card would run it; it does not measure MUSA speed, code generation or its compilers.
+
+Memory: peak torch.cuda.max_memory_allocated of L stacked MoE layers run on a prefill batch: packed weights + one
+workspace (shared by the layers) + activations, against the same layers with an offline BF16 copy of the experts
+(run through torch._grouped_mm) and an offline FP8 copy (e4m3 + one fp32 scale per row: its storage, plus the
+activations the BF16 run needed), and projected to the model's full depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import platform
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import dzc  # noqa: F401  (first: it decides Triton's mode)
+import torch
+import triton
+import triton.testing
+
+from dzc import mxfp4
+from dzc.models.moe import CONFIGS
+from dzc.ops.mxfp4_moe import glu_activation, mxfp4_moe_reference
+from dzc.targets import mxfp4_moe as family
+from dzc.targets import tilelang_codegen, triton_codegen
+from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.launch import legal_configs
+from dzc.targets.profiles import MP_22, SM_90
+
+PEAK_BYTES_PER_S = 4.8e12
+PEAK_BF16_FLOPS = 989e12
+DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_TOKENS = (2048, 8192)
+# Full model depth, for the memory projection (gpt-oss-120b: 36 layers; DeepSeek-V3-style: 58 MoE layers).
+MODEL_LAYERS = {"gpt-oss-120b": 36, "deepseek-style": 58}
+# Prefill batch of the memory measurement: enough rows per expert that the cost model picks the workspace path.
+MEMORY_TOKENS = 8192
+# Configs timed per token bucket: the cost model's default plus up to this many more of the bucket's tier.
+TUNED_CONFIGS = {"quick": 3, "full": 8}
+
+
+@dataclass
+class Layer:
+    name: str
+    spec: family.MXFP4MoESpec
+    w13_blocks: torch.Tensor
+    w13_scales: torch.Tensor
+    w13_bias: torch.Tensor | None
+    w2_blocks: torch.Tensor
+    w2_scales: torch.Tensor
+    w2_bias: torch.Tensor | None
+    alpha: float
+    limit: float
+
+    def args(self, hidden, topk_ids, topk_weights) -> tuple:
+        return (hidden, topk_ids, topk_weights, self.w13_blocks, self.w13_scales, self.w13_bias, self.w2_blocks,
+                self.w2_scales, self.w2_bias, self.spec.activation, self.spec.interleaved, self.alpha, self.limit)
+
+
+def random_layer(name: str, device, generator) -> Layer:
+    cfg = CONFIGS[name]
+    e, h, i = cfg.experts, cfg.hidden, cfg.intermediate
+    on = dict(device=device, generator=generator)
+
+    def packed(n, k):
+        blocks = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, **on)
+        scales = torch.randint(119, 124, (e, n, k // 32), dtype=torch.uint8, **on)
+        return blocks, scales
+
+    w13_blocks, w13_scales = packed(2 * i, h)
+    w2_blocks, w2_scales = packed(h, i)
+    bias = (lambda rows: 0.1 * torch.randn(e, rows, **on).bfloat16()) if cfg.expert_bias else (lambda rows: None)
+    spec = family.MXFP4MoESpec(h, i, e, cfg.top_k, torch.bfloat16, torch.float32,
+                               torch.bfloat16 if cfg.expert_bias else None, torch.bfloat16 if cfg.expert_bias else None,
+                               cfg.activation, cfg.gate_up_interleaved)
+    return Layer(name, spec, w13_blocks, w13_scales, bias(2 * i), w2_blocks, w2_scales, bias(h), cfg.alpha,
+                 cfg.limit)
+
+
+def random_routing(spec, tokens: int, skewed: bool, device, generator):
+    """(hidden, topk_ids int32, topk_weights fp32): distinct experts per token; skewed = Zipf(1.2) popularity."""
+    logits = torch.rand(tokens, spec.experts, device=device, generator=generator).clamp_min(1e-9).log().neg().log().neg()
+    if skewed:
+        ranks = torch.arange(1, spec.experts + 1, device=device, dtype=torch.float32)
+        logits = logits - 1.2 * ranks.log()  # Gumbel top-k over Zipf probabilities
+    top, ids = logits.topk(spec.top_k, dim=-1)
+    weights = torch.softmax(top, dim=-1)
+    hidden = torch.randn(tokens, spec.hidden, device=device, generator=generator).bfloat16()
+    return hidden, ids.to(torch.int32), weights
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Baselines
+
+
+def _expert_body(x_rows, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias, activation: str,
+                 interleaved: bool, alpha: float, limit: float):
+    """One expert, dequantize then matmul (bf16 weights, fp32 accumulate): y [rows, H] fp32."""
+    w13 = mxfp4.dequantize(w13_blocks, w13_scales, torch.bfloat16)
+    gate_up = (x_rows @ w13.T).float()
+    if w13_bias is not None:
+        gate_up = gate_up + w13_bias.float()
+    act = glu_activation(gate_up, activation, interleaved, alpha, limit).to(x_rows.dtype)
+    y = (act @ mxfp4.dequantize(w2_blocks, w2_scales, torch.bfloat16).T).float()
+    return y + w2_bias.float() if w2_bias is not None else y
+
+
+def dequant_loop(body):
+    """The eager dequant path: for each activated expert (host loop), dequantize its weights and multiply."""
+
+    def run(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias,
+            activation, interleaved, alpha, limit):
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        ids = topk_ids.long()
+        for e in ids.unique().tolist():
+            tokens, slots = torch.where(ids == e)
+            y = body(hidden[tokens], w13_blocks[e], w13_scales[e], None if w13_bias is None else w13_bias[e],
+                     w2_blocks[e], w2_scales[e], None if w2_bias is None else w2_bias[e], activation, interleaved,
+                     alpha, limit)
+            out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].float())
+        return out.to(hidden.dtype)
+
+    return run
+
+
+class GroupedMMBaseline:
+    """BF16 expert weights (an offline copy) through torch._grouped_mm; routing by torch ops, no host sync."""
+
+    def __init__(self, layer: Layer):
+        self.layer = layer
+        self.w13 = mxfp4.dequantize(layer.w13_blocks, layer.w13_scales, torch.bfloat16)  # [E, 2I, H]
+        self.w2 = mxfp4.dequantize(layer.w2_blocks, layer.w2_scales, torch.bfloat16)  # [E, H, I]
+
+    def __call__(self, hidden, topk_ids, topk_weights, *_):
+        layer, spec = self.layer, self.layer.spec
+        ids = topk_ids.reshape(-1).long()
+        order = torch.sort(ids, stable=True).indices
+        counts = torch.zeros(spec.experts, dtype=torch.int32, device=ids.device).index_add_(
+            0, ids, torch.ones_like(ids, dtype=torch.int32))
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        rows = hidden[order // spec.top_k]
+        gate_up = torch._grouped_mm(rows, self.w13.transpose(-2, -1), offs=offsets).float()
+        sorted_experts = ids[order]
+        if layer.w13_bias is not None:
+            gate_up = gate_up + layer.w13_bias[sorted_experts].float()
+        act = glu_activation(gate_up, spec.activation, spec.interleaved, layer.alpha, layer.limit).bfloat16()
+        y = torch._grouped_mm(act, self.w2.transpose(-2, -1), offs=offsets).float()
+        if layer.w2_bias is not None:
+            y = y + layer.w2_bias[sorted_experts].float()
+        y = y * topk_weights.reshape(-1)[order, None].float()
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        return out.index_add_(0, order // spec.top_k, y).to(hidden.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# dzc kernels
+
+
+class DzcKernels:
+    """The family's generated kernels for one spec and codegen, launched as GeneratedKernel would."""
+
+    def __init__(self, spec, codegen: str, workdir: Path):
+        self.spec, self.codegen = spec, codegen
+        source = getattr(family, f"{codegen}_source")(spec, SM_90)
+        path = workdir / f"mxfp4_moe_{codegen}_{abs(hash(spec))}.py"
+        path.write_text(source)
+        module = triton_codegen if codegen == "triton" else tilelang_codegen
+        self.compiled = module.load(family, path, spec, SM_90)
+        self.launch = getattr(family, f"{codegen}_launch")
+
+    def configs(self, bucket: int, musa_legal: bool, how_many: int) -> list[tuple[str, KernelConfig]]:
+        """[("default", config), ("tuned candidates"...)] for the bucket: the cost model's choice first."""
+        if musa_legal:
+            legal, _ = legal_configs(family, self.codegen, self.spec, MP_22)
+            # The same threads per block on 32-lane warps.
+            legal = [KernelConfig(c.params, c.num_warps * MP_22.warp_size // SM_90.warp_size, c.num_stages)
+                     for c in legal]
+        else:
+            legal, _ = legal_configs(family, self.codegen, self.spec, SM_90)
+        default = getattr(family, f"{self.codegen}_default_config")(self.spec, SM_90)
+        tier, default = family.configs_for_bucket(self.spec, SM_90, bucket, legal,
+                                                  default if default in legal else legal[0])
+        others = [c for c in tier if c != default]
+        step = max(1, len(others) // max(how_many, 1))
+        return [("default", default)] + [("candidate", c) for c in others[::step][:how_many]]
+
+    def run(self, config, args):
+        inputs, (out,), _, result = family.prepare(self.spec, *args)
+        self.launch(self.compiled, config, *inputs, out)
+        return result
+
+
+def graph_time(fn) -> float:
+    """Seconds per replay of fn captured in a CUDA graph (L2 flushed before each replay by do_bench)."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e-3
+
+
+def plain_time(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median") * 1e-3
+
+
+def check(name: str, actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """bf16 tolerance: a rounding of the activation and of the output (2^-7 relative) against the output's scale;
+    returns the error relative to that scale."""
+    scale = expected.float().abs().max().item()
+    error = (actual.float() - expected.float()).abs().max().item()
+    if actual.isnan().any() or error > 2**-7 * scale + 1e-6:
+        raise AssertionError(f"{name}: max error {error:.3g} vs output scale {scale:.3g}")
+    return error / max(scale, 1e-30)
+
+
+# ---------------------------------------------------------------------------------------------------------
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["gpt-oss-120b", "deepseek-style"], choices=sorted(MODEL_LAYERS))
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(DECODE_TOKENS + PREFILL_TOKENS))
+    parser.add_argument("--routing", nargs="+", default=["uniform", "skewed"], choices=["uniform", "skewed"])
+    parser.add_argument("--codegens", nargs="+", default=["triton", "tilelang"], choices=["triton", "tilelang"])
+    parser.add_argument("--quick", action="store_true", help="a subset that finishes in about two minutes")
+    parser.add_argument("--musa-legal", action="store_true", help="only configs legal on musa:mp_22 (see the doc)")
+    parser.add_argument("--memory-layers", type=int, default=2, help="stacked layers in the memory measurement")
+    parser.add_argument("--out", help="write the markdown report here too")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_mxfp4_moe needs a CUDA GPU")
+    if args.quick:
+        args.models, args.tokens, args.routing = ["gpt-oss-120b"], [1, 8, 64, 2048], ["uniform"]
+        args.codegens = ["triton"]
+    how_many = TUNED_CONFIGS["quick" if args.quick else "full"]
+    device = torch.device("cuda")
+    torch._dynamo.config.recompile_limit = 256
+    workdir = Path(tempfile.mkdtemp(prefix="dzc-bench-mxfp4-moe-"))
+    generator = torch.Generator(device=device).manual_seed(0)
+    lines = [f"# dzc mxfp4_moe benchmark{' (MUSA-legal configs)' if args.musa_legal else ''}", "",
+             f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; Triton {triton.__version__}; "
+             f"TileLang {tilelang_codegen.VERSION}; Python {platform.python_version()}; "
+             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "",
+             "Effective bandwidth = packed weight + scale bytes of the experts touched / time (4.8 TB/s datasheet). "
+             "dzc times: whole op from a CUDA graph. eager = dequantize-then-matmul per activated expert; "
+             "compile = torch.compile of its per-expert body; grouped_mm = offline BF16 weights, torch._grouped_mm "
+             "(CUDA graph). Ratios: baseline time / dzc tuned time.", ""]
+    header = ("| model | routing | T | experts touched | path (tuned) | dzc default µs | dzc tuned µs | TB/s | % of 4.8 "
+              "| TFLOP/s | tilelang µs | eager µs | compile µs | grouped_mm µs | vs eager | vs compile | vs grouped_mm "
+              "| rel. err |")
+    lines += [header, "|" + "---|" * (header.count("|") - 1)]
+    print("\n".join(lines), flush=True)
+    compiled_body = torch.compile(_expert_body, dynamic=True)
+    for model in args.models:
+        layer = random_layer(model, device, generator)
+        spec = layer.spec
+        kernels = {cg: DzcKernels(spec, cg, workdir) for cg in args.codegens}
+        grouped = GroupedMMBaseline(layer)
+        for routing in args.routing:
+            for tokens in args.tokens:
+                hidden, topk_ids, topk_weights = random_routing(spec, tokens, routing == "skewed", device, generator)
+                op_args = layer.args(hidden, topk_ids, topk_weights)
+                expected = mxfp4_moe_reference(*op_args)
+                touched = int(topk_ids.unique().numel())
+                useful_bytes = touched * family.packed_expert_bytes(spec)
+                bucket = family.token_bucket(tokens)
+                # dzc Triton: the cost model's default, then the tier's candidates; keep the fastest.
+                triton_kernels = kernels["triton"] if "triton" in kernels else None
+                default_s = tuned_s = float("inf")
+                tuned_config, errors = None, []
+                if triton_kernels is not None:
+                    for role, config in triton_kernels.configs(bucket, args.musa_legal, how_many):
+                        errors.append(check(f"dzc triton {config}", triton_kernels.run(config, op_args), expected))
+                        seconds = graph_time(lambda c=config: triton_kernels.run(c, op_args))
+                        if role == "default":
+                            default_s = seconds
+                        if seconds < tuned_s:
+                            tuned_s, tuned_config = seconds, config
+                tilelang_s = float("nan")
+                if "tilelang" in kernels and bucket <= 64:
+                    tl_kernels = kernels["tilelang"]
+                    (_, tl_config), *_ = tl_kernels.configs(bucket, args.musa_legal, 0)
+                    errors.append(check("dzc tilelang", tl_kernels.run(tl_config, op_args), expected))
+                    tilelang_s = graph_time(lambda: tl_kernels.run(tl_config, op_args))
+                eager = dequant_loop(_expert_body)
+                errors.append(check("eager", eager(*op_args), expected))
+                eager_s = plain_time(lambda: eager(*op_args))
+                compiled = dequant_loop(compiled_body)
+                errors.append(check("torch.compile", compiled(*op_args), expected))
+                compile_s = plain_time(lambda: compiled(*op_args))
+                try:
+                    errors.append(check("grouped_mm", grouped(*op_args), expected))
+                    grouped_s = graph_time(lambda: grouped(*op_args))
+                except (RuntimeError, AssertionError) as err:
+                    print(f"grouped_mm baseline unavailable: {err}", file=sys.stderr)
+                    grouped_s = float("nan")
+                bandwidth = useful_bytes / tuned_s
+                row = (f"| {model} | {routing} | {tokens} | {touched} | "
+                       f"{family.describe_config(tuned_config).split(' (')[0] if tuned_config else '-'} | "
+                       f"{default_s * 1e6:.1f} | {tuned_s * 1e6:.1f} | {bandwidth / 1e12:.2f} | "
+                       f"{100 * bandwidth / PEAK_BYTES_PER_S:.0f}% | {family.flops(spec, tokens) / tuned_s / 1e12:.1f} | "
+                       f"{tilelang_s * 1e6:.1f} | {eager_s * 1e6:.1f} | {compile_s * 1e6:.1f} | {grouped_s * 1e6:.1f} | "
+                       f"{eager_s / tuned_s:.1f}x | {compile_s / tuned_s:.1f}x | {grouped_s / tuned_s:.2f}x | "
+                       f"{max(errors):.1e} |")
+                lines.append(row)
+                print(row, f"  [tuned: {tuned_config}]", flush=True)
+        del grouped, kernels
+        torch.cuda.empty_cache()
+    lines += ["", *memory_report(args.models, args.memory_layers, device, generator, workdir)]
+    lines += ["", "Goals: decode >= 70% of 4.8 TB/s at T >= 8 and >= 55% at T = 1; >= 3x the eager dequant path; "
+              "prefill >= 550 TFLOP/s at >= 256 rows per expert (gpt-oss T=8192)."]
+    text = "\n".join(lines)
+    print("\n".join(lines[-12:]))
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+def memory_report(models, layers: int, device, generator, workdir) -> list[str]:
+    """Peak memory of `layers` stacked MoE layers on a prefill batch, MXFP4 (dzc) vs offline BF16 / FP8 copies."""
+    lines = [f"## Peak GPU memory, {layers} stacked MoE layers, prefill T={MEMORY_TOKENS} (GiB)", "",
+             "| model | dzc: packed + workspace + activations | of which workspace | BF16 copy (grouped_mm) | "
+             "FP8 copy (storage + BF16 run's activations) | dzc saving vs FP8 | full depth: dzc / FP8 / BF16 |",
+             "|---|---|---|---|---|---|---|"]
+    gib = 2**30
+    for model in models:
+        torch.cuda.empty_cache()
+        family.release_workspaces()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        stack = [random_layer(model, device, generator) for _ in range(layers)]
+        spec = stack[0].spec
+        hidden, topk_ids, topk_weights = random_routing(spec, MEMORY_TOKENS, False, device, generator)
+        kernels = DzcKernels(spec, "triton", workdir)
+        (_, config), = kernels.configs(family.token_bucket(MEMORY_TOKENS), musa_legal=False, how_many=0)
+        if not config["WORKSPACE"]:
+            raise AssertionError(f"the memory measurement should run the workspace path; the cost model chose {config}")
+        packed = sum(t.numel() * t.element_size() for layer in stack for t in
+                     (layer.w13_blocks, layer.w13_scales, layer.w2_blocks, layer.w2_scales))
+        torch.cuda.reset_peak_memory_stats()
+        x = hidden
+        for layer in stack:
+            x = kernels.run(config, layer.args(x, topk_ids, topk_weights))
+        torch.cuda.synchronize()
+        dzc_peak = torch.cuda.max_memory_allocated() - base
+        workspace = family.workspace_bytes(device)
+        del x
+        # BF16 copies, run through torch._grouped_mm.
+        bf16_layers = [GroupedMMBaseline(layer) for layer in stack]
+        for layer in stack:
+            layer.w13_blocks = layer.w2_blocks = layer.w13_scales = layer.w2_scales = None
+        del stack
+        family.release_workspaces()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base_bf16 = torch.cuda.memory_allocated()
+        weights_bf16 = sum(b.w13.numel() * 2 + b.w2.numel() * 2 for b in bf16_layers)
+        x = hidden
+        for baseline in bf16_layers:
+            x = baseline(x, topk_ids, topk_weights)
+        torch.cuda.synchronize()
+        activations_bf16 = torch.cuda.max_memory_allocated() - base_bf16
+        bf16_peak = weights_bf16 + activations_bf16
+        fp8_weights = weights_bf16 // 2 + sum((b.w13.shape[0] * b.w13.shape[1] + b.w2.shape[0] * b.w2.shape[1]) * 4
+                                              for b in bf16_layers)
+        fp8_peak = fp8_weights + activations_bf16
+        del bf16_layers, x
+        torch.cuda.empty_cache()
+        depth = MODEL_LAYERS[model]
+        per_layer = packed / layers
+        activations_dzc = dzc_peak - packed - workspace
+        full = (depth * per_layer + workspace + activations_dzc, depth * fp8_weights / layers + activations_bf16,
+                depth * weights_bf16 / layers + activations_bf16)
+        lines.append(f"| {model} | {dzc_peak / gib:.2f} | {workspace / gib:.2f} | {bf16_peak / gib:.2f} | "
+                     f"{fp8_peak / gib:.2f} | {100 * (1 - dzc_peak / fp8_peak):.0f}% | "
+                     f"{full[0] / gib:.0f} / {full[1] / gib:.0f} / {full[2] / gib:.0f} "
+                     f"({100 * (1 - full[0] / full[1]):.0f}% below FP8) |")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
