@@ -171,7 +171,6 @@ class ShippedTuningDatabase:
             raise ValueError(f"dzc: tuning database {self.path} lacks its device identity or entries")
         self.device: dict = device
         self.entries: dict[str, dict] = entries
-        self.metadata = {k: v for k, v in data.items() if k not in ("device", "entries")}
 
     @staticmethod
     def describe_device(identity: dict) -> str:

@@ -145,7 +145,8 @@ class DzcBackend:
         fallback = self.options.fallback
         if fallback == "auto":
             fallback = "inductor" if device is not None and device.type != "cpu" else "eager"
-            if fallback == "inductor" and execution.runtime is not None and not execution.runtime.inductor_available():
+            device_runtime = execution.runtime
+            if fallback == "inductor" and device_runtime is not None and not device_runtime.inductor_available():
                 # MUSA without torch_musa's Inductor backend registered: torch_musa's ATen ops run the rest.
                 fallback = f"eager (no inductor backend for {device.type})"
         if fallback == "inductor" and not _unfused_compute(graph):

@@ -178,7 +178,7 @@ def write_index_keys(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tenso
         key_values, key_scales = quantize_index_keys(keys)
         # Index (page, offset): a page's values and scales are not one flat run, so no flat view exists.
         pages, offsets = slots // values.shape[1], slots % values.shape[1]
-        values[pages, offsets] = key_values
+        values.view(torch.uint8)[pages, offsets] = key_values.view(torch.uint8)  # byte copies: any device's index_put
         scales[pages, offsets] = key_scales
     else:
         cache.view(-1, head_dim)[slots] = keys.to(cache.dtype)

@@ -15,14 +15,15 @@ statically (targets/static_check.py), and then:
     lowered to device source where the installed TileLang has the target (tilelang_musa for MUSA).
 A family without selftest_cases is listed as "no selftest cases", and a code generator the machine lacks (TileLang
 without tilelang_musa on a MUSA card) as "unavailable": neither is a failure (families land before their cases;
-Triton alone runs every op), but the summary names them. Exit status: 0 when nothing failed; 1 when something did; 2 when the
-device asked for is not here.
+Triton alone runs every op), but the summary names them. Exit status: 0 when nothing failed; 1 when something
+did; 2 when the device asked for is not here.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -38,7 +39,6 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dzc
-from dzc import runtime as kernel_table
 from dzc.lowering import Execution, dzc_op_name, lower_graph
 from dzc.ops import OPS
 from dzc.options import CompileOptions
@@ -224,18 +224,41 @@ def _record_compile(entry: dict, job: dict, outcome: dict) -> None:
         entry["status"] = "failed"
 
 
+def _tilelang_kernel_configs(family, spec, config) -> dict[str, object]:
+    """Kernel name -> factory config of every TileLang kernel `config` launches: the family's
+    tilelang_kernel_configs(spec, config) where it launches several, else the config itself."""
+    if hasattr(family, "tilelang_kernel_configs"):
+        return family.tilelang_kernel_configs(spec, config)
+    return {family.TILELANG_FACTORY_NAME: config}
+
+
 def _tilelang_lowering(family, spec, target: Target, source_path: str) -> dict:
-    config = family.tilelang_default_config(spec, target.profile)
     try:
-        source = tilelang_codegen.lower_to_device_source(Path(source_path), family.TILELANG_FACTORY_NAME, config,
-                                                         target.profile)
-    except RuntimeError as err:
-        if "cannot lower TileLang kernels for" in str(err):  # the installed TileLang lacks the target
-            return {"status": "not compiled here", "why": str(err)}
-        return {"status": "failed", "why": f"{type(err).__name__}: {err}"[:2000]}
+        tilelang_codegen.tvm_target(target.profile)  # raises naming the TileLang build the target needs
+    except RuntimeError as missing:
+        return {"status": "not compiled here", "why": str(missing)}
+    config = family.tilelang_default_config(spec, target.profile)
+    path = Path(source_path)
+    kernels = _tilelang_kernel_configs(family, spec, config)
+    factory = tilelang_codegen.load_factory(path, family.TILELANG_FACTORY_NAME)
+    for name, kernel_config in kernels.items():
+        given = {param.lower() for param, _ in kernel_config.params}
+        missing = [p.name for p in inspect.signature(factory).parameters.values()
+                   if p.default is inspect.Parameter.empty and p.name not in given]
+        if missing:  # the launch derives more arguments than the config holds (several kernels per config)
+            return {"status": "not compiled here",
+                    "why": f"TileLang factory {family.TILELANG_FACTORY_NAME}() also needs {missing}, which the "
+                           f"family's launch derives; a family that launches several TileLang kernels names their "
+                           f"configs with tilelang_kernel_configs(spec, config)"}
+    lines = {}
+    try:
+        for name, kernel_config in kernels.items():
+            source = tilelang_codegen.lower_to_device_source(path, family.TILELANG_FACTORY_NAME, kernel_config,
+                                                             target.profile)
+            lines[name] = source.count("\n")
     except Exception as err:  # a lowering error in the kernel itself
         return {"status": "failed", "why": f"{type(err).__name__}: {err}"[:2000]}
-    return {"status": "lowered to device source", "config": str(config), "device_source_lines": source.count("\n")}
+    return {"status": "lowered to device source", "config": str(config), "device_source_lines": lines}
 
 
 def _not_compiled_triton(target: Target) -> dict:
@@ -272,11 +295,12 @@ def _environment(target: Target, runtime: DeviceRuntime | None, device: torch.de
 def run_selftest(target_name: str, *, dry_run: bool, seed: int | None = None, tune: bool = True,
                  cache_dir: str | None = None, runtime: DeviceRuntime | None = None,
                  device: torch.device | None = None, families: list[str] | None = None,
-                 quick: bool = False, log: Callable[[str], None] = lambda line: None) -> dict:
+                 quick: bool = False, codegens: list[str] | None = None,
+                 log: Callable[[str], None] = lambda line: None) -> dict:
     """The self-test as a report dict (what --json writes).
 
-    quick (dry runs): compile only each family's first case per code generator; every case is still generated
-    and checked statically.
+    quick: compile (dry run) or run (device) only each family's first case per code generator; every case is
+    still generated and checked statically. codegens: only these code generators (default all).
 
     runtime/device: where to run (not for --dry-run); default the target's runtime and its current device,
     which must be available. Tests pass a runtime explicitly to run the MUSA layer over a test double.
@@ -301,14 +325,15 @@ def run_selftest(target_name: str, *, dry_run: bool, seed: int | None = None, tu
     for op in selected:
         family = KERNEL_FAMILIES[op]
         cases_for = getattr(family, "selftest_cases", None)
-        if cases_for is None:
+        cases = cases_for(profile) if cases_for is not None else []
+        if not cases:  # no selftest_cases, or none whose dtypes the profile has
             results.append({"family": op, "status": NO_CASES})
             log(f"{op}: {NO_CASES}")
             continue
-        codegens = [name for name in target.codegens if hasattr(family, f"{name}_source")]
-        for codegen in codegens:
+        for codegen in (name for name in target.codegens if hasattr(family, f"{name}_source")
+                        and (codegens is None or name in codegens)):
             options = CompileOptions(codegen=codegen, autotune=tune and not dry_run, cache_dir=options_cache)
-            for case_index, (case, make_args) in enumerate(cases_for(profile)):
+            for case_index, (case, make_args) in enumerate(cases):
                 case_seed = seed + case_index
                 entry = {"family": op, "codegen": codegen, "case": case, "seed": case_seed}
                 results.append(entry)
@@ -356,6 +381,9 @@ def _tilelang_unavailable(target: Target, runtime: DeviceRuntime) -> str | None:
 
 def _run_case(entry, op, family, codegen, make_args, target, options, execution, runtime, device, seed,
               pending_aot, compile_here: bool) -> None:
+    if execution.runtime is not None and not compile_here:
+        entry.update(status="skipped", why="--quick runs each family's first case per code generator")
+        return
     if execution.runtime is not None and codegen == "tilelang":
         unavailable = _tilelang_unavailable(target, execution.runtime)
         if unavailable:
@@ -409,6 +437,8 @@ def _describe(entry: dict) -> str:
     for kind, outcome in compiled.items():
         if outcome["status"] == "compiled":
             line += f"  [{kind}: {outcome['shared']} B shared of {outcome['shared_limit']}]"
+        elif not outcome["status"].startswith("skipped"):
+            line += f"  [{kind}: {outcome['status']}]"
     why = entry.get("why") or next((o.get("why") for o in compiled.values() if o["status"] == "failed"), None)
     if entry["status"] == "failed":
         line += f"\n    {why or entry.get('numerics', {}).get('why') or entry.get('static_problems')}"
@@ -426,7 +456,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, help="input seed (default: fresh; the report records it)")
     parser.add_argument("--no-tune", action="store_true", help="run each kernel's default config, untuned")
     parser.add_argument("--quick", action="store_true",
-                        help="dry run: compile only each family's first case per code generator (all are checked)")
+                        help="compile (dry run) or run only each family's first case per code generator")
+    parser.add_argument("--codegen", action="append", choices=("triton", "tilelang"),
+                        help="only this code generator (repeatable); default both")
     parser.add_argument("--cache-dir", help="where sources, tuning results and compile scratch go (default: a "
                                             "fresh temp dir, named in the report)")
     args = parser.parse_args(argv)
@@ -434,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = run_selftest(args.target, dry_run=args.dry_run, seed=args.seed, tune=not args.no_tune,
                               cache_dir=args.cache_dir, families=args.family, quick=args.quick,
+                              codegens=args.codegen,
                               log=lambda line: print(line, flush=True))
     except RuntimeError as missing:
         if args.dry_run:

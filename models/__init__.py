@@ -7,10 +7,15 @@ Triton's interpreter on a CPU. `dzc-dump --list-models` lists them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from dzc.models.decoder import DecoderConfig, build_decoder
+from dzc.models.dsa import build_dsa_example, build_hf_deepseek_v32
+from dzc.models.gpt_oss_hf import build_gpt_oss_example
+from dzc.models.moe import build_moe_example
+from dzc.models.vision import TINY_MOONVIT, TINY_QWEN_VISION, build_vision_example
 
 
 def _decoder(norm_style: str, dtype: torch.dtype):
@@ -30,6 +35,23 @@ MODELS: dict[str, tuple[Callable, str]] = {
                          "2-layer decoder, DeepSeek-V3 reference RMSNorm(x, residual) spelling, bf16, hidden 64"),
     "llama_decoder_fp32": (_decoder("hf", torch.float32),
                            "the llama_decoder in fp32"),
+    "dsa_attention": (build_dsa_example,
+                      "DeepSeek-V3.2-style MLA + lightning indexer + top-k mask over a paged KV cache, bf16, "
+                      "4 heads, top-k 8 (prefill step)"),
+    "hf_deepseek_v32": (build_hf_deepseek_v32,
+                        "transformers DeepseekV32ForCausalLM, tiny random config, eager attention, top-k 4"),
+    "moe_mxfp4": (build_moe_example,
+                  "MoE block with MXFP4 experts (tiny gpt-oss config: 4 experts, top-2, clamped SwiGLU, biases, "
+                  "per-expert loop), bf16, hidden 64"),
+    "hf_gpt_oss_mxfp4": (build_gpt_oss_example,
+                         "transformers GptOssForCausalLM, tiny random config, experts quantized to MXFP4 "
+                         "(grouped_mm experts), bf16, 2 layers"),
+    "qwen2_5_vl_vision": (lambda: build_vision_example(replace(TINY_QWEN_VISION, attention="mask")),
+                          "Qwen2.5-VL-style vision encoder (RMSNorm, SwiGLU, window + full layers, 2x2 merger), "
+                          "3 images packed, block-diagonal-mask attention, fp32, hidden 32"),
+    "moonvit": (lambda: build_vision_example(replace(TINY_MOONVIT, attention="split")),
+                "MoonViT-style vision encoder (LayerNorm, GELU, 2x2 merger), 3 images packed, per-image "
+                "split/cat attention, fp32, hidden 32"),
 }
 
 

@@ -15,6 +15,9 @@ the cache reserved (in place, `index_put_`), then reads every sequence's rows ba
 (`cache[block_table].flatten(1, 2)`: the eager spelling of a paged read; the dense context length is
 max_pages * page_size, positions past a sequence's length are masked by causality). The block table width, not
 a Python int, carries the context length, so a growing context is a dynamic size and does not recompile.
+Eagerly the writes touch only the new rows. In a compiled graph AOTAutograd functionalizes them (index_put into
+a new cache value, copied back into the cache argument after the graph): correct, but a copy of the layer's cache
+per step until a pass re-inplaces cache writes (not done yet).
 """
 
 from __future__ import annotations
@@ -196,13 +199,51 @@ class DSASession:
     def __init__(self, cache: PagedKVCache):
         self.cache = cache
 
-    def inputs(self, x: torch.Tensor) -> tuple:
-        batch, seq, _ = x.shape
-        starts = list(self.cache.lengths)
-        slots = self.cache.reserve([seq] * batch)
+    def inputs(self, x: torch.Tensor, sequences: list[int] | None = None) -> tuple:
+        """The model's arguments for x [len(sequences), S, hidden]: S new tokens for each of `sequences` (default
+        all; a subset prefills sequences to different lengths)."""
+        sequences = list(range(self.cache.batch)) if sequences is None else sequences
+        if x.shape[0] != len(sequences):
+            raise ValueError(f"x has {x.shape[0]} rows for {len(sequences)} sequences")
+        seq = x.shape[1]
+        starts = [self.cache.lengths[b] for b in sequences]
+        counts = [seq if b in sequences else 0 for b in range(self.cache.batch)]
+        if sequences != sorted(set(sequences)):
+            raise ValueError(f"sequences must be distinct and ascending (the order of the slots), got {sequences}")
+        slots = self.cache.reserve(counts)
         positions = torch.tensor([[start + i for i in range(seq)] for start in starts], dtype=torch.int64,
                                  device=x.device)
-        return x, positions, self.cache.block_table, slots, self.cache
+        return x, positions, self.cache.block_table[sequences], slots, self.cache
 
-    def step(self, model, x: torch.Tensor) -> torch.Tensor:
-        return model(*self.inputs(x))
+    def step(self, model, x: torch.Tensor, sequences: list[int] | None = None) -> torch.Tensor:
+        return model(*self.inputs(x, sequences))
+
+
+def build_dsa_example(seq: int = 16, batch: int = 2, fp8_index: bool = False, max_pages: int = 16):
+    """(layer, example inputs of a prefill step on a fresh paged cache): the MODELS entry."""
+    model = build_dsa_attention()
+    cache = PagedKVCache(TINY_DSA.cache_config(), max_pages, batch, fp8_index)
+    x = torch.randn(batch, seq, TINY_DSA.hidden, generator=torch.Generator().manual_seed(1)).bfloat16()
+    return model, DSASession(cache).inputs(x)
+
+
+def tiny_hf_deepseek_v32_config(attn_implementation: str = "eager"):
+    """A tiny transformers DeepseekV32Config (built offline): 1 layer, 2 heads, 8 index heads, top-k 4."""
+    from transformers import DeepseekV32Config  # noqa: PLC0415 (transformers is a test dependency)
+
+    return DeepseekV32Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        v_head_dim=8, qk_nope_head_dim=8, index_topk=4, index_head_dim=16, index_n_heads=8, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=128,
+        attn_implementation=attn_implementation)
+
+
+def build_hf_deepseek_v32(seq: int = 6, batch: int = 2, attn_implementation: str = "eager", seed: int = 0):
+    """(transformers DeepseekV32ForCausalLM with seeded random weights, (input_ids,))."""
+    from transformers import DeepseekV32ForCausalLM  # noqa: PLC0415
+
+    torch.manual_seed(seed)
+    model = DeepseekV32ForCausalLM(tiny_hf_deepseek_v32_config(attn_implementation)).eval()
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return model, (tokens,)

@@ -34,3 +34,11 @@ def build_tiny_gpt_oss(dtype: torch.dtype = torch.bfloat16, layers: int = 2, exp
     if mxfp4_experts:
         mxfp4.quantize_experts(model)
     return model
+
+
+def build_gpt_oss_example(seq: int = 16, batch: int = 2):
+    """(tiny GptOss with MXFP4 experts, bf16, no KV cache, (input_ids,)): the MODELS entry."""
+    model = build_tiny_gpt_oss(torch.bfloat16)
+    model.config.use_cache = False
+    tokens = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return model, (tokens,)

@@ -13,8 +13,9 @@ The expert loop has two spellings (`expert_loop`):
 - "per_expert": `for e in range(E): tokens, slots = torch.where(topk_ids == e); ...; out.index_add_(...)` (the
   DeepSeek-V3 reference and transformers' eager experts loop over the experts the same way). The loop bound is
   the static E; each `torch.where` is data dependent (aten.nonzero), which Dynamo captures in one graph only with
-  `capture_dynamic_output_shape_ops` (dzc.compile turns it on); upstream's variants that loop over
-  `expert_hit.nonzero()` or skip empty experts with `.tolist()` graph-break instead, so dzc spells it this way.
+  `capture_dynamic_output_shape_ops` (CompileOptions.capture_dynamic_output_shapes, on by default); upstream's
+  variants that loop over `expert_hit.nonzero()` or skip empty experts with `.tolist()` graph-break instead
+  (transformers' eager GptOss experts do), so dzc spells it this way.
 - "gathered_bmm": every (token, slot) pair gathers its expert's weights (`w[topk_ids.flatten()]`) and runs one
   bmm (transformers' batched_mm experts); no data-dependent shapes, so it captures without special settings.
 
@@ -31,7 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dzc import mxfp4
-from dzc.models.decoder import Decoder, DecoderConfig, build_decoder
 
 
 @dataclass(frozen=True)
@@ -226,13 +226,9 @@ def build_moe(cfg: MoEConfig | str, dtype: torch.dtype = torch.bfloat16, weight_
     return block
 
 
-def build_moe_decoder(cfg: MoEConfig | str = "tiny-gptoss", dtype: torch.dtype = torch.bfloat16,
-                      seed: int = 0) -> Decoder:
-    """dzc.models.decoder's HF-style decoder (2 layers) with every MLP replaced by an MoEBlock whose experts are
-    MXFP4: the residual norms and the MoE layers fuse in one graph."""
-    if isinstance(cfg, str):
-        cfg = CONFIGS[cfg]
-    model = build_decoder(DecoderConfig(hidden=cfg.hidden, norm_style="hf"), dtype, seed)
-    for index, layer in enumerate(model.layers):
-        layer.mlp = build_moe(cfg, dtype, "mxfp4", seed=seed + 1 + index)
-    return model
+
+def build_moe_example(seq: int = 16, batch: int = 2, cfg: MoEConfig | str = "tiny-gptoss"):
+    """(MoEBlock with MXFP4 experts in bf16, (x [batch * seq, hidden],)): the MODELS entry."""
+    block = build_moe(cfg)
+    x = torch.randn(batch * seq, block.cfg.hidden, generator=torch.Generator().manual_seed(1)).bfloat16()
+    return block, (x,)

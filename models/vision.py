@@ -11,13 +11,12 @@ Attention is spelled three ways, as upstream code does (`VisionConfig.attention`
   attention per image, `torch.cat` (transformers' Qwen2/2.5-VL and GLM-4V non-flash path).
 - "mask": one attention over the whole pack with a block-diagonal mask built from cu_seqlens (segment ids of
   the tokens compared pairwise; older Qwen2-VL code and many ViT ports).
-- "varlen": `dzc.varlen_attention` called directly (what a flash-attention varlen call becomes).
 and each with `sdpa=True` (F.scaled_dot_product_attention) or `sdpa=False` (matmul, softmax, matmul).
 
 Everything that depends on the images' sizes (cu_seqlens, rotary positions, window order) is computed outside
 the model by `pack_images`, as transformers' `vision_utils` helpers do, so the model itself sees only tensors:
-one captured graph serves any number of images of any sizes (for "mask" and "varlen"; see docs/vision.md for
-"split", whose per-image Python loop Dynamo unrolls).
+one captured graph serves any number of images of any sizes with the "mask" spelling; the "split" spelling's
+per-image Python loop is unrolled by Dynamo, so it gets a graph per image (and window) count (docs/vision.md).
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ class VisionConfig:
     # 8); None: every layer is a full-attention layer.
     window_patches: int | None = None
     full_attention_layers: tuple[int, ...] = ()  # with windows: the layers that attend over whole images
-    attention: str = "split"  # "split" | "mask" | "varlen"
+    attention: str = "split"  # "split" | "mask"
     sdpa: bool = True
     rope_theta: float = 10000.0
     eps: float = 1e-6
@@ -67,7 +66,7 @@ class VisionConfig:
         if self.window_patches is not None and self.window_patches % self.merge:
             raise ValueError(f"window_patches ({self.window_patches}) must be a multiple of merge ({self.merge})")
         for name, value, valid in (("norm", self.norm, ("rms", "layer")), ("mlp", self.mlp, ("swiglu", "gelu")),
-                                   ("attention", self.attention, ("split", "mask", "varlen"))):
+                                   ("attention", self.attention, ("split", "mask"))):
             if value not in valid:
                 raise ValueError(f"VisionConfig.{name} must be one of {valid}, got {value!r}")
 
@@ -164,7 +163,7 @@ def block_diagonal_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     return segment[:, None] == segment[None, :]
 
 
-def _attend(q, k, v, mask, scale, sdpa: bool):
+def attend(q, k, v, mask, scale, sdpa: bool):
     """q, k, v: [heads, tokens, head_dim] (one image or the whole pack with a mask) -> [heads, tokens, head_dim]."""
     if sdpa:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -186,20 +185,14 @@ class VisionAttention(nn.Module):
         tokens = x.shape[0]
         q, k, v = self.qkv(x).reshape(tokens, 3, self.cfg.heads, -1).unbind(1)  # [tokens, heads, head_dim]
         q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
-        if self.cfg.attention == "varlen":
-            max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max().item()
-            out = torch.ops.dzc.varlen_attention(q, k, v, cu_seqlens, max_seqlen, self.scale, None, None)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, tokens, head_dim]
+        if self.cfg.attention == "mask":
+            out = attend(q, k, v, block_diagonal_mask(cu_seqlens, tokens), self.scale, self.cfg.sdpa)
         else:
-            q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, tokens, head_dim]
-            if self.cfg.attention == "mask":
-                out = _attend(q, k, v, block_diagonal_mask(cu_seqlens, tokens), self.scale, self.cfg.sdpa)
-            else:
-                lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-                splits = [torch.split(t, lengths, dim=1) for t in (q, k, v)]
-                out = torch.cat([_attend(qi, ki, vi, None, self.scale, self.cfg.sdpa) for qi, ki, vi in zip(*splits)],
-                                dim=1)
-            out = out.transpose(0, 1)
-        return self.proj(out.reshape(tokens, -1))
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            splits = [torch.split(t, lengths, dim=1) for t in (q, k, v)]
+            out = torch.cat([attend(qi, ki, vi, None, self.scale, self.cfg.sdpa) for qi, ki, vi in zip(*splits)], dim=1)
+        return self.proj(out.transpose(0, 1).reshape(tokens, -1))
 
 
 def _norm(cfg: VisionConfig, width: int) -> nn.Module:
@@ -275,3 +268,9 @@ def build_vision_encoder(cfg: VisionConfig, dtype: torch.dtype = torch.float32, 
             if "norm" in name:
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
     return model.to(dtype)
+
+
+def build_vision_example(cfg: VisionConfig, grids=((2, 2), (2, 4), (4, 8))):
+    """(encoder, inputs) for MODELS: the tiny config's encoder (fp32) and a pack of images of `grids`."""
+    model = build_vision_encoder(cfg)
+    return model, pack_images(list(grids), cfg, generator=torch.Generator().manual_seed(1)).inputs()

@@ -40,7 +40,8 @@ Activations (fp32 casts between the ops are ignored; mul and add match in either
     "gptoss_clamped_glu": g = clamp_max(gate, L); (clamp_max(clamp_min(up, -L), L) + 1) * (g * sigmoid(g * alpha))
 
 Every node between the layer's inputs and its output must be accounted for by the match, so nothing the op would
-not compute is dropped. The pass refuses (reported, graph unchanged there) when: the expert weights are plain
+not compute is dropped. Every dequantized weight left in the graph afterwards is reported as a refusal too,
+whether or not a pattern anchor was found near it. The pass refuses (reported, graph unchanged there) when: the expert weights are plain
 tensors rather than MXFP4 dequantizations (BF16 experts stay as they are, for the fallback); an intermediate
 (including a dequantized weight) has a use outside the layer; the loop does not cover every expert exactly once;
 the activation is not one of the above; the dequantized dtype differs from the activations'.
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from dzc.ops.mxfp4_moe import check_mxfp4_moe_args
 from dzc.passes.graph_pass import PassResult, copy_graph, location_of
 
 aten = torch.ops.aten
@@ -72,11 +74,8 @@ _ACTIVATION_OPS = 40  # more nodes than any recognised activation spans
 
 def _grouped_mm_targets() -> tuple:
     """aten._grouped_mm, plus transformers' custom fallback op when transformers has registered it."""
-    fallback = getattr(getattr(torch.ops, "transformers", None), "grouped_mm_fallback", None)
-    try:
-        return _GROUPED_MMS + ((fallback.default,) if fallback is not None else ())
-    except AttributeError:  # the namespace exists but the op is not registered
-        return _GROUPED_MMS
+    fallback = getattr(torch.ops.transformers, "grouped_mm_fallback", None)
+    return _GROUPED_MMS + ((fallback.default,) if fallback is not None else ())
 
 
 class _Refusal(Exception):
@@ -111,6 +110,7 @@ class _Match:
     activation: tuple[str, bool, float, float]  # name, interleaved, alpha, limit
     out: torch.fx.Node
     seen: set = field(default_factory=set)
+    top_k: int | None = None  # slots per token where the spelling fixes it (the combine's view)
 
 
 class _Tracker:
@@ -135,12 +135,19 @@ class _Tracker:
         self.seen = snapshot
 
     def strip_casts(self, node):
-        """The value under dtype casts (prims.convert_element_type, aten._to_copy with only a dtype)."""
-        while _is_call(node, prims.convert_element_type.default) or (
-                _is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}):
-            self.seen.add(node)
-            node = node.args[0]
-        return node
+        """The value under dtype casts (prims.convert_element_type, aten._to_copy with only a dtype) and under
+        squeeze(unsqueeze(v, d), d) pairs (what functionalization leaves of an in-place op on a view)."""
+        while True:
+            if _is_call(node, prims.convert_element_type.default) or (
+                    _is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}):
+                self.seen.add(node)
+                node = node.args[0]
+            elif (_is_call(node, aten.squeeze.dim) and _is_call(node.args[0], aten.unsqueeze.default)
+                  and node.args[1] == node.args[0].args[1]):
+                self.seen.update((node, node.args[0]))
+                node = node.args[0].args[0]
+            else:
+                return node
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -236,7 +243,8 @@ def _split_of(t: _Tracker, gate, up, gu) -> bool:
     width = _val(gu).shape[-1]
 
     def slice_of(node):
-        if _is_call(node, aten.slice.Tensor) and node.args[0] is gu and node.args[1] in (-1, dim):
+        if (_is_call(node, aten.slice.Tensor) and t.strip_casts(node.args[0]) is gu
+                and node.args[1] in (-1, dim)):
             start, end, step = (list(node.args[2:]) + [None, None, None])[:3]
             return start or 0, end if end is not None and end < width else width, step or 1
         return None
@@ -251,7 +259,7 @@ def _split_of(t: _Tracker, gate, up, gu) -> bool:
     if (_is_call(gate, operator.getitem) and _is_call(up, operator.getitem) and gate.args[0] is up.args[0]
             and (gate.args[1], up.args[1]) == (0, 1)):
         split = gate.args[0]
-        if (_is_call(split, aten.split.Tensor, aten.split_with_sizes.default) and split.args[0] is gu
+        if (_is_call(split, aten.split.Tensor, aten.split_with_sizes.default) and t.strip_casts(split.args[0]) is gu
                 and _arg(split, 2, "dim", 0) in (-1, dim) and len(_val(split)) == 2
                 and _val(gate).shape[-1] == _val(up).shape[-1]):
             t.seen.update((gate, up, split))
@@ -330,24 +338,33 @@ def _same(values, what: str):
 # ---------------------------------------------------------------------------------------------------------------
 # Spellings
 
+def _accumulation(node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+    """(accumulator, row ids, rows) of `acc.index_add_(0, ids, rows)`; capture decomposes it into
+    aten.index_put(acc, [ids], rows, accumulate=True) for some dtypes (fp32) and keeps aten.index_add for others."""
+    if _is_call(node, aten.index_add.default):
+        if node.args[1] != 0 or len(node.args) > 4 or node.kwargs.get("alpha", 1) != 1:
+            return None
+        return node.args[0], node.args[2], node.args[3]
+    if _is_call(node, aten.index_put.default) and len(node.args[1]) == 1 and _arg(node, 3, "accumulate", False):
+        return node.args[0], node.args[1][0], node.args[2]
+    return None
+
+
 def _match_per_expert_loop(final: torch.fx.Node) -> _Match:
-    """final = the last aten.index_add of the accumulation chain."""
+    """final = the last accumulation (index_add) of the chain."""
     t = _Tracker()
     links = []
     acc = final
-    while _is_call(acc, aten.index_add.default):
+    while _accumulation(acc) is not None:
         t.seen.add(acc)
-        links.append(acc)
+        links.append(_accumulation(acc))
         acc = acc.args[0]
     zeros = t.take(acc, aten.full.default, aten.zeros.default)
     if _is_call(zeros, aten.full.default) and zeros.args[1] != 0:
         raise _Refusal("the accumulator does not start at zero")
     xs, ids_list, weights_list, w13s, w2s, b13s, b2s, activations = ([] for _ in range(8))
     experts = []
-    for link in reversed(links):
-        if link.args[1] != 0 or len(link.args) > 4 or link.kwargs.get("alpha", 1) != 1:
-            raise _Refusal("index_add not along tokens")
-        tokens, contribution = link.args[2], link.args[3]
+    for _, tokens, contribution in reversed(links):
         weighted = None
         for y, w in _operands(t, contribution, aten.mul.Tensor):
             if _is_call(w, aten.index.Tensor):
@@ -384,7 +401,7 @@ def _match_per_expert_loop(final: torch.fx.Node) -> _Match:
             b2s.append(t.take(down_b, aten.select.int).args[0])
             if down_b.args[1:] != (0, expert):
                 raise _Refusal("the down bias is another expert's")
-        gu = _up_gu(down_in)
+        gu = _up_gu(t, down_in)
         up_in, up_w, up_b = _linear(t, gu)
         w13s.append(_transposed_expert(t, up_w, expert))
         if up_b is not None:
@@ -409,9 +426,10 @@ def _match_per_expert_loop(final: torch.fx.Node) -> _Match:
                   _same(activations, "activations"), final, t.seen)
 
 
-def _up_gu(node) -> torch.fx.Node:
+def _up_gu(t: _Tracker, node) -> torch.fx.Node:
     """The gate_up GEMM's result (with bias) that the activation ending at `node` splits: the operand of the first
-    slice/split above node. The activation is a few ops, so the search stops after _ACTIVATION_OPS nodes."""
+    slice/split above node (casts stripped). The activation is a few ops, so the search stops after
+    _ACTIVATION_OPS nodes."""
     frontier, visited = [node], set()
     while frontier and len(visited) < _ACTIVATION_OPS:
         current = frontier.pop()
@@ -419,20 +437,33 @@ def _up_gu(node) -> torch.fx.Node:
             continue
         visited.add(current)
         if _is_call(current, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default):
-            return current.args[0]
+            return t.strip_casts(current.args[0])
         frontier.extend(a for a in current.args if isinstance(a, torch.fx.Node))
     raise _Refusal("no gate/up split found before the down GEMM")
 
 
 def _squeezed_bmm(t: _Tracker, node, what: str):
-    """squeeze(bmm(index(W, [ids]), unsqueeze(v, -1)), -1) -> (W operand, ids, v)."""
+    """One row per (token, slot) times its expert's gathered weight -> (W [E, N, K] operand, ids, v):
+        squeeze(bmm(index(W, [ids]), unsqueeze(v, -1)), -1)                      W[ids] @ v[..., None]
+        squeeze(bmm(unsqueeze(v, 1), index(transpose(W), [ids])), 1)            v[:, None] @ W^T[ids]
+    (the second is transformers' batched_mm on [E, in, out] weights)."""
     squeeze = t.take(t.strip_casts(node), aten.squeeze.dim)
     bmm = t.take(squeeze.args[0], aten.bmm.default)
-    gathered = t.take(bmm.args[0], aten.index.Tensor)
-    column = t.take(bmm.args[1], aten.unsqueeze.default)
-    if squeeze.args[1] not in (-1, 2) or column.args[1] not in (-1, 2) or len(gathered.args[1]) != 1:
-        raise _Refusal(f"the {what} bmm is not W[ids] @ v[..., None]")
-    return gathered.args[0], gathered.args[1][0], column.args[0]
+    if _is_call(bmm.args[0], aten.index.Tensor):
+        gathered = t.take(bmm.args[0], aten.index.Tensor)
+        vector = t.take(bmm.args[1], aten.unsqueeze.default)
+        weight = gathered.args[0]
+        if squeeze.args[1] not in (-1, 2) or vector.args[1] not in (-1, 2):
+            raise _Refusal(f"the {what} bmm is not W[ids] @ v[..., None]")
+    else:
+        vector = t.take(bmm.args[0], aten.unsqueeze.default)
+        gathered = t.take(bmm.args[1], aten.index.Tensor)
+        if squeeze.args[1] != 1 or vector.args[1] != 1:
+            raise _Refusal(f"the {what} bmm is not v[:, None] @ W[ids]")
+        weight = _untransposed(t, gathered.args[0], what)
+    if len(gathered.args[1]) != 1:
+        raise _Refusal(f"the {what} bmm gathers its weights by more than one index")
+    return weight, gathered.args[1][0], vector.args[0]
 
 
 def _biased(t: _Tracker, node):
@@ -462,15 +493,19 @@ def _match_gathered_bmm(out: torch.fx.Node) -> _Match:
     t = _Tracker()
     weighted, k = _token_sum(t, out)
     for y, w in _operands(t, weighted, aten.mul.Tensor):
+        if _is_call(w, aten.unsqueeze.default) and w.args[1] in (-1, 1) and _is_call(w.args[0], aten.view.default):
+            t.seen.update((w, w.args[0]))  # weights.reshape(-1).unsqueeze(-1)
+            topk_weights = w.args[0].args[0]
+            break
         if _is_call(w, aten.view.default) and list(_val(w).shape[1:]) == [1]:
-            t.seen.add(w)
+            t.seen.add(w)  # weights.reshape(-1, 1)
             topk_weights = w.args[0]
             break
     else:
         raise _Refusal("the expert outputs are not multiplied by the routing weights")
     y, b2, b2_ids = _biased(t, y)
     w2, ids, a = _squeezed_bmm(t, y, "down")
-    gu = _up_gu(a)
+    gu = _up_gu(t, a)
     gu_value, b13, b13_ids = _biased(t, gu)
     w13, ids_up, rows = _squeezed_bmm(t, gu_value, "gate_up")
     if ids_up is not ids or any(b is not None and b_ids is not ids for b, b_ids in ((b2, b2_ids), (b13, b13_ids))):
@@ -480,7 +515,7 @@ def _match_gathered_bmm(out: torch.fx.Node) -> _Match:
     topk_ids = ids_view.args[0]
     x = _repeated_rows(t, rows, k)
     return _Match(x, topk_ids, topk_weights, _dequantized(t, w13, "gate_up"), _dequantized(t, w2, "down"), b13, b2,
-                  activation, out, t.seen)
+                  activation, out, t.seen, k)
 
 
 def _repeated_rows(t: _Tracker, rows, k) -> torch.fx.Node:
@@ -506,7 +541,9 @@ def _match_grouped_mm(out: torch.fx.Node) -> _Match:
     inverse = t.take(unperm.args[1][0], aten.index_put.default)
     t.take(inverse.args[0], aten.empty.memory_format)
     perm = inverse.args[1][0]
-    t.take(inverse.args[2], prims.iota.default)
+    iota = t.take(inverse.args[2], prims.iota.default)
+    if iota.kwargs.get("start", 0) != 0 or iota.kwargs.get("step", 1) != 1 or _arg(inverse, 3, "accumulate", False):
+        raise _Refusal("the un-sorting is not the inverse permutation")
     weighted = unperm.args[0]
     for y, w in _operands(t, weighted, aten.mul.Tensor):
         if _is_call(w, aten.unsqueeze.default):
@@ -527,7 +564,7 @@ def _match_grouped_mm(out: torch.fx.Node) -> _Match:
     t.seen.add(sorted_ids)
     y, b2, b2_ids = _biased(t, y)
     a, w2_op, offsets = _grouped_operands(t, y, grouped)
-    gu = _up_gu(a)
+    gu = _up_gu(t, a)
     gu_value, b13, b13_ids = _biased(t, gu)
     rows, w13_op, offsets_up = _grouped_operands(t, gu_value, grouped)
     if offsets_up is not offsets:
@@ -551,7 +588,7 @@ def _match_grouped_mm(out: torch.fx.Node) -> _Match:
     row_ids = t.take(source.args[1][0], aten.div.Tensor_mode)
     if row_ids.args[0] is not perm or row_ids.args[1] != k or row_ids.kwargs.get("rounding_mode") != "floor":
         raise _Refusal("the grouped rows are not the tokens of the sorted (token, slot) pairs")
-    return _Match(source.args[0], topk_ids, topk_weights, w13, w2, b13, b2, activation, out, t.seen)
+    return _Match(source.args[0], topk_ids, topk_weights, w13, w2, b13, b2, activation, out, t.seen, k)
 
 
 def _grouped_operands(t: _Tracker, node, grouped) -> tuple:
@@ -564,18 +601,22 @@ def _grouped_operands(t: _Tracker, node, grouped) -> tuple:
     return rows, weight, offsets
 
 
-def _grouped_weight(t: _Tracker, node, what: str) -> torch.fx.Node:
-    """permute(W, [0, 2, 1]) / transpose(W, 1, 2) -> the dequantize node."""
+def _untransposed(t: _Tracker, node, what: str) -> torch.fx.Node:
+    """W under permute(W, [0, 2, 1]) / transpose(W, 1, 2) (transformers' [E, in, out] view of an [E, out, in]
+    weight); a refusal if node is not such a view."""
     node = t.strip_casts(node)
-    transposed = (_is_call(node, aten.permute.default) and list(node.args[1]) == [0, 2, 1]) or (
-        _is_call(node, aten.transpose.int) and set(node.args[1:]) in ({1, 2}, {-1, -2}))
-    if transposed:
+    if (_is_call(node, aten.permute.default) and list(node.args[1]) == [0, 2, 1]) or (
+            _is_call(node, aten.transpose.int) and set(node.args[1:]) in ({1, 2}, {-1, -2})):
         t.seen.add(node)
-    weight = _dequantized(t, node.args[0] if transposed else node, what)
-    if not transposed:
-        # dequantize gives [E, out, in] (scales run along K); the grouped GEMM needs [E, in, out]
-        raise _Refusal(f"the {what} grouped GEMM multiplies by a dequantized weight that is not transposed")
-    return weight
+        return node.args[0]
+    if not _is_call(node, _DEQUANTIZE):
+        _dequantized(t, node, what)  # plain weights: that refusal says more
+    raise _Refusal(f"the {what} expert GEMM multiplies by a dequantized weight that is not transposed")
+
+
+def _grouped_weight(t: _Tracker, node, what: str) -> torch.fx.Node:
+    """The dequantize node under the grouped GEMM's [E, in, out] weight operand."""
+    return _dequantized(t, _untransposed(t, node, what), what)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -585,15 +626,16 @@ def _anchors(graph: torch.fx.Graph):
     """(spelling, node) for each candidate MoE combine, in graph order."""
     grouped = _grouped_mm_targets()
     for node in graph.nodes:
-        if _is_call(node, aten.index_add.default) and not any(_is_call(u, aten.index_add.default) and u.args[0] is node
-                                                              for u in node.users):
+        if _accumulation(node) is not None and not any(_accumulation(u) is not None and u.args[0] is node
+                                                       for u in node.users):
             yield _match_per_expert_loop, node
         elif _is_call(node, aten.sum.dim_IntList):
             source = node.args[0]
             feeding = _feeding_ops(source, depth=6)
             if any(_is_call(n, *grouped) for n in feeding):
                 yield _match_grouped_mm, node
-            elif any(_is_call(n, aten.bmm.default) and _is_expert_gather(n.args[0]) for n in feeding):
+            elif any(_is_call(n, aten.bmm.default) and any(_is_expert_gather(a) for a in n.args[:2])
+                     for n in feeding):
                 yield _match_gathered_bmm, node
 
 
@@ -652,8 +694,18 @@ def _is_runtime_check(node: torch.fx.Node) -> bool:
         or not isinstance(node.target, torch._ops.OpOverload) and node.target is not operator.getitem)
 
 
-def _check_types(match: _Match) -> None:
+def _check_types(match: _Match, k: int | None) -> None:
+    """The operands fit the op (its own argument check), the top-k width is the one the combine sums over, and
+    the weights are dequantized to the activations' dtype."""
     x_val = _val(match.x)
+    try:
+        check_mxfp4_moe_args(x_val, _val(match.topk_ids), _val(match.topk_weights), *(
+            _val(n) for n in (*match.w13.args[:2], match.b13, *match.w2.args[:2], match.b2)),
+            match.activation[0])
+    except ValueError as mismatch:
+        raise _Refusal(str(mismatch)) from None
+    if k is not None and _val(match.topk_ids).shape[1] != k:
+        raise _Refusal(f"the combine sums over {k} slots but the top-k ids have {_val(match.topk_ids).shape[1]}")
     for name, node in (("gate_up", match.w13), ("down", match.w2)):
         if node.args[2] != x_val.dtype:
             raise _Refusal(f"the {name} weights are dequantized to {node.args[2]} while the activations are "
@@ -694,11 +746,17 @@ def fuse_mxfp4_experts(graph: torch.fx.Graph) -> PassResult:
         try:
             match = matcher(node)
             region = _check_region(match)
-            _check_types(match)
+            _check_types(match, match.top_k)
         except _Refusal as refusal:
             result.refused(location_of(node), str(refusal))
             continue
         where = location_of(node)
         _rewrite(graph, match, region)
         result.rewrote(where)
+    # MXFP4 weights that no pattern consumed stay dequantized in full: say so, even where no anchor matched (an
+    # expert loop spelled in a way this pass does not know).
+    for node in graph.nodes:
+        if _is_call(node, _DEQUANTIZE):
+            result.refused(location_of(node), "an MXFP4 weight stays dequantized: no recognised MoE expert "
+                                              "computation consumes it")
     return result

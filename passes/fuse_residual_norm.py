@@ -1,4 +1,4 @@
-"""fuse_residual_norm: h = x + residual; y = rms_norm(h) * weight  =>  y, h = dzc.add_rms_norm(x, residual, weight)
+"""fuse_residual_norm: h = x + residual; y = norm(h) * weight  =>  y, h = dzc.add_rms_norm | dzc.add_layer_norm(...)
 
 Before (HF transformers RMSNorm; the DeepSeek reference adds `x.float() + residual.float()` instead and casts h):
 
@@ -15,6 +15,14 @@ After:
     %f = dzc.add_rms_norm.default(%x, %residual, %weight, eps, sum_in_fp32, cast_before_weight, y_dtype, h_dtype)
     %y = %f[0]
     %h = %f[1]                                               # serves every other use of the sum
+
+LayerNorm (vision encoders: SigLIP / MoonViT blocks, patch mergers), as capture decomposes torch.nn.LayerNorm:
+
+    %vm = aten.var_mean.correction(%v, [-1], correction=0, keepdim=True)   # %v: the (upcast) sum, as above
+    %n = aten.mul.Tensor(aten.sub.Tensor(%v, %vm[1]), aten.rsqrt.default(aten.add(%vm[0], eps)))
+    %y = prims.convert_element_type(aten.add(aten.mul(%n, %weight), %bias), bf16)   # weight, bias optional
+  =>
+    %f = dzc.add_layer_norm.default(%x, %residual, %weight, %bias, eps, sum_in_fp32, y_dtype, h_dtype)
 
 The sum feeds the next layer's residual too; the fused op returns it, so the add is fused across the layer
 boundary. The pass refuses (and says why in its report) when an intermediate of the norm, or the fp32 sum of
@@ -99,6 +107,8 @@ class _Match:
     sum_node: torch.fx.Node  # the add; the fused op is placed here
     sum_dtype: torch.dtype
     chain: list[torch.fx.Node] = field(default_factory=list)  # intermediates that must have no other users
+    kind: str = "rms"  # "rms" -> dzc.add_rms_norm, "layer" -> dzc.add_layer_norm
+    bias: torch.fx.Node | None = None  # LayerNorm's bias
 
 
 class _Refusal(Exception):
@@ -154,18 +164,30 @@ def _match_norm(rsqrt: torch.fx.Node) -> _Match | None:
         chain.append(after)
         y = final_cast
 
+    x, residual, sum_node, sum_in_fp32, h, sum_dtype = _residual_sum(v, {square, normed}, chain, y, [weight])
+    if cast_before is not None and _cast_dtype(cast_before) != sum_dtype:
+        raise _Refusal("the normalised value is cast to a dtype other than the norm input's")
+    return _Match(x, residual, weight, float(eps), sum_in_fp32, cast_before is not None, y, h, sum_node,
+                  sum_dtype, chain)
+
+
+def _residual_sum(v, readers, chain, y, parameters):
+    """Where the norm's input v comes from: (x, residual, sum_node, sum_in_fp32, h, sum_dtype); _Refusal when
+    it is not a residual add the fused op can take. readers: the norm's nodes that read v; chain: the norm's
+    intermediates (extended here with the sum's upcast); parameters: the weight (and bias) tensors."""
+    v_val = _val(v)
     # Where v comes from: the HF spelling upcasts the sum; the DeepSeek spelling adds upcast operands.
     if _is_dtype_cast(v) and _is_call(v.args[0], aten.add.Tensor):
         sum_node, sum_in_fp32, h = v.args[0], False, v.args[0]
         chain.append(v)
-        if set(v.users) != {square, normed}:
+        if set(v.users) != set(readers):
             raise _Refusal("the fp32 copy of the sum has another use")
     elif _is_call(v, aten.add.Tensor):
         sum_node, sum_in_fp32 = v, True
         x, residual = v.args[:2]
         if _is_dtype_cast(x) and _is_dtype_cast(residual):
             # DeepSeek: x.float() + residual.float(); the residual stream is the sum cast back.
-            downcasts = [u for u in v.users if u not in (square, normed)]
+            downcasts = [u for u in v.users if u not in readers]
             if any(not _is_dtype_cast(u) for u in downcasts) or len(downcasts) > 1:
                 raise _Refusal("the fp32 sum has a use the fused op cannot serve")
             h = downcasts[0] if downcasts else None
@@ -183,29 +205,91 @@ def _match_norm(rsqrt: torch.fx.Node) -> _Match | None:
     x_val, residual_val = _val(x), _val(residual)
     if x_val.shape != residual_val.shape or x_val.shape != v_val.shape:
         raise _Refusal("the residual add broadcasts")
-    for value in (x_val, residual_val, weight_val, _val(y)):
+    for value in (x_val, residual_val, *(_val(p) for p in parameters), _val(y)):
         if value.dtype not in _FLOAT_DTYPES:
             raise _Refusal(f"unsupported dtype {value.dtype}")
     sum_dtype = _val(h).dtype if h is not None else x_val.dtype
-    if cast_before is not None and _cast_dtype(cast_before) != sum_dtype:
-        raise _Refusal("the normalised value is cast to a dtype other than the norm input's")
     for node in chain:
         if node is not y and node is not h and any(u not in chain and u is not y for u in node.users):
             raise _Refusal(f"intermediate {node.name} of the norm has another use")
     order = {n: i for i, n in enumerate(sum_node.graph.nodes)}
-    if order[weight] > order[sum_node]:
+    if any(order[p] > order[sum_node] for p in parameters):
         raise _Refusal("the weight is computed after the residual add")
-    return _Match(x, residual, weight, float(eps), sum_in_fp32, cast_before is not None, y, h, sum_node,
-                  sum_dtype, chain)
+    return x, residual, sum_node, sum_in_fp32, h, sum_dtype
+
+
+def _affine_parameter(node, operand, hidden):
+    """For mul/add(operand, p) with a 1-D p of the hidden size: p (None if node is not such an op)."""
+    other = _other_operand(node, operand)
+    other_val = _val(other)
+    if other_val is None or tuple(other_val.shape) != (hidden,):
+        return None
+    return other
+
+
+def _match_layer_norm(rsqrt: torch.fx.Node) -> _Match | None:
+    """Match a LayerNorm around an rsqrt (torch.nn.LayerNorm as capture decomposes it: var_mean, rsqrt, sub, mul,
+    then the weight multiply and bias add in fp32); None if it is not one; _Refusal if it cannot fuse."""
+    add_eps = rsqrt.args[0]
+    if not _is_call(add_eps, aten.add.Tensor, aten.add.Scalar):
+        return None
+    var, eps = add_eps.args[:2]
+    if not isinstance(eps, (int, float)) or not _is_call(var, operator.getitem) or var.args[1] != 0:
+        return None
+    var_mean = var.args[0]
+    if not _is_call(var_mean, aten.var_mean.correction) or var_mean.kwargs.get("correction", 1) != 0 \
+            or not var_mean.kwargs.get("keepdim", False):
+        return None
+    v = var_mean.args[0]
+    v_val = _val(v)
+    dims = var_mean.args[1] if len(var_mean.args) > 1 else var_mean.kwargs.get("dim")
+    if v_val is None or v_val.dtype != torch.float32 or list(dims or []) not in ([-1], [v_val.dim() - 1]):
+        return None
+    means = [u for u in var_mean.users if _is_call(u, operator.getitem) and u.args[1] == 1]
+    centred = [u for m in means for u in m.users if _is_call(u, aten.sub.Tensor) and u.args[:2] == (v, m)]
+    if len(means) != 1 or len(centred) != 1:
+        return None
+    normed = next((u for u in rsqrt.users if _is_call(u, aten.mul.Tensor) and _other_operand(u, rsqrt)
+                   is centred[0]), None)
+    if normed is None:
+        return None
+    chain = [var_mean, var, means[0], add_eps, rsqrt, centred[0], normed]
+    hidden = v_val.shape[-1]
+    if not isinstance(hidden, int):
+        raise _Refusal("the hidden size is symbolic")
+    y, weight, bias = normed, None, None
+    after = _single_user(y)
+    if _is_call(after, aten.mul.Tensor) and (weight := _affine_parameter(after, y, hidden)) is not None:
+        chain.append(after)
+        y = after
+        after = _single_user(y)
+    if _is_call(after, aten.add.Tensor) and (bias := _affine_parameter(after, y, hidden)) is not None:
+        chain.append(after)
+        y = after
+        after = _single_user(y)
+    if _is_dtype_cast(after):
+        y = after
+    else:
+        chain.remove(y)  # y is the norm's result: it may have any users
+    parameters = [p for p in (weight, bias) if p is not None]
+    x, residual, sum_node, sum_in_fp32, h, sum_dtype = _residual_sum(v, {var_mean, centred[0]}, chain, y,
+                                                                     parameters)
+    return _Match(x, residual, weight, float(eps), sum_in_fp32, False, y, h, sum_node, sum_dtype, chain,
+                  kind="layer", bias=bias)
 
 
 def _rewrite(graph: torch.fx.Graph, match: _Match) -> None:
     y_val = _val(match.y)
     h_val = _val(match.h) if match.h is not None else y_val.new_empty(y_val.shape, dtype=match.sum_dtype)
     with graph.inserting_before(match.sum_node):
-        fused = graph.call_function(dzc.add_rms_norm.default, (
-            match.x, match.residual, match.weight, match.eps, match.sum_in_fp32, match.cast_before_weight,
-            y_val.dtype, match.sum_dtype))
+        if match.kind == "layer":
+            fused = graph.call_function(dzc.add_layer_norm.default, (
+                match.x, match.residual, match.weight, match.bias, match.eps, match.sum_in_fp32, y_val.dtype,
+                match.sum_dtype))
+        else:
+            fused = graph.call_function(dzc.add_rms_norm.default, (
+                match.x, match.residual, match.weight, match.eps, match.sum_in_fp32, match.cast_before_weight,
+                y_val.dtype, match.sum_dtype))
         fused.meta["val"] = (y_val, h_val)
         fused.meta["stack_trace"] = match.y.meta.get("stack_trace")
         y = graph.call_function(operator.getitem, (fused, 0))
@@ -233,7 +317,7 @@ def fuse_residual_norm(graph: torch.fx.Graph) -> PassResult:
         if node.graph is not graph or not _is_call(node, aten.rsqrt.default):
             continue
         try:
-            match = _match_norm(node)
+            match = _match_norm(node) or _match_layer_norm(node)
         except _Refusal as refusal:
             result.refused(location_of(node), str(refusal))
             continue

@@ -1,4 +1,4 @@
-"""fuse_sparse_attention: DSA written as dense masked attention  =>  dzc.dsa_indexer + dzc.dsa_topk + dzc.sparse_attention
+"""fuse_sparse_attention: DSA as dense masked attention  =>  dzc.dsa_indexer + dzc.dsa_topk + dzc.sparse_attention
 
 Upstream DSA code (DeepSeek's reference, HF transformers' DeepseekV32) scores every key with the lightning
 indexer, takes the top-k, scatters them into a mask over the whole context and runs dense attention under it:
@@ -11,9 +11,10 @@ Before (ATen, after capture; [B, S] queries, context T, H heads; `[...]` = view/
     %s   = aten.bmm(%q_index[...], %k_index^T[...])                   # [B*S, Hi, T]
     %r   = aten.relu(aten.mul(%s[...], scale)?)                         # [B, S, Hi, T]
     %l   = aten.bmm(%weights[...], %r[...])[...]                        # [B, S, T]
-    %top = aten.topk(%l + causal_mask, k)[1]                            # or where(~keep, -inf, %l)
+    %top = aten.topk(%l + causal_mask, k)[1]                           # or where(~keep, -inf, %l)
     # the sparse mask, scattered from the indices, merged with the causal mask or added separately
-    %m   = aten.scatter(full(-inf), -1, %top, 0) (+ causal_mask)       # HF: where(scatter(full(True), .., False), min, causal)
+    %m   = aten.scatter(full(-inf), -1, %top, 0) (+ causal_mask)
+           # HF eager: where(scatter(full(True), -1, %top, False), finfo.min, causal); SDPA: causal & ~scatter(..)
     # dense attention (eager matmul/softmax, or SDPA's math decomposition with a float/bool mask)
     %p   = softmax(aten.bmm(%q[...], %k^T[...]) * scale + %m[...])       # [B, H, S, T]
     %o   = aten.bmm(%p[...], %v[...])                                   # [B, H, S, Dv]
@@ -27,7 +28,8 @@ After:
                                    scale, Dv)                             # [B*S, H, Dv], viewed back as %o
 
 Caches: when the keys are a paged read `cache[block_table].flatten(1, 2)` (dzc.models.dsa over
-dzc.kv_cache.PagedKVCache), the ops get the cache and its block table and read the selected rows in place;
+dzc.kv_cache.PagedKVCache; for the FP8 indexer pool, `values[block_table].float() * scales[block_table][..., None]`
+of two views of one uint8 pool), the ops get the cache and its block table and read the selected rows in place;
 otherwise (HF's DynamicCache) the dense [B, T, ...] keys are a cache of B pages of T tokens with block table
 arange(B)[:, None]. V that is a prefix of K's last dim (MLA's latent) becomes v_cache=None, d_v.
 Positions: the causal mask must be `key_position <= query_position` with key positions arange(T); the query
@@ -285,8 +287,47 @@ def _transposed(node):
     return None
 
 
+def _uint8_pages(node):
+    """The uint8 page pool a typed view of part of it comes from (slice of the page bytes, view as another dtype,
+    reshape to [pages, page, ...]), else None."""
+    pool = None
+    while _is(node, aten.view.default, aten.view.dtype, aten.alias.default, aten.slice.Tensor, aten.reshape.default):
+        if _is(node, aten.slice.Tensor) and node.args[1] % _val(node.args[0]).dim() != _val(node.args[0]).dim() - 1:
+            return None  # only slices of the bytes within a page
+        node = node.args[0]
+        if _val(node).dtype == torch.uint8 and _val(node).dim() == 2:
+            pool = node  # keep going: the values and the scales are slices of the same pool
+    return pool
+
+
+def _fp8_paged_source(dense):
+    """dense = (values[block_table].float() * scales[block_table][..., None]).flatten(1, 2), values and scales views
+    of one uint8 FP8 index page pool (dzc.kv_cache.gather_index_keys) -> (pool, block_table), else None."""
+    node = _strip_casts(dense)
+    if not _is(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return None
+    product = node.args[0]
+    if not _is(product, aten.mul.Tensor):
+        return None
+    values, scales = (_strip(_strip_casts(a), _SHAPE_ONLY) for a in product.args[:2])
+    if not (_is(values, aten.index.Tensor) and _is(scales, aten.index.Tensor)):
+        return None
+    if _val(values).dim() < _val(scales).dim():
+        values, scales = scales, values
+    table = _strip_casts(values.args[1][0])
+    pool = _uint8_pages(values.args[0])
+    if pool is None or pool is not _uint8_pages(scales.args[0]) or _strip_casts(scales.args[1][0]) is not table:
+        return None
+    if _val(values.args[0]).dtype != torch.float8_e4m3fn or _val(scales.args[0]).dtype != torch.float32:
+        return None
+    return pool, table
+
+
 def _paged_source(dense):
     """dense [B, P * page, ...] = cache[block_table].flatten(1, 2) -> (cache, block_table int32 node), else None."""
+    fp8 = _fp8_paged_source(dense)
+    if fp8 is not None:
+        return fp8
     node = _strip_casts(dense)
     if not _is(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         return None
@@ -339,6 +380,9 @@ def _match_indexer(logits) -> _Indexer:
     keys = _transposed(k4)
     if keys is None or _val(keys).dim() != 3:
         raise _Refusal("the indexer keys are not one [B, T, D] key per token")
+    if _is(keys, prims.convert_element_type.default) and _val(keys.args[0]).dtype in (torch.bfloat16, torch.float16) \
+            and _paged_source(keys) is None:
+        keys = keys.args[0]  # HF's k.float(): the op reads bf16 keys and computes in fp32 itself
     source = _strip(q)
     if _is(source, prims.convert_element_type.default) and _val(source.args[0]).dtype in (torch.bfloat16,
                                                                                           torch.float16):
@@ -440,8 +484,28 @@ class _Builder:
         return node
 
     def size(self, node, dim):
+        """A dim of node's value: an int, or a node computing the symbolic size. An existing node holding the same
+        size is preferred, so that the tensors this rewrite makes dead do not stay alive for their sizes."""
         size = node.meta["val"].shape[dim]
-        return size if isinstance(size, int) else self(aten.sym_size.int, node, dim)
+        if isinstance(size, int):
+            return size
+        for candidate in self.graph.nodes:
+            if candidate is self.anchor:
+                break
+            value = candidate.meta.get("val")
+            if isinstance(value, torch.SymInt) and candidate.op in ("placeholder", "call_function") \
+                    and str(value.node.expr) == str(size.node.expr):
+                return candidate
+        return self(aten.sym_size.int, node, dim)
+
+
+def _is_prefix(v, k) -> bool:
+    """v = k[..., :d_v] (also when both are the same unsqueeze of a [B, T, D] latent and its slice)."""
+    while _is(v, aten.unsqueeze.default) and _is(k, aten.unsqueeze.default) and v.args[1] == k.args[1]:
+        v, k = v.args[0], k.args[0]
+    if not _is(v, aten.slice.Tensor) or v.args[0] is not k or v.args[2] != 0:
+        return False
+    return v.args[1] % _val(k).dim() == _val(k).dim() - 1
 
 
 def _topk_width(topk) -> int | torch.fx.Node:
@@ -463,11 +527,15 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
     positions = _query_positions(index_terms, "indexer")
     positions = build(aten.view.default, positions, [-1, queries])
     positions = build(aten.expand.default, positions, [batch, queries])
-    query_pos = build(prims.convert_element_type.default, build(aten.reshape.default, positions, [-1]), torch.int32)
+    # Contiguous copies: a reshape of an expand can be a stride-0 view (batch 1), and kernels index these flat.
+    query_pos = build(aten.clone.default, build(prims.convert_element_type.default,
+                                                build(aten.reshape.default, positions, [-1]), torch.int32),
+                      memory_format=torch.contiguous_format)
     sequence = build(prims.iota.default, batch, start=0, step=1, dtype=torch.int32, device=_val(q4).device,
                      requires_grad=False)
-    query_seq = build(aten.reshape.default, build(aten.expand.default, build(aten.unsqueeze.default, sequence, 1),
-                                                  [batch, queries]), [-1])
+    query_seq = build(aten.clone.default, build(aten.reshape.default, build(
+        aten.expand.default, build(aten.unsqueeze.default, sequence, 1), [batch, queries]), [-1]),
+        memory_format=torch.contiguous_format)
 
     # Caches: paged reads keep their block table; dense keys are B pages of T tokens.
     dense_table = build(aten.unsqueeze.default, sequence, 1)
@@ -507,7 +575,7 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
     k_cache, k_table = cache_of(rows_of(attention.k))
     v = attention.v
     d_v = _val(v).shape[-1]
-    if _is(v, aten.slice.Tensor) and v.args[0] is attention.k and v.args[1] in (-1, 3) and v.args[2] == 0:
+    if _is_prefix(v, attention.k):
         v_cache = None  # V = K[..., :d_v] (MLA's latent); sparse_attention reads it from the K rows
     else:
         v_cache, v_table = cache_of(rows_of(v))
@@ -593,11 +661,20 @@ def _match(topk):
     if _strip(_query_positions(attention.terms, "attention"), _SHAPE_ONLY) is not \
             _strip(_query_positions(index_terms, "indexer"), _SHAPE_ONLY):
         raise _Refusal("the indexer and the attention use different query positions")
-    _check_private(masked, attention)
+    ancestors, pending = set(), [masked]
+    while pending:
+        for node in pending.pop().all_input_nodes:
+            if node not in ancestors:
+                ancestors.add(node)
+                pending.append(node)
+    mask_chain = (seen | {scatters[0]}) & ancestors  # from the scatter to the masked scores
+    if any(user not in mask_chain and user is not masked for node in mask_chain for user in node.users):
+        raise _Refusal("the sparse mask has another use")
+    _check_private(masked)
     return indexer, index_terms, attention
 
 
-def _check_private(masked, attention) -> None:
+def _check_private(masked) -> None:
     """The masked scores feed only the softmax pattern (another use would keep the dense attention alive)."""
     users = list(masked.users)
     if len(users) == 1 and _is(users[0], prims.convert_element_type.default):

@@ -215,10 +215,22 @@ def _match_math_core(pv) -> _Core | None:
         return None
     k, scale = _peel_scale(k, scale)
     v = _skip(pv.args[1], *_VIEW_LIKE)
+    q, k, v = (_skip_upcast(n) for n in (q, k, v))
     out = pv
     while len(out.users) == 1 and _is_call(next(iter(out.users)), aten.view.default, aten._unsafe_view.default):
         out = next(iter(out.users))
+    if len(out.users) == 1 and _cast_dtype(next(iter(out.users))) == _val(q).dtype != _val(out).dtype:
+        out = next(iter(out.users))  # attention computed in fp32 on bf16/fp16 inputs, rounded back once
+    if _val(out).dtype != _val(q).dtype:
+        return None  # the result stays in a wider dtype than q's: the op could not produce it
     return _Core(q, k, v, scale, out, mask, mask_use, anchor=out)
+
+
+def _skip_upcast(node):
+    """x for x.float() with x in a 16-bit float dtype (SDPA's CPU decomposition computes in fp32), else node."""
+    if _cast_dtype(node) == torch.float32 and _val(node.args[0]).dtype in (torch.float16, torch.bfloat16):
+        return node.args[0]
+    return node
 
 
 def _match_sdpa_core(node) -> _Core | None:
@@ -326,9 +338,11 @@ def _to_thd(graph, node, labels):
         node = _call(graph, aten.squeeze.dims, (node, unit_dims))
         labels = [label for label in labels if label != "1"]
     order = [labels.index(role) for role in "THD"]
-    if order != [0, 1, 2]:
-        node = _call(graph, aten.permute.default, (node, order))
-    return node
+    if order == [0, 1, 2]:
+        return node
+    if _is_call(node, aten.permute.default) and [node.args[1][o] % 3 for o in order] == [0, 1, 2]:
+        return node.args[0]  # undoes the model's own permute: take what it permuted
+    return _call(graph, aten.permute.default, (node, order))
 
 
 def _from_thd(graph, node, labels):
@@ -592,8 +606,6 @@ def _match_split(core: _Core, by_q: dict) -> _Packed | None:
     for split in splits[1:]:
         if list(split.args[1]) != list(splits[0].args[1]):
             raise _Refusal("q, k and v are split by different lengths")
-    if core.causal or core.dropout:
-        raise _Refusal("causal or dropout attention inside each image")
     count = len(splits[0].args[1])
     per_image = {}
     for item in splits[0].users:
@@ -727,7 +739,8 @@ def _rewrite(graph, packed: _Packed) -> torch.fx.Node:
     for node in sorted(packed.region, key=order.__getitem__, reverse=True):  # users before what they use
         if not node.users:
             graph.erase_node(node)
-    _erase_dead(graph, set(packed.leftovers))
+    # The model's own re-layouts of q, k, v (which the op no longer reads) and the mask, once nothing uses them.
+    _erase_dead(graph, set(packed.leftovers) | {packed.q, packed.k, packed.v})
     return fused
 
 

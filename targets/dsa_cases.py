@@ -28,6 +28,8 @@ def random_paging(seq_lens: list[int], page_size: int, device, generator: torch.
     needed = [-(-n // page_size) for n in seq_lens]
     pages = sum(needed) + spare_pages
     order = torch.randperm(pages, generator=generator).tolist()
+    if order == sorted(order):  # the identity would hide a kernel that ignores the block table
+        order = order[1:] + order[:1]
     width = max(max(needed), 1)
     table = torch.full((len(seq_lens), width), -1, dtype=torch.int32)
     taken = 0

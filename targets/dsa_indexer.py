@@ -114,9 +114,9 @@ def _constexprs(spec: DsaIndexerSpec, config: KernelConfig, mma_in_fp32: bool) -
 
 def triton_configs(spec: DsaIndexerSpec, profile: DeviceProfile) -> list[KernelConfig]:
     """Query rows per program (rows × heads is the MMA's M, at most 256) × keys per tile × tiles per program
-    (more tiles amortise loading q) × warps × pipeline stages: 32 configs, each its own compile."""
+    (more tiles amortise loading q) × warps × pipeline stages: at most 48 configs, each its own compile."""
     configs = []
-    for rows in (1, 2):
+    for rows in (1, 2, 4):
         if rows * spec.block_heads > 256 and rows > 1:
             continue
         for block_n in (64, 128):
@@ -136,7 +136,7 @@ def triton_default_config(spec: DsaIndexerSpec, profile: DeviceProfile) -> Kerne
 def triton_shared_memory_bytes(spec: DsaIndexerSpec, config: KernelConfig) -> int:
     """Upper estimate: the q tile, one key tile per pipeline stage, and the fp32 score tile when the head sum
     converts its layout through shared memory."""
-    item = 1 if spec.fp8 else 2
+    item = spec.key_dtype.itemsize
     m = config["ROWS"] * spec.block_heads
     return (m * spec.block_dim * item + config.num_stages * config["BLOCK_N"] * spec.block_dim * item
             + m * config["BLOCK_N"] * 4)
@@ -205,13 +205,18 @@ def prepare(spec: DsaIndexerSpec, q, weights, index_k_cache, block_table, seq_le
     return inputs, (logits,), rows * max_context, logits
 
 
+# dzc-selftest's fp32 tolerance for the logits: Hopper's FP8 MMA accumulates with fewer than fp32's bits, and
+# logits sum ±hundreds over heads; a wrong key or a missed mask is off by far more.
+SELFTEST_TOLERANCES = {torch.float32: (5e-2, 1e-3)}
+
+
 def selftest_cases(profile: DeviceProfile):
     """Named small cases for dzc-selftest: (name, build(device, generator) -> the op's arguments). Ragged batches
     in shuffled pages; decode (1-2 queries per sequence) and prefill chunks; FP8 only where the profile has it."""
     layouts = [("bf16", False)] + ([("fp8", True)] if profile.supports_dtype(torch.float8_e4m3fn) else [])
     cases = []
     for name, fp8 in layouts:
-        for shape, per_seq in (("decode", [1, 2, 1]), ("prefill", [8, 12, 3])):
+        for shape, per_seq in (("decode", [1, 2, 1]), ("prefill", [4, 6, 2])):
             cases.append((f"{shape}-{name}", functools.partial(
                 _build_case, seq_lens=[37, 200, 5], per_seq=per_seq, fp8=fp8)))
     return cases

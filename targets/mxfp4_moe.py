@@ -1,13 +1,16 @@
 """Kernels for dzc.mxfp4_moe: routing, the two expert GEMMs on MXFP4 weights, and the weighted combine.
 
-One call runs (kernels in targets/mxfp4_moe_routing.py and the generated module):
-    route (count, schedule, scatter) -> gate/up GEMM with the activation fused -> down GEMM with the routing
-    weight fused, per (token, slot) pair -> combine (out[t] = sum_j, deterministic) ,
+One call runs (routing and combine in targets/mxfp4_moe_routing.py, GEMMs in the generated module):
+    route (count, schedule, scatter; one launch at decode) -> gate/up GEMM with the activation fused -> down GEMM
+    with the routing weight fused, one fp32 row per (token, slot) pair -> combine (out[t] = sum over slots, in slot
+    order: deterministic, where atomic adds into out would not be)
 on one of two paths, chosen per token bucket (a config parameter, WORKSPACE, so the tuner can also measure it):
   online dequant (default for decode): weights stay packed; each GEMM decodes its tiles in registers (W4A16).
-  workspace (prefill): the activated experts' weights are dequantized once into one per-device buffer, shared by
-      every layer, and both GEMMs read plain bf16 tiles. It moves ~4.8x the weight bytes, so it only pays when
-      each expert has enough rows that decoding the same tile again for every row block costs more.
+  workspace (prefill, Triton only): the activated experts' weights are dequantized once into one per-device
+      buffer, shared by every layer, and both GEMMs read plain bf16 tiles. It moves ~4.8x the weight bytes, so it
+      only pays when each expert has enough rows that decoding the same tile again for every row block costs more.
+TileLang runs the online path; it multiplies bf16 x bf16 only (its fp32 GEMM is TF32), so fp16 / fp32
+activations enter as 2 / 3 stacked bf16 terms, which hold them exactly. No FP8 (W4A8) variant yet.
 
 Decode is weight-bandwidth bound: useful bytes = the packed weights (and scales) of the experts actually touched.
 """
@@ -63,12 +66,8 @@ class MXFP4MoESpec:
 
     @property
     def dot_fp32(self) -> bool:
-        """bf16 activations multiply bf16 weights (exact); fp16/fp32 activations multiply in fp32."""
+        """Triton: bf16 activations multiply bf16 weights (exact); fp16/fp32 activations multiply in fp32."""
         return self.hidden_dtype != torch.bfloat16
-
-    @property
-    def workspace_dtype(self) -> torch.dtype:
-        return torch.float32 if self.dot_fp32 else torch.bfloat16
 
     def describe(self) -> str:
         bias = "/".join("none" if d is None else str(d).removeprefix("torch.")
@@ -339,19 +338,12 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
 
 def triton_default_config(spec: MXFP4MoESpec, profile: DeviceProfile) -> KernelConfig:
     """Untuned choice without a token count: the decode tier's (configs_for_bucket refines it per bucket)."""
-    from dzc.targets.launch import legal_configs  # noqa: PLC0415 (launch imports families' modules lazily)
+    from dzc.targets import launch, mxfp4_moe  # noqa: PLC0415 (launch imports dzc, which imports the targets)
 
-    legal, _ = legal_configs(_this_module(), "triton", spec, profile)
-    _, default = configs_for_bucket(spec, profile, 1, legal, legal[0] if legal else None)
-    if default is None:
+    legal, _ = launch.legal_configs(mxfp4_moe, "triton", spec, profile)
+    if not legal:
         raise ValueError(f"no legal Triton mxfp4_moe config for {spec.describe()} on {profile.name}")
-    return default
-
-
-def _this_module():
-    import sys  # noqa: PLC0415
-
-    return sys.modules[__name__]
+    return configs_for_bucket(spec, profile, 1, legal, legal[0])[1]
 
 
 def triton_shared_memory_bytes(spec: MXFP4MoESpec, config: KernelConfig) -> int:
@@ -419,6 +411,7 @@ class _LaunchShape:
 
     @property
     def workspace_dtype(self) -> torch.dtype:
+        """The dequantized weights' dtype: the Triton GEMMs' operand type (see MXFP4MoESpec.dot_fp32)."""
         return torch.bfloat16 if self.hidden_dtype == torch.bfloat16 else torch.float32
 
 
@@ -429,7 +422,8 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
     """Per generated kernel, (signature, constexprs[, num_warps if not the config's]) for compiling it ahead of
     time with triton.compile (dzc-selftest --dry-run and the tests do)."""
     x = "*" + _TRITON_TYPES[spec.hidden_dtype]
-    ws = "*" + _TRITON_TYPES[torch.float32 if spec.dot_fp32 else torch.bfloat16]
+    ws = "*" + _TRITON_TYPES[_LaunchShape(spec.hidden, spec.inter, spec.experts, spec.top_k,
+                                          spec.hidden_dtype).workspace_dtype]
     w13_bias = "*" + _TRITON_TYPES[spec.w13_bias_dtype or spec.hidden_dtype]
     w2_bias = "*" + _TRITON_TYPES[spec.w2_bias_dtype or spec.hidden_dtype]
     tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
@@ -461,6 +455,8 @@ def _dequantize_experts(kernels, blocks, scales, plan: Routing, ws, n: int, k: i
 
 TILELANG_FACTORY_NAME = "build"
 _TILELANG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# bf16 terms that hold an activation exactly (the TileLang kernels multiply bf16 x bf16 only).
+_ACTIVATION_TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _TILELANG_ACTIVATIONS = {
     "silu_glu": ["return gate / (1.0 + T.exp(-gate)) * up"],
     "gptoss_clamped_glu": [
@@ -480,7 +476,7 @@ def tilelang_source(spec: MXFP4MoESpec, profile: DeviceProfile) -> str:
         # An absent bias is passed as fp32 zeros.
         w13_bias_tl_dtype=_TILELANG_DTYPES[spec.w13_bias_dtype or torch.float32],
         w2_bias_tl_dtype=_TILELANG_DTYPES[spec.w2_bias_dtype or torch.float32],
-        operand_tl_dtype="float32" if spec.dot_fp32 else "bfloat16",
+        activation_terms=_ACTIVATION_TERMS[spec.hidden_dtype],
         activation_code="\n    ".join(_TILELANG_ACTIVATIONS[spec.activation]))
     return Template((TEMPLATES / "mxfp4_moe.tilelang.py.tmpl").read_text()).substitute(fields)
 
@@ -512,10 +508,11 @@ def tilelang_default_config(spec: MXFP4MoESpec, profile: DeviceProfile) -> Kerne
 
 
 def tilelang_shared_memory_bytes(spec: MXFP4MoESpec, config: KernelConfig) -> int:
-    """The activation tile and the two decoded weight tiles (gate and up) in shared memory, once per stage."""
-    operand = 4 if spec.dot_fp32 else 2
-    tiles = (config["BLOCK_M"] + 2 * config["BLOCK_N"]) * config["BLOCK_K"] * operand
-    return max(config["NUM_STAGES"], 1) * tiles + 4 * config["BLOCK_M"]
+    """Per stage the activation tile (its bf16 terms stacked) and the two decoded weight tiles (gate and up), bf16;
+    then the two fp32 accumulators staged for the epilogue, and the row -> token table."""
+    rows = _ACTIVATION_TERMS[spec.hidden_dtype] * config["BLOCK_M"]
+    tiles = (rows + 2 * config["BLOCK_N"]) * config["BLOCK_K"] * 2
+    return max(config["NUM_STAGES"], 1) * tiles + 2 * rows * config["BLOCK_N"] * 4 + 4 * config["BLOCK_M"]
 
 
 _ZERO_BIASES: dict[tuple, torch.Tensor] = {}
@@ -531,9 +528,13 @@ def _bias_or_zeros(bias, experts: int, rows: int, device) -> torch.Tensor:
     return _ZERO_BIASES[key]
 
 
-def _with_gemm(config: KernelConfig, gemm: int) -> KernelConfig:
-    """The factory arguments of one of the two GEMMs for a tuning config (both share its tiles)."""
-    return KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), GEMM=gemm)
+TILELANG_KERNELS = ("moe_gate_up", "moe_down")  # the factory's gemm=0 and gemm=1
+
+
+def tilelang_kernel_configs(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, KernelConfig]:
+    """Kernel name -> factory config of the two TileLang GEMMs one tuning config launches (they share its tiles)."""
+    return {name: KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), GEMM=gemm)
+            for gemm, name in enumerate(TILELANG_KERNELS)}
 
 
 def tilelang_launch(compiled, config: KernelConfig, hidden, topk_ids, topk_weights, w13_blocks, w13_scales,
@@ -550,10 +551,11 @@ def tilelang_launch(compiled, config: KernelConfig, hidden, topk_ids, topk_weigh
     act = torch.empty(pairs, shape.inter, dtype=hidden.dtype, device=hidden.device)
     pair_out = torch.empty(pairs, shape.hidden, dtype=torch.float32, device=hidden.device)
     schedule = (plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end)
-    compiled.kernel_for(_with_gemm(config, 0))(
+    gate_up_config, down_config = tilelang_kernel_configs(None, config).values()
+    compiled.kernel_for(gate_up_config)(
         hidden, *schedule, w13_blocks.flatten(2), w13_scales,
         _bias_or_zeros(w13_bias, shape.experts, 2 * shape.inter, hidden.device), act, float(alpha), float(limit))
-    compiled.kernel_for(_with_gemm(config, 1))(
+    compiled.kernel_for(down_config)(
         act, *schedule, w2_blocks.flatten(2), w2_scales,
         _bias_or_zeros(w2_bias, shape.experts, shape.hidden, hidden.device), topk_weights.reshape(-1), pair_out)
     combine(pair_out, ids, shape, out)

@@ -182,9 +182,8 @@ def triton_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[Ke
     """Heads per program × gathered rows per tile × warps × stages, for the prefill kernel (SPLITS = 0) and the
     decode kernels (SPLITS >= 1). The fp32 accumulator [BLOCK_H, Dv] is kept at most 128 values per thread."""
     if spec.shared_kv:
-        # The two largest head blocks up to 64 (fewer heads per program re-gather the same rows).
-        head_blocks = [h for h in (16, 32, 64) if h <= max(16, _pow2_at_least(spec.heads))][-2:]
-        row_blocks, warp_counts = (32, 64), (4, 8)
+        head_blocks = [h for h in (16, 32, 64) if h <= max(16, _pow2_at_least(spec.heads))]
+        row_blocks, warp_counts = (16, 32, 64), (4, 8)
     else:
         head_blocks, row_blocks, warp_counts = (1, 2, 4), (16, 32), (2, 4)
     configs = []
@@ -201,11 +200,14 @@ def triton_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[Ke
 
 
 def triton_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -> KernelConfig:
-    """Untuned prefill choice (the decode default is the same with 4 splits): the most heads per program whose
-    accumulator fits at 8 warps (4 for MHA), 32 gathered rows per tile."""
-    legal = [c for c in triton_configs(spec, profile) if c["SPLITS"] == 0 and c["BLOCK_N"] == 32
-             and c.num_stages == 1 and c.num_warps <= profile.max_num_warps]
-    return max(legal, key=lambda c: (c["BLOCK_H"] * (1 if c.num_warps <= 8 else 0), c["BLOCK_N"], -c.num_warps))
+    """Untuned prefill choice (the decode default is the same with 4 splits), legal on `profile`: the most heads
+    per program, 32 gathered rows per tile if that fits, the fewest warps that hold the accumulator."""
+    legal = [c for c in triton_configs(spec, profile) if c["SPLITS"] == 0 and c.num_stages == 1
+             and not config_problems(profile, threads=c.num_warps * profile.warp_size, num_warps=c.num_warps,
+                                     shared_memory_bytes=triton_shared_memory_bytes(spec, c), dtypes=spec.dtypes)]
+    if not legal:
+        raise ValueError(f"no legal Triton sparse_attention config for {spec.describe()} on {profile.name}")
+    return max(legal, key=lambda c: (c["BLOCK_H"], c["BLOCK_N"] == 32, c["BLOCK_N"], -c.num_warps))
 
 
 def triton_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) -> int:
@@ -336,30 +338,32 @@ def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[
     # Every TileLang config is a separate compile (tens of seconds): a small space, splits {0 (prefill), 2, 8}.
     for splits in (0, 2, 8):
         for block_h in head_blocks:
+            threads = 128 if block_h == 16 else 256
+            if threads % profile.warp_size or block_h * spec.d_v > 128 * threads:
+                continue
             for block_n in (32, 64):
-                for threads in (128, 256):
-                    if threads % profile.warp_size or block_h * spec.d_v > 128 * threads:
-                        continue
-                    # T.gemm gives each 32-lane warp of the scores MMA [BLOCK_H, BLOCK_N] whole 16×8 pieces.
-                    if threads // 32 > (block_h // 16) * (block_n // 8):
-                        continue
-                    for stages in (1, 2):
-                        config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=stages,
-                                                   SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n,
-                                                   THREADS=threads, NUM_STAGES=stages)
-                        if not config_problems(profile, threads=threads, num_warps=None,
-                                               shared_memory_bytes=tilelang_shared_memory_bytes(spec, config),
-                                               dtypes=spec.dtypes):
-                            configs.append(config)
-    return configs
+                # T.gemm gives each 32-lane warp of the scores MMA [BLOCK_H, BLOCK_N] whole 16×8 pieces.
+                if threads // 32 > (block_h // 16) * (block_n // 8):
+                    continue
+                for stages in (1, 2):
+                    config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=stages,
+                                               SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, THREADS=threads,
+                                               NUM_STAGES=stages)
+                    if not config_problems(profile, threads=threads, num_warps=None,
+                                           shared_memory_bytes=tilelang_shared_memory_bytes(spec, config),
+                                           dtypes=spec.dtypes):
+                        configs.append(config)
+    # Only the most heads per block that fits: fewer heads per block gather the same rows again.
+    most_heads = max((c["BLOCK_H"] for c in configs), default=0)
+    return [c for c in configs if c["BLOCK_H"] == most_heads]
 
 
 def tilelang_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -> KernelConfig:
-    """Untuned prefill choice: the most heads per block, 32-row tiles, 256 threads, one stage, that fit."""
+    """Untuned prefill choice: 32-row tiles, one stage (the space has one head-block size)."""
     prefill = [c for c in tilelang_configs(spec, profile) if c["SPLITS"] == 0 and c["NUM_STAGES"] == 1]
     if not prefill:
         raise ValueError(f"no legal TileLang sparse_attention config for {spec.describe()} on {profile.name}")
-    return max(prefill, key=lambda c: (c["BLOCK_H"], c["THREADS"], -c["BLOCK_N"]))
+    return min(prefill, key=lambda c: c["BLOCK_N"])
 
 
 def tilelang_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) -> int:

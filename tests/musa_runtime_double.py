@@ -105,14 +105,16 @@ def make(backing: str) -> types.ModuleType:
 
 
 def install(monkeypatch, backing: str) -> types.ModuleType:
-    """Put the double at torch.musa for one test (monkeypatch undoes it) and make "musa:N" device strings parse.
-
-    Device strings need PrivateUse1 named "musa", as torch_musa names it. That rename lasts for the process
-    (torch allows it once); it registers no kernels, so nothing can allocate "musa" tensors: tensors stay on
-    the backing device.
-    """
+    """Put the double at torch.musa for one test; monkeypatch undoes it."""
     double = make(backing)
-    if torch._C._get_privateuse1_backend_name() != "musa":
-        torch.utils.rename_privateuse1_backend("musa")
     monkeypatch.setattr(torch, "musa", double, raising=False)
     return double
+
+
+def name_privateuse1_musa() -> None:
+    """Make "musa:N" device strings parse, as torch_musa does (PrivateUse1 renamed "musa").
+
+    Process-wide and irreversible, and afterwards Dynamo expects a torch.musa module for good: call it only in a
+    process of its own. It registers no kernels, so nothing can allocate "musa" tensors.
+    """
+    torch.utils.rename_privateuse1_backend("musa")

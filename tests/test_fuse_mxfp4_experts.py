@@ -10,6 +10,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.decomposition import select_decomp_table
 
 import dzc
+from dzc.models import build_model
 from dzc.models.gpt_oss_hf import build_tiny_gpt_oss
 from dzc.models.moe import CONFIGS, build_moe
 from dzc.passes.fuse_mxfp4_experts import fuse_mxfp4_experts
@@ -164,18 +165,26 @@ def test_deepseek_style_with_shared_expert_matches_eager(options, seed):
 
 
 def test_hf_gpt_oss_grouped_mm_fuses_and_matches_eager(options, seed):
-    model = build_tiny_gpt_oss(torch.bfloat16, layers=2)
+    model, (ids,) = build_model("hf_gpt_oss_mxfp4", seq=7, batch=1)
     assert model.config._experts_implementation == "grouped_mm"  # transformers 5.x default
     compiled = dzc.compile(model, "cuda", options)
-    ids = torch.randint(0, 128, (1, 7))
-    actual = compiled(input_ids=ids, use_cache=False).logits
-    expected = model(input_ids=ids, use_cache=False).logits
+    actual = compiled(ids).logits
+    expected = model(ids).logits
     report = compiled.report
     assert report.compiles == 1 and not report.graph_breaks
     assert report.fired()[PASS] == 2  # both layers
     lowered = _stages(compiled)["lowered"]
     assert "mxfp4_dequantize" not in lowered and "_grouped_mm" not in lowered
     assert lowered.count("kernel_id='mxfp4_moe.") == 2
+    torch.testing.assert_close(actual, expected, **_bf16_tolerance(expected))
+
+
+def test_registered_moe_model_fuses_and_matches_eager(options):
+    model, (x,) = build_model("moe_mxfp4", seq=3, batch=2)
+    compiled = dzc.compile(model, "cuda", options)
+    actual = compiled(x)
+    expected = model(x)
+    assert compiled.report.fired() == {PASS: 1}
     torch.testing.assert_close(actual, expected, **_bf16_tolerance(expected))
 
 
@@ -194,12 +203,11 @@ def _pipeline_run(model, *inputs):
 
     backend = aot_autograd(fw_compiler=compiler, inference_compiler=compiler, decompositions=select_decomp_table())
     with torch.no_grad(), torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        out = torch.compile(model, backend=backend, dynamic=True)(*inputs)
+        out = torch.compile(model, backend=backend)(*inputs)
     return out, results
 
 
-@pytest.mark.parametrize("loop,name", [("per_expert", "tiny-gptoss"), ("gathered_bmm", "tiny-gptoss"),
-                                       ("per_expert", "tiny-deepseek"), ("gathered_bmm", "tiny-deepseek")])
+@pytest.mark.parametrize("loop,name", [("per_expert", "tiny-gptoss"), ("gathered_bmm", "tiny-deepseek")])
 def test_rewrite_matches_eager_in_fp32(loop, name, seed):
     torch._dynamo.reset()
     model = _moe(name, torch.float32, expert_loop=loop)
@@ -212,17 +220,23 @@ def test_rewrite_matches_eager_in_fp32(loop, name, seed):
     torch.testing.assert_close(actual, model(x), atol=2e-5, rtol=2e-5)
 
 
-def test_hf_gpt_oss_fp32_uses_transformers_fallback_op_and_fuses(seed):
+@pytest.mark.parametrize("implementation,gemm", [("grouped_mm", "transformers.grouped_mm_fallback"),
+                                                 ("batched_mm", "aten.bmm")])
+def test_hf_gpt_oss_fp32_experts_implementations_fuse(implementation, gemm, seed):
+    """transformers 5.x experts in fp32: grouped_mm goes through its custom fallback op (torch._grouped_mm is bf16
+    only under torch.compile), batched_mm through bmm over gathered [E, in, out] weights."""
     torch._dynamo.reset()
-    model = build_tiny_gpt_oss(torch.float32, layers=1)
-    ids = torch.randint(0, 128, (1, 6))
-    actual, results = _pipeline_run(model, ids)
+    model = build_tiny_gpt_oss(torch.float32, layers=1, experts_implementation=implementation)
+    mlp = model.model.layers[0].mlp  # router + experts: cheap to capture
+    x = torch.randn(1, 6, 64)
+    (actual, _), results = _pipeline_run(mlp, x)
     [stages] = results
-    assert "transformers.grouped_mm_fallback" in stages[0].text  # non-bf16 weights under torch.compile
+    assert gemm in stages[0].text
     result = next(stage.result for stage in stages if stage.name == PASS)
-    assert len(result.rewrites) == 1 and "mxfp4_dequantize" not in stages[-1].text
+    assert len(result.rewrites) == 1 and not result.refusals
+    assert "mxfp4_dequantize" not in stages[-1].text and gemm not in stages[-1].text
     with torch.no_grad():
-        torch.testing.assert_close(actual.logits, model(ids).logits, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(actual, mlp(x)[0], atol=2e-5, rtol=2e-5)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -230,7 +244,7 @@ def test_hf_gpt_oss_fp32_uses_transformers_fallback_op_and_fuses(seed):
 
 @pytest.mark.parametrize("loop", ["per_expert", "gathered_bmm"])
 def test_refuses_plain_bf16_experts(options, loop):
-    model = _moe("tiny-gptoss", weight_format="bf16", expert_loop=loop)
+    model = _moe("tiny-gptoss", weight_format="bf16", expert_loop=loop, experts=2, top_k=1)
     compiled = dzc.compile(model, "cuda", options)
     x = torch.randn(5, 64).bfloat16()
     torch.testing.assert_close(compiled(x), model(x), atol=0, rtol=0)  # nothing fused: the same ATen ops run
@@ -243,10 +257,10 @@ def test_refuses_plain_bf16_experts(options, loop):
 
 
 def test_refuses_hf_gpt_oss_with_bf16_experts(options):
-    model = build_tiny_gpt_oss(torch.bfloat16, layers=1, mxfp4_experts=False)
-    compiled = dzc.compile(model, "cuda", options)
-    ids = torch.randint(0, 128, (1, 5))
-    compiled(input_ids=ids, use_cache=False)
+    mlp = build_tiny_gpt_oss(torch.bfloat16, layers=1, mxfp4_experts=False).model.layers[0].mlp
+    compiled = dzc.compile(mlp, "cuda", options)
+    x = torch.randn(1, 5, 64).bfloat16()
+    torch.testing.assert_close(compiled(x)[0], mlp(x)[0], atol=0, rtol=0)
     assert PASS not in compiled.report.fired()
     [(_, reason)] = compiled.report.refusals[PASS]
     assert "plain torch.bfloat16 tensors, not MXFP4" in reason
@@ -254,17 +268,22 @@ def test_refuses_hf_gpt_oss_with_bf16_experts(options):
 
 
 class _WeightEscapes(nn.Module):
-    """The dequantized gate_up weight is also returned: the fused op cannot serve that use."""
+    """Gathered-bmm experts whose dequantized gate_up weight is also returned: the fused op cannot serve that use."""
 
     def __init__(self):
         super().__init__()
-        self.moe = _moe("tiny-gptoss", expert_loop="gathered_bmm")
+        self.moe = _moe("tiny-deepseek", expert_loop="gathered_bmm", shared_expert=False)
 
     def forward(self, x):
         ids, weights = self.moe.router(x)
-        experts = self.moe.experts
-        gate_up, _ = experts.weights()
-        return experts(x, ids, weights), gate_up.sum()
+        gate_up_weight, down_weight = self.moe.experts.weights()
+        k = ids.shape[1]
+        flat_ids = ids.reshape(-1)
+        gate_up = torch.bmm(gate_up_weight[flat_ids], x.repeat_interleave(k, dim=0).unsqueeze(-1)).squeeze(-1)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch.bmm(down_weight[flat_ids], (torch.nn.functional.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        combined = (y * weights.reshape(-1, 1)).view(x.shape[0], k, -1).sum(dim=1)
+        return combined, gate_up_weight.sum()
 
 
 class _GeluExperts(nn.Module):
@@ -325,3 +344,24 @@ def test_pass_does_not_mutate_its_input():
     before = str(graphs[0])
     result = fuse_mxfp4_experts(graphs[0])
     assert result.rewrites and str(graphs[0]) == before
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On the GPU: the rewrite feeds the generated kernels (the GPU campaign runs these)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["moe_mxfp4", "hf_gpt_oss_mxfp4"])
+def test_moe_models_fuse_and_match_eager_on_gpu(name, options):
+    model, inputs = build_model(name, seq=9, batch=2)
+    model = model.cuda()
+    inputs = tuple(value.cuda() for value in inputs)
+    compiled = dzc.compile(model, "cuda", options)
+    for _ in range(2):  # the second call replays a CUDA graph
+        actual = compiled(*inputs)
+    with torch.no_grad():
+        expected = model(*inputs)
+    if name.startswith("hf_"):
+        actual, expected = actual.logits, expected.logits
+    assert compiled.report.fired()[PASS] == (2 if name.startswith("hf_") else 1)
+    assert "mxfp4_dequantize" not in _stages(compiled)["lowered"]
+    torch.testing.assert_close(actual, expected, **_bf16_tolerance(expected))

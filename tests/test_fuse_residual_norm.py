@@ -158,3 +158,53 @@ def test_pass_does_not_mutate_its_input(options):
     before = str(graphs[0])
     result = fuse_residual_norm(graphs[0])
     assert result.rewrites and str(graphs[0]) == before
+
+
+class LayerNormAdd(nn.Module):
+    """A vision encoder block's residual add into the next LayerNorm (MoonViT / SigLIP), weight and bias random."""
+
+    def __init__(self, hidden=64):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, eps=1e-6)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.1)
+            self.norm.bias.normal_()
+
+    def forward(self, x, residual):
+        h = x + residual
+        return self.norm(h), h
+
+
+def test_golden_layer_norm_spelling(options, seed):
+    model = LayerNormAdd().bfloat16()
+    x, residual = _bf16(5, 64), _bf16(5, 64)
+    stages, report = _stages(model, options, x, residual)
+    assert "aten.var_mean.correction" in stages["capture"]
+    assert stages["fuse_residual_norm"] == """\
+# built by fuse_residual_norm
+graph(%a0: sym s0, %a1: bf16[s0, 64], %a2: bf16[s0, 64], %a3: bf16[64], %a4: bf16[64]):
+  %0 = dzc.add_layer_norm.default(%a1, %a2, %a3, %a4, 1e-06, False, bf16, bf16)  # (bf16[s0, 64], bf16[s0, 64])
+  %1 = %0[0]  # bf16[s0, 64]
+  %2 = %0[1]  # bf16[s0, 64]
+  return (%1, %2)
+"""
+    assert report.passes["fuse_residual_norm"] == 1
+    # No kernels yet: the op runs its reference, and the report says so.
+    assert [(k.op, k.codegen) for k in report.kernels] == [("add_layer_norm", "reference")]
+    y, h = dzc.compile(model, "cuda", options)(x, residual)
+    expected_y, expected_h = model(x, residual)
+    torch.testing.assert_close(h, expected_h, atol=0, rtol=0)
+    torch.testing.assert_close(y, expected_y, atol=0, rtol=0)  # the same fp32 formula, rounded once
+
+
+def test_layer_norm_whose_mean_escapes_is_refused(options):
+    class MeanEscapes(nn.Module):
+        def forward(self, x, residual):
+            h = x + residual
+            var, mean = torch.var_mean(h, dim=-1, correction=0, keepdim=True)
+            return (h - mean) * torch.rsqrt(var + 1e-5), mean
+
+    _, report = _stages(MeanEscapes(), options, torch.randn(4, 64), torch.randn(4, 64))
+    assert report.passes["fuse_residual_norm"] == 0
+    [(_, reason)] = report.refusals["fuse_residual_norm"]
+    assert "another use" in reason

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +25,7 @@ from dzc.lowering import Execution
 from dzc.ops import OPS
 from dzc.options import CompileOptions
 from dzc.selftest import DEFAULT_TOLERANCES, compare_outputs, lower_op, run_selftest
-from dzc.targets import TARGETS, musa_triton
+from dzc.targets import TARGETS, musa_triton, triton_codegen
 from dzc.targets.device_runtime import MusaRuntime
 
 
@@ -45,6 +48,12 @@ def cuda_forbidden():
         yield
     finally:
         torch.cuda = real
+
+
+# CPU tensors run generated Triton kernels only through the interpreter, which is on where no GPU is (conftest);
+# on a GPU machine test_runtime_layer_over_the_cuda_double covers the same path.
+needs_interpreter = pytest.mark.skipif(not triton_codegen.interpreting(),
+                                       reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 
 
 @pytest.fixture
@@ -90,9 +99,6 @@ def test_device_strings_streams_sync_and_facts_go_through_torch_musa(cpu_double)
 def _check_device_strings_streams_sync_and_facts(cpu_double):
     runtime = MusaRuntime()
     assert runtime.is_available()
-    assert runtime.device(0) == torch.device("musa", 0) and str(runtime.device(0)) == "musa:0"
-    assert str(runtime.device(1)) == "musa:1"
-    assert runtime.device() == torch.device("musa:0"), "None = torch.musa.current_device()"
     cpu = torch.device("cpu")  # the double keeps tensors on its backing device
     assert runtime.current_stream(cpu) is cpu_double.current_stream()
     runtime.synchronize(cpu)
@@ -105,6 +111,37 @@ def _check_device_strings_streams_sync_and_facts(cpu_double):
     assert facts["device_type"] == "musa" and facts["triton"].endswith("(upstream)")
     assert set(runtime.tuning_identity(cpu)) == {"device_type", "device", "arch", "multiprocessors", "toolkit",
                                                  "triton", "tilelang"}
+
+
+def test_unfused_ops_fall_back_to_eager_without_torch_musas_inductor_backend(cpu_double):
+    """torch_musa registers Inductor's MUSA backend when imported; the double (like a torch without torch_musa)
+    registers none, so dzc runs the unfused rest of a MUSA graph eagerly (dzc/capture.py)."""
+    assert MusaRuntime().inductor_available() is False
+
+
+_DEVICE_STRINGS = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import musa_runtime_double
+import dzc
+from dzc.targets.device_runtime import MusaRuntime
+
+torch.musa = musa_runtime_double.make("cpu")
+musa_runtime_double.name_privateuse1_musa()
+runtime = MusaRuntime()
+assert runtime.device(0) == torch.device("musa", 0) and str(runtime.device(0)) == "musa:0"
+assert str(runtime.device(1)) == "musa:1"
+assert runtime.device() == torch.device("musa:0"), "None = torch.musa.current_device()"
+print("OK")
+"""
+
+
+def test_device_strings_are_musa_n():
+    """In a process of its own: naming PrivateUse1 "musa" (as torch_musa does) cannot be undone."""
+    proc = subprocess.run([sys.executable, "-c", _DEVICE_STRINGS, str(Path(__file__).parent)], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "OK", proc.stderr[-3000:]
 
 
 def test_bench_times_with_torch_musa_events(cpu_double, monkeypatch):
@@ -135,6 +172,7 @@ def _lower_and_run(runtime, device, profile_name, tmp_path, seed, autotune):
     return record
 
 
+@needs_interpreter
 @pytest.mark.parametrize("profile_name", ["musa:mp_22", "musa:mp_31"])
 def test_generated_kernel_tunes_and_launches_through_the_musa_runtime(seed, cpu_double, monkeypatch, tmp_path,
                                                                       profile_name):
@@ -148,6 +186,7 @@ def test_generated_kernel_tunes_and_launches_through_the_musa_runtime(seed, cpu_
     assert f'"profile": "{profile_name}"' in database
 
 
+@needs_interpreter
 def test_selftest_over_the_double_is_not_reported_as_a_musa_run(cpu_double, tmp_path):
     report = run_selftest("musa:mp_31", dry_run=False, runtime=MusaRuntime(), device=torch.device("cpu"),
                           families=["add_rms_norm"], tune=False, seed=1, cache_dir=str(tmp_path))
@@ -165,11 +204,10 @@ def test_selftest_over_the_double_is_not_reported_as_a_musa_run(cpu_double, tmp_
 
 @pytest.mark.gpu
 def test_runtime_layer_over_the_cuda_double(monkeypatch, tmp_path, seed):
-    """On a CUDA GPU: the double delegates to torch.cuda; tensors live on cuda:0, dzc addresses musa:0."""
+    """On a CUDA GPU: the double delegates to torch.cuda; tensors live on cuda:0."""
     double = musa_runtime_double.install(monkeypatch, "cuda")
     runtime = MusaRuntime()
     cuda = torch.device("cuda", 0)
-    assert str(runtime.device(0)) == "musa:0"
     side = double.Stream()
     with double.stream(side):
         assert runtime.current_stream(cuda) == side, "the current stream is torch.musa's"

@@ -257,3 +257,37 @@ def test_load_experts_from_checkpoint_into_modules(tmp_path):
                                                                   expected[0][0].scales)
     with pytest.raises(ValueError, match="does not fit"):
         mxfp4.load_experts(MoEBlock(CONFIGS["tiny-deepseek"], torch.bfloat16).experts, layers[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The op's contract (its kernels are tested against this reference in the kernel family's tests)
+
+def _op_args(tokens=5, k=2):
+    block = build_moe(CONFIGS["tiny-gptoss"], torch.bfloat16)
+    experts = block.experts
+    ids = torch.randint(0, E, (tokens, k))
+    return (torch.randn(tokens, H).bfloat16(), ids, torch.rand(tokens, k).bfloat16(), experts.gate_up_blocks,
+            experts.gate_up_scales, experts.gate_up_bias, experts.down_blocks, experts.down_scales, experts.down_bias,
+            "gptoss_clamped_glu", True, 1.702, 7.0)
+
+
+def test_mxfp4_moe_op_fake_matches_reference(seed):
+    torch.library.opcheck(torch.ops.dzc.mxfp4_moe.default, _op_args(), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_mxfp4_moe_reference_rejects_bad_arguments(seed):
+    from dzc.ops.mxfp4_moe import mxfp4_moe_reference
+
+    args = list(_op_args())
+    args[1] = args[1].clone()
+    args[1][2, 1] = E  # an expert id out of range
+    with pytest.raises(ValueError, match=r"expert ids outside \[0, 4\): \[4\]"):
+        mxfp4_moe_reference(*args)
+    args = list(_op_args())
+    args[0] = torch.randn(5, H + 32).bfloat16()
+    with pytest.raises(ValueError, match="w13 reduces over K = 64 but hidden has H = 96"):
+        mxfp4_moe_reference(*args)
+    args = list(_op_args())
+    args[9] = "gelu_glu"
+    with pytest.raises(ValueError, match="activation 'gelu_glu' is not one of"):
+        mxfp4_moe_reference(*args)

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -163,9 +162,10 @@ def test_bad_routing_and_nan_scales_show_as_nan(seed, tmp_path):
     expert = int(args[1][0, 0])
     w2_scales[expert, 3, 0] = 255  # output column 3 of the down GEMM
     args[7] = w2_scales
-    out = run_triton(tuple(args), ONLINE_DECODE, tmp_path)
-    assert out[0, 3].isnan()
-    assert not out[0, torch.arange(out.shape[1]) != 3].isnan().any()
+    for config in (ONLINE_DECODE, WORKSPACE):  # the GEMM's per-column flag; the dequantization's per element
+        out = run_triton(tuple(args), config, tmp_path)
+        assert out[0, 3].isnan(), config
+        assert not out[0, torch.arange(out.shape[1]) != 3].isnan().any(), config
 
 
 def test_prepare_rejects_arguments_of_another_spec(seed, tmp_path):
@@ -247,7 +247,7 @@ def test_cost_model_picks_online_for_decode_and_workspace_for_prefill():
 _AOT_SCRIPT = textwrap.dedent("""
     import json, os, sys
     from pathlib import Path
-
+    
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
@@ -286,13 +286,13 @@ _AOT_SCRIPT = textwrap.dedent("""
         path = out / f"mxfp4_moe_{spec_name}.py"
         path.write_text(family.triton_source(spec, SM_90))
         kernels = triton_codegen.load(family, path, spec, SM_90)
-        for name, (signature, constexprs) in family.triton_signatures(spec, config).items():
+        for name, (signature, constexprs, *own_warps) in family.triton_signatures(spec, config).items():
             if name == "moe_down_kernel" and spec_name == "deepseek-fp16":
                 continue
             if name == "mxfp4_dequantize_experts_kernel" and config_name != "prefill-workspace":
                 continue
             fn = getattr(kernels[name], "fn", kernels[name])
-            compile_kernel(fn, signature, constexprs, config.num_warps, config.num_stages,
+            compile_kernel(fn, signature, constexprs, own_warps[0] if own_warps else config.num_warps, config.num_stages,
                            f"{spec_name}/{config_name}/{name}")
             if name != "mxfp4_dequantize_experts_kernel":
                 results[-1]["estimate"] = family.triton_shared_memory_bytes(spec, config)
@@ -362,9 +362,10 @@ def test_tilelang_gemms_lower_to_cuda_and_compile_with_nvcc(tmp_path):
     config = next(c for c in mxfp4_moe.tilelang_configs(spec, SM_90)
                   if c["BLOCK_M"] == 16 and c["BLOCK_N"] == 64 and c["BLOCK_K"] == 64 and c["THREADS"] == 128
                   and c["NUM_STAGES"] == 1)
-    for gemm, kernel_name in ((0, "moe_gate_up_kernel"), (1, "moe_down_kernel")):
-        cuda_source = tilelang_codegen.lower_to_device_source(path, mxfp4_moe.TILELANG_FACTORY_NAME,
-                                                              mxfp4_moe._with_gemm(config, gemm), SM_90)
+    for name, kernel_config in mxfp4_moe.tilelang_kernel_configs(spec, config).items():
+        kernel_name = f"{name}_kernel"
+        cuda_source = tilelang_codegen.lower_to_device_source(path, mxfp4_moe.TILELANG_FACTORY_NAME, kernel_config,
+                                                              SM_90)
         assert f"void __launch_bounds__(128, 1) {kernel_name}" in cuda_source
         assert "if (0 <= expert)" in cuda_source  # unused row blocks of the upper-bound grid do nothing
         if shutil.which("nvcc"):
@@ -381,30 +382,58 @@ def gpu_profile():
     return SM_90
 
 
+GPU_CONFIGS = [ONLINE_DECODE, ONLINE_WIDE, WORKSPACE,
+               KernelConfig.make(4, 3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0),
+               KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORKSPACE=1),
+               KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, WORKSPACE=0)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [ONLINE_DECODE, ONLINE_WIDE, WORKSPACE,
-                                    KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORKSPACE=1)],
-                         ids=str)
-def test_triton_on_gpu_every_selftest_case(config, seed, tmp_path):
+def test_triton_on_gpu_every_selftest_case(seed, tmp_path):
+    """Every self-test case on both paths, in every GPU config whose shared-memory estimate fits the profile."""
     profile = gpu_profile()
     for name, build in mxfp4_moe.selftest_cases(profile):
         args = build(torch.device("cuda"), torch.Generator(device="cuda").manual_seed(seed))
-        out = run_triton(args, config, tmp_path)
-        check_against_reference(args, out)
+        spec = mxfp4_moe.spec_from_args(*args[:11])
+        fitting = [c for c in GPU_CONFIGS
+                   if mxfp4_moe.triton_shared_memory_bytes(spec, c) <= profile.shared_memory_per_block]
+        assert any(c["WORKSPACE"] for c in fitting) and any(not c["WORKSPACE"] for c in fitting), name
+        for config in fitting:
+            out = run_triton(args, config, tmp_path)
+            check_against_reference(args, out)
+
+
+@pytest.mark.gpu
+def test_default_configs_cover_both_paths_on_gpu(seed, tmp_path):
+    """The cost model's own choices for a decode and a prefill bucket, on a layer large enough to tile."""
+    profile = gpu_profile()
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    for tokens, path in ((4, "online"), (512, "workspace")):
+        args = mxfp4_moe.random_moe_args(torch.device("cuda"), generator, tokens=tokens, hidden=2880, inter=256,
+                                         experts=8, top_k=2)
+        spec = mxfp4_moe.spec_from_args(*args[:11])
+        legal, _ = legal_configs(mxfp4_moe, "triton", spec, profile)
+        _, config = mxfp4_moe.configs_for_bucket(spec, profile, mxfp4_moe.token_bucket(tokens), legal,
+                                                 mxfp4_moe.triton_default_config(spec, profile))
+        assert mxfp4_moe.describe_config(config).startswith(path)
+        check_against_reference(args, run_triton(args, config, tmp_path))
 
 
 @pytest.mark.gpu
 def test_tilelang_on_gpu_every_selftest_case(seed, tmp_path):
+    """The default config on every case; the 64-row config on the first (each TileLang config compiles ~30 s)."""
     profile = gpu_profile()
-    for name, build in mxfp4_moe.selftest_cases(profile):
+    for index, (name, build) in enumerate(mxfp4_moe.selftest_cases(profile)):
         args = build(torch.device("cuda"), torch.Generator(device="cuda").manual_seed(seed))
         spec = mxfp4_moe.spec_from_args(*args[:11])
         path = tmp_path / f"mxfp4_moe_tl_{abs(hash(spec))}.py"
         path.write_text(mxfp4_moe.tilelang_source(spec, profile))
         kernels = tilelang_codegen.load(mxfp4_moe, path, spec, profile)
         inputs, (out,), _, _ = mxfp4_moe.prepare(spec, *args)
-        for config in (mxfp4_moe.tilelang_default_config(spec, profile),
-                       next(c for c in mxfp4_moe.tilelang_configs(spec, profile) if c["BLOCK_M"] == 64)):
+        configs = [mxfp4_moe.tilelang_default_config(spec, profile)]
+        if index == 0:
+            configs.append(next(c for c in mxfp4_moe.tilelang_configs(spec, profile) if c["BLOCK_M"] == 64))
+        for config in configs:
             out.fill_(float("nan"))
             mxfp4_moe.tilelang_launch(kernels, config, *inputs, out)
             check_against_reference(args, out)

@@ -86,14 +86,13 @@ def launch_triton(kernel, spec, config, args):
 
 
 def configs_to_check(spec, profile):
-    """The default, and per head-dim tiling the config with the smallest query block and the fewest stages (a
-    different block→segment schedule and masking pattern)."""
+    """The default, and the smallest config of the widest head-dim tiling: the other tiling, small query blocks
+    (many programs, so the block→segment search is exercised) and no pipelining."""
     legal, _ = legal_configs(family, "triton", spec, profile)
-    chosen = {family.triton_default_config(spec, profile)}
-    for split in family.triton_head_splits(spec.head_dim):
-        options = [c for c in legal if (c["D_LO"], c["D_HI"]) == split]
-        chosen.add(min(options, key=lambda c: (c["BLOCK_M"], c["BLOCK_N"], c.num_stages)))
-    return sorted(chosen, key=str)
+    widest = max(family.triton_head_splits(spec.head_dim), key=sum)
+    smallest = min((c for c in legal if (c["D_LO"], c["D_HI"]) == widest),
+                   key=lambda c: (c["BLOCK_M"], c["BLOCK_N"], c.num_stages))
+    return sorted({family.triton_default_config(spec, profile), smallest}, key=str)
 
 
 @pytest.fixture(scope="module")
@@ -308,8 +307,9 @@ def test_triton_compiles_ahead_of_time_for_sm_90(tmp_path):
 @pytest.mark.parametrize("head_dim, rope", [(72, FP32), (80, None)], ids=["72-rope", "80"])
 def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
     """Head dim 72 with RoPE: tiles padded to 80 columns (the matrix instructions' k-step) built element-wise,
-    rotated on the way. Head dim 80 without: bulk (asynchronous) copies of k and v."""
-    if shutil.which("nvcc") is None:
+    rotated on the way; its CUDA is compiled by nvcc. Head dim 80 without: bulk copies of k and v (TMA); lowered
+    only (nvcc takes ~20 s a kernel on the CI machine)."""
+    if shutil.which("nvcc") is None and rope is not None:
         pytest.skip("nvcc is not on PATH")
     spec = family.make_spec(head_dim, BF16, rope)
     path = tmp_path / "varlen_attention_tilelang.py"
@@ -322,8 +322,10 @@ def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
     # Both matmuls run on Hopper's wgmma, the second one 80 columns wide (not padded to 128).
     assert re.search(r"wgmma_\w+<[^;]*\b64, 80\b", cuda), "no 64x80 wgmma in the lowered kernel"
     assert "float sm_scale" in cuda and "int max_seqlen" in cuda
-    assert ("cp.async" in cuda or "cp_async" in cuda) == (rope is None)
-    assert tilelang_codegen.nvcc_compile(cuda, SM_90, tmp_path / "nvcc").stat().st_size > 0
+    # Full-width k/v tiles load asynchronously (TMA on sm_90); element-wise built ones cannot.
+    assert ("tma_load" in cuda or "cp_async" in cuda) == (rope is None)
+    if rope is not None:
+        assert tilelang_codegen.nvcc_compile(cuda, SM_90, tmp_path / "nvcc").stat().st_size > 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -332,7 +334,8 @@ def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
 GPU_LENGTHS = (1, 1000, 0, 257, 4096, 64, 64, 7, 2304)
 # (head_dim, dtype, rope): the model head dims in both 16-bit dtypes, with and without RoPE, and 128.
 GPU_SPECS = ((80, BF16, True), (72, BF16, False), (72, FP16, True), (80, FP16, False), (128, BF16, False))
-GPU_CASES = {f"d{d}-{str(dtype)[6:]}-rope{int(rope)}": (GPU_LENGTHS, 4, d, dtype, rope) for d, dtype, rope in GPU_SPECS}
+GPU_CASES = {f"d{d}-{str(dtype)[6:]}-rope{int(rope)}": (GPU_LENGTHS, 4, d, dtype, rope)
+             for d, dtype, rope in GPU_SPECS}
 FIRST_GPU_CASE = next(iter(GPU_CASES))
 
 
@@ -362,8 +365,10 @@ def test_tilelang_on_gpu(case_id, seed, tmp_path):
     kernels = tilelang_codegen.load(family, path, spec, SM_90)
     args = make_pack(case, seed, strided=True)
     expected = varlen_attention_reference(*args)
-    # The default and the smallest tile (TileLang compiles each config with nvcc: ~10-30 s apiece).
-    configs = [family.tilelang_default_config(spec, SM_90), family.tilelang_configs(spec, SM_90)[0]]
+    # The default; on the first case also the smallest tile (each config is an nvcc compile of ~10-30 s).
+    configs = [family.tilelang_default_config(spec, SM_90)]
+    if case_id == FIRST_GPU_CASE:
+        configs.append(family.tilelang_configs(spec, SM_90)[0])
     for config in configs:
         # The first config also runs with max_seqlen far below the longest segment (blocks must stride on).
         for max_seqlen in (args[4], 64) if config == configs[0] else (args[4],):

@@ -112,7 +112,8 @@ def per_image(attention: Callable, lengths, q, k, v, scale, cos, sin):
 
 def sdpa_backend_for(head_dim: int, device) -> tuple[list, str]:
     """cuDNN SDPA, or the first backend that takes this head dim, with a note saying which."""
-    probe = torch.randn(1, HEADS, 128, head_dim, device=device, dtype=torch.bfloat16)
+    # The layout per_image hands over: [1, H, L, D] views of a packed [L, H, D] tensor.
+    probe = torch.randn(128, HEADS, head_dim, device=device, dtype=torch.bfloat16).transpose(0, 1).unsqueeze(0)
     notes = []
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         try:
@@ -239,9 +240,12 @@ def main():
                 for name, attention in baselines.items():
                     def run(attention=attention):
                         return per_image(attention, list(lengths), q, k, v, scale, cos, sin)
-                    with torch.no_grad():
-                        errors[name] = check(name, run(), expected, v, lengths)
-                    times[name] = bench(run)
+                    try:
+                        with torch.no_grad():
+                            errors[name] = check(name, run(), expected, v, lengths)
+                        times[name] = bench(run)
+                    except (RuntimeError, AssertionError) as err:  # reported in the notes, the run goes on
+                        notes.append(f"{name} d={head_dim} rope={rope} {pack}: {str(err).splitlines()[0][:160]}")
                 for codegen, kernel in kernels.items():
                     name = f"dzc[{codegen}]"
                     candidates = dzc_configs(codegen, spec, args.full_tune, args.musa_legal)
@@ -283,7 +287,8 @@ def write_table(rows, notes, args):
         cells += [cell(times, v, lambda t: f"{t * 1e6:.1f}") for v in variants]
         cells += [cell(times, v, lambda t: f"{flops / t / 1e12:.0f} ({100 * flops / t / PEAK_FLOPS:.0f}%)")
                   for v in variants]
-        cells += [cell(times, v, lambda t: f"{times['cudnn'] / t:.2f}x") for v in dzc_variants]
+        cells += [cell(times, v, lambda t: f"{times['cudnn'] / t:.2f}x" if "cudnn" in times else "n/a")
+                  for v in dzc_variants]
         cells += [cell(times, v, lambda t: f"{moved / t / 1e12:.2f} ({100 * moved / t / PEAK_BYTES_PER_S:.0f}%)")
                   for v in dzc_variants + ["cudnn"]]
         lines.append("| " + " | ".join(cells) + " |")

@@ -1,22 +1,46 @@
 #!/usr/bin/env bash
-# The H200 check-and-benchmark campaign, in two calls of the device tool (each carries one wheel folder that
-# ../shared/tools/gpu-wheels.sh fetched; the machine keeps /tmp between the two while warm):
-#   call 1 (carry .whl-gpu1):  bash tools/gpu_campaign.sh 1   # install dzc + TileLang, Triton numerics on the GPU
-#   call 2 (carry .whl-gpu2):  bash tools/gpu_campaign.sh 2   # z3; TileLang numerics; the benchmark
+# The H200 check-and-benchmark campaign, in three device calls made back to back while the machine stays warm
+# (it keeps /tmp between calls). Calls 1 and 2 each carry one wheel folder fetched by ../shared/tools/gpu-wheels.sh:
+#   call 1 (carry .whl-gpu1):  bash tools/gpu_campaign.sh 1   # install dzc + TileLang; GPU tests of the Triton paths
+#   call 2 (carry .whl-gpu2):  bash tools/gpu_campaign.sh 2   # z3; TileLang GPU tests; MUSA validation; benchmarks I
+#   call 3:                    bash tools/gpu_campaign.sh 3   # benchmarks II
+# Everything lands under $OUT (logs, result tables).
 set -uo pipefail
 step=$1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl-gpu$step/*.whl
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-if [ "$step" = 1 ]; then
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+if [ "$step" != 3 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl-gpu$step/*.whl 2>&1 \
+    | grep -v WARNING
+fi
+# Each part gets a time limit so that one slow part cannot take the rest of the call with it.
+part() {  # part NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "    exit $? ($name)"; tail -n "${TAIL:-6}" "$OUT/$name.log"
+}
+case $step in
+1)
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  python3 -m pytest tests/test_add_rms_norm_kernels.py -q -p no:logging 2>&1 | tee "$OUT/gpu_tests_triton.log" | tail -5
-else
-  python3 -m pytest tests/test_tilelang_add_rms_norm.py -m gpu -q -p no:logging 2>&1 | tee "$OUT/gpu_tests_tilelang.log" | tail -5
-  python3 tools/diagnose_overhead.py --hidden 2880 --tokens 1 4096 2>&1 | grep -v "^ *[-A-Z]" > "$OUT/overhead.log"
-  python3 tools/bench_add_rms_norm.py --out "$OUT/add_rms_norm_h200.md" 2>&1 | tee "$OUT/bench.log" | tail -14
-  cat "$OUT/overhead.log"
-fi
+  part gpu_tests_core 90 python3 -m pytest -q -p no:logging -m gpu tests/test_cuda_graphs.py tests/test_musa_runtime.py \
+    tests/test_fuse_mxfp4_experts.py
+  part gpu_tests_mxfp4_triton 110 python3 -m pytest -q -p no:logging -m gpu -k "not tilelang" tests/test_mxfp4_moe_kernels.py
+  part gpu_tests_dsa_triton 110 python3 -m pytest -q -p no:logging -m gpu -k "not tilelang" tests/test_dsa_kernels.py
+  part gpu_tests_varlen_triton 120 python3 -m pytest -q -p no:logging -m gpu -k "not tilelang" \
+    tests/test_varlen_attention_kernels.py
+  ;;
+2)
+  part gpu_tests_tilelang 240 python3 -m pytest -q -p no:logging -m gpu -k tilelang tests/
+  TAIL=12 part musa_validation 200 bash tools/gpu_musa_validation.sh
+  TAIL=30 part bench_add_rms_norm 200 python3 tools/bench_add_rms_norm.py --out "$OUT/add_rms_norm_h200.md"
+  ;;
+3)
+  TAIL=30 part bench_mxfp4_moe 200 python3 tools/bench_mxfp4_moe.py --quick --out "$OUT/mxfp4_moe_h200.md"
+  TAIL=30 part bench_dsa 200 python3 tools/bench_dsa.py --quick --out "$OUT/dsa_h200.md"
+  TAIL=30 part bench_vision_attention 150 python3 tools/bench_vision_attention.py --quick --out "$OUT/vision_attention_h200.md"
+  ;;
+esac

@@ -8,11 +8,11 @@ memory as compiled by NVIDIA Triton. What it cannot prove: anything about MUSA c
     python tools/musa_constrained_runs.py --out $OUT/musa_constrained.md [--json $OUT/musa_constrained.json]
         [--quick] [--family NAME ...] [--tilelang]
 
-For every kernel family with selftest_cases and each MUSA profile: every self-test case of the profile (its dtypes
-only), every legal Triton config of the profile (--quick: the default and the widest), launched with
-num_warps × warp_size / 32 CUDA warps (one 128-lane mp_22 warp = four CUDA warps). --tilelang also compiles the
-MUSA-profile TileLang source for sm_90 with the MUSA pass configs upstream TileLang knows, and runs its default
-config. Needs a CUDA GPU.
+For every kernel family with selftest_cases and each MUSA profile: every self-test case of the profile (its
+dtypes only; --quick: the first), every legal Triton config of the profile (--quick: the default and the widest),
+launched with num_warps × warp_size / 32 CUDA warps (one 128-lane mp_22 warp = four CUDA warps). --tilelang also
+compiles the MUSA-profile TileLang source for sm_90 with the MUSA pass configs upstream TileLang knows, and runs
+its default config. Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="markdown table")
     parser.add_argument("--json", help="every row as JSON")
-    parser.add_argument("--quick", action="store_true", help="the default and the widest config only")
+    parser.add_argument("--quick", action="store_true",
+                        help="each family's first case, with the default and the widest config only")
     parser.add_argument("--family", action="append", choices=sorted(KERNEL_FAMILIES))
     parser.add_argument("--tilelang", action="store_true", help="also TileLang (compiles take ~10 s each)")
     parser.add_argument("--seed", type=int, default=20261129)
@@ -121,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for profile in (MP_22, MP_31):
             for index, (case, make_args) in enumerate(family.selftest_cases(profile)):
+                if args.quick and index > 0:
+                    break
                 case_rows = run_case(family_name, profile, case, make_args, args.seed + index, args.quick,
                                      args.cache_dir, args.tilelang, torch.device("cuda"))
                 for row in case_rows:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from dzc.mxfp4 import dequantize as mxfp4_dequantize_reference
+from dzc.ops.add_layer_norm import add_layer_norm_reference
 from dzc.ops.add_rms_norm import add_rms_norm_reference
 from dzc.ops.dsa import dsa_indexer_reference, dsa_topk_reference, sparse_attention_reference
 from dzc.ops.mxfp4_moe import mxfp4_moe_reference
@@ -25,6 +26,7 @@ OPS = {
     # fuse_mxfp4_experts removes it where it feeds expert matmuls.
     "mxfp4_dequantize": (torch.ops.dzc.mxfp4_dequantize.default, mxfp4_dequantize_reference),
     "varlen_attention": (torch.ops.dzc.varlen_attention.default, varlen_attention_reference),
+    "add_layer_norm": (torch.ops.dzc.add_layer_norm.default, add_layer_norm_reference),
     # DeepSeek Sparse Attention: indexer logits -> top-k positions -> attention over those only.
     "dsa_indexer": (torch.ops.dzc.dsa_indexer.default, dsa_indexer_reference),
     "dsa_topk": (torch.ops.dzc.dsa_topk.default, dsa_topk_reference),
@@ -32,5 +34,5 @@ OPS = {
 }
 
 __all__ = ["OPS", "add_rms_norm_reference", "mxfp4_moe_reference", "mxfp4_dequantize_reference",
-           "varlen_attention_reference", "dsa_indexer_reference", "dsa_topk_reference",
+           "varlen_attention_reference", "add_layer_norm_reference", "dsa_indexer_reference", "dsa_topk_reference",
            "sparse_attention_reference"]
