@@ -58,6 +58,16 @@ def _e8m0_values() -> torch.Tensor:
 
 _E8M0_TABLE = _e8m0_values()
 _E2M1_TABLE = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+# The lookup tables on each device, copied once: a copy per call would cost a transfer every call and break
+# CUDA-graph capture (no host-to-device copy may happen inside one).
+_TABLES_ON: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _table_on(name: str, table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    key = (name, device)
+    if key not in _TABLES_ON:
+        _TABLES_ON[key] = table.to(device)
+    return _TABLES_ON[key]
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +90,7 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = (shared + E8M0_BIAS).to(torch.uint8)
     # w / X as an exact multiply by 2^(-shared) (a table entry: shared is in [-127, 125], so the index is in
     # [2, 254]); amax / X < 8, so nothing overflows.
-    scaled = values * _E8M0_TABLE.to(w.device)[(E8M0_BIAS - shared).long()].unsqueeze(-1)
+    scaled = values * _table_on("e8m0", _E8M0_TABLE, w.device)[(E8M0_BIAS - shared).long()].unsqueeze(-1)
     magnitude = scaled.abs().clamp(max=E2M1_MAX)
     code = torch.zeros_like(magnitude, dtype=torch.uint8)
     for midpoint, up_at_tie in zip(_MIDPOINTS, _UP_AT_TIE):
@@ -99,8 +109,8 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = 
     """
     check_packed(blocks, scales, "blocks")
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*blocks.shape[:-1], BLOCK)
-    elements = _E2M1_TABLE.to(blocks.device)[codes.long()]
-    scale_values = _E8M0_TABLE.to(blocks.device)[scales.long()]
+    elements = _table_on("e2m1", _E2M1_TABLE, blocks.device)[codes.long()]
+    scale_values = _table_on("e8m0", _E8M0_TABLE, blocks.device)[scales.long()]
     return (elements * scale_values.unsqueeze(-1)).reshape(*scales.shape[:-1], -1).to(dtype)
 
 

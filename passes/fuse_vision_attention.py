@@ -160,11 +160,23 @@ def _is_full_row_guard(cond) -> bool:
     return _is_call(cond, aten.logical_not.default) and _is_call(cond.args[0], aten.any.dim)
 
 
+# What SDPA does to a mask before a fused kernel reads it: broadcast it to 4-D, pad its last dim for alignment
+# and slice the padding off again (efficient attention).
+_MASK_LAYOUT = (*_VIEW_LIKE, aten.unsqueeze.default, aten.slice.Tensor, aten.constant_pad_nd.default)
+
+
 def _bool_mask_of(mask) -> torch.fx.Node | None:
-    """The bool mask behind an additive mask where(m, 0, -inf) (or None if it is not one)."""
-    mask = _skip(mask, *_VIEW_LIKE)
-    if _is_call(mask, aten.where.self) and _scalar(mask.args[1]) == 0.0 and _scalar(mask.args[2]) == -math.inf:
-        return mask.args[0]
+    """The bool mask m behind an additive mask: where(m, 0, -inf) (SDPA's CPU decomposition) or
+    where(~m, -inf, 0) (SDPA's own conversion of a bool mask, user code); None if it is not one."""
+    mask = _skip(mask, *_MASK_LAYOUT)
+    if not _is_call(mask, aten.where.self):
+        return None
+    condition, if_true, if_false = mask.args[:3]
+    if _scalar(if_true) == 0.0 and _scalar(if_false) == -math.inf:
+        return condition
+    if _scalar(if_true) == -math.inf and _scalar(if_false) == 0.0 \
+            and _is_call(condition, aten.logical_not.default, aten.bitwise_not.default):
+        return condition.args[0]
     return None
 
 

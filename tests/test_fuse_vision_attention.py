@@ -27,6 +27,9 @@ class PackedAttention(nn.Module):
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, tokens, head_dim]
         if self.spelling == "mask":
             out = attend(q, k, v, block_diagonal_mask(cu_seqlens, q.shape[1]), 0.25, self.sdpa)
+        elif self.spelling == "bias":  # the bool mask turned into an additive bias, as SDPA itself does on GPUs
+            bias = torch.where(~block_diagonal_mask(cu_seqlens, q.shape[1]), float("-inf"), 0.0)
+            out = torch.softmax(q @ k.transpose(1, 2) * 0.25 + bias, dim=-1) @ v
         else:
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
             pieces = zip(*(torch.split(t, lengths, dim=1) for t in (q, k, v)))
@@ -121,6 +124,16 @@ def test_split_with_rotary_folds_and_matches_in_bf16(options, seed):
     torch.testing.assert_close(out.float(), module(*inputs).float(), atol=2e-2, rtol=2e-2)
 
 
+def test_additive_block_diagonal_bias_fires(options, seed):
+    inputs = _pack([3, 9, 4])
+    module = PackedAttention("bias", sdpa=False)
+    compiled, out = _compile(module, options, *inputs)
+    after = dict(compiled.report.graphs[0].stages)["fuse_vision_attention"]
+    assert compiled.report.passes["fuse_vision_attention"] == 1
+    assert "aten.bmm" not in after and "aten.where" not in after and "searchsorted" not in after
+    assert_close_for_dtype(out, module(*inputs))
+
+
 def test_refuses_causal_attention_per_image(options):
     inputs = _pack([5, 7])
     compiled, _ = _compile(PackedAttention("split", sdpa=True, causal=True), options, *inputs)
@@ -175,7 +188,12 @@ def test_reference_matches_per_image_softmax_attention(dtype, seed):
     for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
         expected = F.scaled_dot_product_attention(*(t[start:end].float().transpose(0, 1) for t in (rq, rk, v)),
                                                   scale=0.3).transpose(0, 1).to(dtype)
-        assert_close_for_dtype(out[start:end], expected)
+        if dtype == torch.bfloat16:
+            # Both compute in fp32 and round once; their fp32 sums differ in order, which can flip a rounding
+            # (one unit, counted at the larger neighbour near zero).
+            torch.testing.assert_close(out[start:end], expected, atol=1e-3, rtol=2**-7)
+        else:
+            assert_close_for_dtype(out[start:end], expected)
 
 
 def test_reference_rejects_bad_arguments():

@@ -126,6 +126,67 @@ def test_triton_matches_reference(case_id, seed, triton_kernels):
         assert_attention_close(actual, expected, args[2], args[3], f"{case_id} {config} seed={seed}")
 
 
+GUARD_TOKENS = 3  # NaN / sentinel tokens before and after each tensor
+GUARD_HEADS = 1  # NaN / sentinel heads on each side of every token row (q/k/v/out keep dense heads)
+OUT_SENTINEL = 1234.5  # what the output's guard region holds; the kernel must never write it
+
+
+def _in_guarded_buffer(tensor, fill: float, pad_heads: bool):
+    """`tensor` copied into the middle of a larger buffer filled with `fill`: GUARD_TOKENS rows before and after,
+    and (for [tokens, heads, head_dim] tensors) GUARD_HEADS heads on each side of each row, so the view keeps
+    stride 1 over head_dim and head_dim over heads (what prepare passes through uncopied). Returns (view, buffer)."""
+    tokens = tensor.shape[0]
+    shape = list(tensor.shape)
+    shape[0] += 2 * GUARD_TOKENS
+    if pad_heads:
+        shape[1] += 2 * GUARD_HEADS
+    buffer = torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)
+    view = buffer[GUARD_TOKENS:GUARD_TOKENS + tokens]
+    if pad_heads:
+        view = view[:, GUARD_HEADS:GUARD_HEADS + tensor.shape[1]]
+    view.copy_(tensor)
+    return view, buffer
+
+
+# (lengths, heads, head_dim, dtype, rope): an empty segment, 1-token segments, a segment ending the pack that is not
+# a multiple of any block, head dim 80 (split 64 + 16 tiles) and 72 (remainder tile masked), with and without RoPE.
+GUARD_CASES = {
+    "80-bf16-rope": ((1, 0, 70, 1, 9), 2, 80, BF16, True),
+    "72-fp16-rope": ((0, 33, 1), 1, 72, FP16, True),
+    "80-bf16": ((1, 0, 70, 9), 2, 80, BF16, False),
+}
+
+
+@pytest.mark.parametrize("case_id", GUARD_CASES)
+def test_triton_stays_inside_its_tensors(case_id, seed, triton_kernels):
+    """Every input lives in the middle of a NaN-filled buffer (guard tokens before and after, guard heads around
+    every row; cos/sin guard tokens), the output in the middle of a sentinel-filled one: an out-of-bounds read
+    (a wrong mask, a partner column or cos/sin row past the tensor) brings NaN into the output even under the
+    interpreter, which checks no bounds; an out-of-bounds write changes a sentinel. Both head-dim tilings and
+    the 64 x 64 tiles (a full and a partial key block per segment)."""
+    case = GUARD_CASES[case_id]
+    spec = spec_for(case)
+    kernel = triton_kernels(spec)
+    q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin = make_pack(case, seed)
+    expected = varlen_attention_reference(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin)
+    nan = float("nan")
+    (q, _), (k, _), (v, _) = (_in_guarded_buffer(t, nan, pad_heads=True) for t in (q, k, v))
+    if spec.rope:
+        (cos, _), (sin, _) = (_in_guarded_buffer(t, nan, pad_heads=False) for t in (cos, sin))
+    legal, _ = legal_configs(family, "triton", spec, SM_90)
+    configs = [c for c in legal if c.num_stages == 1 and (c["BLOCK_M"], c["BLOCK_N"]) == (64, 64)]
+    assert {(c["D_LO"], c["D_HI"]) for c in configs} == set(family.triton_head_splits(spec.head_dim))
+    for config in configs:
+        inputs, _outputs, _work, _result = family.prepare(spec, q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin)
+        assert inputs[0].data_ptr() == q.data_ptr() and (not spec.rope or inputs[6].data_ptr() == cos.data_ptr())
+        out, out_buffer = _in_guarded_buffer(torch.full_like(expected, nan), OUT_SENTINEL, pad_heads=True)
+        family.triton_launch(kernel, config, *inputs, out)
+        guard = torch.ones(out_buffer.shape, dtype=torch.bool)
+        guard[GUARD_TOKENS:GUARD_TOKENS + out.shape[0], GUARD_HEADS:GUARD_HEADS + out.shape[1]] = False
+        assert (out_buffer[guard] == OUT_SENTINEL).all(), f"{case_id} {config}: wrote outside the output"
+        assert_attention_close(out, expected, v, cu_seqlens, f"{case_id} {config} seed={seed}")
+
+
 def test_segments_never_see_each_other(seed, triton_kernels):
     """Changing one segment's keys and values leaves every other segment's output bit-identical."""
     case = ((50, 70, 9), 2, 80, FP32, False)
