@@ -111,7 +111,10 @@ class Indexer(nn.Module):
         batch, seq, _ = x.shape
         q = self.wq_b(q_latent).view(batch, seq, cfg.index_heads, cfg.index_head_dim)
         q = self._rope(q, cos[:, :, None], sin[:, :, None])
-        k = self._rope(self.k_norm(self.wk(x)), cos, sin)  # [B, S, D]: one key per token, shared by all heads
+        # LayerNorm in fp32 and back, as DeepSeek's reference does (its weights stay fp32; CUDA's layer_norm
+        # does not mix dtypes). One key per token, shared by all index heads: [B, S, D].
+        k_proj = self.wk(x)
+        k = self._rope(self.k_norm(k_proj.float()).to(k_proj.dtype), cos, sin)
         write_index_keys(index_cache, slots, k.reshape(-1, cfg.index_head_dim))
         keys = gather_index_keys(index_cache, block_table, cfg.index_head_dim)  # [B, context, D] fp32
         weights = self.weights_proj(x).float() * (cfg.index_heads ** -0.5 * cfg.index_head_dim ** -0.5)

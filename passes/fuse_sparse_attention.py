@@ -610,7 +610,7 @@ def _match(topk):
     indices = next((u for u in topk.users if _is(u, operator.getitem) and u.args[1] == 1), None)
     if indices is None:
         return None
-    scatters = []
+    scatters, other_uses = [], 0
     pending = [indices]
     while pending:
         node = pending.pop()
@@ -620,9 +620,11 @@ def _match(topk):
             elif _is(user, aten.scatter.value) and user.args[2] is node:
                 scatters.append(user)
             else:
-                raise _Refusal("the top-k indices have another use than the sparse mask")
-    if not scatters:
+                other_uses += 1
+    if not scatters:  # a top-k that builds no mask (an MoE router, say) is not a DSA candidate: nothing to report
         return None
+    if other_uses:
+        raise _Refusal("the top-k indices have another use than the sparse mask")
     if len(scatters) != 1:
         raise _Refusal("the top-k indices build more than one mask")
     if dim not in (-1, _val(topk.args[0]).dim() - 1) or not largest:

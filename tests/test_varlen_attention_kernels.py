@@ -2,7 +2,8 @@
 
 CPU: Triton kernels through the interpreter (small packs: a pack of one image, very uneven lengths with an empty
 segment, lengths that are not block multiples, head dims 72/80/128, with and without RoPE, fp32/fp16/bf16,
-strided q/k/v as a fused qkv projection gives them); outputs poisoned with NaN before each launch. Every emitted
+strided q/k/v as a fused qkv projection gives them); outputs poisoned with NaN before each launch; inputs and
+output inside guard regions (NaN / sentinel) to catch out-of-bounds reads and writes. Every emitted
 config is legal on every profile; Triton kernels compile ahead of time for sm_90 (what the interpreter lets
 through: dot shapes, layouts, shared memory against the estimate); TileLang lowers to CUDA and nvcc compiles it.
 GPU (marked gpu): both codegens on the device (Triton: every legal config on one pack), with strided q/k/v and

@@ -1,0 +1,88 @@
+"""Which Triton varlen_attention configs fault on this GPU, each run in a fresh process.
+
+    python tools/diagnose_varlen_attention_configs.py [--head-dim 80] [--dtype bfloat16] [--rope]
+        [--lengths 1 1000 0 257 4096 64 64 7 2304] [--heads 4] [--config "BLOCK_M=64 ... num_stages=1"]
+
+An illegal memory access poisons the CUDA context, so in one process (as test_triton_on_gpu runs them) the first
+faulting config hides every later result. Here every legal config (or the one given) runs in its own child
+process on the same seeded pack; the table says, per config: ok (worst error against the reference, NaN count),
+or the child's last error line. To see which access faults (global or shared, and the kernel source line, which
+Triton's line info carries), run one config under compute-sanitizer:
+
+    compute-sanitizer --tool memcheck --print-limit 5 python tools/diagnose_varlen_attention_configs.py \\
+        --rope --config "BLOCK_M=64 BLOCK_N=64 D_HI=16 D_LO=64 num_warps=4 num_stages=1" --in-process
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import dzc  # noqa: F401  (first: it decides Triton's mode)
+import torch
+
+from dzc.ops.varlen_attention import varlen_attention_reference
+from dzc.targets import triton_codegen
+from dzc.targets import varlen_attention as family
+from dzc.targets.launch import legal_configs
+from dzc.targets.profiles import SM_90
+
+# Without a GPU the kernels run in Triton's interpreter (a smoke test of this script on small --lengths).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+def run_config(args, config_text: str) -> str:
+    """Launch one config on the pack and compare with the reference; a fault raises on the synchronize."""
+    dtype = getattr(torch, args.dtype)
+    spec = family.make_spec(args.head_dim, dtype, torch.float32 if args.rope else None)
+    [config] = [c for c in legal_configs(family, "triton", spec, SM_90)[0] if str(c) == config_text]
+    generator = torch.Generator(device=DEVICE).manual_seed(args.seed)
+    pack = family.random_pack(tuple(args.lengths), args.heads, args.head_dim, dtype, args.rope, DEVICE, generator)
+    path = Path(tempfile.mkdtemp()) / "varlen_attention.py"
+    path.write_text(family.triton_source(spec, SM_90))
+    kernel = triton_codegen.load(family, path, spec, SM_90)
+    inputs, (out,), _work, result = family.prepare(spec, *pack)
+    out.fill_(float("nan"))
+    family.triton_launch(kernel, config, *inputs, out)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    expected = varlen_attention_reference(*pack)
+    error = (result.float() - expected.float()).abs().nan_to_num(float("inf")).max().item()
+    return f"ok: max abs error {error:.3g}, NaN {int(result.isnan().sum())}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head-dim", type=int, default=80)
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--rope", action="store_true", help="with cos/sin (float32)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1, 1000, 0, 257, 4096, 64, 64, 7, 2304])
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--config", help="one config as printed (str(KernelConfig)); default: every legal one")
+    parser.add_argument("--in-process", action="store_true", help="run --config here (for compute-sanitizer)")
+    args = parser.parse_args()
+    if args.in_process:
+        print(run_config(args, args.config))
+        return
+    spec = family.make_spec(args.head_dim, getattr(torch, args.dtype), torch.float32 if args.rope else None)
+    configs = [args.config] if args.config else [str(c) for c in legal_configs(family, "triton", spec, SM_90)[0]]
+    device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter)"
+    print(f"{device}, torch {torch.__version__}, triton {__import__('triton').__version__}; "
+          f"{spec.describe()}, lengths {args.lengths}, {args.heads} heads, seed {args.seed}\n")
+    print("| config | result |\n|---|---|")
+    child = [sys.executable, __file__, "--head-dim", str(args.head_dim), "--dtype", args.dtype, "--heads",
+             str(args.heads), "--seed", str(args.seed), "--lengths", *map(str, args.lengths), "--in-process"]
+    for config in configs:
+        proc = subprocess.run([*child, *(["--rope"] if args.rope else []), "--config", config],
+                              capture_output=True, text=True, timeout=600)
+        lines = (proc.stdout + proc.stderr).strip().splitlines() or ["(no output)"]
+        verdict = lines[-1] if proc.returncode == 0 else "FAILED: " + next(
+            (line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1])
+        print(f"| {config} | {verdict[:200]} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
