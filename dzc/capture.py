@@ -106,7 +106,9 @@ class DzcBackend:
         self.target = target
         self.options = options
         self.report = CompileReport(target.name, repr(options))
-        self._graph_breaks_seen = collections.Counter()
+        # Dynamo counts graph breaks per process: start from what was counted before this backend existed, so
+        # breaks in models compiled earlier are not reported as this model's.
+        self._graph_breaks_seen = collections.Counter(torch._dynamo.utils.counters["graph_break"])
         self._frames_compiled: set = set()
         self._aot = aot_autograd(fw_compiler=self._refuse_training, inference_compiler=self._compile_graph,
                                  decompositions=_DECOMPOSITIONS)

@@ -60,7 +60,7 @@ import torch
 import torch.fx
 
 from dzc.ops.mxfp4_moe import check_mxfp4_moe_args
-from dzc.passes.graph_pass import PassResult, copy_graph, location_of
+from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -78,16 +78,6 @@ def _grouped_mm_targets() -> tuple:
     return _GROUPED_MMS + ((fallback.default,) if fallback is not None else ())
 
 
-class _Refusal(Exception):
-    pass
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _is_call(node, *targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def _arg(node: torch.fx.Node, index: int, name: str, default=None):
@@ -120,9 +110,9 @@ class _Tracker:
         self.seen: set[torch.fx.Node] = set()
 
     def take(self, node, *targets):
-        """node if it calls one of targets (recorded), else raise _Refusal."""
-        if not _is_call(node, *targets):
-            raise _Refusal(f"expected {'/'.join(str(t) for t in targets)}, found "
+        """node if it calls one of targets (recorded), else raise Refusal."""
+        if not is_call(node, *targets):
+            raise Refusal(f"expected {'/'.join(str(t) for t in targets)}, found "
                            f"{node.format_node() if isinstance(node, torch.fx.Node) else repr(node)}")
         self.seen.add(node)
         return node
@@ -138,11 +128,11 @@ class _Tracker:
         """The value under dtype casts (prims.convert_element_type, aten._to_copy with only a dtype) and under
         squeeze(unsqueeze(v, d), d) pairs (what functionalization leaves of an in-place op on a view)."""
         while True:
-            if _is_call(node, prims.convert_element_type.default) or (
-                    _is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}):
+            if is_call(node, prims.convert_element_type.default) or (
+                    is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}):
                 self.seen.add(node)
                 node = node.args[0]
-            elif (_is_call(node, aten.squeeze.dim) and _is_call(node.args[0], aten.unsqueeze.default)
+            elif (is_call(node, aten.squeeze.dim) and is_call(node.args[0], aten.unsqueeze.default)
                   and node.args[1] == node.args[0].args[1]):
                 self.seen.update((node, node.args[0]))
                 node = node.args[0].args[0]
@@ -156,25 +146,25 @@ class _Tracker:
 def _silu(t: _Tracker, node, gate_var: list) -> bool:
     """node computes silu(g) for one g (bound into gate_var[0])."""
     node = t.strip_casts(node)
-    if _is_call(node, aten.silu.default):
+    if is_call(node, aten.silu.default):
         t.seen.add(node)
         gate_var.append(t.strip_casts(node.args[0]))
         return True
-    if _is_call(node, aten.mul.Tensor):  # g * sigmoid(g)
+    if is_call(node, aten.mul.Tensor):  # g * sigmoid(g)
         for a, b in (node.args[:2], node.args[1::-1]):
             b_inner = t.strip_casts(b)
-            if _is_call(b_inner, aten.sigmoid.default) and t.strip_casts(b_inner.args[0]) is t.strip_casts(a):
+            if is_call(b_inner, aten.sigmoid.default) and t.strip_casts(b_inner.args[0]) is t.strip_casts(a):
                 t.seen.update((node, b_inner))
                 gate_var.append(t.strip_casts(a))
                 return True
         return False
-    if _is_call(node, aten.div.Tensor):  # g / (1 + exp(-g))
+    if is_call(node, aten.div.Tensor):  # g / (1 + exp(-g))
         g, denominator = t.strip_casts(node.args[0]), t.strip_casts(node.args[1])
-        if _is_call(denominator, aten.add.Tensor) and denominator.args[1] == 1:
+        if is_call(denominator, aten.add.Tensor) and denominator.args[1] == 1:
             exp = t.strip_casts(denominator.args[0])
-            if _is_call(exp, aten.exp.default):
+            if is_call(exp, aten.exp.default):
                 neg = t.strip_casts(exp.args[0])
-                if _is_call(neg, aten.neg.default) and t.strip_casts(neg.args[0]) is g:
+                if is_call(neg, aten.neg.default) and t.strip_casts(neg.args[0]) is g:
                     t.seen.update((node, denominator, exp, neg))
                     gate_var.append(g)
                     return True
@@ -184,7 +174,7 @@ def _silu(t: _Tracker, node, gate_var: list) -> bool:
 def _operands(t: _Tracker, node, target):
     """Both orders of a commutative binary node's operands (casts stripped), or () if node is not that op."""
     node = t.strip_casts(node)
-    if not _is_call(node, target) or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+    if not is_call(node, target) or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
         return ()
     t.seen.add(node)
     a, b = (t.strip_casts(v) for v in node.args)
@@ -204,11 +194,11 @@ def _clamp_bounds(t: _Tracker, node) -> tuple[torch.fx.Node, float | None, float
     low = high = None
     node = t.strip_casts(node)
     while True:
-        if _is_call(node, aten.clamp_max.default) and high is None:
+        if is_call(node, aten.clamp_max.default) and high is None:
             high = node.args[1]
-        elif _is_call(node, aten.clamp_min.default) and low is None:
+        elif is_call(node, aten.clamp_min.default) and low is None:
             low = node.args[1]
-        elif _is_call(node, aten.clamp.default) and low is None and high is None:
+        elif is_call(node, aten.clamp.default) and low is None and high is None:
             low, high = _arg(node, 1, "min"), _arg(node, 2, "max")
         else:
             return node, low, high
@@ -219,11 +209,11 @@ def _clamp_bounds(t: _Tracker, node) -> tuple[torch.fx.Node, float | None, float
 def _match_gptoss_glu(t: _Tracker, out) -> tuple[torch.fx.Node, torch.fx.Node, float, float] | None:
     # (clamped_up + 1) * (g * sigmoid(g * alpha)), g = clamp_max(gate, limit)
     for up_plus_one, glu in _operands(t, out, aten.mul.Tensor):
-        if not (_is_call(up_plus_one, aten.add.Tensor) and up_plus_one.args[1] == 1
+        if not (is_call(up_plus_one, aten.add.Tensor) and up_plus_one.args[1] == 1
                 and up_plus_one.kwargs.get("alpha", 1) == 1):
             continue
         for g, sig in _operands(t, glu, aten.mul.Tensor):
-            if not _is_call(sig, aten.sigmoid.default):
+            if not is_call(sig, aten.sigmoid.default):
                 continue
             for g_again, alpha in _operands(t, sig.args[0], aten.mul.Tensor):
                 if g_again is not g or not isinstance(alpha, float):
@@ -231,7 +221,7 @@ def _match_gptoss_glu(t: _Tracker, out) -> tuple[torch.fx.Node, torch.fx.Node, f
                 gate, gate_low, limit = _clamp_bounds(t, g)
                 up, up_low, up_high = _clamp_bounds(t, up_plus_one.args[0])
                 if gate_low is not None or not isinstance(limit, (int, float)) or (up_low, up_high) != (-limit, limit):
-                    raise _Refusal("clamped SwiGLU whose clamps are not min(gate, L) and clamp(up, -L, L)")
+                    raise Refusal("clamped SwiGLU whose clamps are not min(gate, L) and clamp(up, -L, L)")
                 t.seen.update((up_plus_one, sig))
                 return gate, up, float(alpha), float(limit)
     return None
@@ -239,11 +229,11 @@ def _match_gptoss_glu(t: _Tracker, out) -> tuple[torch.fx.Node, torch.fx.Node, f
 
 def _split_of(t: _Tracker, gate, up, gu) -> bool:
     """Whether gate / up are gu's halves; returns interleaved (rows 0::2 / 1::2) or raises."""
-    dim = _val(gu).dim() - 1
-    width = _val(gu).shape[-1]
+    dim = fake_value(gu).dim() - 1
+    width = fake_value(gu).shape[-1]
 
     def slice_of(node):
-        if (_is_call(node, aten.slice.Tensor) and t.strip_casts(node.args[0]) is gu
+        if (is_call(node, aten.slice.Tensor) and t.strip_casts(node.args[0]) is gu
                 and node.args[1] in (-1, dim)):
             start, end, step = (list(node.args[2:]) + [None, None, None])[:3]
             return start or 0, end if end is not None and end < width else width, step or 1
@@ -256,15 +246,15 @@ def _split_of(t: _Tracker, gate, up, gu) -> bool:
     if gate_slice == (0, width // 2, 1) and up_slice == (width // 2, width, 1):
         t.seen.update((gate, up))
         return False
-    if (_is_call(gate, operator.getitem) and _is_call(up, operator.getitem) and gate.args[0] is up.args[0]
+    if (is_call(gate, operator.getitem) and is_call(up, operator.getitem) and gate.args[0] is up.args[0]
             and (gate.args[1], up.args[1]) == (0, 1)):
         split = gate.args[0]
-        if (_is_call(split, aten.split.Tensor, aten.split_with_sizes.default) and t.strip_casts(split.args[0]) is gu
-                and _arg(split, 2, "dim", 0) in (-1, dim) and len(_val(split)) == 2
-                and _val(gate).shape[-1] == _val(up).shape[-1]):
+        if (is_call(split, aten.split.Tensor, aten.split_with_sizes.default) and t.strip_casts(split.args[0]) is gu
+                and _arg(split, 2, "dim", 0) in (-1, dim) and len(fake_value(split)) == 2
+                and fake_value(gate).shape[-1] == fake_value(up).shape[-1]):
             t.seen.update((gate, up, split))
             return False
-    raise _Refusal("the activation's gate and up are not the two halves (or the even/odd rows) of the gate_up GEMM")
+    raise Refusal("the activation's gate and up are not the two halves (or the even/odd rows) of the gate_up GEMM")
 
 
 def _match_activation(t: _Tracker, a, gu) -> tuple[str, bool, float, float]:
@@ -280,7 +270,7 @@ def _match_activation(t: _Tracker, a, gu) -> tuple[str, bool, float, float]:
         gate, up = silu
         # alpha and limit are unused by silu_glu; fixed values keep the node's text deterministic.
         return "silu_glu", _split_of(t, gate, up, gu), 1.0, 0.0
-    raise _Refusal(f"unrecognised activation between the expert GEMMs (ending in {t.strip_casts(a).format_node()})")
+    raise Refusal(f"unrecognised activation between the expert GEMMs (ending in {t.strip_casts(a).format_node()})")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -289,9 +279,10 @@ def _match_activation(t: _Tracker, a, gu) -> tuple[str, bool, float, float]:
 def _dequantized(t: _Tracker, node, what: str) -> torch.fx.Node:
     """The dzc.mxfp4_dequantize node under views of a weight; a refusal if the weight is a plain tensor."""
     node = t.strip_casts(node)
-    if not _is_call(node, _DEQUANTIZE):
-        raise _Refusal(f"the {what} expert weights are plain {_val(node).dtype if _val(node) is not None else ''} "
-                       f"tensors, not MXFP4 (no dzc.mxfp4_dequantize): left to the fallback")
+    if not is_call(node, _DEQUANTIZE):
+        dtype = fake_value(node).dtype if fake_value(node) is not None else ''
+        raise Refusal(f"the {what} expert weights are plain {dtype} "
+                      f"tensors, not MXFP4 (no dzc.mxfp4_dequantize): left to the fallback")
     t.seen.add(node)
     return node
 
@@ -299,39 +290,39 @@ def _dequantized(t: _Tracker, node, what: str) -> torch.fx.Node:
 def _linear(t: _Tracker, node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node | None]:
     """mm (+ add bias) or addmm: (input, weight operand, bias operand or None); node = the result."""
     node = t.strip_casts(node)
-    if _is_call(node, aten.addmm.default):
+    if is_call(node, aten.addmm.default):
         t.seen.add(node)
         return node.args[1], node.args[2], node.args[0]
     for product, bias in _operands(t, node, aten.add.Tensor):
-        if _is_call(product, aten.mm.default):
+        if is_call(product, aten.mm.default):
             t.seen.add(product)
             return product.args[0], product.args[1], bias
-    if _is_call(node, aten.mm.default):
+    if is_call(node, aten.mm.default):
         t.seen.add(node)
         return node.args[0], node.args[1], None
-    raise _Refusal(f"expected an expert GEMM, found {node.format_node()}")
+    raise Refusal(f"expected an expert GEMM, found {node.format_node()}")
 
 
 def _transposed_expert(t: _Tracker, node, expert: int) -> torch.fx.Node:
     """permute(select(W, 0, e), [1, 0]) -> W (also t / transpose)."""
     node = t.strip_casts(node)
-    if _is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0]:
+    if is_call(node, aten.permute.default) and list(node.args[1]) == [1, 0]:
         t.seen.add(node)
-    elif _is_call(node, aten.t.default) or (_is_call(node, aten.transpose.int) and set(node.args[1:]) in ({0, 1},
+    elif is_call(node, aten.t.default) or (is_call(node, aten.transpose.int) and set(node.args[1:]) in ({0, 1},
                                                                                                        {-1, -2})):
         t.seen.add(node)
     else:
-        raise _Refusal(f"expert weight operand is not W[e].t(): {node.format_node()}")
+        raise Refusal(f"expert weight operand is not W[e].t(): {node.format_node()}")
     select = t.take(node.args[0], aten.select.int)
     if select.args[1] != 0 or select.args[2] != expert:
-        raise _Refusal(f"expert {expert}'s GEMM reads another expert's weight ({select.format_node()})")
+        raise Refusal(f"expert {expert}'s GEMM reads another expert's weight ({select.format_node()})")
     return select.args[0]
 
 
 def _same(values, what: str):
     first = values[0]
     if any(v is not first if isinstance(first, torch.fx.Node) else v != first for v in values[1:]):
-        raise _Refusal(f"the experts of one layer use different {what}")
+        raise Refusal(f"the experts of one layer use different {what}")
     return first
 
 
@@ -341,11 +332,11 @@ def _same(values, what: str):
 def _accumulation(node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
     """(accumulator, row ids, rows) of `acc.index_add_(0, ids, rows)`; capture decomposes it into
     aten.index_put(acc, [ids], rows, accumulate=True) for some dtypes (fp32) and keeps aten.index_add for others."""
-    if _is_call(node, aten.index_add.default):
+    if is_call(node, aten.index_add.default):
         if node.args[1] != 0 or len(node.args) > 4 or node.kwargs.get("alpha", 1) != 1:
             return None
         return node.args[0], node.args[2], node.args[3]
-    if _is_call(node, aten.index_put.default) and len(node.args[1]) == 1 and _arg(node, 3, "accumulate", False):
+    if is_call(node, aten.index_put.default) and len(node.args[1]) == 1 and _arg(node, 3, "accumulate", False):
         return node.args[0], node.args[1][0], node.args[2]
     return None
 
@@ -360,67 +351,67 @@ def _match_per_expert_loop(final: torch.fx.Node) -> _Match:
         links.append(_accumulation(acc))
         acc = acc.args[0]
     zeros = t.take(acc, aten.full.default, aten.zeros.default)
-    if _is_call(zeros, aten.full.default) and zeros.args[1] != 0:
-        raise _Refusal("the accumulator does not start at zero")
+    if is_call(zeros, aten.full.default) and zeros.args[1] != 0:
+        raise Refusal("the accumulator does not start at zero")
     xs, ids_list, weights_list, w13s, w2s, b13s, b2s, activations = ([] for _ in range(8))
     experts = []
     for _, tokens, contribution in reversed(links):
         weighted = None
         for y, w in _operands(t, contribution, aten.mul.Tensor):
-            if _is_call(w, aten.index.Tensor):
+            if is_call(w, aten.index.Tensor):
                 weighted = (y, w)
                 break
         if weighted is None:
-            raise _Refusal("an expert's contribution is not multiplied by its routing weights")
+            raise Refusal("an expert's contribution is not multiplied by its routing weights")
         y, w_index = weighted
         t.seen.add(w_index)
         w_source, index_list = w_index.args
-        if _is_call(w_source, aten.unsqueeze.default) and w_source.args[1] in (2, -1):
+        if is_call(w_source, aten.unsqueeze.default) and w_source.args[1] in (2, -1):
             t.seen.add(w_source)
             weights_list.append(w_source.args[0])
         else:
-            raise _Refusal("routing weights indexed in an unrecognised way")
+            raise Refusal("routing weights indexed in an unrecognised way")
         if len(index_list) != 2 or index_list[0] is not tokens:
-            raise _Refusal("routing weights indexed by other tokens than the contribution")
+            raise Refusal("routing weights indexed by other tokens than the contribution")
         slots = index_list[1]
         token_item, slot_item = (t.take(n, operator.getitem) for n in (tokens, slots))
         unbind = token_item.args[0]
         if slot_item.args[0] is not unbind or (token_item.args[1], slot_item.args[1]) != (0, 1):
-            raise _Refusal("tokens and slots do not come from one torch.where")
+            raise Refusal("tokens and slots do not come from one torch.where")
         t.take(unbind, aten.unbind.int)
         nonzero = t.take(unbind.args[0], aten.nonzero.default)
         eq = t.take(nonzero.args[0], aten.eq.Scalar)
         ids_list.append(eq.args[0])
         expert = eq.args[1]
         if not isinstance(expert, int):
-            raise _Refusal("an expert id compared with a non-constant")
+            raise Refusal("an expert id compared with a non-constant")
         experts.append(expert)
         down_in, down_w, down_b = _linear(t, y)
         w2s.append(_transposed_expert(t, down_w, expert))
         if down_b is not None:
             b2s.append(t.take(down_b, aten.select.int).args[0])
             if down_b.args[1:] != (0, expert):
-                raise _Refusal("the down bias is another expert's")
+                raise Refusal("the down bias is another expert's")
         gu = _up_gu(t, down_in)
         up_in, up_w, up_b = _linear(t, gu)
         w13s.append(_transposed_expert(t, up_w, expert))
         if up_b is not None:
             b13s.append(t.take(up_b, aten.select.int).args[0])
             if up_b.args[1:] != (0, expert):
-                raise _Refusal("the gate_up bias is another expert's")
+                raise Refusal("the gate_up bias is another expert's")
         x_index = t.take(up_in, aten.index.Tensor)
         if len(x_index.args[1]) != 1 or x_index.args[1][0] is not tokens:
-            raise _Refusal("an expert reads other rows than its tokens")
+            raise Refusal("an expert reads other rows than its tokens")
         xs.append(x_index.args[0])
         activations.append(_match_activation(t, down_in, gu))
     w13 = _dequantized(t, _same(w13s, "gate_up weights"), "gate_up")
     w2 = _dequantized(t, _same(w2s, "down weights"), "down")
-    count = _val(w13).shape[0]
+    count = fake_value(w13).shape[0]
     if sorted(experts) != list(range(count)):
-        raise _Refusal(f"the loop covers experts {sorted(experts)}, not each of the {count} experts once")
+        raise Refusal(f"the loop covers experts {sorted(experts)}, not each of the {count} experts once")
     for biases in (b13s, b2s):
         if biases and len(biases) != count:
-            raise _Refusal("only some experts add a bias")
+            raise Refusal("only some experts add a bias")
     return _Match(_same(xs, "inputs"), _same(ids_list, "topk ids"), _same(weights_list, "routing weights"), w13, w2,
                   _same(b13s, "gate_up biases") if b13s else None, _same(b2s, "down biases") if b2s else None,
                   _same(activations, "activations"), final, t.seen)
@@ -436,10 +427,10 @@ def _up_gu(t: _Tracker, node) -> torch.fx.Node:
         if current in visited or not isinstance(current, torch.fx.Node):
             continue
         visited.add(current)
-        if _is_call(current, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default):
+        if is_call(current, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default):
             return t.strip_casts(current.args[0])
         frontier.extend(a for a in current.args if isinstance(a, torch.fx.Node))
-    raise _Refusal("no gate/up split found before the down GEMM")
+    raise Refusal("no gate/up split found before the down GEMM")
 
 
 def _squeezed_bmm(t: _Tracker, node, what: str):
@@ -449,20 +440,20 @@ def _squeezed_bmm(t: _Tracker, node, what: str):
     (the second is transformers' batched_mm on [E, in, out] weights)."""
     squeeze = t.take(t.strip_casts(node), aten.squeeze.dim)
     bmm = t.take(squeeze.args[0], aten.bmm.default)
-    if _is_call(bmm.args[0], aten.index.Tensor):
+    if is_call(bmm.args[0], aten.index.Tensor):
         gathered = t.take(bmm.args[0], aten.index.Tensor)
         vector = t.take(bmm.args[1], aten.unsqueeze.default)
         weight = gathered.args[0]
         if squeeze.args[1] not in (-1, 2) or vector.args[1] not in (-1, 2):
-            raise _Refusal(f"the {what} bmm is not W[ids] @ v[..., None]")
+            raise Refusal(f"the {what} bmm is not W[ids] @ v[..., None]")
     else:
         vector = t.take(bmm.args[0], aten.unsqueeze.default)
         gathered = t.take(bmm.args[1], aten.index.Tensor)
         if squeeze.args[1] != 1 or vector.args[1] != 1:
-            raise _Refusal(f"the {what} bmm is not v[:, None] @ W[ids]")
+            raise Refusal(f"the {what} bmm is not v[:, None] @ W[ids]")
         weight = _untransposed(t, gathered.args[0], what)
     if len(gathered.args[1]) != 1:
-        raise _Refusal(f"the {what} bmm gathers its weights by more than one index")
+        raise Refusal(f"the {what} bmm gathers its weights by more than one index")
     return weight, gathered.args[1][0], vector.args[0]
 
 
@@ -470,8 +461,8 @@ def _biased(t: _Tracker, node):
     """node = value + bias[ids] (either order, bias [E, N]) -> (value, bias tensor, ids); else (node, None, None)."""
     before = t.snapshot()
     for value, bias in _operands(t, node, aten.add.Tensor):
-        if (_is_call(bias, aten.index.Tensor) and len(bias.args[1]) == 1 and _val(bias.args[0]) is not None
-                and _val(bias.args[0]).dim() == 2):
+        if (is_call(bias, aten.index.Tensor) and len(bias.args[1]) == 1 and fake_value(bias.args[0]) is not None
+                and fake_value(bias.args[0]).dim() == 2):
             t.seen.add(bias)
             return value, bias.args[0], bias.args[1][0]
     t.restore(before)
@@ -482,9 +473,9 @@ def _token_sum(t: _Tracker, out):
     """sum(view(v, [T, k, H]), [1]) -> (v, k)."""
     total = t.take(out, aten.sum.dim_IntList)
     if list(total.args[1]) != [1] or _arg(total, 2, "keepdim", False):
-        raise _Refusal("the combine does not sum over the top-k slots")
+        raise Refusal("the combine does not sum over the top-k slots")
     view = t.take(total.args[0], aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-    shape = _val(view).shape
+    shape = fake_value(view).shape
     return view.args[0], shape[1]
 
 
@@ -493,23 +484,23 @@ def _match_gathered_bmm(out: torch.fx.Node) -> _Match:
     t = _Tracker()
     weighted, k = _token_sum(t, out)
     for y, w in _operands(t, weighted, aten.mul.Tensor):
-        if _is_call(w, aten.unsqueeze.default) and w.args[1] in (-1, 1) and _is_call(w.args[0], aten.view.default):
+        if is_call(w, aten.unsqueeze.default) and w.args[1] in (-1, 1) and is_call(w.args[0], aten.view.default):
             t.seen.update((w, w.args[0]))  # weights.reshape(-1).unsqueeze(-1)
             topk_weights = w.args[0].args[0]
             break
-        if _is_call(w, aten.view.default) and list(_val(w).shape[1:]) == [1]:
+        if is_call(w, aten.view.default) and list(fake_value(w).shape[1:]) == [1]:
             t.seen.add(w)  # weights.reshape(-1, 1)
             topk_weights = w.args[0]
             break
     else:
-        raise _Refusal("the expert outputs are not multiplied by the routing weights")
+        raise Refusal("the expert outputs are not multiplied by the routing weights")
     y, b2, b2_ids = _biased(t, y)
     w2, ids, a = _squeezed_bmm(t, y, "down")
     gu = _up_gu(t, a)
     gu_value, b13, b13_ids = _biased(t, gu)
     w13, ids_up, rows = _squeezed_bmm(t, gu_value, "gate_up")
     if ids_up is not ids or any(b is not None and b_ids is not ids for b, b_ids in ((b2, b2_ids), (b13, b13_ids))):
-        raise _Refusal("the GEMMs and biases gather by different ids")
+        raise Refusal("the GEMMs and biases gather by different ids")
     activation = _match_activation(t, a, gu)
     ids_view = t.take(ids, aten.view.default, aten.reshape.default)
     topk_ids = ids_view.args[0]
@@ -522,13 +513,13 @@ def _repeated_rows(t: _Tracker, rows, k) -> torch.fx.Node:
     """x.repeat_interleave(k, dim=0) as capture decomposes it: view(clone(expand(unsqueeze(x, 1), [T, k, H])))."""
     view = t.take(rows, aten.view.default, aten.reshape.default, aten._unsafe_view.default)
     inner = view.args[0]
-    if _is_call(inner, aten.clone.default):
+    if is_call(inner, aten.clone.default):
         t.seen.add(inner)
         inner = inner.args[0]
     expand = t.take(inner, aten.expand.default)
     unsqueeze = t.take(expand.args[0], aten.unsqueeze.default)
-    if unsqueeze.args[1] != 1 or _val(expand).shape[1] != k:
-        raise _Refusal("the GEMM rows are not each token repeated k times")
+    if unsqueeze.args[1] != 1 or fake_value(expand).shape[1] != k:
+        raise Refusal("the GEMM rows are not each token repeated k times")
     return unsqueeze.args[0]
 
 
@@ -543,24 +534,24 @@ def _match_grouped_mm(out: torch.fx.Node) -> _Match:
     perm = inverse.args[1][0]
     iota = t.take(inverse.args[2], prims.iota.default)
     if iota.kwargs.get("start", 0) != 0 or iota.kwargs.get("step", 1) != 1 or _arg(inverse, 3, "accumulate", False):
-        raise _Refusal("the un-sorting is not the inverse permutation")
+        raise Refusal("the un-sorting is not the inverse permutation")
     weighted = unperm.args[0]
     for y, w in _operands(t, weighted, aten.mul.Tensor):
-        if _is_call(w, aten.unsqueeze.default):
+        if is_call(w, aten.unsqueeze.default):
             t.seen.add(w)
             w_sorted = t.take(w.args[0], aten.index.Tensor)
             break
     else:
-        raise _Refusal("the expert outputs are not multiplied by the routing weights")
+        raise Refusal("the expert outputs are not multiplied by the routing weights")
     if w_sorted.args[1][0] is not perm:
-        raise _Refusal("routing weights permuted differently from the tokens")
+        raise Refusal("routing weights permuted differently from the tokens")
     topk_weights = t.take(w_sorted.args[0], aten.view.default, aten.reshape.default).args[0]
     # Routing: perm and sorted ids from one sort of the flattened ids; offsets = cumsum(histc(sorted ids)).
     t.take(perm, operator.getitem)
     sort = t.take(perm.args[0], aten.sort.default, aten.sort.stable)
-    sorted_ids = next((u for u in sort.users if _is_call(u, operator.getitem) and u.args[1] == 0), None)
+    sorted_ids = next((u for u in sort.users if is_call(u, operator.getitem) and u.args[1] == 0), None)
     if sorted_ids is None or perm.args[1] != 1 or _arg(sort, 2, "descending", False):
-        raise _Refusal("the grouping permutation is not an ascending sort of the expert ids")
+        raise Refusal("the grouping permutation is not an ascending sort of the expert ids")
     t.seen.add(sorted_ids)
     y, b2, b2_ids = _biased(t, y)
     a, w2_op, offsets = _grouped_operands(t, y, grouped)
@@ -568,26 +559,26 @@ def _match_grouped_mm(out: torch.fx.Node) -> _Match:
     gu_value, b13, b13_ids = _biased(t, gu)
     rows, w13_op, offsets_up = _grouped_operands(t, gu_value, grouped)
     if offsets_up is not offsets:
-        raise _Refusal("the two grouped GEMMs use different group offsets")
+        raise Refusal("the two grouped GEMMs use different group offsets")
     if any(b is not None and b_ids is not sorted_ids for b, b_ids in ((b2, b2_ids), (b13, b13_ids))):
-        raise _Refusal("a bias is gathered by other ids than the sorted expert ids")
+        raise Refusal("a bias is gathered by other ids than the sorted expert ids")
     activation = _match_activation(t, a, gu)
     topk_ids = t.take(sort.args[0], aten.view.default, aten.reshape.default).args[0]
     w13 = _grouped_weight(t, w13_op, "gate_up")
     w2 = _grouped_weight(t, w2_op, "down")
-    experts = _val(w13).shape[0]
+    experts = fake_value(w13).shape[0]
     cumsum = t.take(offsets, aten.cumsum.default)
     if cumsum.args[1] not in (0, -1):
-        raise _Refusal("the group offsets are not a cumulative sum over experts")
+        raise Refusal("the group offsets are not a cumulative sum over experts")
     histc = t.take(cumsum.args[0], aten.histc.default)
     if (t.strip_casts(histc.args[0]) is not sorted_ids
             or [_arg(histc, 1, "bins", 100), _arg(histc, 2, "min", 0), _arg(histc, 3, "max", 0)] != [experts, 0,
                                                                                                    experts - 1]):
-        raise _Refusal("the group offsets are not a histogram of the sorted expert ids over all experts")
+        raise Refusal("the group offsets are not a histogram of the sorted expert ids over all experts")
     source = t.take(rows, aten.index.Tensor)
     row_ids = t.take(source.args[1][0], aten.div.Tensor_mode)
     if row_ids.args[0] is not perm or row_ids.args[1] != k or row_ids.kwargs.get("rounding_mode") != "floor":
-        raise _Refusal("the grouped rows are not the tokens of the sorted (token, slot) pairs")
+        raise Refusal("the grouped rows are not the tokens of the sorted (token, slot) pairs")
     return _Match(source.args[0], topk_ids, topk_weights, w13, w2, b13, b2, activation, out, t.seen, k)
 
 
@@ -597,7 +588,7 @@ def _grouped_operands(t: _Tracker, node, grouped) -> tuple:
     rows, weight = mm.args[:2]
     offsets = _arg(mm, 2, "offs")
     if _arg(mm, 3, "bias") is not None or _arg(mm, 4, "out_dtype") is not None or offsets is None:
-        raise _Refusal("a grouped GEMM with a bias, an output dtype or no offsets")
+        raise Refusal("a grouped GEMM with a bias, an output dtype or no offsets")
     return rows, weight, offsets
 
 
@@ -605,13 +596,13 @@ def _untransposed(t: _Tracker, node, what: str) -> torch.fx.Node:
     """W under permute(W, [0, 2, 1]) / transpose(W, 1, 2) (transformers' [E, in, out] view of an [E, out, in]
     weight); a refusal if node is not such a view."""
     node = t.strip_casts(node)
-    if (_is_call(node, aten.permute.default) and list(node.args[1]) == [0, 2, 1]) or (
-            _is_call(node, aten.transpose.int) and set(node.args[1:]) in ({1, 2}, {-1, -2})):
+    if (is_call(node, aten.permute.default) and list(node.args[1]) == [0, 2, 1]) or (
+            is_call(node, aten.transpose.int) and set(node.args[1:]) in ({1, 2}, {-1, -2})):
         t.seen.add(node)
         return node.args[0]
-    if not _is_call(node, _DEQUANTIZE):
+    if not is_call(node, _DEQUANTIZE):
         _dequantized(t, node, what)  # plain weights: that refusal says more
-    raise _Refusal(f"the {what} expert GEMM multiplies by a dequantized weight that is not transposed")
+    raise Refusal(f"the {what} expert GEMM multiplies by a dequantized weight that is not transposed")
 
 
 def _grouped_weight(t: _Tracker, node, what: str) -> torch.fx.Node:
@@ -629,20 +620,20 @@ def _anchors(graph: torch.fx.Graph):
         if _accumulation(node) is not None and not any(_accumulation(u) is not None and u.args[0] is node
                                                        for u in node.users):
             yield _match_per_expert_loop, node
-        elif _is_call(node, aten.sum.dim_IntList):
+        elif is_call(node, aten.sum.dim_IntList):
             source = node.args[0]
             feeding = _feeding_ops(source, depth=6)
-            if any(_is_call(n, *grouped) for n in feeding):
+            if any(is_call(n, *grouped) for n in feeding):
                 yield _match_grouped_mm, node
-            elif any(_is_call(n, aten.bmm.default) and any(_is_expert_gather(a) for a in n.args[:2])
+            elif any(is_call(n, aten.bmm.default) and any(_is_expert_gather(a) for a in n.args[:2])
                      for n in feeding):
                 yield _match_gathered_bmm, node
 
 
 def _is_expert_gather(node) -> bool:
     """index(W [E, N, K], [ids]): per-row expert weights."""
-    return (_is_call(node, aten.index.Tensor) and len(node.args[1]) == 1 and _val(node.args[0]) is not None
-            and _val(node.args[0]).dim() == 3)
+    return (is_call(node, aten.index.Tensor) and len(node.args[1]) == 1 and fake_value(node.args[0]) is not None
+            and fake_value(node.args[0]).dim() == 3)
 
 
 def _feeding_ops(node, depth: int) -> list:
@@ -673,17 +664,17 @@ def _check_region(match: _Match) -> set:
     region = _ancestors([match.out]) - _ancestors(inputs)
     region = {n for n in region if n.op == "call_function"}
     # Size arithmetic (SymInt values) computes no tensor; the views it sizes are matched.
-    unaccounted = sorted((n for n in region if n not in match.seen and not isinstance(_val(n), torch.SymInt)),
+    unaccounted = sorted((n for n in region if n not in match.seen and not isinstance(fake_value(n), torch.SymInt)),
                          key=lambda n: n.name)
     if unaccounted:
-        raise _Refusal(f"the layer computes something the fused op would not: {unaccounted[0].format_node()}")
+        raise Refusal(f"the layer computes something the fused op would not: {unaccounted[0].format_node()}")
     for node in region - {match.out}:
-        if isinstance(_val(node), torch.SymInt):
+        if isinstance(fake_value(node), torch.SymInt):
             continue  # a size shared with other layers stays (the rewrite erases only what lost every user)
         outside = [u for u in node.users if u not in region and not _is_runtime_check(u)]
         if outside:
             what = "a dequantized weight" if node.target is _DEQUANTIZE else f"intermediate {node.name}"
-            raise _Refusal(f"{what} has a use outside the MoE layer ({outside[0].format_node()})")
+            raise Refusal(f"{what} has a use outside the MoE layer ({outside[0].format_node()})")
     return region
 
 
@@ -697,23 +688,23 @@ def _is_runtime_check(node: torch.fx.Node) -> bool:
 def _check_types(match: _Match, k: int | None) -> None:
     """The operands fit the op (its own argument check), the top-k width is the one the combine sums over, and
     the weights are dequantized to the activations' dtype."""
-    x_val = _val(match.x)
+    x_val = fake_value(match.x)
     try:
-        check_mxfp4_moe_args(x_val, _val(match.topk_ids), _val(match.topk_weights), *(
-            _val(n) for n in (*match.w13.args[:2], match.b13, *match.w2.args[:2], match.b2)),
+        check_mxfp4_moe_args(x_val, fake_value(match.topk_ids), fake_value(match.topk_weights), *(
+            fake_value(n) for n in (*match.w13.args[:2], match.b13, *match.w2.args[:2], match.b2)),
             match.activation[0])
     except ValueError as mismatch:
-        raise _Refusal(str(mismatch)) from None
-    if k is not None and _val(match.topk_ids).shape[1] != k:
-        raise _Refusal(f"the combine sums over {k} slots but the top-k ids have {_val(match.topk_ids).shape[1]}")
+        raise Refusal(str(mismatch)) from None
+    if k is not None and fake_value(match.topk_ids).shape[1] != k:
+        raise Refusal(f"the combine sums over {k} slots but the top-k ids have {fake_value(match.topk_ids).shape[1]}")
     for name, node in (("gate_up", match.w13), ("down", match.w2)):
         if node.args[2] != x_val.dtype:
-            raise _Refusal(f"the {name} weights are dequantized to {node.args[2]} while the activations are "
+            raise Refusal(f"the {name} weights are dequantized to {node.args[2]} while the activations are "
                            f"{x_val.dtype}")
-    if _val(match.out).dtype != x_val.dtype or tuple(_val(match.out).shape) != tuple(x_val.shape):
-        raise _Refusal("the layer's output differs from its input in dtype or shape")
-    if _val(match.topk_ids).dtype not in (torch.int32, torch.int64):
-        raise _Refusal(f"topk ids are {_val(match.topk_ids).dtype}")
+    if fake_value(match.out).dtype != x_val.dtype or tuple(fake_value(match.out).shape) != tuple(x_val.shape):
+        raise Refusal("the layer's output differs from its input in dtype or shape")
+    if fake_value(match.topk_ids).dtype not in (torch.int32, torch.int64):
+        raise Refusal(f"topk ids are {fake_value(match.topk_ids).dtype}")
 
 
 def _rewrite(graph: torch.fx.Graph, match: _Match, region: set) -> None:
@@ -722,7 +713,7 @@ def _rewrite(graph: torch.fx.Graph, match: _Match, region: set) -> None:
         fused = graph.call_function(_MXFP4_MOE, (
             match.x, match.topk_ids, match.topk_weights, match.w13.args[0], match.w13.args[1], match.b13,
             match.w2.args[0], match.w2.args[1], match.b2, name, interleaved, alpha, limit))
-    fused.meta["val"] = _val(match.out)
+    fused.meta["val"] = fake_value(match.out)
     fused.meta["stack_trace"] = match.out.meta.get("stack_trace")
     match.out.replace_all_uses_with(fused)
     # Remove the region bottom-up, and the runtime size checks that only guarded its data-dependent sizes.
@@ -747,7 +738,7 @@ def fuse_mxfp4_experts(graph: torch.fx.Graph) -> PassResult:
             match = matcher(node)
             region = _check_region(match)
             _check_types(match, match.top_k)
-        except _Refusal as refusal:
+        except Refusal as refusal:
             result.refused(location_of(node), str(refusal))
             continue
         where = location_of(node)
@@ -756,7 +747,7 @@ def fuse_mxfp4_experts(graph: torch.fx.Graph) -> PassResult:
     # MXFP4 weights that no pattern consumed stay dequantized in full: say so, even where no anchor matched (an
     # expert loop spelled in a way this pass does not know).
     for node in graph.nodes:
-        if _is_call(node, _DEQUANTIZE):
+        if is_call(node, _DEQUANTIZE):
             result.refused(location_of(node), "an MXFP4 weight stays dequantized: no recognised MoE expert "
                                               "computation consumes it")
     return result

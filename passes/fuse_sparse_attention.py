@@ -54,7 +54,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dzc.passes.graph_pass import PassResult, copy_graph, location_of
+from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -71,26 +71,16 @@ _MASKED = -65504.0
 _WHOLE = 9223372036854775807  # the end of an open slice `x[a:]`
 
 
-class _Refusal(Exception):
-    pass
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _is(node, *targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def _strip(node, ops=_VIEWS):
-    while _is(node, *ops):
+    while is_call(node, *ops):
         node = node.args[0]
     return node
 
 
 def _strip_casts(node):
-    while _is(node, prims.convert_element_type.default):
+    while is_call(node, prims.convert_element_type.default):
         node = node.args[0]
     return node
 
@@ -100,9 +90,9 @@ def _scalar(node):
     if isinstance(node, (int, float)):
         return float(node)
     node = _strip(node)
-    if _is(node, aten.scalar_tensor.default):
+    if is_call(node, aten.scalar_tensor.default):
         return float(node.args[0])
-    if _is(node, aten.full.default) and all(s == 1 for s in node.args[0]):
+    if is_call(node, aten.full.default) and all(s == 1 for s in node.args[0]):
         return float(node.args[1])
     return None
 
@@ -110,7 +100,7 @@ def _scalar(node):
 def _fill(node):
     """The value a full(...) tensor (any shape) is filled with, else None."""
     node = _strip(node)
-    if _is(node, aten.full.default):
+    if is_call(node, aten.full.default):
         return float(node.args[1])
     return _scalar(node)
 
@@ -121,11 +111,11 @@ def _same(a, b) -> bool:
 
 def _is_whole_slice(node) -> bool:
     """x[..., 0:end] with end past the dim's size: the same values (HF slices its masks to the key length)."""
-    if not _is(node, aten.slice.Tensor) or len(node.args) < 4:
+    if not is_call(node, aten.slice.Tensor) or len(node.args) < 4:
         return False
     dim, start, end = node.args[1:4]
-    size = _val(node.args[0]).shape[dim]
-    end = _val(end) if isinstance(end, torch.fx.Node) else end
+    size = fake_value(node.args[0]).shape[dim]
+    end = fake_value(end) if isinstance(end, torch.fx.Node) else end
     return start in (0, None) and (end == _WHOLE or _same(end, size) or statically_known_true(end >= size))
 
 
@@ -142,7 +132,7 @@ class _NotAMask(Exception):
 
 def _topk_indices(node):
     node = _strip_casts(node)
-    if _is(node, operator.getitem) and node.args[1] == 1 and _is(node.args[0], aten.topk.default):
+    if is_call(node, operator.getitem) and node.args[1] == 1 and is_call(node.args[0], aten.topk.default):
         return node
     raise _NotAMask("scatter indices do not come from a top-k")
 
@@ -152,26 +142,26 @@ def _causal(keys, queries):
     keys = _strip(keys, _SHAPE_ONLY)
     while _is_whole_slice(keys):  # HF's [..., kv_offset:] with offset 0
         keys = _strip(keys.args[0], _SHAPE_ONLY)
-    if _is(keys, aten.add.Tensor) and keys.args[1] == 0:
+    if is_call(keys, aten.add.Tensor) and keys.args[1] == 0:
         keys = keys.args[0]
-    if not (_is(keys, prims.iota.default) and keys.kwargs.get("start", 0) == 0 and keys.kwargs.get("step", 1) == 1):
+    if not (is_call(keys, prims.iota.default) and keys.kwargs.get("start", 0) == 0 and keys.kwargs.get("step", 1) == 1):
         raise _NotAMask("the causal comparison is not against key positions arange(T)")
     return [("causal", queries)]
 
 
 def _keep_terms(node):
     """Terms of a boolean mask that is True where a key is visible."""
-    if _is(node, *_SHAPE_ONLY, aten.select.int) or _is_whole_slice(node):
+    if is_call(node, *_SHAPE_ONLY, aten.select.int) or _is_whole_slice(node):
         return _keep_terms(node.args[0])
-    if _is(node, aten.bitwise_and.Tensor, aten.logical_and.default):
+    if is_call(node, aten.bitwise_and.Tensor, aten.logical_and.default):
         return _keep_terms(node.args[0]) + _keep_terms(node.args[1])
-    if _is(node, aten.bitwise_not.default, aten.logical_not.default):
+    if is_call(node, aten.bitwise_not.default, aten.logical_not.default):
         return _drop_terms(node.args[0])
-    if _is(node, aten.le.Tensor):
+    if is_call(node, aten.le.Tensor):
         return _causal(node.args[0], node.args[1])
-    if _is(node, aten.ge.Tensor):
+    if is_call(node, aten.ge.Tensor):
         return _causal(node.args[1], node.args[0])
-    if _is(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] is True \
+    if is_call(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] is True \
             and _fill(node.args[0]) == 0.0:
         return [("topk", _topk_indices(node.args[2]))]
     raise _NotAMask(f"{node} is not a causal or top-k keep mask")
@@ -179,17 +169,17 @@ def _keep_terms(node):
 
 def _drop_terms(node):
     """Terms of a boolean mask that is True where a key is hidden."""
-    if _is(node, *_SHAPE_ONLY, aten.select.int) or _is_whole_slice(node):
+    if is_call(node, *_SHAPE_ONLY, aten.select.int) or _is_whole_slice(node):
         return _drop_terms(node.args[0])
-    if _is(node, aten.bitwise_or.Tensor, aten.logical_or.default):
+    if is_call(node, aten.bitwise_or.Tensor, aten.logical_or.default):
         return _drop_terms(node.args[0]) + _drop_terms(node.args[1])
-    if _is(node, aten.bitwise_not.default, aten.logical_not.default):
+    if is_call(node, aten.bitwise_not.default, aten.logical_not.default):
         return _keep_terms(node.args[0])
-    if _is(node, aten.gt.Tensor):
+    if is_call(node, aten.gt.Tensor):
         return _causal(node.args[0], node.args[1])
-    if _is(node, aten.lt.Tensor):
+    if is_call(node, aten.lt.Tensor):
         return _causal(node.args[1], node.args[0])
-    if _is(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] is False \
+    if is_call(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] is False \
             and _fill(node.args[0]) == 1.0:
         return [("topk", _topk_indices(node.args[2]))]
     raise _NotAMask(f"{node} is not a causal or top-k drop mask")
@@ -200,19 +190,19 @@ def _additive_terms(node):
     value = _scalar(node)
     if value == 0.0:
         return []
-    if _is(node, *_SHAPE_ONLY, aten.select.int, prims.convert_element_type.default) or _is_whole_slice(node):
+    if is_call(node, *_SHAPE_ONLY, aten.select.int, prims.convert_element_type.default) or _is_whole_slice(node):
         return _additive_terms(node.args[0])
-    if _is(node, aten.add.Tensor):
+    if is_call(node, aten.add.Tensor):
         return _additive_terms(node.args[0]) + _additive_terms(node.args[1])
-    if _is(node, aten.where.self):
+    if is_call(node, aten.where.self):
         condition, if_true, if_false = node.args
         if (_scalar(if_true) or 0.0) <= _MASKED and _scalar(if_true) is not None:
             return _drop_terms(condition) + _additive_terms(if_false)
         if _scalar(if_false) is not None and _scalar(if_false) <= _MASKED:
             return _keep_terms(condition) + _additive_terms(if_true)
-    if _is(node, aten.masked_fill.Scalar) and node.args[2] <= _MASKED:
+    if is_call(node, aten.masked_fill.Scalar) and node.args[2] <= _MASKED:
         return _drop_terms(node.args[1]) + _additive_terms(node.args[0])
-    if _is(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] == 0 \
+    if is_call(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] == 0 \
             and (_fill(node.args[0]) or 0.0) <= _MASKED:
         return [("topk", _topk_indices(node.args[2]))]
     raise _NotAMask(f"{node} is not a causal or top-k additive mask")
@@ -220,7 +210,7 @@ def _additive_terms(node):
 
 def _split_masked(node):
     """node = x masked by a DSA mask -> (x, terms); x is the operand that is not a mask."""
-    if _is(node, aten.add.Tensor):
+    if is_call(node, aten.add.Tensor):
         for value, mask in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
             try:
                 terms = _additive_terms(mask)
@@ -228,10 +218,10 @@ def _split_masked(node):
                 continue
             inner, more = _split_masked(value)
             return inner, terms + more
-    if _is(node, aten.where.self) and _scalar(node.args[1]) is not None and _scalar(node.args[1]) <= _MASKED:
+    if is_call(node, aten.where.self) and _scalar(node.args[1]) is not None and _scalar(node.args[1]) <= _MASKED:
         inner, more = _split_masked(node.args[2])
         return inner, _drop_terms(node.args[0]) + more
-    if _is(node, aten.masked_fill.Scalar) and node.args[2] <= _MASKED:
+    if is_call(node, aten.masked_fill.Scalar) and node.args[2] <= _MASKED:
         inner, more = _split_masked(node.args[0])
         return inner, _drop_terms(node.args[1]) + more
     return node, []
@@ -240,10 +230,10 @@ def _split_masked(node):
 def _query_positions(terms, what: str):
     causal = [q for kind, q in terms if kind == "causal"]
     if not causal:
-        raise _Refusal(f"the {what} mask has no causal term (key position <= query position)")
+        raise Refusal(f"the {what} mask has no causal term (key position <= query position)")
     first = _strip(causal[0], _SHAPE_ONLY)
     if any(_strip(q, _SHAPE_ONLY) is not first for q in causal[1:]):
-        raise _Refusal(f"the {what} mask compares with different query positions")
+        raise Refusal(f"the {what} mask compares with different query positions")
     return causal[0]
 
 
@@ -254,11 +244,11 @@ def _query_positions(terms, what: str):
 def _bmm_operands(node):
     """node = view(bmm(a, b)) (optionally times constant scales) -> (a, b, scale)."""
     scale = 1.0
-    while _is(node, aten.mul.Tensor, aten.mul.Scalar) and _scalar(node.args[1]) is not None:
+    while is_call(node, aten.mul.Tensor, aten.mul.Scalar) and _scalar(node.args[1]) is not None:
         scale *= _scalar(node.args[1])
         node = node.args[0]
     node = _strip(node, _SHAPE_ONLY)
-    if not _is(node, aten.bmm.default):
+    if not is_call(node, aten.bmm.default):
         return None
     return node.args[0], node.args[1], scale
 
@@ -267,7 +257,7 @@ def _scaled_source(node):
     """Strip view plumbing and constant multiplies (SDPA's math form scales q and k by sqrt(scale) each)."""
     scale = 1.0
     node = _strip(node)
-    while _is(node, aten.mul.Tensor, aten.mul.Scalar) and _scalar(node.args[1]) is not None:
+    while is_call(node, aten.mul.Tensor, aten.mul.Scalar) and _scalar(node.args[1]) is not None:
         scale *= _scalar(node.args[1])
         node = _strip(node.args[0])
     return node, scale
@@ -275,13 +265,13 @@ def _scaled_source(node):
 
 def _transposed(node):
     """node = K^T over the last two dims -> K, else None."""
-    if _is(node, aten.permute.default):
+    if is_call(node, aten.permute.default):
         dims = [d % len(node.args[1]) for d in node.args[1]]
         rank = len(dims)
         if dims == list(range(rank - 2)) + [rank - 1, rank - 2]:
             return node.args[0]
-    if _is(node, aten.transpose.int):
-        rank = _val(node).dim()
+    if is_call(node, aten.transpose.int):
+        rank = fake_value(node).dim()
         if sorted(d % rank for d in node.args[1:3]) == [rank - 2, rank - 1]:
             return node.args[0]
     return None
@@ -291,11 +281,13 @@ def _uint8_pages(node):
     """The uint8 page pool a typed view of part of it comes from (slice of the page bytes, view as another dtype,
     reshape to [pages, page, ...]), else None."""
     pool = None
-    while _is(node, aten.view.default, aten.view.dtype, aten.alias.default, aten.slice.Tensor, aten.reshape.default):
-        if _is(node, aten.slice.Tensor) and node.args[1] % _val(node.args[0]).dim() != _val(node.args[0]).dim() - 1:
+    while is_call(node, aten.view.default, aten.view.dtype, aten.alias.default, aten.slice.Tensor,
+                  aten.reshape.default):
+        rank = fake_value(node.args[0]).dim()
+        if is_call(node, aten.slice.Tensor) and node.args[1] % rank != rank - 1:
             return None  # only slices of the bytes within a page
         node = node.args[0]
-        if _val(node).dtype == torch.uint8 and _val(node).dim() == 2:
+        if fake_value(node).dtype == torch.uint8 and fake_value(node).dim() == 2:
             pool = node  # keep going: the values and the scales are slices of the same pool
     return pool
 
@@ -304,21 +296,21 @@ def _fp8_paged_source(dense):
     """dense = (values[block_table].float() * scales[block_table][..., None]).flatten(1, 2), values and scales views
     of one uint8 FP8 index page pool (dzc.kv_cache.gather_index_keys) -> (pool, block_table), else None."""
     node = _strip_casts(dense)
-    if not _is(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+    if not is_call(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         return None
     product = node.args[0]
-    if not _is(product, aten.mul.Tensor):
+    if not is_call(product, aten.mul.Tensor):
         return None
     values, scales = (_strip(_strip_casts(a), _SHAPE_ONLY) for a in product.args[:2])
-    if not (_is(values, aten.index.Tensor) and _is(scales, aten.index.Tensor)):
+    if not (is_call(values, aten.index.Tensor) and is_call(scales, aten.index.Tensor)):
         return None
-    if _val(values).dim() < _val(scales).dim():
+    if fake_value(values).dim() < fake_value(scales).dim():
         values, scales = scales, values
     table = _strip_casts(values.args[1][0])
     pool = _uint8_pages(values.args[0])
     if pool is None or pool is not _uint8_pages(scales.args[0]) or _strip_casts(scales.args[1][0]) is not table:
         return None
-    if _val(values.args[0]).dtype != torch.float8_e4m3fn or _val(scales.args[0]).dtype != torch.float32:
+    if fake_value(values.args[0]).dtype != torch.float8_e4m3fn or fake_value(scales.args[0]).dtype != torch.float32:
         return None
     return pool, table
 
@@ -329,22 +321,22 @@ def _paged_source(dense):
     if fp8 is not None:
         return fp8
     node = _strip_casts(dense)
-    if not _is(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+    if not is_call(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
         return None
     gathered = _strip_casts(node.args[0])
     cast = gathered is not node.args[0] or node is not dense
-    if not _is(gathered, aten.index.Tensor) or len(gathered.args[1]) != 1:
+    if not is_call(gathered, aten.index.Tensor) or len(gathered.args[1]) != 1:
         return None
     cache, table = gathered.args[0], gathered.args[1][0]
-    cache_val, gathered_val, dense_val = _val(cache), _val(gathered), _val(node)
+    cache_val, gathered_val, dense_val = fake_value(cache), fake_value(gathered), fake_value(node)
     if gathered_val.dim() != cache_val.dim() + 1 or dense_val.dim() != cache_val.dim():
         return None
     if not _same(dense_val.shape[1], gathered_val.shape[1] * gathered_val.shape[2]):
         return None
     table = _strip_casts(table)
-    if _val(table) is None or _val(table).dim() != 2 or _val(table).dtype.is_floating_point:
+    if fake_value(table) is None or fake_value(table).dim() != 2 or fake_value(table).dtype.is_floating_point:
         return None
-    if _val(cache).dtype != _val(dense).dtype and not cast:
+    if fake_value(cache).dtype != fake_value(dense).dtype and not cast:
         return None
     return cache, table
 
@@ -363,28 +355,28 @@ def _match_indexer(logits) -> _Indexer:
     """logits [B, S, T] = sum_h w[h] * relu(scale * q[h] . k) as matmuls (HF / upstream bf16 spelling)."""
     outer = _bmm_operands(logits)
     if outer is None:
-        raise _Refusal("the top-k input is not a weighted head sum of indexer scores")
+        raise Refusal("the top-k input is not a weighted head sum of indexer scores")
     weights, relu_operand, outer_scale = outer
     relu = _strip(relu_operand)
-    if not _is(relu, aten.relu.default):
-        raise _Refusal("the indexer scores are not ReLU(q.k)")
+    if not is_call(relu, aten.relu.default):
+        raise Refusal("the indexer scores are not ReLU(q.k)")
     inner = _bmm_operands(relu.args[0])
     if inner is None:
-        raise _Refusal("the indexer scores are not a q.k matmul")
+        raise Refusal("the indexer scores are not a q.k matmul")
     q, k_operand, inner_scale = inner
     if inner_scale <= 0:
-        raise _Refusal("the indexer's score scale is not a positive constant")
+        raise Refusal("the indexer's score scale is not a positive constant")
     k4 = _strip(k_operand)
-    if _is(k4, aten.unsqueeze.default):
+    if is_call(k4, aten.unsqueeze.default):
         k4 = k4.args[0]
     keys = _transposed(k4)
-    if keys is None or _val(keys).dim() != 3:
-        raise _Refusal("the indexer keys are not one [B, T, D] key per token")
-    if _is(keys, prims.convert_element_type.default) and _val(keys.args[0]).dtype in (torch.bfloat16, torch.float16) \
-            and _paged_source(keys) is None:
+    if keys is None or fake_value(keys).dim() != 3:
+        raise Refusal("the indexer keys are not one [B, T, D] key per token")
+    if (is_call(keys, prims.convert_element_type.default)
+            and fake_value(keys.args[0]).dtype in (torch.bfloat16, torch.float16) and _paged_source(keys) is None):
         keys = keys.args[0]  # HF's k.float(): the op reads bf16 keys and computes in fp32 itself
     source = _strip(q)
-    if _is(source, prims.convert_element_type.default) and _val(source.args[0]).dtype in (torch.bfloat16,
+    if is_call(source, prims.convert_element_type.default) and fake_value(source.args[0]).dtype in (torch.bfloat16,
                                                                                           torch.float16):
         q = source.args[0]  # the upcast of HF's q.float() happens inside the op
     return _Indexer(q, weights, inner_scale * outer_scale, keys, logits, [relu])
@@ -405,16 +397,16 @@ def _softmax_output(masked):
     """masked -> the softmax probabilities node (amax/sub/exp/sum/div decomposition), else None."""
     start = masked
     users = list(start.users)
-    if len(users) == 1 and _is(users[0], prims.convert_element_type.default):
+    if len(users) == 1 and is_call(users[0], prims.convert_element_type.default):
         start = users[0]
-    amax = next((u for u in start.users if _is(u, aten.amax.default)), None)
-    sub = next((u for u in start.users if _is(u, aten.sub.Tensor) and u.args[1] is amax), None)
+    amax = next((u for u in start.users if is_call(u, aten.amax.default)), None)
+    sub = next((u for u in start.users if is_call(u, aten.sub.Tensor) and u.args[1] is amax), None)
     if amax is None or sub is None:
         return None
     exp = next(iter(sub.users), None)
-    if not _is(exp, aten.exp.default):
+    if not is_call(exp, aten.exp.default):
         return None
-    div = next((u for u in exp.users if _is(u, aten.div.Tensor)), None)
+    div = next((u for u in exp.users if is_call(u, aten.div.Tensor)), None)
     return div
 
 
@@ -426,12 +418,12 @@ def _probabilities_consumer(probs):
         if len(users) != 1:
             return None
         user = users[0]
-        if _is(user, aten.bmm.default) and user.args[0] is node:
+        if is_call(user, aten.bmm.default) and user.args[0] is node:
             return user
-        if _is(user, prims.convert_element_type.default, *_VIEWS):
+        if is_call(user, prims.convert_element_type.default, *_VIEWS):
             node = user
             continue
-        if _is(user, aten.where.self) and user.args[2] is node and _fill(user.args[1]) == 0.0:
+        if is_call(user, aten.where.self) and user.args[2] is node and _fill(user.args[1]) == 0.0:
             node = user  # SDPA: rows with every key masked give 0 instead of NaN
             continue
         return None
@@ -441,24 +433,24 @@ def _match_attention(masked) -> _Attention:
     scores, terms = _split_masked(masked)
     operands = _bmm_operands(scores)
     if operands is None:
-        raise _Refusal("the masked values are not q.k scores")
+        raise Refusal("the masked values are not q.k scores")
     q_operand, k_operand, scale = operands
     q, q_scale = _scaled_source(q_operand)
     k_t, k_scale = _scaled_source(k_operand)
     k = _transposed(k_t)
-    if k is None or _val(q).dim() != 4 or _val(k).dim() != 4:
-        raise _Refusal("the attention operands are not [B, H, S, D] queries and transposed [B, H, T, D] keys")
+    if k is None or fake_value(q).dim() != 4 or fake_value(k).dim() != 4:
+        raise Refusal("the attention operands are not [B, H, S, D] queries and transposed [B, H, T, D] keys")
     probs = _softmax_output(masked)
     if probs is None:
-        raise _Refusal("the masked scores do not feed a softmax")
+        raise Refusal("the masked scores do not feed a softmax")
     pv = _probabilities_consumer(probs)
     if pv is None:
-        raise _Refusal("the attention probabilities have another use than the matmul with V")
+        raise Refusal("the attention probabilities have another use than the matmul with V")
     v = _strip(pv.args[1])
     out = next(iter(pv.users), None)
-    if len(pv.users) != 1 or not _is(out, aten.view.default, aten._unsafe_view.default) or _val(out).dim() != 4 \
-            or _val(v).dim() != 4:
-        raise _Refusal("the attention output is not [B, H, S, Dv]")
+    if (len(pv.users) != 1 or not is_call(out, aten.view.default, aten._unsafe_view.default)
+            or fake_value(out).dim() != 4 or fake_value(v).dim() != 4):
+        raise Refusal("the attention output is not [B, H, S, Dv]")
     return _Attention(q, k, v, scale * q_scale * k_scale, out, masked, terms)
 
 
@@ -501,17 +493,17 @@ class _Builder:
 
 def _is_prefix(v, k) -> bool:
     """v = k[..., :d_v] (also when both are the same unsqueeze of a [B, T, D] latent and its slice)."""
-    while _is(v, aten.unsqueeze.default) and _is(k, aten.unsqueeze.default) and v.args[1] == k.args[1]:
+    while is_call(v, aten.unsqueeze.default) and is_call(k, aten.unsqueeze.default) and v.args[1] == k.args[1]:
         v, k = v.args[0], k.args[0]
-    if not _is(v, aten.slice.Tensor) or v.args[0] is not k or v.args[2] != 0:
+    if not is_call(v, aten.slice.Tensor) or v.args[0] is not k or v.args[2] != 0:
         return False
-    return v.args[1] % _val(k).dim() == _val(k).dim() - 1
+    return v.args[1] % fake_value(k).dim() == fake_value(k).dim() - 1
 
 
 def _topk_width(topk) -> int | torch.fx.Node:
     """The k of upstream's topk(min(k, T)): the constant k (dsa_topk pads with -1 where fewer are visible)."""
     k = topk.args[1]
-    if _is(k, torch.sym_min) or (isinstance(k, torch.fx.Node) and getattr(k.target, "__name__", "") == "sym_min"):
+    if is_call(k, torch.sym_min) or (isinstance(k, torch.fx.Node) and getattr(k.target, "__name__", "") == "sym_min"):
         constants = [a for a in k.args if isinstance(a, int)]
         if constants:
             return constants[0]
@@ -531,7 +523,7 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
     query_pos = build(aten.clone.default, build(prims.convert_element_type.default,
                                                 build(aten.reshape.default, positions, [-1]), torch.int32),
                       memory_format=torch.contiguous_format)
-    sequence = build(prims.iota.default, batch, start=0, step=1, dtype=torch.int32, device=_val(q4).device,
+    sequence = build(prims.iota.default, batch, start=0, step=1, dtype=torch.int32, device=fake_value(q4).device,
                      requires_grad=False)
     query_seq = build(aten.clone.default, build(aten.reshape.default, build(
         aten.expand.default, build(aten.unsqueeze.default, sequence, 1), [batch, queries]), [-1]),
@@ -545,22 +537,22 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
         if paged is None:
             return rows, dense_table
         cache, table = paged
-        if _val(table).dtype != torch.int32:
+        if fake_value(table).dtype != torch.int32:
             table = build(prims.convert_element_type.default, table, torch.int32)
         return cache, table
 
     def rows_of(heads_first):  # [B, H, T, D] -> [B, T, H, D], looking through the model's own transpose
-        if _is(heads_first, aten.permute.default) and list(heads_first.args[1]) == [0, 2, 1, 3]:
+        if is_call(heads_first, aten.permute.default) and list(heads_first.args[1]) == [0, 2, 1, 3]:
             return heads_first.args[0]
         return build(aten.permute.default, heads_first, [0, 2, 1, 3])
 
     index_cache, index_table = cache_of(indexer.keys)
     context = build.size(indexer.keys, 1)
-    seq_lens = build(aten.full.default, [batch], context, dtype=torch.int32, device=_val(q4).device)
+    seq_lens = build(aten.full.default, [batch], context, dtype=torch.int32, device=fake_value(q4).device)
 
     index_q = build(aten.reshape.default, indexer.q, [-1, build.size(indexer.q, -2), build.size(indexer.q, -1)])
     weights = build(aten.reshape.default, indexer.weights, [-1, build.size(indexer.weights, -1)])
-    if _val(weights).dtype != torch.float32:
+    if fake_value(weights).dtype != torch.float32:
         weights = build(prims.convert_element_type.default, weights, torch.float32)
     if indexer.weight_scale != 1.0:
         weights = build(aten.mul.Tensor, weights, indexer.weight_scale)
@@ -574,7 +566,7 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
     q = build(aten.reshape.default, build(aten.permute.default, q4, [0, 2, 1, 3]), [-1, heads, build.size(q4, 3)])
     k_cache, k_table = cache_of(rows_of(attention.k))
     v = attention.v
-    d_v = _val(v).shape[-1]
+    d_v = fake_value(v).shape[-1]
     if _is_prefix(v, attention.k):
         v_cache = None  # V = K[..., :d_v] (MLA's latent); sparse_attention reads it from the K rows
     else:
@@ -585,8 +577,8 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
     out = build(dzc.sparse_attention.default, q, k_cache, v_cache, k_table, seq_lens, query_seq, indices,
                 attention.scale, d_v)
     out = build(aten.permute.default, build(aten.view.default, out, [batch, queries, heads, d_v]), [0, 2, 1, 3])
-    if _val(out).dtype != _val(out4).dtype:
-        out = build(prims.convert_element_type.default, out, _val(out4).dtype)
+    if fake_value(out).dtype != fake_value(out4).dtype:
+        out = build(prims.convert_element_type.default, out, fake_value(out4).dtype)
     out4.replace_all_uses_with(out)
     return out
 
@@ -607,7 +599,7 @@ def _match(topk):
     """topk -> (indexer, index terms, attention); None if this top-k does not select DSA keys."""
     dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
     largest = topk.args[3] if len(topk.args) > 3 else topk.kwargs.get("largest", True)
-    indices = next((u for u in topk.users if _is(u, operator.getitem) and u.args[1] == 1), None)
+    indices = next((u for u in topk.users if is_call(u, operator.getitem) and u.args[1] == 1), None)
     if indices is None:
         return None
     scatters, other_uses = [], 0
@@ -615,26 +607,26 @@ def _match(topk):
     while pending:
         node = pending.pop()
         for user in node.users:
-            if _is(user, prims.convert_element_type.default):
+            if is_call(user, prims.convert_element_type.default):
                 pending.append(user)
-            elif _is(user, aten.scatter.value) and user.args[2] is node:
+            elif is_call(user, aten.scatter.value) and user.args[2] is node:
                 scatters.append(user)
             else:
                 other_uses += 1
     if not scatters:  # a top-k that builds no mask (an MoE router, say) is not a DSA candidate: nothing to report
         return None
     if other_uses:
-        raise _Refusal("the top-k indices have another use than the sparse mask")
+        raise Refusal("the top-k indices have another use than the sparse mask")
     if len(scatters) != 1:
-        raise _Refusal("the top-k indices build more than one mask")
-    if dim not in (-1, _val(topk.args[0]).dim() - 1) or not largest:
-        raise _Refusal("the top-k is not over the largest scores of the last dim")
-    if any(u.args[1] == 0 and u.users for u in topk.users if _is(u, operator.getitem)):
-        raise _Refusal("the top-k values are used")
+        raise Refusal("the top-k indices build more than one mask")
+    if dim not in (-1, fake_value(topk.args[0]).dim() - 1) or not largest:
+        raise Refusal("the top-k is not over the largest scores of the last dim")
+    if any(u.args[1] == 0 and u.users for u in topk.users if is_call(u, operator.getitem)):
+        raise Refusal("the top-k values are used")
 
     logits, index_terms = _split_masked(topk.args[0])
     if [kind for kind, _ in index_terms] != ["causal"]:
-        raise _Refusal("the indexer mask is not exactly causal")
+        raise Refusal("the indexer mask is not exactly causal")
     indexer = _match_indexer(logits)
 
     # The attention: the add (or where) of the mask into scores that feeds a softmax.
@@ -647,22 +639,22 @@ def _match(topk):
                 if user in seen:
                     continue
                 seen.add(user)
-                if _is(user, aten.add.Tensor, aten.where.self) and _softmax_output(user) is not None:
+                if is_call(user, aten.add.Tensor, aten.where.self) and _softmax_output(user) is not None:
                     masked = masked or user
                 following.append(user)
         frontier = following
     if masked is None:
-        raise _Refusal("the sparse mask does not reach an attention softmax")
+        raise Refusal("the sparse mask does not reach an attention softmax")
     try:
         attention = _match_attention(masked)
     except _NotAMask as why:
-        raise _Refusal(f"the attention mask is not causal + top-k: {why}") from None
+        raise Refusal(f"the attention mask is not causal + top-k: {why}") from None
     kinds = sorted(kind for kind, _ in attention.terms)
     if kinds != ["causal", "topk"] or next(n for kind, n in attention.terms if kind == "topk") is not indices:
-        raise _Refusal(f"the attention mask is not exactly causal + this top-k (terms: {kinds})")
+        raise Refusal(f"the attention mask is not exactly causal + this top-k (terms: {kinds})")
     if _strip(_query_positions(attention.terms, "attention"), _SHAPE_ONLY) is not \
             _strip(_query_positions(index_terms, "indexer"), _SHAPE_ONLY):
-        raise _Refusal("the indexer and the attention use different query positions")
+        raise Refusal("the indexer and the attention use different query positions")
     ancestors, pending = set(), [masked]
     while pending:
         for node in pending.pop().all_input_nodes:
@@ -671,7 +663,7 @@ def _match(topk):
                 pending.append(node)
     mask_chain = (seen | {scatters[0]}) & ancestors  # from the scatter to the masked scores
     if any(user not in mask_chain and user is not masked for node in mask_chain for user in node.users):
-        raise _Refusal("the sparse mask has another use")
+        raise Refusal("the sparse mask has another use")
     _check_private(masked)
     return indexer, index_terms, attention
 
@@ -679,22 +671,22 @@ def _match(topk):
 def _check_private(masked) -> None:
     """The masked scores feed only the softmax pattern (another use would keep the dense attention alive)."""
     users = list(masked.users)
-    if len(users) == 1 and _is(users[0], prims.convert_element_type.default):
+    if len(users) == 1 and is_call(users[0], prims.convert_element_type.default):
         users = list(users[0].users)
-    if any(not _is(u, aten.amax.default, aten.sub.Tensor, aten.eq.Scalar) for u in users):
-        raise _Refusal("the masked attention scores have another use")
+    if any(not is_call(u, aten.amax.default, aten.sub.Tensor, aten.eq.Scalar) for u in users):
+        raise Refusal("the masked attention scores have another use")
 
 
 def fuse_sparse_attention(graph: torch.fx.Graph) -> PassResult:
     """Rewrite every DSA top-k masked attention into dsa_indexer + dsa_topk + sparse_attention."""
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
-    for topk in [n for n in graph.nodes if _is(n, aten.topk.default)]:
+    for topk in [n for n in graph.nodes if is_call(n, aten.topk.default)]:
         if topk.graph is not graph:
             continue
         try:
             match = _match(topk)
-        except (_Refusal, _NotAMask) as refusal:
+        except (Refusal, _NotAMask) as refusal:
             result.refused(location_of(topk), str(refusal))
             continue
         if match is None:

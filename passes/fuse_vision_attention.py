@@ -57,7 +57,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 from torch.fx.operator_schemas import normalize_function
 
-from dzc.passes.graph_pass import PassResult, copy_graph, location_of
+from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -74,16 +74,6 @@ _SDPA_OPS = (aten.scaled_dot_product_attention.default, aten._scaled_dot_product
              aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default)
 
 
-class _Refusal(Exception):
-    pass
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _is_call(node, *targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def _same_size(a, b) -> bool:
@@ -96,15 +86,15 @@ def _same_size(a, b) -> bool:
 
 
 def _cast_dtype(node):
-    if _is_call(node, prims.convert_element_type.default):
+    if is_call(node, prims.convert_element_type.default):
         return node.args[1]
-    if _is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"} and len(node.args) == 1:
+    if is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"} and len(node.args) == 1:
         return node.kwargs.get("dtype")
     return None
 
 
 def _skip(node, *targets):
-    while _is_call(node, *targets):
+    while is_call(node, *targets):
         node = node.args[0]
     return node
 
@@ -119,16 +109,16 @@ def _scalar(node) -> float | None:
     """The value of a Python scalar or a 0-d constant tensor made by aten.scalar_tensor / aten.full([])."""
     if isinstance(node, (int, float)):
         return float(node)
-    if _is_call(node, aten.scalar_tensor.default):
+    if is_call(node, aten.scalar_tensor.default):
         return float(node.args[0])
-    if _is_call(node, aten.full.default) and len(node.args[0]) == 0:
+    if is_call(node, aten.full.default) and len(node.args[0]) == 0:
         return float(node.args[1])
     return None
 
 
 def _peel_scale(node, scale: float):
     """mul(x, c) / mul(c, x) with a scalar c: (x, scale * c); anything else: (node, scale)."""
-    while _is_call(node, aten.mul.Tensor, aten.mul.Scalar):
+    while is_call(node, aten.mul.Tensor, aten.mul.Scalar):
         a, b = node.args[:2]
         if _scalar(b) is not None:
             node, scale = a, scale * _scalar(b)
@@ -157,7 +147,7 @@ class _Core:
 
 def _is_full_row_guard(cond) -> bool:
     """SDPA's decomposition zeroes fully masked rows: where(logical_not(any(logical_not(eq(s, -inf)))), 0, p)."""
-    return _is_call(cond, aten.logical_not.default) and _is_call(cond.args[0], aten.any.dim)
+    return is_call(cond, aten.logical_not.default) and is_call(cond.args[0], aten.any.dim)
 
 
 # What SDPA does to a mask before a fused kernel reads it: broadcast it to 4-D, pad its last dim for alignment
@@ -169,13 +159,13 @@ def _bool_mask_of(mask) -> torch.fx.Node | None:
     """The bool mask m behind an additive mask: where(m, 0, -inf) (SDPA's CPU decomposition) or
     where(~m, -inf, 0) (SDPA's own conversion of a bool mask, user code); None if it is not one."""
     mask = _skip(mask, *_MASK_LAYOUT)
-    if not _is_call(mask, aten.where.self):
+    if not is_call(mask, aten.where.self):
         return None
     condition, if_true, if_false = mask.args[:3]
     if _scalar(if_true) == 0.0 and _scalar(if_false) == -math.inf:
         return condition
     if _scalar(if_true) == -math.inf and _scalar(if_false) == 0.0 \
-            and _is_call(condition, aten.logical_not.default, aten.bitwise_not.default):
+            and is_call(condition, aten.logical_not.default, aten.bitwise_not.default):
         return condition.args[0]
     return None
 
@@ -183,45 +173,45 @@ def _bool_mask_of(mask) -> torch.fx.Node | None:
 def _match_math_core(pv) -> _Core | None:
     """Match an attention written as bmm(softmax(bmm(q, k^T) * scale + mask), v), as capture decomposes both
     eager attention and CPU SDPA. pv is the second bmm."""
-    if not _is_call(pv, aten.bmm.default):
+    if not is_call(pv, aten.bmm.default):
         return None
     probs = _skip_casts(_skip(pv.args[0], *_VIEW_LIKE))
-    if _is_call(probs, aten.where.self) and _is_full_row_guard(probs.args[0]) and _scalar(probs.args[1]) is None:
+    if is_call(probs, aten.where.self) and _is_full_row_guard(probs.args[0]) and _scalar(probs.args[1]) is None:
         probs = _skip_casts(probs.args[2])
-    if _is_call(probs, aten._softmax.default):
+    if is_call(probs, aten._softmax.default):
         logits = probs.args[0]
-        if probs.args[1] not in (-1, _val(logits).dim() - 1):
+        if probs.args[1] not in (-1, fake_value(logits).dim() - 1):
             return None
-    elif (_is_call(probs, aten.div.Tensor) and _is_call(probs.args[0], aten.exp.default)
-          and _is_call(probs.args[0].args[0], aten.sub.Tensor) and _is_call(probs.args[1], aten.sum.dim_IntList)):
+    elif (is_call(probs, aten.div.Tensor) and is_call(probs.args[0], aten.exp.default)
+          and is_call(probs.args[0].args[0], aten.sub.Tensor) and is_call(probs.args[1], aten.sum.dim_IntList)):
         shifted = probs.args[0].args[0]
         logits = shifted.args[0]
-        if list(probs.args[1].args[1]) not in ([-1], [_val(logits).dim() - 1]):
+        if list(probs.args[1].args[1]) not in ([-1], [fake_value(logits).dim() - 1]):
             return None
     else:
         return None
     logits = _skip_casts(logits)
     mask = mask_use = None
-    if _is_call(logits, aten.add.Tensor):
+    if is_call(logits, aten.add.Tensor):
         mask, mask_use = _bool_mask_of(logits.args[1]), logits.args[1]
         if mask is None:
             return None  # another additive bias (relative positions, a causal mask): not ours
         logits = logits.args[0]
-    elif _is_call(logits, aten.where.self) and _scalar(logits.args[1]) == -math.inf:
+    elif is_call(logits, aten.where.self) and _scalar(logits.args[1]) == -math.inf:
         keep = logits.args[0]  # masked_fill(~m, -inf) = where(~m, -inf, s)
-        if not _is_call(keep, aten.bitwise_not.default, aten.logical_not.default):
+        if not is_call(keep, aten.bitwise_not.default, aten.logical_not.default):
             return None
         mask, mask_use, logits = keep.args[0], keep, logits.args[2]
     logits, scale = _peel_scale(_skip(logits, *_VIEW_LIKE), 1.0)
     logits = _skip(logits, *_VIEW_LIKE)
-    if not _is_call(logits, aten.bmm.default):
+    if not is_call(logits, aten.bmm.default):
         return None
     q, scale = _peel_scale(_skip(logits.args[0], *_VIEW_LIKE), scale)
     k_t, scale = _peel_scale(_skip(logits.args[1], *_VIEW_LIKE), scale)
-    rank = _val(k_t).dim()
-    if _is_call(k_t, aten.permute.default) and list(k_t.args[1]) == [*range(rank - 2), rank - 1, rank - 2]:
+    rank = fake_value(k_t).dim()
+    if is_call(k_t, aten.permute.default) and list(k_t.args[1]) == [*range(rank - 2), rank - 1, rank - 2]:
         k = k_t.args[0]
-    elif _is_call(k_t, aten.transpose.int) and sorted(d % rank for d in k_t.args[1:3]) == [rank - 2, rank - 1]:
+    elif is_call(k_t, aten.transpose.int) and sorted(d % rank for d in k_t.args[1:3]) == [rank - 2, rank - 1]:
         k = k_t.args[0]
     else:
         return None
@@ -229,25 +219,25 @@ def _match_math_core(pv) -> _Core | None:
     v = _skip(pv.args[1], *_VIEW_LIKE)
     q, k, v = (_skip_upcast(n) for n in (q, k, v))
     out = pv
-    while len(out.users) == 1 and _is_call(next(iter(out.users)), aten.view.default, aten._unsafe_view.default):
+    while len(out.users) == 1 and is_call(next(iter(out.users)), aten.view.default, aten._unsafe_view.default):
         out = next(iter(out.users))
-    if len(out.users) == 1 and _cast_dtype(next(iter(out.users))) == _val(q).dtype != _val(out).dtype:
+    if len(out.users) == 1 and _cast_dtype(next(iter(out.users))) == fake_value(q).dtype != fake_value(out).dtype:
         out = next(iter(out.users))  # attention computed in fp32 on bf16/fp16 inputs, rounded back once
-    if _val(out).dtype != _val(q).dtype:
+    if fake_value(out).dtype != fake_value(q).dtype:
         return None  # the result stays in a wider dtype than q's: the op could not produce it
     return _Core(q, k, v, scale, out, mask, mask_use, anchor=out)
 
 
 def _skip_upcast(node):
     """x for x.float() with x in a 16-bit float dtype (SDPA's CPU decomposition computes in fp32), else node."""
-    if _cast_dtype(node) == torch.float32 and _val(node.args[0]).dtype in (torch.float16, torch.bfloat16):
+    if _cast_dtype(node) == torch.float32 and fake_value(node.args[0]).dtype in (torch.float16, torch.bfloat16):
         return node.args[0]
     return node
 
 
 def _match_sdpa_core(node) -> _Core | None:
     """A fused SDPA op (what capture keeps on GPUs): its normalised arguments."""
-    if not _is_call(node, *_SDPA_OPS):
+    if not is_call(node, *_SDPA_OPS):
         return None
     normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
     if normalized is None:
@@ -256,20 +246,20 @@ def _match_sdpa_core(node) -> _Core | None:
     q, k, v = kwargs["query"], kwargs["key"], kwargs["value"]
     scale = kwargs.get("scale")
     if scale is None:
-        scale = _val(q).shape[-1] ** -0.5
+        scale = fake_value(q).shape[-1] ** -0.5
     mask = kwargs.get("attn_mask", kwargs.get("attn_bias"))
     bool_mask = None
     if mask is not None:
         bool_mask = _bool_mask_of(mask)
         if bool_mask is None:
             mask_node = _skip(mask, *_VIEW_LIKE)
-            if _val(mask_node) is None or _val(mask_node).dtype != torch.bool:
+            if fake_value(mask_node) is None or fake_value(mask_node).dtype != torch.bool:
                 return None
             bool_mask = mask_node
     if node.target is aten.scaled_dot_product_attention.default:
         out = node
     else:
-        outs = [u for u in node.users if _is_call(u, operator.getitem) and u.args[1] == 0]
+        outs = [u for u in node.users if is_call(u, operator.getitem) and u.args[1] == 0]
         if len(outs) != 1:
             return None
         out = outs[0]
@@ -302,24 +292,25 @@ def _labels(shape, heads) -> list[str] | None:
 
 def _forward_labels(node, labels):
     """Labels after one layout op applied to a tensor with `labels`; None if the op is not a pure layout change."""
-    if _is_call(node, aten.clone.default, aten.alias.default) or _cast_dtype(node) is not None:
+    if is_call(node, aten.clone.default, aten.alias.default) or _cast_dtype(node) is not None:
         return labels
-    if _is_call(node, aten.permute.default):
+    if is_call(node, aten.permute.default):
         return [labels[d % len(labels)] for d in node.args[1]]
-    if _is_call(node, aten.transpose.int):
+    if is_call(node, aten.transpose.int):
         a, b = (d % len(labels) for d in node.args[1:3])
         labels = list(labels)
         labels[a], labels[b] = labels[b], labels[a]
         return labels
-    if _is_call(node, aten.unsqueeze.default):
+    if is_call(node, aten.unsqueeze.default):
         labels = list(labels)
         labels.insert(node.args[1] % (len(labels) + 1), "1")
         return labels
-    if _is_call(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim,
+    if is_call(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim,
                 aten.squeeze.dims, aten.squeeze.default):
         # Only inserting or removing unit dims keeps the labels meaningful.
-        source = [(label, size) for label, size in zip(labels, _val(node.args[0]).shape) if not _same_size(size, 1)]
-        shape = _val(node).shape
+        source = [(label, size) for label, size in zip(labels, fake_value(node.args[0]).shape)
+                  if not _same_size(size, 1)]
+        shape = fake_value(node).shape
         target = [size for size in shape if not _same_size(size, 1)]
         if len(source) != len(target) or not all(_same_size(a[1], b) for a, b in zip(source, target)):
             return None
@@ -332,8 +323,8 @@ def _forward_labels(node, labels):
 def _call(graph, target, args, kwargs=None):
     """A new node with its fake value computed from its arguments' fake values."""
     node = graph.call_function(target, args, kwargs or {})
-    fake_args = torch.fx.node.map_arg(args, _val)
-    fake_kwargs = torch.fx.node.map_arg(kwargs or {}, _val)
+    fake_args = torch.fx.node.map_arg(args, fake_value)
+    fake_kwargs = torch.fx.node.map_arg(kwargs or {}, fake_value)
     tensors = [a for a in torch.utils._pytree.tree_leaves((fake_args, fake_kwargs)) if isinstance(a, torch.Tensor)]
     shape_env = tensors[0].fake_mode.shape_env if tensors else None
     # Computing the fake value must not add guards to the captured graph: e.g. slicing cu_seqlens asks whether
@@ -352,7 +343,7 @@ def _to_thd(graph, node, labels):
     order = [labels.index(role) for role in "THD"]
     if order == [0, 1, 2]:
         return node
-    if _is_call(node, aten.permute.default) and [node.args[1][o] % 3 for o in order] == [0, 1, 2]:
+    if is_call(node, aten.permute.default) and [node.args[1][o] % 3 for o in order] == [0, 1, 2]:
         return node.args[0]  # undoes the model's own permute: take what it permuted
     return _call(graph, aten.permute.default, (node, order))
 
@@ -372,32 +363,32 @@ def _from_thd(graph, node, labels):
 
 def _layout_source(node):
     """(root, mapping): node equals root re-laid out; mapping[i] = root dim of node's dim i (None: added unit)."""
-    mapping = list(range(_val(node).dim()))
+    mapping = list(range(fake_value(node).dim()))
     current = node
     while True:
         arg = current.args[0] if current.op == "call_function" and current.args else None
-        if not isinstance(arg, torch.fx.Node) or _val(arg) is None:
+        if not isinstance(arg, torch.fx.Node) or fake_value(arg) is None:
             return current, mapping
-        rank = _val(arg).dim()
-        if _is_call(current, aten.permute.default):
+        rank = fake_value(arg).dim()
+        if is_call(current, aten.permute.default):
             step = [d % rank for d in current.args[1]]
-        elif _is_call(current, aten.transpose.int):
+        elif is_call(current, aten.transpose.int):
             a, b = (d % rank for d in current.args[1:3])
             step = list(range(rank))
             step[a], step[b] = b, a
-        elif _is_call(current, aten.unsqueeze.default):
+        elif is_call(current, aten.unsqueeze.default):
             position = current.args[1] % (rank + 1)
             step = [i if i < position else i - 1 for i in range(rank + 1)]
             step[position] = None
-        elif _is_call(current, aten.select.int) and current.args[2] in (0, -1) \
-                and _same_size(_val(arg).shape[current.args[1] % rank], 1):
+        elif is_call(current, aten.select.int) and current.args[2] in (0, -1) \
+                and _same_size(fake_value(arg).shape[current.args[1] % rank], 1):
             removed = current.args[1] % rank
             step = [i for i in range(rank) if i != removed]
-        elif _is_call(current, aten.squeeze.dim, aten.squeeze.dims):
+        elif is_call(current, aten.squeeze.dim, aten.squeeze.dims):
             asked = current.args[1] if isinstance(current.args[1], (list, tuple)) else [current.args[1]]
-            removed = {d % rank for d in asked if _same_size(_val(arg).shape[d % rank], 1)}
+            removed = {d % rank for d in asked if _same_size(fake_value(arg).shape[d % rank], 1)}
             step = [i for i in range(rank) if i not in removed]
-        elif _is_call(current, aten.clone.default, aten.alias.default):
+        elif is_call(current, aten.clone.default, aten.alias.default):
             step = list(range(rank))
         else:
             return current, mapping
@@ -409,22 +400,23 @@ def _layout_source(node):
 
 def _rotate_half_input(node) -> torch.fx.Node | None:
     """x for cat([-x[..., h:], x[..., :h]], -1), else None."""
-    if not _is_call(node, aten.cat.default) or len(node.args[0]) != 2:
+    if not is_call(node, aten.cat.default) or len(node.args[0]) != 2:
         return None
-    rank = _val(node).dim()
+    rank = fake_value(node).dim()
     if (node.args[1] if len(node.args) > 1 else 0) % rank != rank - 1:
         return None
     negated, low = node.args[0]
-    if not _is_call(negated, aten.neg.default):
+    if not is_call(negated, aten.neg.default):
         return None
     high = negated.args[0]
-    if not (_is_call(high, aten.slice.Tensor) and _is_call(low, aten.slice.Tensor)) or high.args[0] is not low.args[0]:
+    if not (is_call(high, aten.slice.Tensor) and is_call(low, aten.slice.Tensor)) or high.args[0] is not low.args[0]:
         return None
     x = high.args[0]
-    half = _val(x).shape[-1] // 2
+    half = fake_value(x).shape[-1] // 2
     if any(s.args[1] % rank != rank - 1 for s in (high, low)):
         return None
-    if tuple(high.args[2:4]) not in ((half, _END), (half, _val(x).shape[-1])) or tuple(low.args[2:4]) != (0, half):
+    if (tuple(high.args[2:4]) not in ((half, _END), (half, fake_value(x).shape[-1]))
+            or tuple(low.args[2:4]) != (0, half)):
         return None
     return x
 
@@ -432,33 +424,33 @@ def _rotate_half_input(node) -> torch.fx.Node | None:
 def _table(node):
     """cos/sin [tokens, head_dim] behind its fp32, head-broadcast form unsqueeze(cos, -2).float()."""
     node = _skip_casts(node)
-    if not _is_call(node, aten.unsqueeze.default):
+    if not is_call(node, aten.unsqueeze.default):
         return None
     table = _skip_casts(node.args[0])
-    if _val(table).dim() != 2 or node.args[1] % 3 != 1:
+    if fake_value(table).dim() != 2 or node.args[1] % 3 != 1:
         return None
     return table
 
 
 def _match_rotary(node):
     """(x, cos, sin) if node = (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype) in fp32, else None."""
-    out_dtype = _val(node).dtype
+    out_dtype = fake_value(node).dtype
     total = node.args[0] if _cast_dtype(node) is not None else node
-    if not _is_call(total, aten.add.Tensor) or _val(total).dtype != torch.float32:
+    if not is_call(total, aten.add.Tensor) or fake_value(total).dtype != torch.float32:
         return None
     for direct, rotated in (total.args[:2], total.args[1::-1]):
-        if not (_is_call(direct, aten.mul.Tensor) and _is_call(rotated, aten.mul.Tensor)):
+        if not (is_call(direct, aten.mul.Tensor) and is_call(rotated, aten.mul.Tensor)):
             continue
         for x32, cos in (direct.args[:2], direct.args[1::-1]):
             for rot, sin in (rotated.args[:2], rotated.args[1::-1]):
-                if _rotate_half_input(rot) is not x32 or _val(x32).dtype != torch.float32:
+                if _rotate_half_input(rot) is not x32 or fake_value(x32).dtype != torch.float32:
                     continue
                 cos_table, sin_table = _table(cos), _table(sin)
-                if cos_table is None or sin_table is None or _val(cos).dtype != torch.float32 \
-                        or _val(sin).dtype != torch.float32:
+                if cos_table is None or sin_table is None or fake_value(cos).dtype != torch.float32 \
+                        or fake_value(sin).dtype != torch.float32:
                     continue
                 x = x32.args[0] if _cast_dtype(x32) == torch.float32 else x32
-                if _val(x).dtype != out_dtype or _val(x).dim() != 3:
+                if fake_value(x).dtype != out_dtype or fake_value(x).dim() != 3:
                     continue
                 return x, cos_table, sin_table
     return None
@@ -472,7 +464,7 @@ def _fold_rotary(graph, op) -> bool:
     found = []
     for operand in (q, k):
         root, mapping = _layout_source(operand)
-        rotary = _match_rotary(root) if _val(root).dim() == 3 and mapping == [0, 1, 2] else None
+        rotary = _match_rotary(root) if fake_value(root).dim() == 3 and mapping == [0, 1, 2] else None
         if rotary is None:
             return False
         found.append(rotary)
@@ -489,40 +481,40 @@ def _lengths_source(sizes) -> torch.fx.Node | None:
     """cu_seqlens if sizes are [_local_scalar_dense(select((cu[1:] - cu[:-1]), 0, i)) for i < len(cu) - 1]."""
     diffs = set()
     for index, size in enumerate(sizes):
-        if not _is_call(size, aten._local_scalar_dense.default):
+        if not is_call(size, aten._local_scalar_dense.default):
             return None
         select = size.args[0]
-        if not _is_call(select, aten.select.int) or tuple(select.args[1:]) != (0, index):
+        if not is_call(select, aten.select.int) or tuple(select.args[1:]) != (0, index):
             return None
         diffs.add(select.args[0])
     if len(diffs) != 1:
         return None
     diff = diffs.pop()
-    if not _is_call(diff, aten.sub.Tensor):
+    if not is_call(diff, aten.sub.Tensor):
         return None
     upper, lower = diff.args[:2]
-    if not (_is_call(upper, aten.slice.Tensor) and _is_call(lower, aten.slice.Tensor)):
+    if not (is_call(upper, aten.slice.Tensor) and is_call(lower, aten.slice.Tensor)):
         return None
     cu = upper.args[0]
     if lower.args[0] is not cu or tuple(upper.args[1:4]) not in ((0, 1, _END),) or tuple(lower.args[1:4]) != (0, 0, -1):
         return None
-    if not _same_size(_val(cu).shape[0] - 1, len(sizes)) or _val(cu).dtype != torch.int32:
+    if not _same_size(fake_value(cu).shape[0] - 1, len(sizes)) or fake_value(cu).dtype != torch.int32:
         return None
     return cu
 
 
 def _mask_source(mask) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
     """(cu_seqlens, mask nodes) if mask = eq(seg[:, None], seg[None, :]), seg = searchsorted(cu, arange, right)."""
-    if not _is_call(mask, aten.eq.Tensor):
+    if not is_call(mask, aten.eq.Tensor):
         return None
     nodes = [mask]
     sides = []
     for side, position in zip(mask.args[:2], (1, 0)):
         unsqueezed = None
-        while _is_call(side, aten.slice.Tensor, aten.unsqueeze.default):
-            if _is_call(side, aten.slice.Tensor) and tuple(side.args[2:4]) != (0, _END):
+        while is_call(side, aten.slice.Tensor, aten.unsqueeze.default):
+            if is_call(side, aten.slice.Tensor) and tuple(side.args[2:4]) != (0, _END):
                 return None
-            if _is_call(side, aten.unsqueeze.default):
+            if is_call(side, aten.unsqueeze.default):
                 unsqueezed = side.args[1] % 2
             nodes.append(side)
             side = side.args[0]
@@ -530,19 +522,19 @@ def _mask_source(mask) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
             return None
         sides.append(side)
     seg = sides[0]
-    if sides[1] is not seg or not _is_call(seg, aten.searchsorted.Tensor) or not seg.kwargs.get("right", False):
+    if sides[1] is not seg or not is_call(seg, aten.searchsorted.Tensor) or not seg.kwargs.get("right", False):
         return None
     cu, positions = seg.args[:2]
-    if _is_call(positions, prims.iota.default):  # arange, as capture decomposes it
+    if is_call(positions, prims.iota.default):  # arange, as capture decomposes it
         if positions.kwargs.get("start") != 0 or positions.kwargs.get("step") != 1:
             return None
-    elif not _is_call(positions, aten.arange.default, aten.arange.start, aten.arange.start_step):
+    elif not is_call(positions, aten.arange.default, aten.arange.start, aten.arange.start_step):
         return None
-    if _is_call(positions, aten.arange.start, aten.arange.start_step) and positions.args[0] != 0:
+    if is_call(positions, aten.arange.start, aten.arange.start_step) and positions.args[0] != 0:
         return None
-    if _is_call(positions, aten.arange.start_step) and positions.args[2] != 1:
+    if is_call(positions, aten.arange.start_step) and positions.args[2] != 1:
         return None
-    if _val(cu).dtype != torch.int32 or _val(cu).dim() != 1:
+    if fake_value(cu).dtype != torch.int32 or fake_value(cu).dim() != 1:
         return None
     return cu, nodes + [seg, positions]
 
@@ -566,7 +558,7 @@ class _Packed:
 
 
 def _heads_of(core: _Core):
-    shape = _val(core.q).shape
+    shape = fake_value(core.q).shape
     lead = [s for s in shape[:-2] if not _same_size(s, 1)]
     if len(lead) > 1:
         return None
@@ -580,7 +572,7 @@ def _region(out, stops) -> set[torch.fx.Node]:
         node = todo.pop()
         if node in seen or node in stops or node.op != "call_function":
             continue
-        if not isinstance(_val(node), (torch.Tensor, tuple, list)):
+        if not isinstance(fake_value(node), (torch.Tensor, tuple, list)):
             continue  # sizes (SymInts) stay: the rest of the graph may use them
         seen.add(node)
         todo.extend(n for n in node.all_input_nodes)
@@ -594,13 +586,13 @@ def _check_closed(region, keep, what):
             continue
         outside = [u for u in node.users if u not in region]
         if outside:
-            raise _Refusal(f"{node.name} inside the {what} has a use outside it ({outside[0].name})")
+            raise Refusal(f"{node.name} inside the {what} has a use outside it ({outside[0].name})")
 
 
 def _operand_labels(core: _Core, heads):
-    labels = [_labels(_val(n).shape, heads) for n in (core.q, core.k, core.v)]
+    labels = [_labels(fake_value(n).shape, heads) for n in (core.q, core.k, core.v)]
     if any(label is None for label in labels):
-        raise _Refusal("q, k, v are not laid out as [heads, tokens, head_dim] with unit batch dims")
+        raise Refusal("q, k, v are not laid out as [heads, tokens, head_dim] with unit batch dims")
     return labels
 
 
@@ -608,7 +600,7 @@ def _match_split(core: _Core, by_q: dict) -> _Packed | None:
     """Spelling 1: core is one image's attention of an unrolled per-image loop; collects all of them."""
     pieces = []
     for operand in (core.q, core.k, core.v):
-        if not (_is_call(operand, operator.getitem) and _is_call(operand.args[0], aten.split_with_sizes.default)):
+        if not (is_call(operand, operator.getitem) and is_call(operand.args[0], aten.split_with_sizes.default)):
             return None
         pieces.append(operand)
     splits = [p.args[0] for p in pieces]
@@ -617,64 +609,64 @@ def _match_split(core: _Core, by_q: dict) -> _Packed | None:
         return None
     for split in splits[1:]:
         if list(split.args[1]) != list(splits[0].args[1]):
-            raise _Refusal("q, k and v are split by different lengths")
+            raise Refusal("q, k and v are split by different lengths")
     count = len(splits[0].args[1])
     per_image = {}
     for item in splits[0].users:
-        if not _is_call(item, operator.getitem):
-            raise _Refusal("the split q is used whole")
+        if not is_call(item, operator.getitem):
+            raise Refusal("the split q is used whole")
         if item in by_q:
             per_image[item.args[1]] = by_q[item]
     if sorted(per_image) != list(range(count)):
-        raise _Refusal("not every image of the split is attended")
+        raise Refusal("not every image of the split is attended")
     cores = [per_image[i] for i in range(count)]
     for i, c in enumerate(cores):
         for operand, split in zip((c.q, c.k, c.v), splits):
-            if not (_is_call(operand, operator.getitem) and operand.args[0] is split and operand.args[1] == i):
-                raise _Refusal("image i's q, k, v are not the i-th pieces of their splits")
+            if not (is_call(operand, operator.getitem) and operand.args[0] is split and operand.args[1] == i):
+                raise Refusal("image i's q, k, v are not the i-th pieces of their splits")
         if c.causal or c.dropout or c.mask is not None:
-            raise _Refusal("causal, masked or dropout attention inside an image")
+            raise Refusal("causal, masked or dropout attention inside an image")
         if c.scale != core.scale:
-            raise _Refusal("the images are attended with different scales")
+            raise Refusal("the images are attended with different scales")
     heads = _heads_of(core)
     if heads is None:
-        raise _Refusal("more than one non-unit dim before the tokens")
+        raise Refusal("more than one non-unit dim before the tokens")
     operand_labels = _operand_labels(core, heads)
     for split, labels in zip(splits, operand_labels):
         if labels[split.args[2] % len(labels)] != "T":
-            raise _Refusal("the split is not along the token dim")
+            raise Refusal("the split is not along the token dim")
     # Follow each image's output through layout ops to one cat along the token dim.
     cat, out_labels, chain = None, None, set()
     for c in cores:
-        node, labels = c.out, _labels(_val(c.out).shape, heads)
+        node, labels = c.out, _labels(fake_value(c.out).shape, heads)
         if labels is None:
-            raise _Refusal("an image's attention output is not [heads, tokens, head_dim]")
-        while len(node.users) == 1 and not _is_call(next(iter(node.users)), aten.cat.default):
+            raise Refusal("an image's attention output is not [heads, tokens, head_dim]")
+        while len(node.users) == 1 and not is_call(next(iter(node.users)), aten.cat.default):
             user = next(iter(node.users))
             labels = _forward_labels(user, labels)
             if labels is None:
-                raise _Refusal(f"{user.name} between an image's attention and the cat is not a layout op")
+                raise Refusal(f"{user.name} between an image's attention and the cat is not a layout op")
             chain.add(user)
             node = user
         users = list(node.users)
-        if len(users) != 1 or not _is_call(users[0], aten.cat.default):
-            raise _Refusal("an image's attention output is not concatenated (alone) with the others")
+        if len(users) != 1 or not is_call(users[0], aten.cat.default):
+            raise Refusal("an image's attention output is not concatenated (alone) with the others")
         if cat is not None and users[0] is not cat:
-            raise _Refusal("the images' outputs go to different cats")
+            raise Refusal("the images' outputs go to different cats")
         cat = users[0]
         if out_labels is not None and labels != out_labels:
-            raise _Refusal("the images' outputs are laid out differently")
+            raise Refusal("the images' outputs are laid out differently")
         out_labels = labels
     inputs = list(cat.args[0])
     if len(inputs) != count or (cat.args[1] if len(cat.args) > 1 else 0) % len(out_labels) != out_labels.index("T"):
-        raise _Refusal("the cat is not exactly the images' outputs along the token dim")
+        raise Refusal("the cat is not exactly the images' outputs along the token dim")
     for i, (c, item) in enumerate(zip(cores, inputs)):
         # inputs[i] must come from core i (follow back through the chain)
         node = item
         while node is not c.out and node in chain:
             node = node.args[0]
         if node is not c.out:
-            raise _Refusal("the cat does not keep the images in order")
+            raise Refusal("the cat does not keep the images in order")
     stops = {p for c in cores for p in (c.q, c.k, c.v)}
     region = set(chain) | {cat}
     for c in cores:
@@ -694,14 +686,14 @@ def _match_masked(core: _Core) -> _Packed | None:
         return None
     cu, mask_nodes = found
     if core.causal or core.dropout:
-        raise _Refusal("causal or dropout attention with a block-diagonal mask")
+        raise Refusal("causal or dropout attention with a block-diagonal mask")
     heads = _heads_of(core)
     if heads is None:
-        raise _Refusal("more than one non-unit dim before the tokens")
+        raise Refusal("more than one non-unit dim before the tokens")
     operand_labels = _operand_labels(core, heads)
-    out_labels = _labels(_val(core.out).shape, heads)
+    out_labels = _labels(fake_value(core.out).shape, heads)
     if out_labels is None:
-        raise _Refusal("the attention output is not [heads, tokens, head_dim]")
+        raise Refusal("the attention output is not [heads, tokens, head_dim]")
     # The mask may be built once and shared by every layer: it is not part of the attention, and is removed
     # only once no attention uses it.
     region = _region(core.out, {core.q, core.k, core.v, core.mask_use})
@@ -717,7 +709,7 @@ def _max_seqlen(graph, packed: _Packed):
         longest = packed.max_seqlen[0]
         for length in packed.max_seqlen[1:]:
             node = graph.call_function(torch.sym_max, (longest, length))
-            node.meta["val"] = torch.sym_max(_val(longest), _val(length))
+            node.meta["val"] = torch.sym_max(fake_value(longest), fake_value(length))
             longest = node
         return longest
     cu = packed.cu
@@ -725,10 +717,10 @@ def _max_seqlen(graph, packed: _Packed):
     lower = _call(graph, aten.slice.Tensor, (cu, 0, 0, -1))
     lengths = _call(graph, aten.sub.Tensor, (upper, lower))
     longest = _call(graph, aten.max.default, (lengths,))
-    shape_env = _val(cu).fake_mode.shape_env
+    shape_env = fake_value(cu).fake_mode.shape_env
     node = graph.call_function(aten._local_scalar_dense.default, (longest,))
-    with _val(cu).fake_mode, shape_env.suppress_guards():
-        node.meta["val"] = aten._local_scalar_dense.default(_val(longest))
+    with fake_value(cu).fake_mode, shape_env.suppress_guards():
+        node.meta["val"] = aten._local_scalar_dense.default(fake_value(longest))
     bindings = compute_unbacked_bindings(shape_env, node.meta["val"])
     if bindings:
         node.meta["unbacked_bindings"] = bindings
@@ -772,7 +764,7 @@ def fuse_vision_attention(graph: torch.fx.Graph) -> PassResult:
     """Rewrite attention over packed images into dzc.varlen_attention; returns a new graph and a report."""
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
-    existing = [n for n in graph.nodes if _is_call(n, dzc.varlen_attention.default)]
+    existing = [n for n in graph.nodes if is_call(n, dzc.varlen_attention.default)]
     cores = [core for core in map(_match_core, list(graph.nodes)) if core is not None]
     by_q = {core.q: core for core in cores}
     done: set[int] = set()
@@ -782,7 +774,7 @@ def fuse_vision_attention(graph: torch.fx.Graph) -> PassResult:
             continue
         try:
             packed = _match_split(core, by_q) or _match_masked(core)
-        except _Refusal as refusal:
+        except Refusal as refusal:
             result.refused(location_of(core.anchor), str(refusal))
             done.add(id(core))
             continue

@@ -48,3 +48,19 @@ def location_of(node: torch.fx.Node) -> str:
     line = parts[1].strip().removeprefix("line ") if len(parts) > 1 else "?"
     function = parts[2].strip().removeprefix("in ") if len(parts) > 2 else "?"
     return f"{os.path.basename(path)}:{line} ({function})"
+
+
+class Refusal(Exception):
+    """Raised inside a matcher: this site matches the pattern's start but cannot be rewritten; the message says
+    why, and the pass records it with PassResult.refused."""
+
+
+def fake_value(node):
+    """The fake tensor (or SymInt) a node carries from capture; None for non-nodes and nodes without one."""
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def is_call(node, *targets) -> bool:
+    """Whether `node` is a call of one of `targets` (OpOverloads or Python callables)."""
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+

@@ -57,7 +57,7 @@ def _time(fn) -> float:
         return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
 
 
-def _loop_time(fn, calls: int = 200) -> float:
+def loop_time(fn, calls: int = 200) -> float:
     """Seconds per call of back-to-back calls (no L2 flush between them): host and device time together, what
     a decode loop sees when the host is the bottleneck."""
     with torch.no_grad():
@@ -105,7 +105,7 @@ def main():
                 _check(f"dzc[{codegen}]", fn(x, residual), expected)
                 variants[f"dzc[{codegen}]"] = lambda fn=fn: fn(x, residual)
             times = {name: _time(fn) for name, fn in variants.items()}
-            loop_times = {name: _loop_time(fn) for name, fn in variants.items()}
+            loop_times = {name: loop_time(fn) for name, fn in variants.items()}
             moved = 8 * tokens * hidden + 2 * hidden
             rows.append((hidden, tokens, moved, times, loop_times))
             print(hidden, tokens, {k: f"{v * 1e6:.1f}us" for k, v in times.items()},

@@ -9,24 +9,17 @@ each fallback, the generated kernel's launcher, and the bare Triton launch; then
 from __future__ import annotations
 
 import argparse
-import time
 
 import dzc  # noqa: F401  (first: it decides Triton's mode)
 import torch
 
 from dzc import runtime
 from dzc.models.decoder import AddRMSNorm
+from bench_add_rms_norm import loop_time  # tools/ is on sys.path when run as a script
 
 
 def per_call_us(fn, calls=300) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return loop_time(fn, calls) * 1e6
 
 
 def main():
