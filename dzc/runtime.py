@@ -7,6 +7,7 @@ kernels as in another.
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -109,8 +110,9 @@ class CudaGraphRunner:
         return tuple(key)
 
     def _capture(self, args) -> "_CapturedGraph | None":
-        """The graph for this signature, or None when the call mutates an input (a cache written in place):
-        a replay would write the graph's copy, not the caller's tensor, so such calls always run `fn`."""
+        """The graph for this signature, or None when the call cannot be replayed, so that such calls always run
+        `fn`: it mutates an input (a cache written in place: a replay would write the graph's copy, not the
+        caller's tensor), or it cannot be captured (it waits on the GPU for a value, e.g. a data-dependent size)."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -125,8 +127,13 @@ class CudaGraphRunner:
         if versions != [a._version for a in static_inputs if isinstance(a, torch.Tensor)]:
             return None
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self.fn(*static_inputs)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = self.fn(*static_inputs)
+        except RuntimeError as error:  # the call syncs with the host (.item(), data-dependent sizes): not capturable
+            warnings.warn(f"dzc: calls of this signature run without a CUDA graph: capture failed ({error})",
+                          stacklevel=3)
+            return None
         return _CapturedGraph(graph, static_inputs, outputs)
 
 

@@ -88,3 +88,21 @@ def test_large_calls_take_the_guarded_path(seed, tmp_path):
     compiled(x, r)
     compiled(x, r)
     assert not compiled._cuda_graphs.graphs
+
+
+class ScaleByHostValue(torch.nn.Module):
+    """Reads a value back to the host inside the graph (.item()): such a call cannot be captured."""
+
+    def forward(self, x):
+        return x * x.abs().amax().item()
+
+
+def test_calls_that_cannot_be_captured_run_unreplayed(seed, tmp_path):
+    compiled = dzc.compile(ScaleByHostValue(), "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), fallback="eager"))
+    x = torch.randn(4, 64, device="cuda")
+    compiled(x)
+    with pytest.warns(UserWarning, match="capture failed"):
+        actual = compiled(x)
+    torch.testing.assert_close(actual, x * x.abs().amax().item())
+    assert list(compiled._cuda_graphs.graphs.values()) == [None]
+    torch.testing.assert_close(compiled(x), x * x.abs().amax().item())  # later calls: straight to the model

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import math
 import platform
 
 import dzc  # noqa: F401  (first: it decides Triton's mode)
@@ -276,7 +275,7 @@ class Bench:
                    dsa_topk_reference(logits[:CHECK_ROWS], lengths[:CHECK_ROWS], TOPK), exact=True)
             del logits, indexer_run, topk_run
 
-            def chunked():
+            def chunked(problem=problem):
                 for start in range(0, problem.rows, chunk):
                     rows = slice(start, start + chunk)
                     logits = torch.ops.dzc.dsa_indexer(*problem.indexer_args(rows), kernel_id=indexer.kernel_id)
