@@ -314,7 +314,15 @@ def triton_source(spec: MXFP4MoESpec, profile: DeviceProfile) -> str:
         raise ValueError(f"mxfp4_moe: no kernel for activation {spec.activation!r}")
     fields = _template_fields(spec, profile)
     fields["activation_code"] = "\n    ".join(_TRITON_ACTIVATIONS[spec.activation])
+    fields["decoder_code"] = triton_decoder_source(profile)
     return Template((TEMPLATES / "mxfp4_moe.triton.py.tmpl").read_text()).substitute(fields)
+
+
+def triton_decoder_source(profile: DeviceProfile) -> str:
+    """The generated module's `_decode_mxfp4`: a byte-permute lookup in inline PTX where the profile's Triton has
+    inline assembly (CUDA), integer arithmetic elsewhere (MUSA). Both give the same bits."""
+    name = "mxfp4_decode_lut" if profile.triton_inline_asm else "mxfp4_decode_arithmetic"
+    return Template((TEMPLATES / f"{name}.triton.py.tmpl").read_text()).substitute()
 
 
 def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelConfig]:

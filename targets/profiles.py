@@ -32,6 +32,7 @@ class DeviceProfile:
     nvcc_gencode: str | None  # -gencode flags to compile TileLang's CUDA source here; None where nvcc cannot
     triton_tensor_descriptors: bool  # tl.make_tensor_descriptor is available on this target's Triton
     compile_in_parallel: bool  # MUSA Triton builds fail when compiling in several processes at once
+    triton_inline_asm: bool  # tl.inline_asm_elementwise (PTX) is available: CUDA only, no MUSA build has it
     peak_bandwidth_bytes_per_s: float  # datasheet figure; only used to print roofline fractions
     notes: str = ""
     # TileLang pass configs (tilelang.PassConfigKey member names) for this target's kernels; names the installed
@@ -84,6 +85,7 @@ SM_90 = DeviceProfile(
     nvcc_gencode="-gencode arch=compute_90a,code=sm_90a",
     triton_tensor_descriptors=True,
     compile_in_parallel=True,
+    triton_inline_asm=True,
     peak_bandwidth_bytes_per_s=4.8e12,  # H200; H100 SXM is 3.35e12
     notes="H100/H200 (Hopper)",
 )
@@ -105,6 +107,7 @@ SM_80 = DeviceProfile(
     nvcc_gencode="-gencode arch=compute_80,code=sm_80",
     triton_tensor_descriptors=True,
     compile_in_parallel=True,
+    triton_inline_asm=True,
     peak_bandwidth_bytes_per_s=2.0e12,  # A100 80GB SXM
     notes="A100 (Ampere)",
 )
@@ -126,6 +129,7 @@ MP_22 = DeviceProfile(
     nvcc_gencode=None,
     triton_tensor_descriptors=False,  # the vendor's Triton 3.2 build lacks them
     compile_in_parallel=False,
+    triton_inline_asm=False,
     peak_bandwidth_bytes_per_s=768e9,
     notes="MTT S4000 (QY2)",
     tilelang_pass_configs=_MUSA_TILELANG_PASS_CONFIGS,
@@ -149,6 +153,7 @@ MP_31 = DeviceProfile(
     nvcc_gencode=None,
     triton_tensor_descriptors=False,  # only FlagTree >= 3.6 has them; probed at run time on a real card
     compile_in_parallel=False,
+    triton_inline_asm=False,
     peak_bandwidth_bytes_per_s=1.6e12,
     notes="MTT S5000 (PH1)",
     tilelang_pass_configs=_MUSA_TILELANG_PASS_CONFIGS,

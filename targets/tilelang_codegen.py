@@ -69,9 +69,13 @@ def installed_target_kinds() -> set[str]:
     """Target kinds the installed TileLang can lower to.
 
     TileLang 0.1.15 keeps them in its backend registry (tilelang.backend); older releases, and tilelang_musa
-    (forked from one), list them in tilelang.utils.target.SUPPORTED_TARGETS. Either may be missing.
+    (forked from one), list them in tilelang.utils.target.SUPPORTED_TARGETS. Either may be missing; without
+    TileLang installed there are none.
     """
-    import tilelang
+    try:
+        import tilelang  # noqa: F401
+    except ImportError:
+        return set()
 
     kinds = set()
     try:
