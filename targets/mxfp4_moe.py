@@ -205,12 +205,14 @@ COMBINE_BLOCK_H = 1024
 
 
 def combine(pair_out: torch.Tensor, ids: torch.Tensor, spec, out: torch.Tensor) -> None:
-    """out[t] = sum over slots of pair_out[t * top_k + j] (spec: anything with hidden, experts, top_k)."""
+    """out[t] = sum over slots of pair_out[t * top_k + j] (spec: anything with hidden, experts, top_k); pair_out
+    is [pairs, H], or [splits, pairs, H] of split-K partial sums, added in split order."""
     tokens = out.shape[0]
+    splits = pair_out.shape[0] if pair_out.dim() == 3 else 1
     block_h = min(COMBINE_BLOCK_H, triton_next_power_of_2(spec.hidden))
     routing.moe_combine_kernel[(tokens, -(-spec.hidden // block_h))](
-        pair_out, ids, out, spec.experts, out.stride(0), HIDDEN=spec.hidden, TOP_K=spec.top_k, BLOCK_H=block_h,
-        num_warps=4)
+        pair_out, ids, out, spec.experts, out.stride(0), ids.numel(), HIDDEN=spec.hidden, TOP_K=spec.top_k,
+        BLOCK_H=block_h, SPLITS=splits, num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -250,6 +252,19 @@ def _uses_workspace(config: KernelConfig) -> bool:
     return dict(config.params).get("WORKSPACE", 0) == 1
 
 
+def _split_k(config: KernelConfig) -> int:
+    return dict(config.params).get("SPLIT_K", 1)
+
+
+def _default_split_k(spec: MXFP4MoESpec, bucket: int) -> int:
+    """Split-K for the untuned decode choice: the fewer rows per expert, the fewer programs a GEMM has (one per
+    activated expert and column block) and the longer each one's chain of dependent weight loads; splitting the
+    reduction into 4 slices (1 row per expert or fewer) or 2 puts more loads in flight. Measured on the H200
+    (tools/bench_mxfp4_moe.py); the tuner measures every split."""
+    rows = rows_per_expert(spec, bucket)
+    return 4 if rows <= 1 else 2 if rows <= 4 else 1
+
+
 def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, configs: list[KernelConfig],
                        default: KernelConfig) -> tuple[list[KernelConfig], KernelConfig]:
     """The legal configs worth timing for `bucket`, and the untuned choice for it (cost model above)."""
@@ -264,8 +279,8 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         # decode (many small blocks keep every SM loading), 256 threads for the larger prefill tiles.
         threads = c.num_warps * profile.warp_size
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
-                -c["BLOCK_M"], abs(c["BLOCK_N"] - 64), abs(c["BLOCK_K"] - 128),
-                abs(threads - (128 if c["BLOCK_M"] <= 16 else 256)), c.num_stages != 3)
+                -c["BLOCK_M"], _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64),
+                abs(c["BLOCK_K"] - 128), abs(threads - (128 if c["BLOCK_M"] <= 16 else 256)), c.num_stages != 3)
 
     return tier, min(tier, key=preference)
 
@@ -274,13 +289,15 @@ def describe_config(config: KernelConfig) -> str:
     """Which path a config runs: what the compile report records per token bucket."""
     if _uses_workspace(config):
         return "workspace (dequantize activated experts once, then grouped bf16 GEMM)"
-    return "online dequant (MXFP4 decoded in registers inside the GEMMs)"
+    split = f", split-K {_split_k(config)}" if _split_k(config) > 1 else ""
+    return f"online dequant (MXFP4 decoded in registers inside the GEMMs{split})"
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Triton
 
-TRITON_KERNEL_NAMES = ("moe_gate_up_kernel", "moe_down_kernel", "mxfp4_dequantize_experts_kernel")
+TRITON_KERNEL_NAMES = ("moe_gate_up_kernel", "moe_down_kernel", "moe_split_activation_kernel",
+                       "mxfp4_dequantize_experts_kernel")
 # The workspace dequantization's tile (it is bandwidth bound; one shape serves).
 DEQUANT_BLOCK_N = 32
 DEQUANT_BLOCK_K = 256
@@ -330,17 +347,20 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
 
     BLOCK_K is at least 64 (each row step reads 32+ contiguous bytes per weight row; decode reads 64+); BLOCK_N
     tiles the output columns (for the gate/up GEMM BLOCK_N gate and BLOCK_N up rows). Decode tiles also take 1 and
-    2 warps: with 128-lane warps (mp_22) those are the 128- and 256-thread blocks that suit them.
+    2 warps: with 128-lane warps (mp_22) those are the 128- and 256-thread blocks that suit them, and split the
+    reduction (SPLIT_K); one pipeline depth, since decoded weight loads are not software-pipelined (measured:
+    tools/diagnose_mxfp4_decode.py).
     """
     configs = []
-    for block_m, block_n, block_k, warps, stages, use_workspace in (
-            [(16, n, k, w, s, 0) for n in (32, 64, 128) for k in (128, 256) for w in (1, 2, 4, 8) for s in (2, 3)]
-            + [(m, n, k, w, s, 0) for m in (32, 64) for n in (64, 128) for k in (64, 128) for w in (4, 8)
+    for block_m, block_n, block_k, warps, stages, use_workspace, split_k in (
+            [(16, n, k, w, 2, 0, split) for n in (32, 64, 128) for k in (128, 256) for w in (1, 2, 4, 8)
+             for split in (1, 2, 4, 8)]
+            + [(m, n, k, w, s, 0, 1) for m in (32, 64) for n in (64, 128) for k in (64, 128) for w in (4, 8)
                for s in (2, 3)]
-            + [(m, n, 64, w, s, ws) for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (3, 4)
+            + [(m, n, 64, w, s, ws, 1) for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (3, 4)
                for ws in (0, 1)]):
         configs.append(KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=block_m, BLOCK_N=block_n,
-                                         BLOCK_K=block_k, WORKSPACE=use_workspace))
+                                         BLOCK_K=block_k, WORKSPACE=use_workspace, SPLIT_K=split_k))
     return configs
 
 
@@ -382,23 +402,35 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     act = torch.empty(pairs, spec.inter, dtype=spec.hidden_dtype, device=device)
     pair_out = torch.empty(pairs, spec.hidden, dtype=torch.float32, device=device)
     use_workspace = _uses_workspace(config)
+    split_k = _split_k(config)
     upcast = triton_codegen.interpreting()
-    options = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WORKSPACE=use_workspace, UPCAST_DOT=upcast,
-                   num_warps=config.num_warps, num_stages=config.num_stages)
+    options = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WORKSPACE=use_workspace, SPLIT_K=split_k,
+                   UPCAST_DOT=upcast, num_warps=config.num_warps, num_stages=config.num_stages)
+    if split_k > 1:  # fp32 partial sums of each split: gate/up [S, P, 2I] (by sorted row), down [S, P, H]
+        gate_up_partial = torch.empty(split_k, pairs, 2 * spec.inter, dtype=torch.float32, device=device)
+        pair_out = torch.empty(split_k, pairs, spec.hidden, dtype=torch.float32, device=device)
+    else:
+        gate_up_partial = pair_out  # unused
     ws = workspace(device, spec.workspace_dtype, workspace_elements(spec, tokens)) if use_workspace else hidden
     # Absent biases: any pointer will do, the kernels never read it (HAS_*_BIAS is False in their source).
     w13_bias_arg = w13_bias if w13_bias is not None else hidden
     w2_bias_arg = w2_bias if w2_bias is not None else hidden
     if use_workspace:
         _dequantize_experts(kernels, w13_blocks, w13_scales, plan, ws, 2 * spec.inter, spec.hidden, spec)
-    kernels["moe_gate_up_kernel"][(plan.max_blocks, -(-spec.inter // block_n))](
+    gate_up_grid = (plan.max_blocks, -(-spec.inter // block_n))
+    kernels["moe_gate_up_kernel"][(*gate_up_grid, split_k)](
         hidden, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
-        w13_blocks, w13_scales, ws, w13_bias_arg, act, hidden.stride(0), alpha, limit, **options)
+        w13_blocks, w13_scales, ws, w13_bias_arg, act, gate_up_partial, hidden.stride(0), alpha, limit, pairs,
+        **options)
+    if split_k > 1:
+        kernels["moe_split_activation_kernel"][gate_up_grid](
+            gate_up_partial, plan.block_expert, plan.block_row_start, plan.block_row_end, w13_bias_arg, act, alpha,
+            limit, pairs, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, num_warps=config.num_warps)
     if use_workspace:
         _dequantize_experts(kernels, w2_blocks, w2_scales, plan, ws, spec.hidden, spec.inter, spec)
-    kernels["moe_down_kernel"][(plan.max_blocks, -(-spec.hidden // block_n))](
+    kernels["moe_down_kernel"][(plan.max_blocks, -(-spec.hidden // block_n), split_k)](
         act, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
-        w2_blocks, w2_scales, ws, w2_bias_arg, topk_weights.reshape(-1), pair_out, **options)
+        w2_blocks, w2_scales, ws, w2_bias_arg, topk_weights.reshape(-1), pair_out, pairs, **options)
     combine(pair_out, ids, spec, out)
 
 
@@ -435,19 +467,24 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
     w13_bias = "*" + _TRITON_TYPES[spec.w13_bias_dtype or spec.hidden_dtype]
     w2_bias = "*" + _TRITON_TYPES[spec.w2_bias_dtype or spec.hidden_dtype]
     tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-                 WORKSPACE=_uses_workspace(config), UPCAST_DOT=False)
+                 WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=False)
     constexprs = {name: "constexpr" for name in tiles}
     schedule = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
                     block_row_end_ptr="*i32", expert_slots_ptr="*i32", w_blocks_ptr="*u8", w_scales_ptr="*u8",
                     workspace_ptr=ws)
-    gate_up = dict(x_ptr=x, **schedule, bias_ptr=w13_bias, act_ptr=x, stride_x="i32", alpha="fp32",
-                   limit="fp32", **constexprs)
+    gate_up = dict(x_ptr=x, **schedule, bias_ptr=w13_bias, act_ptr=x, partial_ptr="*fp32", stride_x="i32",
+                   alpha="fp32", limit="fp32", pairs="i32", **constexprs)
     down = dict(act_ptr=x, **schedule, bias_ptr=w2_bias, topk_weights_ptr="*" + _TRITON_TYPES[spec.weights_dtype],
-                pair_out_ptr="*fp32", **constexprs)
+                pair_out_ptr="*fp32", pairs="i32", **constexprs)
+    split_activation = dict(partial_ptr="*fp32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
+                            block_row_end_ptr="*i32", bias_ptr=w13_bias, act_ptr=x, alpha="fp32", limit="fp32",
+                            pairs="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", SPLIT_K="constexpr")
+    split_tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], SPLIT_K=_split_k(config))
     dequant = dict(w_blocks_ptr="*u8", w_scales_ptr="*u8", expert_counts_ptr="*i32", expert_slots_ptr="*i32",
                    workspace_ptr=ws, N="constexpr", K="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr")
     dequant_constexprs = dict(N=2 * spec.inter, K=spec.hidden, BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=DEQUANT_BLOCK_K)
     return {"moe_gate_up_kernel": (gate_up, tiles), "moe_down_kernel": (down, tiles),
+            "moe_split_activation_kernel": (split_activation, split_tiles),
             "mxfp4_dequantize_experts_kernel": (dequant, dequant_constexprs, DEQUANT_NUM_WARPS)}
 
 

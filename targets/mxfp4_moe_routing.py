@@ -13,7 +13,8 @@ E experts), so a decode step can be captured in a CUDA graph.
                              (in chunk order then pair order: the grouping is deterministic, no atomics)
        (moe_route_one_chunk_kernel does 1-3 in one launch when the pairs fit one chunk: decode)
     ... the GEMMs run over the blocks ...
-    4. moe_combine_kernel    out[t] = sum_j pair_out[t * top_k + j] in slot order j = 0..k-1 (fp32), one write per
+    4. moe_combine_kernel    out[t] = sum_j pair_out[t * top_k + j] in slot order j = 0..k-1 (fp32; with split-K
+                             the partial sums of each pair first, in split order), one write per
                              token: deterministic, unlike atomic adds into out from the down GEMM, and the extra
                              traffic (P * H fp32 written and read) is < 1% of the weight bytes at decode.
 
@@ -146,8 +147,10 @@ def moe_route_one_chunk_kernel(ids_ptr, sorted_pairs_ptr, pairs, num_experts, ex
 
 
 @triton.jit
-def moe_combine_kernel(pair_out_ptr, ids_ptr, out_ptr, num_experts, stride_out,
-                       HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def moe_combine_kernel(pair_out_ptr, ids_ptr, out_ptr, num_experts, stride_out, pairs,
+                       HIDDEN: tl.constexpr, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, SPLITS: tl.constexpr):
+    """pair_out is [SPLITS, pairs, HIDDEN]: the down GEMM's partial sums over SPLITS slices of its reduction
+    (split-K decode), 1 otherwise; they are added in split order, then the slots in slot order."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < HIDDEN
@@ -157,7 +160,9 @@ def moe_combine_kernel(pair_out_ptr, ids_ptr, out_ptr, num_experts, stride_out,
         expert = tl.load(ids_ptr + pair)
         routed = (expert >= 0) & (expert < num_experts)
         # An unrouted pair's row was never written: read it anyway (it is allocated) and replace it by NaN.
-        value = tl.load(pair_out_ptr + pair * HIDDEN + cols, mask=mask, other=0.0)
+        value = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for split in tl.static_range(SPLITS):
+            value += tl.load(pair_out_ptr + (split * pairs + pair) * HIDDEN + cols, mask=mask, other=0.0)
         total += tl.where(routed, value, float("nan"))
     tl.store(out_ptr + token * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -28,6 +28,9 @@ PROFILES = {name: target.profile for name, target in TARGETS.items()}
 ONLINE_DECODE = KernelConfig.make(num_warps=4, num_stages=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, WORKSPACE=0)
 ONLINE_WIDE = KernelConfig.make(num_warps=4, num_stages=2, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0)
 WORKSPACE = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, WORKSPACE=1)
+# Split-K decode: 3 splits of a 96-wide reduction in 64-wide steps leave the last split empty (H = 96) or short.
+ONLINE_SPLIT = KernelConfig.make(num_warps=2, num_stages=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, WORKSPACE=0,
+                                 SPLIT_K=3)
 
 
 def tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict:
@@ -114,11 +117,18 @@ NUMERIC_CASES = [
     ("silu-concat-nobias-T37-skewed", ONLINE_DECODE),
     ("silu-concat-nobias-T37-skewed", WORKSPACE),
     ("gptoss-T37-skewed-bf16-weights", ONLINE_WIDE),
+    ("gptoss-bfloat16-T5", ONLINE_SPLIT),
+    ("silu-concat-nobias-T37-skewed", ONLINE_SPLIT),
 ]
 
 
-@pytest.mark.parametrize("case, config", NUMERIC_CASES,
-                         ids=[f"{c}-{'workspace' if cfg['WORKSPACE'] else 'online'}" for c, cfg in NUMERIC_CASES])
+def _case_id(case: str, config: KernelConfig) -> str:
+    path = "workspace" if config["WORKSPACE"] else "online"
+    split = dict(config.params).get("SPLIT_K", 1)
+    return f"{case}-{path}" + (f"-split{split}" if split > 1 else "")
+
+
+@pytest.mark.parametrize("case, config", NUMERIC_CASES, ids=[_case_id(c, cfg) for c, cfg in NUMERIC_CASES])
 def test_triton_path_matches_reference(case, config, seed, tmp_path):
     args = case_args(case, seed)
     if case.endswith("skewed"):
@@ -280,7 +290,9 @@ _AOT_SCRIPT = textwrap.dedent("""
     cases = [("gptoss-bf16", "decode", KernelConfig.make(4, 3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0)),
              ("gptoss-bf16", "prefill-workspace",
               KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORKSPACE=1)),
-             ("deepseek-fp16", "decode", KernelConfig.make(4, 2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, WORKSPACE=0))]
+             ("deepseek-fp16", "decode", KernelConfig.make(4, 2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, WORKSPACE=0)),
+             ("gptoss-bf16", "decode-split",
+              KernelConfig.make(2, 2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0, SPLIT_K=4))]
     for spec_name, config_name, config in cases:
         spec = specs[spec_name]
         path = out / f"mxfp4_moe_{spec_name}.py"
@@ -291,10 +303,13 @@ _AOT_SCRIPT = textwrap.dedent("""
                 continue
             if name == "mxfp4_dequantize_experts_kernel" and config_name != "prefill-workspace":
                 continue
+            if name == "moe_split_activation_kernel" and config_name != "decode-split":
+                continue
             fn = getattr(kernels[name], "fn", kernels[name])
-            compile_kernel(fn, signature, constexprs, own_warps[0] if own_warps else config.num_warps, config.num_stages,
+            warps = own_warps[0] if own_warps else config.num_warps
+            compile_kernel(fn, signature, constexprs, warps, config.num_stages,
                            f"{spec_name}/{config_name}/{name}")
-            if name != "mxfp4_dequantize_experts_kernel":
+            if name in ("moe_gate_up_kernel", "moe_down_kernel"):
                 results[-1]["estimate"] = family.triton_shared_memory_bytes(spec, config)
     e_pow2, chunk = 256, routing.ROUTING_CHUNK
     i32 = "*i32"
@@ -316,8 +331,9 @@ _AOT_SCRIPT = textwrap.dedent("""
                    pairs="i32", num_experts="i32", E_POW2="constexpr", CHUNK="constexpr"),
                    dict(E_POW2=e_pow2, CHUNK=chunk), 4, 1, "routing/scatter")
     compile_kernel(routing.moe_combine_kernel, dict(pair_out_ptr="*fp32", ids_ptr=i32, out_ptr="*bf16",
-                   num_experts="i32", stride_out="i32", HIDDEN="constexpr", TOP_K="constexpr", BLOCK_H="constexpr"),
-                   dict(HIDDEN=2880, TOP_K=4, BLOCK_H=1024), 4, 1, "routing/combine")
+                   num_experts="i32", stride_out="i32", pairs="i32", HIDDEN="constexpr", TOP_K="constexpr",
+                   BLOCK_H="constexpr", SPLITS="constexpr"), dict(HIDDEN=2880, TOP_K=4, BLOCK_H=1024, SPLITS=4), 4, 1,
+                   "routing/combine")
     print("RESULTS " + json.dumps(results))
 """)
 
@@ -330,7 +346,7 @@ def test_triton_kernels_compile_ahead_of_time_for_sm_90(tmp_path):
     [line] = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     results = json.loads(line.removeprefix("RESULTS "))
     labels = [r["label"] for r in results]
-    assert len(results) == 2 + 3 + 1 + 5, labels
+    assert len(results) == 2 + 3 + 1 + 3 + 5, labels
     for r in results:
         assert r["ptx"], r
         if "estimate" in r and "bf16" in r["label"]:
@@ -382,7 +398,8 @@ def gpu_profile():
     return SM_90
 
 
-GPU_CONFIGS = [ONLINE_DECODE, ONLINE_WIDE, WORKSPACE,
+GPU_CONFIGS = [ONLINE_DECODE, ONLINE_WIDE, WORKSPACE, ONLINE_SPLIT,
+               KernelConfig.make(2, 2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0, SPLIT_K=4),
                KernelConfig.make(4, 3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0),
                KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORKSPACE=1),
                KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, WORKSPACE=0)]

@@ -149,8 +149,8 @@ def main():
     k, n, e = args.hidden, args.out_features, args.experts
     blocks = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, device=device, generator=gen)
     scales = torch.randint(119, 124, (e, n, k // 32), dtype=torch.uint8, device=device, generator=gen)
-    print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}; torch {torch.__version__}; triton {triton.__version__}; "
-          f"N={n} K={k} E={e}")
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{device_name}; torch {torch.__version__}; triton {triton.__version__}; N={n} K={k} E={e}")
     print("| rows | variant | BLOCK_N | BLOCK_K | warps | stages | prefetch | µs | TB/s | % of 4.8 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for rows in args.rows:
@@ -165,6 +165,7 @@ def main():
                 args.variants, args.block_n, args.block_k, args.warps, args.stages, args.prefetch):
             decoder, _, product = variant.partition("+")
             product = product or "load"
+            row = f"| {rows} | {variant} | {bn} | {bk} | {warps} | {stages} | {prefetch} |"
             y = torch.full((rows, n), float("nan"), device=device)
 
             def call():
@@ -178,23 +179,20 @@ def main():
                 if device.type == "cuda":
                     torch.cuda.synchronize()
             except Exception as err:  # a tiling the compiler rejects: report it and go on
-                print(f"| {rows} | {variant} | {bn} | {bk} | {warps} | {stages} | {prefetch} | failed: "
-                      f"{' '.join(str(err).split())[:300]} | | |")
+                print(f"{row} failed: {' '.join(str(err).split())[:300]} | | |")
                 continue
             if product != "load":
                 error = (y - expected).abs().max().item()
                 scale = expected.abs().max().item()
                 if not error <= 1e-2 * scale:
-                    print(f"| {rows} | {variant} | {bn} | {bk} | {warps} | {stages} | {prefetch} | WRONG: max error {error:.3g} "
-                          f"vs {scale:.3g} | | |")
+                    print(f"{row} WRONG: max error {error:.3g} vs {scale:.3g} | | |")
                     continue
             if args.check_only:
-                print(f"| {rows} | {variant} | {bn} | {bk} | {warps} | {stages} | {prefetch} | correct | | |")
+                print(f"{row} correct | | |")
                 continue
             us = triton.testing.do_bench(call, rep=50) * 1e3
             rate = touched / (us * 1e-6)
-            print(f"| {rows} | {variant} | {bn} | {bk} | {warps} | {stages} | {prefetch} | {us:.1f} | {rate / 1e12:.2f} | "
-                  f"{100 * rate / PEAK_BYTES_PER_S:.0f}% |", flush=True)
+            print(f"{row} {us:.1f} | {rate / 1e12:.2f} | {100 * rate / PEAK_BYTES_PER_S:.0f}% |", flush=True)
 
 
 if __name__ == "__main__":
