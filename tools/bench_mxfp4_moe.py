@@ -213,8 +213,14 @@ class DzcKernels:
         tier, default = family.configs_for_bucket(self.spec, SM_90, bucket, legal,
                                                   default if default in legal else legal[0])
         others = [c for c in tier if c != default]
-        step = max(1, len(others) // max(how_many, 1))
-        return [("default", default)] + [("candidate", c) for c in others[::step][:how_many]]
+        # The default's tile with every other split of the reduction (a same-run A/B of split-K), then a spread
+        # of the rest of the tier.
+        tile = {k: v for k, v in default.params if k != "SPLIT_K"}
+        splits = [c for c in others if {k: v for k, v in c.params if k != "SPLIT_K"} == tile
+                  and (c.num_warps, c.num_stages) == (default.num_warps, default.num_stages)]
+        rest = [c for c in others if c not in splits]
+        step = max(1, len(rest) // max(how_many, 1))
+        return [("default", default)] + [("candidate", c) for c in splits + rest[::step][:how_many]]
 
     def run(self, config, args):
         inputs, (out,), _, result = family.prepare(self.spec, *args)
@@ -261,7 +267,8 @@ def main():
     parser.add_argument("--codegens", nargs="+", default=["triton", "tilelang"], choices=["triton", "tilelang"])
     parser.add_argument("--quick", action="store_true", help="a subset that finishes in about two minutes")
     parser.add_argument("--musa-legal", action="store_true", help="only configs legal on musa:mp_22 (see the doc)")
-    parser.add_argument("--memory-layers", type=int, default=2, help="stacked layers in the memory measurement")
+    parser.add_argument("--memory-layers", type=int, default=2,
+                        help="stacked layers in the memory measurement (0: skip it)")
     parser.add_argument("--out", help="write the markdown report here too")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -316,6 +323,7 @@ def main():
                             continue
                         errors.append(check(f"dzc triton {config}", result, expected))
                         seconds = graph_time(lambda c=config: triton_kernels.run(c, op_args))
+                        print(f"  {model} T={tokens} {role} {config}: {seconds * 1e6:.1f} µs", file=sys.stderr)
                         if role == "default":
                             default_s = seconds
                         if seconds < tuned_s:
@@ -350,7 +358,8 @@ def main():
                 print(row, f"  [tuned: {tuned_config}]", flush=True)
         grouped = kernels = None  # free the BF16 copy before the next model
         torch.cuda.empty_cache()
-    lines += ["", *memory_report(args.models, args.memory_layers, device, generator, workdir)]
+    if args.memory_layers:
+        lines += ["", *memory_report(args.models, args.memory_layers, device, generator, workdir)]
     lines += ["", "Goals: decode >= 70% of 4.8 TB/s at T >= 8 and >= 55% at T = 1; >= 3x the eager dequant path; "
               "prefill >= 550 TFLOP/s at >= 256 rows per expert (gpt-oss T=8192)."]
     text = "\n".join(lines)
