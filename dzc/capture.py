@@ -110,8 +110,12 @@ class DzcBackend:
         # breaks in models compiled earlier are not reported as this model's.
         self._graph_breaks_seen = collections.Counter(torch._dynamo.utils.counters["graph_break"])
         self._frames_compiled: set = set()
+        # keep_inference_input_mutations: an input the model writes in place (a KV cache) is copied back by a
+        # `copy_` at the end of the graph, not by AOTAutograd's runtime wrapper after it, so that the pass
+        # reinplace_cache_writes can see the write and make it in place again (and the wrapper still bumps the
+        # input's version counter, which CudaGraphRunner reads).
         self._aot = aot_autograd(fw_compiler=self._refuse_training, inference_compiler=self._compile_graph,
-                                 decompositions=_DECOMPOSITIONS)
+                                 decompositions=_DECOMPOSITIONS, keep_inference_input_mutations=True)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         return self._aot(gm, example_inputs)

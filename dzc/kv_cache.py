@@ -16,8 +16,8 @@ Per layer the cache holds:
     amax / 448 rounded up to a power of two (DeepSeek's `act_quant(..., scale_fmt="ue8m0")`).
   - BF16: bf16 [pages, 64, 128].
 
-The layout functions here (`fp8_index_page_bytes`, `split_fp8_index_pages`, `quantize_index_keys`) are the one
-definition of the FP8 indexer layout; dzc.ops.dsa reads caches through them.
+The layout functions here (`fp8_index_page_bytes`, `split_fp8_index_pages`, `split_fp8_index_page_bytes`,
+`quantize_index_keys`) are the one definition of the FP8 indexer layout; dzc.ops.dsa reads caches through them.
 """
 
 from __future__ import annotations
@@ -40,17 +40,31 @@ def fp8_index_page_bytes(page_size: int, head_dim: int) -> int:
     return page_size * (head_dim + SCALE_BYTES)
 
 
-def split_fp8_index_pages(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 [pages, page_size * (head_dim + 4)] -> (e4m3 values [pages, page_size, head_dim], fp32 scales
-    [pages, page_size]), both views of the cache's memory."""
+def _fp8_index_page_size(cache: torch.Tensor, head_dim: int) -> int:
     pages, page_bytes = cache.shape
     if cache.dtype != torch.uint8 or page_bytes % (head_dim + SCALE_BYTES):
         raise ValueError(f"an FP8 indexer key cache is uint8 [pages, page_size * {head_dim + SCALE_BYTES}]; got "
                          f"{cache.dtype} {list(cache.shape)}")
-    page_size = page_bytes // (head_dim + SCALE_BYTES)
+    return page_bytes // (head_dim + SCALE_BYTES)
+
+
+def split_fp8_index_pages(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 [pages, page_size * (head_dim + 4)] -> (e4m3 values [pages, page_size, head_dim], fp32 scales
+    [pages, page_size]), both views of the cache's memory."""
+    pages, page_size = cache.shape[0], _fp8_index_page_size(cache, head_dim)
     values = cache[:, : page_size * head_dim].view(torch.float8_e4m3fn).view(pages, page_size, head_dim)
     scales = cache[:, page_size * head_dim:].view(torch.float32)
     return values, scales
+
+
+def split_fp8_index_page_bytes(cache: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same two areas as split_fp8_index_pages, as uint8 views: value bytes [pages, page_size, head_dim] and
+    scale bytes [pages, page_size, 4]. For writes: no view changes the element size of the strided pool (Inductor
+    lowers such a view as a copy, and a compiled in-place write through it would be lost)."""
+    pages, page_size = cache.shape[0], _fp8_index_page_size(cache, head_dim)
+    value_bytes = cache[:, : page_size * head_dim].view(pages, page_size, head_dim)
+    scale_bytes = cache[:, page_size * head_dim:].view(pages, page_size, SCALE_BYTES)
+    return value_bytes, scale_bytes
 
 
 def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,12 +188,13 @@ def write_index_keys(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tenso
     areas split_fp8_index_pages defines. A plain function of tensors, so that a model's forward can call it."""
     head_dim = keys.shape[-1]
     if cache.dtype == torch.uint8:
-        values, scales = split_fp8_index_pages(cache, head_dim)
+        value_bytes, scale_bytes = split_fp8_index_page_bytes(cache, head_dim)
         key_values, key_scales = quantize_index_keys(keys)
-        # Index (page, offset): a page's values and scales are not one flat run, so no flat view exists.
-        pages, offsets = slots // values.shape[1], slots % values.shape[1]
-        values.view(torch.uint8)[pages, offsets] = key_values.view(torch.uint8)  # byte copies: any device's index_put
-        scales[pages, offsets] = key_scales
+        # Index (page, offset): a page's values and scales are not one flat run, so no flat view exists. Byte
+        # copies: any device's index_put, and the compiled write stays in place (reinplace_cache_writes).
+        pages, offsets = slots // value_bytes.shape[1], slots % value_bytes.shape[1]
+        value_bytes[pages, offsets] = key_values.view(torch.uint8)
+        scale_bytes[pages, offsets] = key_scales.unsqueeze(-1).view(torch.uint8)
     else:
         cache.view(-1, head_dim)[slots] = keys.to(cache.dtype)
 

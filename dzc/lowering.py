@@ -25,6 +25,7 @@ from dzc.targets.launch import GeneratedKernel, KernelRecord, legal_configs
 # The codegen each op prefers when options.codegen is "auto", best first. Memory-bound ops go to Triton, whose
 # kernels also run on CPU tensors (interpreter); GEMM-heavy ops will prefer TileLang.
 PREFERRED_CODEGENS = {"add_rms_norm": ("triton", "tilelang"),
+                      "add_layer_norm": ("triton", "tilelang"),
                       # Attention is matmul-bound: TileLang's T.gemm takes 80-wide tiles (Triton pads to 64 + 16).
                       "varlen_attention": ("tilelang", "triton"),
                       # Triton first: only its kernels have the workspace path (prefill) besides online dequant.

@@ -17,6 +17,7 @@ from dzc.passes.fuse_residual_norm import fuse_residual_norm
 from dzc.passes.fuse_sparse_attention import fuse_sparse_attention
 from dzc.passes.fuse_vision_attention import fuse_vision_attention
 from dzc.passes.graph_pass import PassResult
+from dzc.passes.reinplace_cache_writes import reinplace_cache_writes
 from dzc.targets import Target
 
 GraphPass = Callable[[torch.fx.Graph], PassResult]
@@ -40,6 +41,10 @@ def build_pipeline(target: Target) -> list[GraphPass]:
         # of the other fusions (it takes the normalised activations from whichever node produces them); before
         # lowering, which must never see the dequantized weights it removes.
         fuse_mxfp4_experts,
+        # Functional writes into an input (KV cache) + AOTAutograd's copy-back -> in-place writes, no copy of the
+        # cache. Last: the fusions match the functional graph (fuse_sparse_attention then reads the written cache
+        # in place instead of gathering it), and no later pass may move a read across a write.
+        reinplace_cache_writes,
     ]
 
 

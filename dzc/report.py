@@ -98,7 +98,10 @@ class CompileReport:
             for bucket, tuned in sorted(k.tuned.items()):
                 lines.append(f"      tokens <= {bucket}: {tuned['config']} ({tuned['how']}, "
                              f"{tuned['tuning_seconds']:.2f} s, {tuned['failed_configs']} failed)"
-                             + (f"; path: {tuned['path']}" if "path" in tuned else ""))
+                             + (f"; path: {tuned['path']}" if "path" in tuned else "")
+                             + (f"; runs external {tuned['external']}" if tuned.get("external") else ""))
+            if k.external_candidates:
+                lines.append(f"      external candidates offered: {', '.join(k.external_candidates)}")
         return "\n".join(lines)
 
     def to_json_text(self) -> str:

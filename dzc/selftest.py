@@ -43,6 +43,7 @@ from dzc.lowering import Execution, dzc_op_name, lower_graph
 from dzc.ops import OPS
 from dzc.options import CompileOptions
 from dzc.targets import KERNEL_FAMILIES, Target, musa_triton, resolve_target, static_check, tilelang_codegen
+from dzc.targets import external_kernels
 from dzc.targets.device_runtime import DeviceRuntime, dsl_versions
 from dzc.targets.profiles import SM_90
 
@@ -114,7 +115,8 @@ def compare_outputs(actual, expected, tolerances: dict) -> dict:
     return {"ok": True, "max_abs_error": worst}
 
 
-def _run_on_device(op: str, args: tuple, record, runtime: DeviceRuntime, device: torch.device, family) -> dict:
+def _run_on_device(op: str, args: tuple, record, runtime: DeviceRuntime, device: torch.device, family,
+                   externals: list) -> dict:
     op_overload, reference = OPS[op]
 
     def dzc_call():
@@ -128,12 +130,25 @@ def _run_on_device(op: str, args: tuple, record, runtime: DeviceRuntime, device:
     runtime.synchronize(device)
     first_call_s = time.perf_counter() - start
     tolerances = {**DEFAULT_TOLERANCES, **getattr(family, "SELFTEST_TOLERANCES", {})}
-    numerics = compare_outputs(actual, eager_call(), tolerances)
+    expected = eager_call()
+    numerics = compare_outputs(actual, expected, tolerances)
     result = {"numerics": numerics, "first_call_seconds": round(first_call_s, 3), "tuned": record.tuned}
     if numerics["ok"]:
         dzc_s, eager_s = runtime.bench(dzc_call, device), runtime.bench(eager_call, device)
         result["timing"] = {"dzc_us": round(dzc_s * 1e6, 2), "eager_us": round(eager_s * 1e6, 2),
                             "speedup_vs_eager": round(eager_s / dzc_s, 3) if dzc_s > 0 else None}
+    # Other libraries' kernels for the op (MATE on MUSA), checked and timed on their own: the tuner picks them by
+    # speed alone, so a wrong one must show here (dzc's timing above is theirs where one won: see "tuned").
+    for candidate in externals:
+        def external_call(candidate=candidate):
+            return candidate.fn(*args)
+        try:
+            outcome = compare_outputs(runtime.launch(external_call, device), expected, tolerances)
+        except Exception as err:
+            outcome = {"ok": False, "why": f"{type(err).__name__}: {err}".splitlines()[0][:300]}
+        if outcome["ok"]:
+            outcome["us"] = round(runtime.bench(external_call, device) * 1e6, 2)
+        result.setdefault("externals", {})[candidate.name] = outcome
     return result
 
 
@@ -421,9 +436,11 @@ def _run_case(entry, op, family, codegen, make_args, target, options, execution,
         if jobs:
             pending_aot.append((entry, jobs))
         return
-    outcome = _run_on_device(op, args, record, runtime, device, family)
+    externals = external_kernels.candidates_for(op, spec, target.profile)
+    outcome = _run_on_device(op, args, record, runtime, device, family, externals)
     entry.update(outcome)
-    entry["status"] = "passed" if outcome["numerics"]["ok"] else "failed"
+    external_ok = all(e["ok"] for e in outcome.get("externals", {}).values())
+    entry["status"] = "passed" if outcome["numerics"]["ok"] and external_ok else "failed"
 
 
 def _describe(entry: dict) -> str:
@@ -433,6 +450,8 @@ def _describe(entry: dict) -> str:
     timing = entry.get("timing")
     if timing:
         line += f"  dzc {timing['dzc_us']:.1f} us, eager {timing['eager_us']:.1f} us"
+    for name, outcome in entry.get("externals", {}).items():
+        line += f"  {name} {outcome['us']:.1f} us" if outcome["ok"] else f"  {name} FAILED: {outcome.get('why')}"
     compiled = entry.get("compile", {})
     for kind, outcome in compiled.items():
         if outcome["status"] == "compiled":

@@ -15,6 +15,7 @@ from dzc.models.decoder import DecoderConfig, build_decoder
 from dzc.models.dsa import build_dsa_example, build_hf_deepseek_v32
 from dzc.models.gpt_oss_hf import build_gpt_oss_example
 from dzc.models.moe import build_moe_example
+from dzc.models.multimodal import build_multimodal_example
 from dzc.models.vision import TINY_MOONVIT, TINY_QWEN_VISION, build_vision_example
 
 
@@ -52,6 +53,9 @@ MODELS: dict[str, tuple[Callable, str]] = {
     "moonvit": (lambda: build_vision_example(replace(TINY_MOONVIT, attention="split")),
                 "MoonViT-style vision encoder (LayerNorm, GELU, 2x2 merger), 3 images packed, per-image "
                 "split/cat attention, fp32, hidden 32"),
+    "multimodal": (build_multimodal_example,
+                   "vision encoder (tiny Qwen2.5-VL-style, mask attention) + 2-layer decoder of DSA attention over a "
+                   "paged cache and MXFP4 MoE (tiny gpt-oss), bf16: prefill of 3 images + text"),
 }
 
 

@@ -16,8 +16,9 @@ the cache reserved (in place, `index_put_`), then reads every sequence's rows ba
 max_pages * page_size, positions past a sequence's length are masked by causality). The block table width, not
 a Python int, carries the context length, so a growing context is a dynamic size and does not recompile.
 Eagerly the writes touch only the new rows. In a compiled graph AOTAutograd functionalizes them (index_put into
-a new cache value, copied back into the cache argument after the graph): correct, but a copy of the layer's cache
-per step until a pass re-inplaces cache writes (not done yet).
+a new cache value, copied back into the cache argument by a `copy_` at the end of the graph); the pass
+reinplace_cache_writes turns them back into in-place writes of the new rows and drops the copy, so a compiled
+step does not copy the layer's cache either.
 """
 
 from __future__ import annotations

@@ -259,6 +259,23 @@ class VisionEncoder(nn.Module):
         return self.merger(x)[torch.argsort(window_index)]
 
 
+class AddLayerNorm(nn.Module):
+    """One residual add and the nn.LayerNorm after it, returning (normed, sum): the smallest module the LayerNorm
+    residual fusion applies to (tests, benchmarks). Weight around 1 and a random bias: ones and zeros would hide a
+    missing affine step."""
+
+    def __init__(self, hidden: int = 64, eps: float = 1e-6):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, eps=eps)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.1)
+            self.norm.bias.normal_()
+
+    def forward(self, x, residual):
+        h = x + residual
+        return self.norm(h), h
+
+
 def build_vision_encoder(cfg: VisionConfig, dtype: torch.dtype = torch.float32, seed: int = 0) -> VisionEncoder:
     """Seeded random weights; norm weights (and LayerNorm biases) random too, so a missing one shows."""
     torch.manual_seed(seed)

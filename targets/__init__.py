@@ -14,6 +14,7 @@ from dzc.targets import add_rms_norm, device_runtime, tilelang_codegen, triton_c
 from dzc.targets import varlen_attention
 from dzc.targets import mxfp4_moe
 from dzc.targets import dsa_indexer, dsa_topk, sparse_attention
+from dzc.targets import add_layer_norm
 from dzc.targets.profiles import MP_22, MP_31, SM_80, SM_90, DeviceProfile
 
 
@@ -46,6 +47,7 @@ DEFAULT_PROFILE = {"cuda": "cuda:sm_90", "musa": "musa:mp_31"}
 # Kernel families: per dzc op, the module that knows its spec, sources, config spaces and launches.
 KERNEL_FAMILIES: dict[str, ModuleType] = {
     "add_rms_norm": add_rms_norm,
+    "add_layer_norm": add_layer_norm,
     "varlen_attention": varlen_attention,
     "mxfp4_moe": mxfp4_moe,
     "dsa_indexer": dsa_indexer,

@@ -2,6 +2,7 @@
 
 The op is memory-bound (8·T·H bytes for bf16: read x and residual, write y and h). One program normalises ROWS
 rows of HIDDEN elements held in registers; ROWS > 1 keeps small hidden sizes from leaving lanes idle.
+targets/add_layer_norm.py imports this row layout's config spaces, defaults and shared-memory estimates.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
 
-_TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
+TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,10 @@ def triton_source(spec: AddRmsNormSpec, profile: DeviceProfile) -> str:
         x_dtype=spec.x_dtype, residual_dtype=spec.residual_dtype, weight_dtype=spec.weight_dtype,
         out_dtype=spec.out_dtype, sum_dtype=spec.sum_dtype,
         sum_in_fp32=spec.sum_in_fp32, cast_before_weight=spec.cast_before_weight,
-        sum_tl_dtype=_TL_DTYPES[spec.sum_dtype], out_tl_dtype=_TL_DTYPES[spec.out_dtype],
+        sum_tl_dtype=TL_DTYPES[spec.sum_dtype], out_tl_dtype=TL_DTYPES[spec.out_dtype],
         # The norm reads the fp32 sum, or the sum as rounded into h (what the model code computes).
         normed_input="total" if spec.sum_in_fp32 else "h.to(tl.float32)",
-        weight_operand=(f"normed.to({_TL_DTYPES[spec.sum_dtype]}).to(tl.float32)" if spec.cast_before_weight
+        weight_operand=(f"normed.to({TL_DTYPES[spec.sum_dtype]}).to(tl.float32)" if spec.cast_before_weight
                         else "normed"),
     )
     return Template((TEMPLATES / "add_rms_norm.triton.py.tmpl").read_text()).substitute(fields)
@@ -178,7 +179,7 @@ def prepare(spec: AddRmsNormSpec, x, residual, weight, eps, *_static):
 
 TILELANG_FACTORY_NAME = "build"
 
-_TILELANG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+TILELANG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 # The fp32 row block lives in registers: at most 64 elements per thread, and 16K per block (at 1024 threads
 # that is 16 per thread, since a thread of a full-size block has only 64 registers in all).
@@ -189,14 +190,14 @@ _TILELANG_MAX_ELEMENTS_PER_BLOCK = 16384
 _TILELANG_MAX_PADDING_GROWTH = 1.25
 
 
-def _tilelang_vector(spec: AddRmsNormSpec) -> int:
+def tilelang_vector(spec: AddRmsNormSpec) -> int:
     """Elements in one 16-byte access of the narrowest tensor (the template's VECTOR)."""
     return 16 // min(d.itemsize for d in spec.dtypes)
 
 
 def _tilelang_padded_width(spec: AddRmsNormSpec, threads: int) -> int:
     """The template's padded_width(threads): hidden rounded up to whole vectors for every thread."""
-    step = threads * _tilelang_vector(spec)
+    step = threads * tilelang_vector(spec)
     return -(-spec.hidden // step) * step
 
 
@@ -206,10 +207,10 @@ def tilelang_source(spec: AddRmsNormSpec, profile: DeviceProfile) -> str:
         x_dtype=spec.x_dtype, residual_dtype=spec.residual_dtype, weight_dtype=spec.weight_dtype,
         out_dtype=spec.out_dtype, sum_dtype=spec.sum_dtype,
         sum_in_fp32=spec.sum_in_fp32, cast_before_weight=spec.cast_before_weight,
-        x_tl_dtype=_TILELANG_DTYPES[spec.x_dtype], residual_tl_dtype=_TILELANG_DTYPES[spec.residual_dtype],
-        weight_tl_dtype=_TILELANG_DTYPES[spec.weight_dtype], out_tl_dtype=_TILELANG_DTYPES[spec.out_dtype],
-        sum_tl_dtype=_TILELANG_DTYPES[spec.sum_dtype],
-        vector=_tilelang_vector(spec),
+        x_tl_dtype=TILELANG_DTYPES[spec.x_dtype], residual_tl_dtype=TILELANG_DTYPES[spec.residual_dtype],
+        weight_tl_dtype=TILELANG_DTYPES[spec.weight_dtype], out_tl_dtype=TILELANG_DTYPES[spec.out_dtype],
+        sum_tl_dtype=TILELANG_DTYPES[spec.sum_dtype],
+        vector=tilelang_vector(spec),
         # The norm reads the fp32 sum, or the sum as rounded into h (what the model code computes).
         normed_input="total[r, c]" if spec.sum_in_fp32 else 'T.cast(T.cast(total[r, c], SUM_DTYPE), "float32")',
         normed=('T.cast(T.cast(normed_input * inv_rms[r], X_DTYPE), "float32")' if spec.cast_before_weight
@@ -251,7 +252,7 @@ def tilelang_default_config(spec: AddRmsNormSpec, profile: DeviceProfile) -> Ker
     """Untuned choice: one row per block, the thread count closest to 16 elements per thread."""
     single_row = [c for c in tilelang_configs(spec, profile) if c["ROWS"] == 1]
     if not single_row:
-        raise ValueError(f"no legal TileLang add_rms_norm config for {spec.describe()} on {profile.name}")
+        raise ValueError(f"no legal TileLang add+norm config for {spec.describe()} on {profile.name}")
     return min(single_row,
                key=lambda c: abs(_tilelang_padded_width(spec, c["THREADS"]) // c["THREADS"] - 16))
 

@@ -82,17 +82,18 @@ def queries_at(seq_lens: list[int], per_seq: list[int], device) -> tuple[torch.T
 
 def indexer_args(seq_lens: list[int], per_seq: list[int], heads: int, head_dim: int, fp8: bool, page_size: int,
                  device, generator: torch.Generator, max_context: int | None = None,
-                 dtype: torch.dtype = torch.bfloat16) -> tuple:
+                 dtype: torch.dtype = torch.bfloat16, fp8_q: bool = True) -> tuple:
     """dsa_indexer's arguments (without kernel_id): q, weights, index_k_cache, block_table, seq_lens, query_seq,
-    query_pos, max_context (default: the longest sequence). fp8: the uint8 FP8 cache and an e4m3 q; otherwise
-    q and cache in `dtype`."""
+    query_pos, max_context (default: the longest sequence). fp8: the uint8 FP8 cache and an e4m3 q (a `dtype` q
+    with fp8_q=False); otherwise q and cache in `dtype`."""
     paging = random_paging(seq_lens, page_size, device, generator)
     query_seq, query_pos = queries_at(seq_lens, per_seq, device)
     rows = query_seq.shape[0]
     weights = torch.randn(rows, heads, generator=generator).to(device)
     keys = [torch.randn(n, head_dim, generator=generator).to(device) for n in seq_lens]
     if fp8:
-        q = (torch.randn(rows, heads, head_dim, generator=generator) * 8).to(device, torch.float8_e4m3fn)
+        q = torch.randn(rows, heads, head_dim, generator=generator) * 8
+        q = q.to(device, torch.float8_e4m3fn if fp8_q else dtype)
         cache = random_fp8_index_cache(paging, keys)
     else:
         q = torch.randn(rows, heads, head_dim, generator=generator).to(device, dtype)

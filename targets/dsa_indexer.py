@@ -42,7 +42,7 @@ class DsaIndexerSpec:
 
     heads: int
     head_dim: int
-    q_dtype: torch.dtype  # float8_e4m3fn (q scales folded into the weights) with the FP8 cache; else the cache's
+    q_dtype: torch.dtype  # the MMA dtype: the cache's; with the FP8 cache float8_e4m3fn or a float q (see spec_for)
     fp8: bool  # the cache is the uint8 FP8 layout (e4m3 values, then one fp32 scale per token, per page)
 
     @property
@@ -72,14 +72,16 @@ class DsaIndexerSpec:
 
 
 def spec_for(q: torch.Tensor, index_k_cache: torch.Tensor) -> DsaIndexerSpec:
-    """The spec of a call (works on fake tensors). The op's checks ran already; the kernels also need q in the
-    cache's MMA dtype: float8_e4m3fn with the FP8 layout, the cache's own dtype otherwise."""
+    """The spec of a call (works on fake tensors). The op's checks ran already. With the FP8 layout q is either
+    float8_e4m3fn (FP8 x FP8 MMA, q's scales folded into the weights, as DeepSeek's inference code quantizes it)
+    or a float q as the model computed it (bf16 upstream): the e4m3 keys are then widened to q's dtype in
+    registers (exactly) and multiplied in it, reading the same 132 bytes per token. A bf16/fp16/fp32 cache needs
+    q in its own dtype."""
     _, heads, head_dim = q.shape
     fp8 = index_k_cache.dtype == torch.uint8
-    wanted = torch.float8_e4m3fn if fp8 else index_k_cache.dtype
-    if q.dtype != wanted:
+    if not fp8 and q.dtype != index_k_cache.dtype:
         raise ValueError(f"dsa_indexer kernels multiply q and keys in one dtype: a {index_k_cache.dtype} key cache "
-                         f"needs a {wanted} q, got {q.dtype}")
+                         f"needs a {index_k_cache.dtype} q, got {q.dtype}")
     return DsaIndexerSpec(int(heads), int(head_dim), q.dtype, fp8)
 
 
@@ -136,10 +138,12 @@ def triton_default_config(spec: DsaIndexerSpec, profile: DeviceProfile) -> Kerne
 def triton_shared_memory_bytes(spec: DsaIndexerSpec, config: KernelConfig) -> int:
     """Upper estimate: the q tile, one key tile per pipeline stage, and the fp32 score tile when the head sum
     converts its layout through shared memory."""
-    item = spec.key_dtype.itemsize
+    key_item, q_item = spec.key_dtype.itemsize, spec.q_dtype.itemsize
     m = config["ROWS"] * spec.block_heads
-    return (m * spec.block_dim * item + config.num_stages * config["BLOCK_N"] * spec.block_dim * item
-            + m * config["BLOCK_N"] * 4)
+    # FP8 keys multiplied in q's wider dtype are staged as loaded, then stored widened as the MMA operand.
+    widened = config["BLOCK_N"] * spec.block_dim * q_item if q_item != key_item else 0
+    return (m * spec.block_dim * q_item + config.num_stages * config["BLOCK_N"] * spec.block_dim * key_item
+            + widened + m * config["BLOCK_N"] * 4)
 
 
 def triton_launch(kernel, config: KernelConfig, q, weights, k_values, k_scales, block_table, seq_lens, query_seq,
@@ -161,8 +165,9 @@ def triton_launch(kernel, config: KernelConfig, q, weights, k_values, k_scales, 
 def triton_signature(spec: DsaIndexerSpec, config: KernelConfig) -> tuple[dict, dict]:
     """(signature, constexprs) for compiling the kernel ahead of time with triton.compile (no GPU needed)."""
     q_type = _TL_POINTER_TYPES[spec.q_dtype]
+    k_type = _TL_POINTER_TYPES[spec.key_dtype]
     signature = {
-        "q_ptr": q_type, "weights_ptr": "*fp32", "k_ptr": q_type, "k_scale_ptr": "*fp32" if spec.fp8 else q_type,
+        "q_ptr": q_type, "weights_ptr": "*fp32", "k_ptr": k_type, "k_scale_ptr": "*fp32" if spec.fp8 else q_type,
         "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_seq_ptr": "*i32", "query_pos_ptr": "*i32",
         "logits_ptr": "*fp32", "n_rows": "i32", "max_context": "i32", "page_size": "i32",
     }
@@ -213,15 +218,17 @@ SELFTEST_TOLERANCES = {torch.float32: (5e-2, 1e-3)}
 def selftest_cases(profile: DeviceProfile):
     """Named small cases for dzc-selftest: (name, build(device, generator) -> the op's arguments). Ragged batches
     in shuffled pages; decode (1-2 queries per sequence) and prefill chunks; FP8 only where the profile has it."""
-    layouts = [("bf16", False)] + ([("fp8", True)] if profile.supports_dtype(torch.float8_e4m3fn) else [])
+    layouts = [("bf16", False, True)]
+    if profile.supports_dtype(torch.float8_e4m3fn):  # FP8 cache with an FP8 q, and with the model's bf16 q
+        layouts += [("fp8", True, True), ("fp8-bf16q", True, False)]
     cases = []
-    for name, fp8 in layouts:
+    for name, fp8, fp8_q in layouts:
         for shape, per_seq in (("decode", [1, 2, 1]), ("prefill", [4, 6, 2])):
             cases.append((f"{shape}-{name}", functools.partial(
-                _build_case, seq_lens=[37, 200, 5], per_seq=per_seq, fp8=fp8)))
+                _build_case, seq_lens=[37, 200, 5], per_seq=per_seq, fp8=fp8, fp8_q=fp8_q)))
     return cases
 
 
-def _build_case(device, generator, *, seq_lens, per_seq, fp8):
+def _build_case(device, generator, *, seq_lens, per_seq, fp8, fp8_q):
     return dsa_cases.indexer_args(seq_lens, per_seq, heads=8, head_dim=64, fp8=fp8, page_size=16, device=device,
-                                  generator=generator)
+                                  generator=generator, fp8_q=fp8_q)

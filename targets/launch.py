@@ -16,7 +16,8 @@ from types import ModuleType
 import torch
 
 import dzc
-from dzc.autotune import TuningDatabase, tune
+from dzc.autotune import ExternalCandidate, TuningDatabase, tune
+from dzc.targets import external_kernels
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.legality import config_problems
 from dzc.targets.profiles import DeviceProfile
@@ -38,6 +39,9 @@ class KernelRecord:
     uses: int = 1  # dzc op nodes of the graph that run this kernel
     # token bucket -> {"config": str, "from_cache": bool, "tuning_seconds": float, "failed_configs": int}
     tuned: dict[int, dict] = field(default_factory=dict)
+    # Other libraries' kernels for the op (targets/external_kernels.py) timed next to the configs; a bucket's
+    # entry names the one that won ("external"), which then runs instead of the generated kernel.
+    external_candidates: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -73,6 +77,9 @@ class GeneratedKernel:
         self._configs, _ = legal_configs(family, codegen.NAME, spec, profile)
         self._default = getattr(family, f"{codegen.NAME}_default_config")(spec, profile)
         self._config_by_bucket: dict[int, KernelConfig] = {}
+        self._externals = external_kernels.candidates_for(record.op, spec, profile)
+        record.external_candidates = [candidate.name for candidate in self._externals]
+        self._external_by_bucket: dict[int, ExternalCandidate | None] = {}
 
     def _tuning_key(self, bucket: int, device: torch.device) -> dict:
         return {
@@ -82,7 +89,7 @@ class GeneratedKernel:
             "spec": self.spec.describe(), "token_bucket": bucket,
         }
 
-    def _config_for(self, bucket: int, args: tuple) -> KernelConfig:
+    def _config_for(self, bucket: int, args: tuple, op_args: tuple) -> KernelConfig:
         config = self._config_by_bucket.get(bucket)
         if config is not None:
             return config
@@ -91,7 +98,8 @@ class GeneratedKernel:
         narrow = getattr(self.family, "configs_for_bucket", None)
         if narrow is not None:  # a family whose tiles (or path) depend on the token count times only those
             configs, default = narrow(self.spec, self.profile, bucket, configs, default)
-        if not self.autotune or len(configs) <= 1:
+        external = None
+        if not self.autotune or (len(configs) <= 1 and not self._externals):
             config = default
             entry = {"config": str(config), "from_cache": False, "tuning_seconds": 0.0, "failed_configs": 0,
                      "how": "untuned default"}
@@ -100,22 +108,34 @@ class GeneratedKernel:
             result = tune(
                 f"{self.record.kernel_id}[tokens<={bucket}]", self._tuning_key(bucket, device), configs,
                 run=lambda cfg: self._launch(self.compiled, cfg, *args),
-                bench=lambda fn: self.runtime.bench(fn, device), database=self.database)
-            config = result.config
+                bench=lambda fn: self.runtime.bench(fn, device), database=self.database,
+                externals=self._externals, run_external=lambda candidate: candidate.fn(*op_args))
+            config, external = result.config, result.external
+            # tune() names an external candidate's entries "external <name>"
+            external_failures = {name: why for name, why in result.failures.items() if name.startswith("external ")}
             entry = {"config": str(config), "from_cache": result.from_cache,
                      "tuning_seconds": round(time.perf_counter() - start, 3),
-                     "failed_configs": len(result.failures),
+                     "failed_configs": len(result.failures) - len(external_failures),
                      "how": result.how}
+            if self._externals:  # why a vendor kernel was skipped is what its owner needs to know
+                entry["external_failures"] = external_failures
         describe = getattr(self.family, "describe_config", None)
         if describe is not None:  # e.g. which path (online dequant or workspace) the chosen config runs
             entry["path"] = describe(config)
+        if self._externals:
+            entry["external"] = external.name if external is not None else None
         self.record.tuned[bucket] = entry
         self._config_by_bucket[bucket] = config
+        self._external_by_bucket[bucket] = external
         return config
 
     def __call__(self, *op_args):
         inputs, outputs, tokens, results = self.family.prepare(self.spec, *op_args)
         if tokens:
-            config = self._config_for(self.family.token_bucket(tokens), inputs + outputs)
+            bucket = self.family.token_bucket(tokens)
+            config = self._config_for(bucket, inputs + outputs, op_args)
+            external = self._external_by_bucket[bucket]
+            if external is not None:  # another library's kernel beat every config (prepare's outputs go unused)
+                return external.fn(*op_args)
             self._launch(self.compiled, config, *inputs, *outputs)
         return results

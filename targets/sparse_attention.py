@@ -90,7 +90,7 @@ class SparseAttentionSpec:
 def spec_for(q, k_cache, v_cache, d_v) -> SparseAttentionSpec:
     """The spec of a call (works on fake tensors; the op's checks ran already). The kernels also need the caches
     in q's dtype."""
-    _, heads, d_qk = (int(n) for n in q.shape)
+    heads, d_qk = int(q.shape[1]), int(q.shape[2])  # not the token count: int() would specialise it
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if cache is not None and cache.dtype != q.dtype:
             raise ValueError(f"sparse_attention kernels read the caches in q's dtype: {name} is {cache.dtype}, "

@@ -63,9 +63,12 @@ INDEXER_CASES = {
     "prefill": ([37, 130, 5], [6, 10, 3], 150),
     "narrow-context": ([90, 140], [2, 1], 100),
 }
-INDEXER_LAYOUTS = {"bf16": (False, torch.bfloat16), "fp8": (True, None), "fp32": (False, torch.float32)}
+# layout -> (FP8 cache, q dtype): the FP8 cache with an e4m3 q, and with a bf16 q (the model's own, keys widened).
+INDEXER_LAYOUTS = {"bf16": (False, torch.bfloat16), "fp8": (True, torch.float8_e4m3fn),
+                   "fp8-bf16q": (True, torch.bfloat16), "fp32": (False, torch.float32)}
 # fp32 caches (allowed by the op, multiplied in full precision) once; both DSA layouts in every case.
-INDEXER_PARAMS = [(case, layout) for case in INDEXER_CASES for layout in ("bf16", "fp8")] + [("decode", "fp32")]
+INDEXER_PARAMS = ([(case, layout) for case in INDEXER_CASES for layout in ("bf16", "fp8")]
+                  + [("decode", "fp32"), ("prefill", "fp8-bf16q")])
 INDEXER_CONFIGS = [
     None,  # the default
     KernelConfig.make(num_warps=4, num_stages=2, ROWS=4, BLOCK_N=32, BLOCKS_PER_PROGRAM=1),  # rows span sequences
@@ -76,10 +79,12 @@ INDEXER_CONFIGS = [
 @pytest.mark.parametrize("case, layout", INDEXER_PARAMS)
 def test_indexer_matches_reference(case, layout, seed, tmp_path):
     seq_lens, per_seq, max_context = INDEXER_CASES[case]
-    fp8, dtype = INDEXER_LAYOUTS[layout]
+    fp8, q_dtype = INDEXER_LAYOUTS[layout]
+    fp8_q = q_dtype == torch.float8_e4m3fn
     args = dsa_cases.indexer_args(seq_lens, per_seq, heads=4, head_dim=64, fp8=fp8, page_size=16, device=DEVICE,
                                   generator=_generator(seed), max_context=max_context,
-                                  **({"dtype": dtype} if dtype else {}))
+                                  dtype=torch.bfloat16 if fp8_q else q_dtype, fp8_q=fp8_q)
+    assert args[0].dtype == q_dtype
     spec = dsa_indexer.spec_for(args[0], args[2])
     kernel = _load_triton(dsa_indexer, spec, tmp_path)
     expected = dsa_indexer_reference(*args)
@@ -94,9 +99,9 @@ def test_indexer_matches_reference(case, layout, seed, tmp_path):
 
 
 def test_indexer_rejects_mismatched_q_and_cache():
-    args = dsa_cases.indexer_args([20], [1], 4, 64, fp8=True, page_size=16, device="cpu", generator=_generator(0))
-    with pytest.raises(ValueError, match="float8_e4m3fn q"):
-        dsa_indexer.spec_for(args[0].to(torch.bfloat16), args[2])
+    args = dsa_cases.indexer_args([20], [1], 4, 64, fp8=False, page_size=16, device="cpu", generator=_generator(0))
+    with pytest.raises(ValueError, match="needs a torch.bfloat16 q, got torch.float16"):
+        dsa_indexer.spec_for(args[0].to(torch.float16), args[2])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -270,6 +275,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         compiled = triton_codegen.compile_ahead_of_time(path, name, signature, constexprs, num_warps, SM_90)
         results.append([name, compiled.metadata.shared])
     for spec in (dsa_indexer.DsaIndexerSpec(64, 128, torch.float8_e4m3fn, True),
+                 dsa_indexer.DsaIndexerSpec(64, 128, torch.bfloat16, True),
                  dsa_indexer.DsaIndexerSpec(64, 128, torch.bfloat16, False)):
         config = dsa_indexer.triton_default_config(spec, SM_90)
         compile_one(dsa_indexer, spec, dsa_indexer.TRITON_KERNEL_NAME, *dsa_indexer.triton_signature(spec, config),

@@ -1,9 +1,13 @@
-"""Benchmark dzc's add_rms_norm against eager PyTorch and torch.compile, in one run, on a CUDA GPU.
+"""Benchmark dzc's residual add + norm against eager PyTorch and torch.compile, in one run, on a CUDA GPU.
 
     python tools/bench_add_rms_norm.py [--hidden 2880 7168] [--tokens 1 64 4096 32768] [--out results.md]
+    python tools/bench_add_rms_norm.py --op add_layer_norm [--out results.md]   # vision widths 1152, 1280
+    python tools/bench_add_rms_norm.py [--op ...] --quick                         # a subset, about 2 minutes
 
-The model is the HF transformers spelling: h = x + residual; y = LlamaRMSNorm(h) (bf16 activations and weight).
-Bytes per call = 8·T·H (read x and residual, write y and h, bf16) + the weight. Two timings of the whole
+--op add_rms_norm (default): the HF transformers spelling, h = x + residual; y = LlamaRMSNorm(h) (bf16
+activations and weight). --op add_layer_norm: h = x + residual; y = nn.LayerNorm(h) with weight and bias (vision
+encoders: MoonViT, SigLIP), hidden {1152, 1280} and tokens {1024, 16384} by default.
+Bytes per call = 8·T·H (read x and residual, write y and h, bf16) + the weight (and bias). Two timings of the whole
 compiled call, as a user calls it: the median of triton.testing.do_bench (L2 flushed before each call, so host
 time hides behind the flush while it is shorter), and back-to-back calls (host and device together). For small
 T both are host time, which dzc's CUDA-graph path (T <= 256) cuts; `dzc[...,reuse]` is that path returning the
@@ -27,8 +31,19 @@ import triton
 import triton.testing
 
 from dzc.models.decoder import AddRMSNorm
+from dzc.models.vision import AddLayerNorm
+from dzc.targets.device_runtime import dsl_versions
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 datasheet; measured copy bandwidth is ~4.3e12
+
+# Per op: the module (h = x + residual; y = norm(h); returns (y, h)), the parameter bytes per hidden element
+# (bf16 weight, and bias), and the default and --quick (hidden sizes, token counts).
+OPS = {
+    "add_rms_norm": dict(module=AddRMSNorm, parameter_bytes=2, hidden=[2880, 7168], tokens=[1, 64, 4096, 32768],
+                         quick=([2880], [1, 4096])),
+    "add_layer_norm": dict(module=AddLayerNorm, parameter_bytes=4, hidden=[1152, 1280], tokens=[1024, 16384],
+                           quick=([1152], [1024, 16384])),
+}
 
 
 def _private_copy(model):
@@ -73,18 +88,24 @@ def loop_time(fn, calls: int = 200) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hidden", type=int, nargs="+", default=[2880, 7168])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096, 32768])
+    parser.add_argument("--op", choices=sorted(OPS), default="add_rms_norm")
+    parser.add_argument("--hidden", type=int, nargs="+", help="default: the op's (see above)")
+    parser.add_argument("--tokens", type=int, nargs="+", help="default: the op's (see above)")
+    parser.add_argument("--quick", action="store_true", help="one hidden size, two token counts (about 2 minutes)")
     parser.add_argument("--codegens", nargs="+", default=["triton", "tilelang"])
     parser.add_argument("--cache-dir", default="/tmp/dzc-bench-cache")
     parser.add_argument("--out", help="write the markdown table here too")
     args = parser.parse_args()
+    op = OPS[args.op]
+    quick_hidden, quick_tokens = op["quick"]
+    args.hidden = args.hidden or (quick_hidden if args.quick else op["hidden"])
+    args.tokens = args.tokens or (quick_tokens if args.quick else op["tokens"])
     device = torch.device("cuda")
     # Every variant compiles the same forward; keep Dynamo from running out of cache entries for it.
     torch._dynamo.config.recompile_limit = 64
     rows = []
     for hidden in args.hidden:
-        model = AddRMSNorm(hidden).to(device, torch.bfloat16).eval()
+        model = op["module"](hidden).to(device, torch.bfloat16).eval()
         compiled = {cg: dzc.compile(_private_copy(model), "cuda",
                                     dzc.CompileOptions(codegen=cg, cache_dir=args.cache_dir))
                     for cg in args.codegens}
@@ -106,12 +127,17 @@ def main():
                 variants[f"dzc[{codegen}]"] = lambda fn=fn: fn(x, residual)
             times = {name: _time(fn) for name, fn in variants.items()}
             loop_times = {name: loop_time(fn) for name, fn in variants.items()}
-            moved = 8 * tokens * hidden + 2 * hidden
+            moved = 8 * tokens * hidden + op["parameter_bytes"] * hidden
             rows.append((hidden, tokens, moved, times, loop_times))
             print(hidden, tokens, {k: f"{v * 1e6:.1f}us" for k, v in times.items()},
                   {k: f"{v * 1e6:.1f}us" for k, v in loop_times.items()}, flush=True)
         for codegen, fn in compiled.items():
             print(fn.report)
+            # Every graph (a token count of 1 may get its own) fused the pair and ran the op's own kernel.
+            fused = {k.codegen for k in fn.report.kernels if k.op == args.op}
+            if fn.report.passes.get("fuse_residual_norm", 0) != fn.report.compiles or fused != {codegen.split(",")[0]}:
+                raise AssertionError(f"dzc[{codegen}] did not run {args.op} kernels of its codegen: "
+                                     f"{fn.report.passes}, {[(k.op, k.codegen) for k in fn.report.kernels]}")
 
     variants = list(rows[0][3])
     dzc_variants = [v for v in variants if v.startswith("dzc")]
@@ -133,7 +159,9 @@ def main():
         cells += [f"{loop_times['torch.compile'] / loop_times[v]:.2f}x" for v in dzc_variants]
         lines.append("| " + " | ".join(cells) + " |")
     props = torch.cuda.get_device_properties(device)
-    meta = (f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, "
+    meta = (f"{'' if args.op == 'add_rms_norm' else args.op + ', bf16 with weight and bias: '}"
+            f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, "
+            f"tilelang {dsl_versions()['tilelang']}, "
             f"python {platform.python_version()}, {datetime.date.today().isoformat()}. "
             f"'x / torch.compile' is torch.compile's time over dzc's (above 1 = dzc faster); "
             f"TB/s counts 8·T·H bytes, % of the 4.8 TB/s datasheet peak.")

@@ -4,13 +4,15 @@
 #   call 1 (carry .whl-gpu1):  bash tools/gpu_campaign.sh 1   # install dzc + TileLang; GPU tests of the Triton paths
 #   call 2 (carry .whl-gpu2):  bash tools/gpu_campaign.sh 2   # z3; TileLang GPU tests; MUSA validation; benchmarks I
 #   call 3:                    bash tools/gpu_campaign.sh 3   # benchmarks II
+# With little device time left, one call without TileLang instead:
+#   bash tools/gpu_campaign.sh triton   # GPU tests of the Triton paths of the newest work; end-to-end and norm benches
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
 step=$1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-if [ "$step" != 3 ]; then
+if [ "$step" = 1 ] || [ "$step" = 2 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl-gpu$step/*.whl 2>&1 \
     | grep -v WARNING
 fi
@@ -42,5 +44,17 @@ case $step in
   TAIL=30 part bench_mxfp4_moe 200 python3 tools/bench_mxfp4_moe.py --quick --out "$OUT/mxfp4_moe_h200.md"
   TAIL=30 part bench_dsa 200 python3 tools/bench_dsa.py --quick --out "$OUT/dsa_h200.md"
   TAIL=30 part bench_vision_attention 150 python3 tools/bench_vision_attention.py --quick --out "$OUT/vision_attention_h200.md"
+  ;;
+triton)
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  TAIL=12 part gpu_tests_triton 150 python3 -m pytest -q -p no:logging -m gpu -k "not tilelang" \
+    tests/test_add_layer_norm_kernels.py tests/test_reinplace_cache_writes.py tests/test_dsa_models.py \
+    tests/test_cuda_graphs.py
+  TAIL=40 part bench_multimodal 280 python3 tools/bench_multimodal.py --quick --out "$OUT/multimodal_h200.md"
+  TAIL=20 part bench_add_layer_norm 70 python3 tools/bench_add_rms_norm.py --op add_layer_norm --quick \
+    --codegens triton --out "$OUT/add_layer_norm_h200.md"
+  TAIL=12 part bench_add_rms_norm_2880 50 python3 tools/bench_add_rms_norm.py --hidden 2880 --tokens 4096 \
+    --codegens triton --out "$OUT/add_rms_norm_2880_h200.md"
   ;;
 esac

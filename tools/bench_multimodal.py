@@ -1,0 +1,293 @@
+"""Benchmark the multimodal reference model end to end on a CUDA GPU: dzc against eager PyTorch and
+torch.compile(mode="max-autotune"), in one run — a prefill of images + text, and a batched decode step.
+
+    python tools/bench_multimodal.py [--quick] [--out results.md] [--batch 32] [--context 4096]
+
+The model is dzc.models.multimodal's "h200" config (see its docstring: Qwen2.5-VL vision dims, gpt-oss-20b MoE
+with MXFP4 experts, DeepSeek-V3.2 DSA dims, gpt-oss vocabulary), bf16, BF16 indexer key cache; --quick cuts it to
+2 vision blocks, 2 decoder layers of 8 experts, and turns dzc's autotuning off (untuned default configs): the
+captures of the unrolled per-expert loops (every variant's, and the warm-compile process's) dominate the run.
+
+Each variant runs as a serving engine would: the vision encoder and a decoder step (embeddings in, last-position
+logits out, over its own paged KV cache) compiled separately, the embedding merge in between.
+- prefill: one request of 3 images (--grids, patches) and text runs around them; vision + merge + decoder.
+- decode: one step of --batch sequences at --context tokens each (caches filled with random rows), the same
+  inputs every call (the step rewrites the same slots). dzc replays it from a CUDA graph (CompileOptions'
+  CudaGraphRunner; the cache is module state, so every argument is a tensor); torch.compile's max-autotune mode
+  uses CUDA graph trees (the caches are marked static addresses; the report says when it skipped graphs).
+Times: back-to-back calls, host and device together (tools/bench_add_rms_norm.loop_time), the way a serving
+loop sees them. Ratios: baseline time ÷ dzc time (goals: ≥ 1.5× torch.compile, ≥ 3× eager).
+Numerics: before timing, each variant's logits are compared with eager's (max |Δ| ÷ max |eager|, and how often
+the greedy next token agrees); a gross mismatch, a failed torch.compile baseline or a dzc decode that was not
+replayed from a CUDA graph is written into the table, and the run then exits non-zero.
+Compile time: cold = the first calls in this process with an empty dzc cache directory (code generation and, unless
+--quick, autotuning); warm = the same first calls in a second process with the same cache directory (tuning
+database hit). torch.compile's first-call time is listed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+import dzc  # noqa: F401  (first: it decides Triton's mode)
+import torch
+import triton
+
+from bench_add_rms_norm import loop_time  # tools/ is on sys.path when run as a script
+from dzc.kv_cache import write_index_keys
+from dzc.models.dsa import DSASession
+from dzc.models.multimodal import CONFIGS, DecoderStep, build_multimodal, new_cache, request_ids
+from dzc.models.vision import pack_images
+from dzc.runtime import CudaGraphRunner
+from dzc.targets import tilelang_codegen
+
+# Logits further than this from eager's (relative to eager's largest) mean a broken variant, not rounding: bf16
+# end to end and top-k / router near-ties give a few percent (tests/test_multimodal_model.py measures it).
+GROSS_ERROR = 0.25
+COMPILE_TIMES_TAG = "COMPILE_TIMES "
+
+
+def model_config(args):
+    cfg = CONFIGS["h200"]
+    if args.quick:  # capturing the per-expert loop (layers × experts iterations) dominates the compile time
+        cfg = replace(cfg, layers=2, moe=replace(cfg.moe, experts=8),
+                      vision=replace(cfg.vision, layers=2, full_attention_layers=(1,)))
+    return cfg
+
+
+class Setup:
+    """The model, one request's prefill inputs and a decode batch's inputs, over caches laid out identically for
+    every variant (deep copies of one cache: the same pages, so the same slots and block tables)."""
+
+    def __init__(self, args, device):
+        self.cfg = cfg = model_config(args)
+        self.model = build_multimodal(cfg, torch.bfloat16, seed=0, device=device)
+        generator = torch.Generator().manual_seed(0)
+        grids = [tuple(grid) for grid in args.grids]
+        images = pack_images(grids, cfg.vision, torch.bfloat16, generator)
+        self.images = [t.to(device) for t in images.inputs()]
+        self.input_ids = request_ids(cfg, grids, args.text, generator).to(device)
+        self.prefill_tokens = self.input_ids.shape[1]
+        self.image_patches = images.patches.shape[0]
+        batch, context = args.batch, args.context
+        page = 64
+        pages = batch * -(-(context + 1) // page) + -(-self.prefill_tokens // page)
+        # BF16 indexer keys: with the FP8 layout, fuse_sparse_attention hands the indexer kernel a bf16 q, which
+        # the kernel refuses (it multiplies in e4m3): switch to fp8_index=True once the pass quantizes q.
+        base = new_cache(cfg, pages, batch + 1, fp8_index=False, dtype=torch.bfloat16, device=device)
+        # The decode batch's contexts: random latent rows and indexer keys (what earlier steps would have written).
+        slots = base.reserve([context] * batch + [0])
+        with torch.no_grad():
+            for layer in range(cfg.layers):
+                base.latent[layer].normal_()
+                keys = torch.randn(len(slots), cfg.attention.index_head_dim, device=device, dtype=torch.bfloat16)
+                write_index_keys(base.index_keys[layer], slots, keys)
+        session = DSASession(base)
+        embed_shape = (cfg.hidden,)
+        _, *self.prefill_args = session.inputs(torch.empty(1, self.prefill_tokens, *embed_shape, device=device),
+                                               [batch])
+        _, *self.decode_args = session.inputs(torch.empty(batch, 1, *embed_shape, device=device), list(range(batch)))
+        self.prefill_args, self.decode_args = self.prefill_args[:3], self.decode_args[:3]  # positions, table, slots
+        self.base_cache = base
+        self.decode_tokens = torch.randint(0, cfg.image_token_id, (batch, 1), generator=generator).to(device)
+
+    def cache(self):
+        return copy.deepcopy(self.base_cache)
+
+    def prefill(self, vision, decoder):
+        features = vision(*self.images)
+        return decoder(self.model.embed(self.input_ids, features), *self.prefill_args)
+
+    def decode(self, decoder):
+        return decoder(self.model.embed(self.decode_tokens, None), *self.decode_args)
+
+
+def dzc_variant(setup: Setup, args):
+    """(vision, decoder) compiled by dzc; the decoder's CUDA graphs cover the decode call (its block table counts
+    as tokens in CudaGraphRunner's measure, so the limit is set to the decode call's size)."""
+    options = dzc.CompileOptions(cache_dir=args.cache_dir, autotune=not args.quick)
+    decode_size = CudaGraphRunner.tokens(
+        (torch.empty(args.batch, 1, setup.cfg.hidden), *setup.decode_args))
+    decoder_options = replace(options, cuda_graph_max_tokens=decode_size)
+    return (dzc.compile(setup.model.vision, "cuda", options),
+            dzc.compile(DecoderStep(setup.model.language, setup.cache()), "cuda", decoder_options))
+
+
+def first_calls(setup: Setup, vision, decoder) -> dict[str, float]:
+    """Seconds of the first prefill and decode calls (compiles, code generation, tuning, CUDA-graph capture)."""
+    times = {}
+    with torch.no_grad():
+        start = time.perf_counter()
+        setup.prefill(vision, decoder)
+        torch.cuda.synchronize()
+        times["prefill"] = time.perf_counter() - start
+        start = time.perf_counter()
+        setup.decode(decoder)
+        setup.decode(decoder)  # a CUDA-graph runner captures on the first call of a signature, replays after
+        torch.cuda.synchronize()
+        times["decode"] = time.perf_counter() - start
+    return times
+
+
+def compare(actual: torch.Tensor, expected: torch.Tensor) -> tuple[str, bool]:
+    """(max |Δ| ÷ max |eager| and the share of equal greedy next tokens, as text; whether it is within rounding)."""
+    error = ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+    agree = (actual.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    return f"{error:.3g} ({100 * agree:.0f}% same next token)", error <= GROSS_ERROR
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="2 vision blocks, 2 decoder layers of 8 experts, dzc untuned")
+    parser.add_argument("--batch", type=int, default=32, help="decode: sequences per step")
+    parser.add_argument("--context", type=int, default=4096, help="decode: tokens already in each sequence")
+    parser.add_argument("--grids", type=int, nargs=2, action="append", metavar=("ROWS", "COLS"),
+                        help="prefill: an image of ROWS x COLS patches (repeatable; default 3 images)")
+    parser.add_argument("--text", type=int, nargs="+", default=[256, 384, 128, 256],
+                        help="prefill: text tokens before, between and after the images")
+    parser.add_argument("--cache-dir", help="dzc cache (kernels, tuning database); default: a fresh temp dir")
+    parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)  # the warm-compile child
+    parser.add_argument("--out", help="write the markdown table here too")
+    args = parser.parse_args()
+    args.grids = args.grids or [[32, 32], [64, 48], [16, 24]]  # 1024, 3072 and 384 patches
+    if len(args.text) != len(args.grids) + 1:
+        parser.error(f"--text needs {len(args.grids) + 1} numbers for {len(args.grids)} images")
+    args.cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="dzc-bench-multimodal-")
+    device = torch.device("cuda")
+    torch._dynamo.config.recompile_limit = 64
+    # The per-expert MoE loop (torch.where) and packed vision attention capture whole with these (dzc sets them
+    # for its own calls); torch.compile gets the same, else it breaks the graph in every expert iteration.
+    torch._dynamo.config.capture_dynamic_output_shape_ops = True
+    torch._dynamo.config.capture_scalar_outputs = True
+    setup = Setup(args, device)
+
+    if args.compile_only:  # the warm run: same cache directory, a fresh process
+        times = first_calls(setup, *dzc_variant(setup, args))
+        print(COMPILE_TIMES_TAG + json.dumps(times), flush=True)
+        return
+
+    variants = {"dzc": dzc_variant(setup, args)}
+    cold = first_calls(setup, *variants["dzc"])
+    variants["eager"] = (setup.model.vision, DecoderStep(setup.model.language, setup.cache()))
+    skips_before = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+    try:
+        inductor = torch_compile_variant(setup)
+        inductor_first = first_calls(setup, *inductor)
+        variants["torch.compile"] = inductor
+    except Exception as error:  # noqa: BLE001  (a baseline that fails is reported in the table, not fatal)
+        inductor_first = f"failed: {type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+        print(f"torch.compile baseline {inductor_first}", flush=True)
+    inductor_skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips_before
+
+    broken = [] if "torch.compile" in variants else [f"torch.compile baseline {inductor_first}"]
+    errors = {}
+    with torch.no_grad():
+        expected = {"prefill": setup.prefill(*variants["eager"]), "decode": setup.decode(variants["eager"][1])}
+        for name in [n for n in variants if n != "eager"]:
+            vision, decoder = variants[name]
+            actual = {"prefill": setup.prefill(vision, decoder), "decode": setup.decode(decoder)}
+            errors[name] = {}
+            for step in actual:
+                errors[name][step], ok = compare(actual[step], expected[step])
+                if not ok:
+                    broken.append(f"{name} {step}: logits {errors[name][step]} from eager")
+    times = {}
+    for name, (vision, decoder) in variants.items():
+        times[name] = {"prefill": loop_time(lambda v=vision, d=decoder: setup.prefill(v, d), calls=10),
+                       "decode": loop_time(lambda d=decoder: setup.decode(d), calls=50)}
+        print(name, {k: f"{v * 1e6:.0f} µs" for k, v in times[name].items()}, flush=True)
+
+    warm = warm_compile_times(args)
+    for compiled in variants["dzc"]:
+        print(compiled.report)
+    replayed = any(graph is not None for graph in variants["dzc"][1]._cuda_graphs.graphs.values())
+    if not replayed:
+        broken.append("dzc decode: no CUDA graph was captured (it ran through the compiled graph instead)")
+    text = table(args, setup, times, errors, cold, warm, inductor_first, inductor_skips, broken)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    if broken:
+        sys.exit("problems: " + "; ".join(broken))
+
+
+def torch_compile_variant(setup: Setup):
+    """(vision, decoder) under torch.compile(mode="max-autotune"), specialised on each shape (its best case), with
+    its own cache marked as static addresses so that CUDA graph trees may write it in place."""
+    decoder = DecoderStep(setup.model.language, setup.cache())
+    for tensor in decoder.cache.latent + decoder.cache.index_keys:
+        torch._dynamo.mark_static_address(tensor)
+    return (torch.compile(setup.model.vision, mode="max-autotune", dynamic=False),
+            torch.compile(decoder, mode="max-autotune", dynamic=False))
+
+
+def warm_compile_times(args) -> dict[str, float] | str:
+    """The dzc first-call times in a second process over the same cache directory."""
+    command = [sys.executable, __file__, "--compile-only", "--cache-dir", args.cache_dir,
+               "--batch", str(args.batch), "--context", str(args.context), "--text", *map(str, args.text)]
+    for rows, cols in args.grids:
+        command += ["--grids", str(rows), str(cols)]
+    if args.quick:
+        command.append("--quick")
+    result = subprocess.run(command, capture_output=True, text=True)
+    for line in result.stdout.splitlines():
+        if line.startswith(COMPILE_TIMES_TAG):
+            return json.loads(line[len(COMPILE_TIMES_TAG):])
+    return f"failed (exit {result.returncode}): {result.stderr.strip().splitlines()[-1:]}"
+
+
+def table(args, setup, times, errors, cold, warm, inductor_first, inductor_skips, broken) -> str:
+    cfg = setup.cfg
+    props = torch.cuda.get_device_properties(0)
+    meta = (f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, tilelang "
+            f"{tilelang_codegen.VERSION}, python {platform.python_version()}, "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Model: dzc.models.multimodal "
+            f"'h200'{' cut for --quick' if args.quick else ''}: vision {cfg.vision.layers} blocks (hidden "
+            f"{cfg.vision.hidden}, {cfg.vision.heads}×{cfg.vision.head_dim}), decoder {cfg.layers} layers (hidden "
+            f"{cfg.hidden}, DSA {cfg.attention.heads} heads top-k {cfg.attention.index_topk}, MoE "
+            f"{cfg.moe.experts} MXFP4 experts top-{cfg.moe.top_k}, vocab {cfg.vocab}), bf16, BF16 indexer cache. "
+            f"dzc {'untuned default configs (--quick)' if args.quick else 'autotuned'}; torch.compile "
+            f"mode=max-autotune{f' (skipped CUDA graphs {inductor_skips}×)' if inductor_skips else ''}.")
+    shapes = {"prefill": f"1 request: {len(args.grids)} images ({setup.image_patches} patches), "
+                         f"{setup.prefill_tokens} tokens",
+              "decode": f"{args.batch} sequences × 1 token, context {args.context}"}
+    lines = ["| step | shape | eager µs | torch.compile µs | dzc µs | dzc vs eager | dzc vs torch.compile "
+             "| dzc error vs eager | torch.compile error vs eager |", "|" + "---|" * 9]
+    for step in ("prefill", "decode"):
+        t = {name: times[name][step] for name in times}
+        inductor = t.get("torch.compile")
+        cells = [step, shapes[step], f"{t['eager'] * 1e6:.0f}",
+                 "failed" if inductor is None else f"{inductor * 1e6:.0f}", f"{t['dzc'] * 1e6:.0f}",
+                 f"{t['eager'] / t['dzc']:.2f}×", "n/a" if inductor is None else f"{inductor / t['dzc']:.2f}×",
+                 errors["dzc"][step], errors.get("torch.compile", {}).get(step, "n/a")]
+        lines.append("| " + " | ".join(cells) + " |")
+
+    def seconds(entry):
+        return entry if isinstance(entry, str) else " / ".join(f"{entry[s]:.1f}" for s in ("prefill", "decode"))
+
+    compile_lines = ["| compile (first calls: prefill / decode, s) | time |", "|---|---|",
+                     f"| dzc cold (empty cache dir: codegen{'' if args.quick else ' + autotuning'}) | "
+                     f"{seconds(cold)} |",
+                     f"| dzc warm (second process, same cache dir: tuning database hit) | {seconds(warm)} |",
+                     f"| torch.compile max-autotune (this process) | {seconds(inductor_first)} |"]
+    notes = ("Times: back-to-back calls, host and device together (loop_time). Ratios: baseline time ÷ dzc time "
+             "(goal ≥ 1.5× torch.compile, ≥ 3× eager). Errors: max |Δ logits| ÷ max |eager logits|, and the share "
+             "of greedy next tokens equal to eager's. Decode: dzc replays a CUDA graph; the merge (embedding + image "
+             "rows) runs eagerly in every variant.")
+    problems = [f"PROBLEM: {line}" for line in broken]
+    return "\n".join([meta, "", *lines, "", *compile_lines, "", notes, *problems]) + "\n"
+
+
+if __name__ == "__main__":
+    main()
