@@ -18,7 +18,7 @@ import torch.fx
 from dzc import runtime
 from dzc.autotune import open_database
 from dzc.options import CompileOptions
-from dzc.targets import KERNEL_FAMILIES, Target
+from dzc.targets import KERNEL_FAMILIES, Target, tilelang_codegen
 from dzc.targets.device_runtime import DeviceRuntime
 from dzc.targets.launch import GeneratedKernel, KernelRecord, legal_configs
 
@@ -61,15 +61,22 @@ def _takes_kernel_id(node: torch.fx.Node) -> bool:
     return any(argument.name == "kernel_id" for argument in node.target._schema.arguments)
 
 
-def choose_codegen(op: str, options: CompileOptions, execution: Execution, spec=None) -> str:
+def choose_codegen(op: str, options: CompileOptions, execution: Execution, spec=None, profile=None) -> str:
+    """options.codegen, or for "auto" the op's first preferred codegen that has a kernel for `spec` with a legal
+    config on `profile` and can run here (TileLang needs a GPU and an installed TileLang; without a runtime, as in
+    dzc-dump, nothing runs and the preference stands)."""
     if options.codegen != "auto":
         return options.codegen
+    family = KERNEL_FAMILIES[op]
     for name in PREFERRED_CODEGENS[op]:
         # A family may have no kernel of a codegen for some specs (`<codegen>_supports(spec)` says so).
-        supports = getattr(KERNEL_FAMILIES[op], f"{name}_supports", None)
+        supports = getattr(family, f"{name}_supports", None)
         if spec is not None and supports is not None and not supports(spec):
             continue
-        if name == "triton" or execution.runtime is None or execution.runtime.runs_tilelang:
+        if spec is not None and profile is not None and not legal_configs(family, name, spec, profile)[0]:
+            continue
+        if name == "triton" or execution.runtime is None or (
+                execution.runtime.runs_tilelang and tilelang_codegen.installed()):
             return name
     return "triton"
 
@@ -107,7 +114,7 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
             continue
         family = KERNEL_FAMILIES[op]
         spec = family.spec_from_node(node)
-        codegen_name = choose_codegen(op, options, execution, spec)
+        codegen_name = choose_codegen(op, options, execution, spec, target.profile)
         codegen = target.codegens[codegen_name]
         source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
         digest = hashlib.sha256(f"{target.profile.fingerprint}\n{source}".encode()).hexdigest()

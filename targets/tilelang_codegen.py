@@ -65,6 +65,11 @@ def tvm_target(profile: DeviceProfile):
     return tvm.target.Target(config)
 
 
+def installed() -> bool:
+    """Whether TileLang (or tilelang_musa) is importable here (without importing it: that takes seconds)."""
+    return importlib.util.find_spec("tilelang") is not None
+
+
 def installed_target_kinds() -> set[str]:
     """Target kinds the installed TileLang can lower to.
 

@@ -391,3 +391,20 @@ def test_full_size_indexer_and_topk_on_gpu(fp8, seed, tmp_path):
     record, _ = lower_op("dsa_topk", (expected, lengths, 2048), target, options, Execution(target.runtime))
     indices = torch.ops.dzc.dsa_topk(expected, lengths, 2048, kernel_id=record.kernel_id)
     assert torch.equal(indices, dsa_topk_reference(expected, lengths, 2048))
+
+
+def test_auto_codegen_falls_back_to_triton_without_a_legal_tilelang_config():
+    """The tiny DSA layer's sparse attention (Dqk 40 = 32 + 8) has no legal TileLang tiling on sm_90: "auto" must
+    pick Triton on a GPU (TileLang first otherwise), not fail lowering."""
+    from dzc.lowering import Execution, choose_codegen
+    from dzc.options import CompileOptions
+    from dzc.targets.device_runtime import CudaRuntime
+
+    gpu, auto = Execution(CudaRuntime()), CompileOptions()
+    tiny = sparse_attention.SparseAttentionSpec(4, 1, 40, 32, torch.bfloat16, False)
+    assert not legal_configs(sparse_attention, "tilelang", tiny, SM_90)[0]
+    assert choose_codegen("sparse_attention", auto, gpu, tiny, SM_90) == "triton"
+    full = ATTENTION_SPECS[0]
+    assert legal_configs(sparse_attention, "tilelang", full, SM_90)[0]
+    expected = "tilelang" if tilelang_codegen.installed() else "triton"
+    assert choose_codegen("sparse_attention", auto, gpu, full, SM_90) == expected

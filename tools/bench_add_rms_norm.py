@@ -40,9 +40,9 @@ PEAK_BYTES_PER_S = 4.8e12  # H200 datasheet; measured copy bandwidth is ~4.3e12
 # (bf16 weight, and bias), and the default and --quick (hidden sizes, token counts).
 OPS = {
     "add_rms_norm": dict(module=AddRMSNorm, parameter_bytes=2, hidden=[2880, 7168], tokens=[1, 64, 4096, 32768],
-                         quick=([2880], [1, 4096])),
+                         quick=([2880], [1, 4096]), check_per_row=False),
     "add_layer_norm": dict(module=AddLayerNorm, parameter_bytes=4, hidden=[1152, 1280], tokens=[1024, 16384],
-                           quick=([1152], [1024, 16384])),
+                           quick=([1152], [1024, 16384]), check_per_row=True),
 }
 
 
@@ -59,9 +59,14 @@ def _private_copy(model):
     return clone
 
 
-def _check(name, actual, expected):
+def _check(name, actual, expected, per_row: bool = False):
+    """At most 2 bf16 ulps from eager, at each value's magnitude, or (per_row: LayerNorm, whose centred outputs
+    near zero carry the rounding of terms as large as the row's) at the magnitude of the row's largest value."""
     for a, e in zip(actual, expected):
-        ulp = 2.0 ** (torch.floor(torch.log2(e.float().abs().clamp_min(1e-30))) - 7)
+        magnitude = e.float().abs()
+        if per_row:
+            magnitude = magnitude.amax(-1, keepdim=True)
+        ulp = 2.0 ** (torch.floor(torch.log2(magnitude.clamp_min(1e-30))) - 7)
         worst = ((a.float() - e.float()).abs() / ulp).max().item()
         if worst > 2.0:
             raise AssertionError(f"{name}: {worst:.1f} bf16 ulps from eager")
@@ -120,10 +125,10 @@ def main():
                 expected = model(x, residual)
             inductor = torch.compile(_private_copy(model), dynamic=False)  # specialised on this shape: its best case
             with torch.no_grad():
-                _check("torch.compile", inductor(x, residual), expected)
+                _check("torch.compile", inductor(x, residual), expected, op["check_per_row"])
             variants = {"eager": lambda: model(x, residual), "torch.compile": lambda: inductor(x, residual)}
             for codegen, fn in compiled.items():
-                _check(f"dzc[{codegen}]", fn(x, residual), expected)
+                _check(f"dzc[{codegen}]", fn(x, residual), expected, op["check_per_row"])
                 variants[f"dzc[{codegen}]"] = lambda fn=fn: fn(x, residual)
             times = {name: _time(fn) for name, fn in variants.items()}
             loop_times = {name: loop_time(fn) for name, fn in variants.items()}
