@@ -410,8 +410,8 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     if split_k > 1:  # fp32 partial sums of each split: gate/up [S, P, 2I] (by sorted row), down [S, P, H]
         gate_up_partial = torch.empty(split_k, pairs, 2 * spec.inter, dtype=torch.float32, device=device)
         pair_out = torch.empty(split_k, pairs, spec.hidden, dtype=torch.float32, device=device)
-    else:
-        gate_up_partial = pair_out  # unused
+    else:  # no partial sums: any pointer will do, with SPLIT_K = 1 the kernels never read it
+        gate_up_partial = pair_out
     ws = workspace(device, spec.workspace_dtype, workspace_elements(spec, tokens)) if use_workspace else hidden
     # Absent biases: any pointer will do, the kernels never read it (HAS_*_BIAS is False in their source).
     w13_bias_arg = w13_bias if w13_bias is not None else hidden

@@ -77,10 +77,9 @@ def installed_target_kinds() -> set[str]:
     (forked from one), list them in tilelang.utils.target.SUPPORTED_TARGETS. Either may be missing; without
     TileLang installed there are none.
     """
-    try:
-        import tilelang  # noqa: F401
-    except ImportError:
+    if not installed():
         return set()
+    import tilelang
 
     kinds = set()
     try:
