@@ -56,6 +56,7 @@ def _run_requests(seed, options, device):
     fused = MultimodalSession.compiled(model, caches[1], "cuda", options)
     oracle = MultimodalSession(_fp32_oracle(model), caches[2])
     errors = {"eager": [], "dzc": []}
+    call_sequences = []  # the request each checked call belongs to
 
     def check(step: str, *args):
         """The step on all three sessions; eager's logits (which pick the next token)."""
@@ -69,17 +70,22 @@ def _run_requests(seed, options, device):
             images = pack_images(grids, CFG.vision, torch.bfloat16)
             images = ImagePack(*(t.to(device) for t in images.inputs()))
             input_ids = request_ids(CFG, grids, text).to(device)
+            call_sequences.append(sequence)
             logits = check("prefill", sequence, input_ids, images)
             for _ in range(steps):
                 tokens = logits.argmax(-1, keepdim=True)  # greedy: the next token of the request
+                call_sequences.append(sequence)
                 logits = check("decode", tokens, [sequence])
     print("relative errors against the fp32 oracle:", errors)
-    # One call may be further off: where two keys' index scores (or two experts' router scores) lie within a bf16
+    # One request may be further off: where two keys' index scores (or two experts' router scores) lie within a bf16
     # rounding of each other at the top-k boundary, eager, dzc and the oracle may each select differently
     # (measured: eager itself is 25% off on some seeds; tests/test_dsa_models.py tolerates such rows too). A wrong
     # rewrite is off in every prefill or every decode step, not in one call.
     bound = 2 * max(errors["eager"]) + 2**-7  # dzc rounds at other places than eager: measured up to 1.5x eager's
-    assert sum(error > bound for error in errors["dzc"]) <= 1, errors
+    # A near-tie flip in a request's prefill stays in its cache and can carry into its decode steps: count the
+    # requests with a call off, not the calls (a wrong rewrite is off in every request).
+    off = {seq for seq, error in zip(call_sequences, errors["dzc"]) if error > bound}
+    assert len(off) <= 1, (errors, call_sequences)
     assert caches[1].lengths == caches[0].lengths == [sum(t) + sum(r * c // 4 for r, c in g) + n
                                                       for (g, t), n in zip(REQUESTS, DECODE_STEPS)]
     return fused
