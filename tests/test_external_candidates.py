@@ -274,6 +274,8 @@ def flash_mla_sparse_contract(q, kv, indices, sm_scale, d_v):
     rows = indices[:, 0].long()
     valid = (rows >= 0) & (rows < kv.shape[0])
     keys = kv[:, 0][torch.where(valid, rows, 0)].float()  # [s_q, topk, d_qk]
+    # An invalid index reads no row (row 0 stood in to gather): zero it, or a poisoned row would turn 0 * NaN.
+    keys = torch.where(valid[..., None], keys, 0.0)
     scores = torch.einsum("thd,tkd->thk", q.float(), keys) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = scores.softmax(-1).nan_to_num(0.0)
