@@ -12,6 +12,7 @@ import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.decomposition import select_decomp_table
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dzc import config, ir, runtime
 from dzc.lowering import Execution, dzc_op_name, lower_graph
@@ -162,7 +163,7 @@ class DzcBackend:
         dynamic = sorted({str(v) for v in example_inputs if isinstance(v, torch.SymInt)})
         record = GraphRecord(compile_id, recompile, len(graph.nodes), dynamic, self._new_break_reasons(), fallback,
                              execution.describe(), execution.not_runnable_reason, _unfused_ops(graph),
-                             [(s.name, s.text) for s in stages])
+                             host_syncs=_host_syncs(graph), stages=[(s.name, s.text) for s in stages])
         self.report.graphs.append(record)
         _dump(stages, compile_id)
         if config.debug_level() >= 1:
@@ -186,3 +187,17 @@ class DzcBackend:
             _direct_launches(lowered)
             compiled = lowered.forward  # the generated function itself: no nn.Module call machinery per call
         return compiled
+
+
+def _host_syncs(graph: torch.fx.Graph) -> list[str]:
+    """The ops of `graph` that introduce data-dependent (unbacked) sizes or values: the host waits for each
+    (nonzero's count, a value read back), which no CUDA graph can capture."""
+    found = set()
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        made = free_unbacked_symbols(node.meta.get("val"))
+        consumed = set().union(*(free_unbacked_symbols(n.meta.get("val")) for n in node.all_input_nodes))
+        if made - consumed:
+            found.add(str(node.target))
+    return sorted(found)

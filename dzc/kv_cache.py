@@ -53,7 +53,10 @@ def split_fp8_index_pages(cache: torch.Tensor, head_dim: int) -> tuple[torch.Ten
     [pages, page_size]), both views of the cache's memory."""
     pages, page_size = cache.shape[0], _fp8_index_page_size(cache, head_dim)
     values = cache[:, : page_size * head_dim].view(torch.float8_e4m3fn).view(pages, page_size, head_dim)
-    scales = cache[:, page_size * head_dim:].view(torch.float32)
+    # The whole pool viewed as fp32 words, then the scale columns: Inductor lowers a view that changes the element
+    # size of a strided tensor (the scale area alone) as a contiguous copy first, which would copy the scale area
+    # on every compiled call and read it at the copy's place in the schedule rather than the view's.
+    scales = cache.view(torch.float32)[:, page_size * head_dim // SCALE_BYTES:]
     return values, scales
 
 
@@ -194,7 +197,9 @@ def write_index_keys(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tenso
         # copies: any device's index_put, and the compiled write stays in place (reinplace_cache_writes).
         pages, offsets = slots // value_bytes.shape[1], slots % value_bytes.shape[1]
         value_bytes[pages, offsets] = key_values.view(torch.uint8)
-        scale_bytes[pages, offsets] = key_scales.unsqueeze(-1).view(torch.uint8)
+        # The 1-D scales' bytes, 4 per key: a dtype view of an unsqueezed [tokens, 1] would need a unit stride on
+        # the size-1 dim, which Inductor does not give it (stride 0).
+        scale_bytes[pages, offsets] = key_scales.view(torch.uint8).view(-1, key_scales.element_size())
     else:
         cache.view(-1, head_dim)[slots] = keys.to(cache.dtype)
 

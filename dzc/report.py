@@ -25,6 +25,9 @@ class GraphRecord:
     execution: str
     not_runnable_reason: str
     unfused_ops: dict[str, int]  # ATen op -> count, left to the fallback
+    # Ops whose results the host must wait for (data-dependent sizes or values: nonzero, .item() kept as a host
+    # number): calls of such a graph cannot be captured into a CUDA graph, so dzc's runner never tries.
+    host_syncs: list[str] = field(default_factory=list)
     stages: list[tuple[str, str]] = field(default_factory=list)  # (stage name, IR text); not in summaries
 
 
@@ -82,6 +85,8 @@ class CompileReport:
             if graph.unfused_ops:
                 ops = ", ".join(f"{op} x{n}" for op, n in sorted(graph.unfused_ops.items()))
                 lines.append(f"    left to {graph.fallback}: {ops}")
+            if graph.host_syncs:
+                lines.append(f"    host syncs (calls run without CUDA graphs): {', '.join(graph.host_syncs)}")
         lines.append("  passes:")
         for name, count in self.passes.items():
             sites = collections.Counter(self.pass_sites[name])

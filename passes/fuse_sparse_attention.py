@@ -277,6 +277,12 @@ def _transposed(node):
     return None
 
 
+def _whole_slice(node) -> bool:
+    """aten.slice(x, dim, 0, INT64_MAX) (step 1): a no-op that captures with symbolic sizes keep."""
+    start, end, step = (list(node.args[2:]) + [0, _WHOLE, 1][len(node.args[2:]):])[:3]
+    return start in (0, None) and end in (None, _WHOLE) and step == 1
+
+
 def _uint8_pages(node):
     """The uint8 page pool a typed view of part of it comes from (slice of the page bytes, view as another dtype,
     reshape to [pages, page, ...]), else None."""
@@ -284,8 +290,8 @@ def _uint8_pages(node):
     while is_call(node, aten.view.default, aten.view.dtype, aten.alias.default, aten.slice.Tensor,
                   aten.reshape.default):
         rank = fake_value(node.args[0]).dim()
-        if is_call(node, aten.slice.Tensor) and node.args[1] % rank != rank - 1:
-            return None  # only slices of the bytes within a page
+        if is_call(node, aten.slice.Tensor) and node.args[1] % rank != rank - 1 and not _whole_slice(node):
+            return None  # only slices of the bytes within a page (and whole-dim slices, which dynamic sizes keep)
         node = node.args[0]
         if fake_value(node).dtype == torch.uint8 and fake_value(node).dim() == 2:
             pool = node  # keep going: the values and the scales are slices of the same pool
@@ -379,6 +385,13 @@ def _match_indexer(logits) -> _Indexer:
     if is_call(source, prims.convert_element_type.default) and fake_value(source.args[0]).dtype in (torch.bfloat16,
                                                                                           torch.float16):
         q = source.args[0]  # the upcast of HF's q.float() happens inside the op
+    paged = _paged_source(keys)
+    key_dtype = fake_value(paged[0] if paged is not None else keys).dtype
+    if key_dtype != torch.uint8 and key_dtype != fake_value(q).dtype:
+        # dsa_indexer multiplies in one dtype, or reads the uint8 FP8 pool. Dense keys in another dtype than q are
+        # a spelling this pass does not know (an FP8 pool read it could not trace back, say): keep it as written.
+        raise Refusal(f"the indexer keys ({key_dtype}) and q ({fake_value(q).dtype}) differ in dtype and are not "
+                      "the FP8 index page pool")
     return _Indexer(q, weights, inner_scale * outer_scale, keys, logits, [relu])
 
 

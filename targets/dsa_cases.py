@@ -22,9 +22,19 @@ class Paging:
     pages: int  # physical pages in the cache (including some no sequence uses)
 
 
+def host_generator(generator: torch.Generator) -> torch.Generator:
+    """The builders here draw on the host (Python loops over rows, .tolist()): a device generator (dzc-selftest
+    passes one for the device it tests) seeds a host generator from its own stream, so a seed still replays."""
+    if generator.device.type == "cpu":
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+    return torch.Generator().manual_seed(seed)
+
+
 def random_paging(seq_lens: list[int], page_size: int, device, generator: torch.Generator,
                   spare_pages: int = 2) -> Paging:
     """Pages handed out in a random order (never the identity), plus a few unused ones."""
+    generator = host_generator(generator)
     needed = [-(-n // page_size) for n in seq_lens]
     pages = sum(needed) + spare_pages
     order = torch.randperm(pages, generator=generator).tolist()
@@ -86,6 +96,7 @@ def indexer_args(seq_lens: list[int], per_seq: list[int], heads: int, head_dim: 
     """dsa_indexer's arguments (without kernel_id): q, weights, index_k_cache, block_table, seq_lens, query_seq,
     query_pos, max_context (default: the longest sequence). fp8: the uint8 FP8 cache and an e4m3 q (a `dtype` q
     with fp8_q=False); otherwise q and cache in `dtype`."""
+    generator = host_generator(generator)
     paging = random_paging(seq_lens, page_size, device, generator)
     query_seq, query_pos = queries_at(seq_lens, per_seq, device)
     rows = query_seq.shape[0]
@@ -106,6 +117,7 @@ def topk_args(rows: int, width: int, lengths: list[int], k: int, device, generat
               ties: bool = False) -> tuple:
     """dsa_topk's arguments: logits fp32 [rows, width] (ties: values drawn from a few levels, so that many are
     equal; some −inf either way), lengths int32 [rows], k."""
+    generator = host_generator(generator)
     if ties:
         logits = torch.randint(-3, 4, (rows, width), generator=generator).float()
     else:
@@ -120,6 +132,7 @@ def sparse_attention_args(seq_lens: list[int], per_seq: list[int], heads: int, k
     """sparse_attention's arguments: q, k_cache, v_cache (None: V = K[..., :d_v]), block_table, seq_lens,
     query_seq, indices, sm_scale, d_v. Indices are distinct causal positions of the row's sequence mixed with
     invalid ones (−1 and positions ≥ the sequence length); some rows have none valid."""
+    generator = host_generator(generator)
     paging = random_paging(seq_lens, page_size, device, generator)
     query_seq, query_pos = queries_at(seq_lens, per_seq, device)
     rows = query_seq.shape[0]

@@ -416,16 +416,21 @@ def _gpu_check(spec, launch, configs, seed):
 
 
 def _assert_layer_norm_close(y, expected_y, h, weight, bias):
-    """At most one bf16 ulp at the magnitude of the terms each output sums, |normed * weight| + |bias|: a centred
-    output near zero is the difference of such terms (and of the statistics, summed in another order), so an ulp
-    at its own tiny magnitude is no yardstick."""
+    """At most one bf16 ulp at the magnitude of the terms each output sums, |normed * weight| + |bias|, plus the
+    noise of the fp32 statistics: a centred output near zero is the difference of such terms, and kernel and
+    reference each sum the row's N fp32 values in their own order, so their means differ by about sqrt(N) fp32
+    ulps of the row's magnitude (observed: a few 1e-6 at N = 8192), which such an output shows in full. A wrong
+    statistic (mean, variance, eps placement) is off by orders of magnitude more."""
     hf = h.float()
     centred = hf - hf.mean(-1, keepdim=True)
-    normed = centred * torch.rsqrt(centred.square().mean(-1, keepdim=True) + EPS)
-    terms = normed.abs() * (weight.float().abs() if weight is not None else 1.0)
-    terms = terms + (bias.float().abs() if bias is not None else 0.0)
-    worst = ((y.float() - expected_y.float()).abs() / bf16_ulp(terms.clamp_min(expected_y.float().abs()))).max()
-    assert worst <= 1.0, f"{worst.item()} bf16 ulps apart at the terms' magnitude"
+    rstd = torch.rsqrt(centred.square().mean(-1, keepdim=True) + EPS)
+    scale = weight.float().abs() if weight is not None else 1.0
+    terms = (centred * rstd).abs() * scale + (bias.float().abs() if bias is not None else 0.0)
+    statistics_noise = (4 * hf.shape[-1] ** 0.5 * torch.finfo(torch.float32).eps
+                        * hf.abs().mean(-1, keepdim=True) * rstd * scale)
+    allowed = bf16_ulp(terms.clamp_min(expected_y.float().abs())) + statistics_noise
+    worst = ((y.float() - expected_y.float()).abs() / allowed).max()
+    assert worst <= 1.0, f"{worst.item()} x (one bf16 ulp at the terms' magnitude + the statistics' fp32 noise)"
 
 
 @pytest.mark.gpu

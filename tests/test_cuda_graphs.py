@@ -91,17 +91,35 @@ def test_large_calls_take_the_guarded_path(seed, tmp_path):
 
 
 class ScaleByHostValue(torch.nn.Module):
-    """Reads a value back to the host inside the graph (.item()): such a call cannot be captured."""
+    """Reads a value back to the host (.item()) only to multiply by it: captured with scalar outputs, the graph
+    keeps the value on the device (no _local_scalar_dense is left), so the call is capturable."""
 
     def forward(self, x):
         return x * x.abs().amax().item()
 
 
-def test_calls_that_cannot_be_captured_run_unreplayed(seed, tmp_path):
+class KeepPositive(torch.nn.Module):
+    """A data-dependent output size (boolean-mask indexing: nonzero): the host waits for the count, which a CUDA
+    graph cannot capture."""
+
+    def forward(self, x):
+        return x[x > 0] * 2
+
+
+def test_a_host_read_kept_on_the_device_replays_with_fresh_values(seed, tmp_path):
     compiled = dzc.compile(ScaleByHostValue(), "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), fallback="eager"))
-    x = torch.randn(4, 64, device="cuda")
-    with pytest.warns(UserWarning, match="capture failed"):  # the first call of a signature tries to capture it
-        actual = compiled(x)
-    torch.testing.assert_close(actual, x * x.abs().amax().item())
-    assert list(compiled._cuda_graphs.graphs.values()) == [None]
-    torch.testing.assert_close(compiled(x), x * x.abs().amax().item())  # later calls: straight to the model
+    for step in range(3):  # new values each call: a replay that baked in the first call's amax would be wrong
+        x = torch.randn(4, 64, device="cuda") * (step + 1)
+        torch.testing.assert_close(compiled(x), x * x.abs().amax().item())
+    assert [graph is not None for graph in compiled._cuda_graphs.graphs.values()] == [True]
+
+
+def test_calls_with_host_syncs_run_without_cuda_graphs(seed, tmp_path):
+    """The report names the op that makes the host wait; the runner never tries to capture such calls (a failed
+    capture leaves the CUDA RNG state mid-capture: seen on the H200, the next randn raised)."""
+    compiled = dzc.compile(KeepPositive(), "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), fallback="eager"))
+    for _ in range(3):
+        x = torch.randn(4, 64, device="cuda")
+        torch.testing.assert_close(compiled(x), x[x > 0] * 2)
+    assert compiled.report.graphs[0].host_syncs == ["aten.index.Tensor"]
+    assert not compiled._cuda_graphs.graphs

@@ -120,6 +120,12 @@ def _mark_dynamic(args):
                     torch._dynamo.maybe_mark_dynamic(value, dim)
 
 
+# Views of the cache pool and writes into it: pool-sized (symbolic when the pool's sizes are), not [queries x context].
+_POOL_VIEWS_AND_WRITES = {"aten.slice.Tensor", "aten.view.default", "aten.view.dtype", "aten.alias.default",
+                          "aten.index_put.default", "aten.index_put_.default", "aten.slice_scatter.default",
+                          "aten.copy_.default"}
+
+
 def _context_sized(graph):
     """(op, shape) of every value with a dim equal to the context length (64 * pages: the size that grows)."""
     found = []
@@ -160,6 +166,9 @@ def test_dsa_layer_fuses_and_matches_eager_over_ragged_prefill_and_decode(seed):
             expected = eager.step(model, x, sequences)
             args = fused.inputs(x, sequences)
             _mark_dynamic(args[1:4])
+            # The pool's sizes symbolic too (Dynamo makes them so once it has seen another cache): its views then
+            # keep whole-dim slices the pass must look through.
+            _mark_dynamic(fused_cache.index_keys)
             actual = compiled(*args)
             _assert_close_but_for_near_ties(actual, expected)
     assert eager_cache.lengths == [129, 65]
@@ -173,7 +182,8 @@ def test_dsa_layer_fuses_and_matches_eager_over_ragged_prefill_and_decode(seed):
         assert indexer.args[2].meta["val"].dtype == torch.uint8  # reads the FP8 pages, not a dense gather
         # Only the indexer logits are [queries x context]: no mask, no scores, no dense gather of the cache.
         sized = _context_sized(graph)
-        assert [op for op, _ in sized if op != "prims.iota.default"] == ["dzc.dsa_indexer.default"], sized
+        allocating = [op for op, _ in sized if op != "prims.iota.default" and op not in _POOL_VIEWS_AND_WRITES]
+        assert allocating == ["dzc.dsa_indexer.default"], sized
 
 
 @pytest.mark.slow

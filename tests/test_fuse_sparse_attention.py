@@ -195,3 +195,14 @@ def test_refuses_a_mask_with_another_use_and_a_padding_mask():
     gm, result, _, _ = _fuse(PaddingMask(), *inputs, padding)
     assert not result.rewrites
     assert [reason for _, reason in result.refusals] == ["the indexer mask is not exactly causal"]
+
+
+def test_refuses_indexer_keys_in_another_dtype_than_q():
+    """dsa_indexer multiplies in one dtype or reads the uint8 FP8 pool: fp32 dense keys with a bf16 q (what an FP8
+    pool read the pass cannot trace back looks like) stay as written, instead of failing later in lowering."""
+    q_index, k_index, *rest = _inputs(seed=3)
+    gm, result, _, _ = _fuse(DenseDSA("merged"), q_index, k_index.float(), *rest)
+    assert not result.rewrites
+    assert [reason for _, reason in result.refusals] == [
+        "the indexer keys (torch.float32) and q (torch.bfloat16) differ in dtype and are not the FP8 index page pool"]
+    assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)

@@ -118,9 +118,9 @@ graph(%a0: f32[72, 16], %a1: u8[3, 1280], %a2: i64[72], %a3: i32[2, 2]):
   %16 = aten.view.dtype(%13, u8)  # u8[72, 16]
   %17 = aten.alias.default(%16)  # u8[72, 16]
   %18 = aten.index_put_.default(%1, [%14, %15], %17)  # u8[3, 64, 16]
-  %19 = aten.unsqueeze.default(%8, -1)  # f32[72, 1]
-  %20 = aten.view.dtype(%19, u8)  # u8[72, 4]
-  %21 = aten.alias.default(%20)  # u8[72, 4]
+  %19 = aten.view.dtype(%8, u8)  # u8[288]
+  %20 = aten.alias.default(%19)  # u8[288]
+  %21 = aten.view.default(%20, [-1, 4])  # u8[72, 4]
   %22 = aten.slice.Tensor(%a1, 1, 1024, 9223372036854775807)  # u8[3, 256]
   %23 = aten.view.default(%22, [3, 64, 4])  # u8[3, 64, 4]
   %24 = aten.index_put_.default(%23, [%14, %15], %21)  # u8[3, 64, 4]
@@ -131,9 +131,9 @@ graph(%a0: f32[72, 16], %a1: u8[3, 1280], %a2: i64[72], %a3: i32[2, 2]):
   %29 = aten.view.default(%28, [3, 64, 16])  # f8e4m3[3, 64, 16]
   %30 = aten.index.Tensor(%29, [%25])  # f8e4m3[2, 2, 64, 16]
   %31 = prims.convert_element_type.default(%30, f32)  # f32[2, 2, 64, 16]
-  %32 = aten.slice.Tensor(%a1, 1, 1024, 9223372036854775807)  # u8[3, 256]
-  %33 = aten.view.dtype(%32, f32)  # f32[3, 64]
-  %34 = aten.alias.default(%33)  # f32[3, 64]
+  %32 = aten.view.dtype(%a1, f32)  # f32[3, 320]
+  %33 = aten.alias.default(%32)  # f32[3, 320]
+  %34 = aten.slice.Tensor(%33, 1, 256, 9223372036854775807)  # f32[3, 64]
   %35 = aten.index.Tensor(%34, [%25])  # f32[2, 2, 64]
   %36 = aten.unsqueeze.default(%35, -1)  # f32[2, 2, 64, 1]
   %37 = aten.mul.Tensor(%31, %36)  # f32[2, 2, 64, 16]
@@ -432,8 +432,12 @@ def test_dsa_layer_on_gpu_writes_the_paged_cache_in_place(options, seed, fp8_ind
     FP8 index keys: dense attention (the FP8 indexer kernel takes an e4m3 q, which the layer does not make)."""
     disabled = ("fuse_sparse_attention",) if fp8_index else ()
     options = dzc.CompileOptions(cache_dir=options.cache_dir, autotune=False, disable_passes=disabled)
-    report, compiled = _run_layer(options, fp8_index, _prefill_and_decode_steps(3), check_sizes=False,
-                                  device="cuda")
+    # FP8: Inductor keeps the layer's bf16 intermediates in fp32 where eager rounds them; a key one ulp off
+    # quantizes to another e4m3 value and flips top-k picks in a few prefill rows (seen on the H200, with and
+    # without this pass). Rounding like eager makes the comparison one of the writes, which is what this tests.
+    with torch._inductor.config.patch(emulate_precision_casts=fp8_index):
+        report, compiled = _run_layer(options, fp8_index, _prefill_and_decode_steps(3), check_sizes=False,
+                                      device="cuda")
     assert all(graph.fallback == "inductor" for graph in report.graphs), [g.fallback for g in report.graphs]
     assert report.passes["reinplace_cache_writes"] == (6 if fp8_index else 4)
     assert all(graph is None for graph in compiled._cuda_graphs.graphs.values())

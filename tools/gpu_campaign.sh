@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# The H200 check-and-benchmark campaign, in three device calls made back to back while the machine stays warm
-# (it keeps /tmp between calls). Calls 1 and 2 each carry one wheel folder fetched by ../shared/tools/gpu-wheels.sh:
-#   call 1 (carry .whl-gpu1):  bash tools/gpu_campaign.sh 1   # install dzc + TileLang; GPU tests of the Triton paths
-#   call 2 (carry .whl-gpu2):  bash tools/gpu_campaign.sh 2   # z3; TileLang GPU tests; MUSA validation; benchmarks I
-#   call 3:                    bash tools/gpu_campaign.sh 3   # benchmarks II
+# The H200 check-and-benchmark campaign, in device calls made back to back while the machine stays warm (it keeps
+# /tmp between calls). Calls 1 and 2 each carry one wheel folder fetched by ../shared/tools/gpu-wheels.sh:
+#   call 1 (carry .whl-gpu1):  bash tools/gpu_campaign.sh 1   # install dzc + TileLang; GPU tests of the Triton
+#                                                            # paths; dzc-selftest (Triton) + MUSA dry runs
+#   call 2 (carry .whl-gpu2):  bash tools/gpu_campaign.sh 2   # z3; TileLang GPU tests; MUSA-constrained runs and
+#                                                            # the runtime double; add_rms_norm benchmark
+#   call 3:                    bash tools/gpu_campaign.sh 3   # end-to-end multimodal benchmark; TileLang self-test
+#   call 4:                    bash tools/gpu_campaign.sh 4   # kernel benchmarks (MoE, DSA, vision attention)
 # With little device time left, one call without TileLang instead:
 #   bash tools/gpu_campaign.sh triton   # GPU tests of the Triton paths of the newest work; end-to-end and norm benches
 # Everything lands under $OUT (logs, result tables).
@@ -28,19 +31,21 @@ case $step in
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  part gpu_tests_core 90 python3 -m pytest -q -p no:logging -m gpu tests/test_cuda_graphs.py tests/test_musa_runtime.py \
-    tests/test_fuse_mxfp4_experts.py
-  part gpu_tests_mxfp4_triton 110 python3 -m pytest -q -p no:logging -m gpu -k "not tilelang" tests/test_mxfp4_moe_kernels.py
-  part gpu_tests_dsa_triton 110 python3 -m pytest -q -p no:logging -m gpu -k "not tilelang" tests/test_dsa_kernels.py
-  part gpu_tests_varlen_triton 120 python3 -m pytest -q -p no:logging -m gpu -k "not tilelang" \
-    tests/test_varlen_attention_kernels.py
+  TAIL=12 part gpu_tests_triton 230 python3 -m pytest -q -p no:logging -m gpu -k "not tilelang" \
+    tests/test_add_layer_norm_kernels.py tests/test_reinplace_cache_writes.py tests/test_dsa_models.py \
+    tests/test_cuda_graphs.py tests/test_fuse_mxfp4_experts.py tests/test_add_rms_norm_kernels.py
+  TAIL=12 part musa_validation_1 250 bash tools/gpu_musa_validation.sh 1
   ;;
 2)
-  part gpu_tests_tilelang 240 python3 -m pytest -q -p no:logging -m gpu -k tilelang tests/
-  TAIL=12 part musa_validation 200 bash tools/gpu_musa_validation.sh
-  TAIL=30 part bench_add_rms_norm 200 python3 tools/bench_add_rms_norm.py --out "$OUT/add_rms_norm_h200.md"
+  part gpu_tests_tilelang 250 python3 -m pytest -q -p no:logging -m gpu -k tilelang tests/
+  TAIL=12 part musa_validation_3 150 bash tools/gpu_musa_validation.sh 3
+  TAIL=30 part bench_add_rms_norm 170 python3 tools/bench_add_rms_norm.py --out "$OUT/add_rms_norm_h200.md"
   ;;
 3)
+  TAIL=40 part bench_multimodal 400 python3 tools/bench_multimodal.py --quick --out "$OUT/multimodal_h200.md"
+  TAIL=12 part musa_validation_2 150 bash tools/gpu_musa_validation.sh 2
+  ;;
+4)
   TAIL=30 part bench_mxfp4_moe 200 python3 tools/bench_mxfp4_moe.py --quick --out "$OUT/mxfp4_moe_h200.md"
   TAIL=30 part bench_dsa 200 python3 tools/bench_dsa.py --quick --out "$OUT/dsa_h200.md"
   TAIL=30 part bench_vision_attention 150 python3 tools/bench_vision_attention.py --quick --out "$OUT/vision_attention_h200.md"
