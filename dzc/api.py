@@ -67,7 +67,6 @@ class CompiledModel:
         # a capture off which the process has on need the patch around every call.
         self._dynamo_settings = _process_wide_dynamo_settings(options)
         self._cuda_graphs = None
-        self._cuda_graphs = None
         if options.cuda_graph_max_tokens > 0 and self.backend.target.profile.torch_device_type == "cuda":
             self._cuda_graphs = runtime.CudaGraphRunner(self._run_compiled, options.cuda_graph_max_tokens,
                                                         reuse_outputs=options.cuda_graph_reuse_outputs)

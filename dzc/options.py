@@ -42,6 +42,9 @@ class CompileOptions:
     capture_dynamic_output_shapes: bool = True
     # Capture `.item()` / `.tolist()` into the graph as unbacked symbolic ints instead of breaking the graph there
     # (Dynamo's capture_scalar_outputs): packed vision attention reads its segment lengths (`cu_seqlens`) this way.
+    # Both captures are Dynamo config, read whenever a call traces: dzc.compile turns the ones asked for on
+    # process-wide (a config patch around every call costs ~25 µs of host time), so other torch.compile users in
+    # the process capture those ops too; turning one off that the process has on costs that patch per call.
     capture_scalar_outputs: bool = True
     # A shipped tuning database (written by dzc-tune) consulted read-only before the local cache when tuning;
     # None = $DZC_TUNING_DB if set. A database tuned on another device (arch, multiprocessors, versions) is

@@ -278,7 +278,7 @@ def _transposed(node):
 
 
 def _whole_slice(node) -> bool:
-    """aten.slice(x, dim, 0, INT64_MAX) (step 1): a no-op that captures with symbolic sizes keep."""
+    """aten.slice(x, dim, 0, INT64_MAX) with step 1: a no-op, which captures with symbolic sizes keep in the graph."""
     start, end, step = (list(node.args[2:]) + [0, _WHOLE, 1][len(node.args[2:]):])[:3]
     return start in (0, None) and end in (None, _WHOLE) and step == 1
 

@@ -8,6 +8,7 @@ import torch
 
 import dzc
 from dzc.models.decoder import AddRMSNorm, HFRMSNorm
+from test_compile_report import KeepPositive, ScaleByHostValue
 
 pytestmark = pytest.mark.gpu
 
@@ -88,22 +89,6 @@ def test_large_calls_take_the_guarded_path(seed, tmp_path):
     compiled(x, r)
     compiled(x, r)
     assert not compiled._cuda_graphs.graphs
-
-
-class ScaleByHostValue(torch.nn.Module):
-    """Reads a value back to the host (.item()) only to multiply by it: captured with scalar outputs, the graph
-    keeps the value on the device (no _local_scalar_dense is left), so the call is capturable."""
-
-    def forward(self, x):
-        return x * x.abs().amax().item()
-
-
-class KeepPositive(torch.nn.Module):
-    """A data-dependent output size (boolean-mask indexing: nonzero): the host waits for the count, which a CUDA
-    graph cannot capture."""
-
-    def forward(self, x):
-        return x[x > 0] * 2
 
 
 def test_a_host_read_kept_on_the_device_replays_with_fresh_values(seed, tmp_path):
