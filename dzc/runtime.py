@@ -71,13 +71,14 @@ class CudaGraphRunner:
 
     @staticmethod
     def tokens(args) -> int:
-        """Tokens of the call: rows of the largest floating input (all but its last dim), or elements of the
-        largest integer input (token ids)."""
-        rows = 0
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.dim() > 0:
-                rows = max(rows, a.numel() // a.shape[-1] if a.is_floating_point() else a.numel())
-        return rows
+        """Tokens of the call: rows (all dims but the last) of the largest floating input, the activations;
+        integer inputs beside them (block tables, positions, cache slots) are not tokens. A call with integer
+        inputs only (token ids) counts the elements of the largest."""
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
+        rows = [a.numel() // max(a.shape[-1], 1) for a in tensors if a.is_floating_point()]
+        if rows:
+            return max(rows)
+        return max((a.numel() for a in tensors), default=0)
 
     def reset(self) -> None:
         self.graphs.clear()

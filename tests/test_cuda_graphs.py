@@ -8,7 +8,7 @@ import torch
 
 import dzc
 from dzc.models.decoder import AddRMSNorm, HFRMSNorm
-from test_compile_report import KeepPositive, ScaleByHostValue
+from test_cuda_graph_eligibility import KeepPositive, ScaleByHostValue
 
 pytestmark = pytest.mark.gpu
 

@@ -47,7 +47,6 @@ from dzc.kv_cache import write_index_keys
 from dzc.models.dsa import DSASession
 from dzc.models.multimodal import CONFIGS, DecoderStep, build_multimodal, new_cache, request_ids
 from dzc.models.vision import pack_images
-from dzc.runtime import CudaGraphRunner
 from dzc.targets import tilelang_codegen
 
 # Logits further than this from eager's (relative to eager's largest) mean a broken variant, not rounding: bf16
@@ -112,12 +111,10 @@ class Setup:
 
 
 def dzc_variant(setup: Setup, args):
-    """(vision, decoder) compiled by dzc; the decoder's CUDA graphs cover the decode call (its block table counts
-    as tokens in CudaGraphRunner's measure, so the limit is set to the decode call's size)."""
+    """(vision, decoder) compiled by dzc; the decoder's CUDA graphs cover the decode call (--batch tokens, which
+    may exceed the default limit)."""
     options = dzc.CompileOptions(cache_dir=args.cache_dir, autotune=not args.quick)
-    decode_size = CudaGraphRunner.tokens(
-        (torch.empty(args.batch, 1, setup.cfg.hidden), *setup.decode_args))
-    decoder_options = replace(options, cuda_graph_max_tokens=decode_size)
+    decoder_options = replace(options, cuda_graph_max_tokens=max(options.cuda_graph_max_tokens, args.batch))
     return (dzc.compile(setup.model.vision, "cuda", options),
             dzc.compile(DecoderStep(setup.model.language, setup.cache()), "cuda", decoder_options))
 

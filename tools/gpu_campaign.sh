@@ -5,7 +5,7 @@
 #                                                            # paths; dzc-selftest (Triton) + MUSA dry runs
 #   call 2 (carry .whl-gpu2):  bash tools/gpu_campaign.sh 2   # z3; TileLang GPU tests; MUSA-constrained runs and
 #                                                            # the runtime double; add_rms_norm benchmark
-#   call 3:                    bash tools/gpu_campaign.sh 3   # end-to-end multimodal benchmark; TileLang self-test
+#   call 3:                    bash tools/gpu_campaign.sh 3   # end-to-end multimodal benchmark (the whole call)
 #   call 4:                    bash tools/gpu_campaign.sh 4   # kernel benchmarks (MoE, DSA, vision attention)
 # With little device time left, one call without TileLang instead:
 #   bash tools/gpu_campaign.sh triton   # GPU tests of the Triton paths of the newest work; end-to-end and norm benches
@@ -35,6 +35,10 @@ case $step in
     tests/test_add_layer_norm_kernels.py tests/test_reinplace_cache_writes.py tests/test_dsa_models.py \
     tests/test_cuda_graphs.py tests/test_fuse_mxfp4_experts.py tests/test_add_rms_norm_kernels.py
   TAIL=12 part musa_validation_1 250 bash tools/gpu_musa_validation.sh 1
+  # Session 4's open numerics bug: the last, 17-token window of this pack comes out wrong on the H200 (not in the
+  # interpreter); each legal config in its own process says which tilings Triton miscompiles.
+  TAIL=30 part diag_varlen_windows 150 python3 tools/diagnose_varlen_attention_configs.py --rope --head-dim 80 \
+    --lengths 64 64 64 64 64 64 17 --heads 2
   ;;
 2)
   part gpu_tests_tilelang 250 python3 -m pytest -q -p no:logging -m gpu -k tilelang tests/
@@ -42,8 +46,8 @@ case $step in
   TAIL=30 part bench_add_rms_norm 170 python3 tools/bench_add_rms_norm.py --out "$OUT/add_rms_norm_h200.md"
   ;;
 3)
-  TAIL=40 part bench_multimodal 400 python3 tools/bench_multimodal.py --quick --out "$OUT/multimodal_h200.md"
-  TAIL=12 part musa_validation_2 150 bash tools/gpu_musa_validation.sh 2
+  # torch.compile(mode="max-autotune") of the multimodal model alone took more than 400 s twice: the call is its.
+  TAIL=40 part bench_multimodal 560 python3 tools/bench_multimodal.py --quick --out "$OUT/multimodal_h200.md"
   ;;
 4)
   TAIL=30 part bench_mxfp4_moe 200 python3 tools/bench_mxfp4_moe.py --quick --out "$OUT/mxfp4_moe_h200.md"
@@ -61,3 +65,5 @@ triton)
     --codegens triton --out "$OUT/add_layer_norm_h200.md"
   ;;
 esac
+# The device tool brings back only a few files per call: everything goes back as one archive.
+(cd "$OUT" && tar czf "/tmp/campaign_$step.tgz" . && rm -rf ./* && mv "/tmp/campaign_$step.tgz" .)

@@ -1,8 +1,10 @@
-"""What the compile report says about a graph's host syncs (CPU: the interpreter runs the graphs)."""
+"""Which calls may go through CUDA graphs, decided without a GPU: the host syncs the compile report names for a
+graph, and the tokens CudaGraphRunner counts for a call (CPU: the interpreter runs the graphs)."""
 
 import torch
 
 import dzc
+from dzc.runtime import CudaGraphRunner
 
 
 class KeepPositive(torch.nn.Module):
@@ -28,3 +30,12 @@ def test_report_names_the_ops_the_host_waits_for(tmp_path):
     assert syncing.report.graphs[0].host_syncs == ["aten.index.Tensor"]
     assert "host syncs (calls run without CUDA graphs): aten.index.Tensor" in str(syncing.report)
     assert device_only.report.graphs[0].host_syncs == []
+
+
+def test_cuda_graph_runner_counts_activation_rows_as_tokens():
+    """A paged decode step: 8 sequences' hidden states beside a block table of 8 x 64 pages and positions. The
+    tokens are the 8 rows, not the table's 512 entries (which would keep every decode step off CUDA graphs)."""
+    hidden, table, positions = torch.empty(8, 1, 32), torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, 1)
+    assert CudaGraphRunner.tokens((hidden, table, positions.long(), 0.5, None)) == 8
+    assert CudaGraphRunner.tokens((torch.zeros(4, 16, dtype=torch.long), table)) == 512  # ids only: elements
+    assert CudaGraphRunner.tokens((torch.empty(0, 0),)) == 0
