@@ -11,7 +11,9 @@ Bytes per call = 8·T·H (read x and residual, write y and h, bf16) + the weight
 compiled call, as a user calls it: the median of triton.testing.do_bench (L2 flushed before each call, so host
 time hides behind the flush while it is shorter), and back-to-back calls (host and device together). For small
 T both are host time, which dzc's CUDA-graph path (T <= 256) cuts; `dzc[...,reuse]` is that path returning the
-graph's own output buffers (no copy out), as a decode loop would run it.
+graph's own output buffers (no copy out), as a decode loop would run it. A third timing is GPU time alone: each
+variant's call captured into a CUDA graph, its replays timed; it compares the kernels (bandwidth) where host time
+swamps the other two (T = 4096 on a slow host).
 
 Every variant is checked against eager on the same inputs before it is timed (bf16: within 2 ulps).
 """
@@ -77,6 +79,23 @@ def _time(fn) -> float:
         return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
 
 
+def device_time(fn) -> float:
+    """Seconds of GPU time per call: the call captured once into a CUDA graph (after warm-up calls on a side
+    stream, as capture requires), then the graph's replays timed with the L2 flushed before each. Host work
+    (guards, wrappers, launches) is left out: what remains is the kernels' own time, the bandwidth comparison."""
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e-3
+
+
 def loop_time(fn, calls: int = 200) -> float:
     """Seconds per call of back-to-back calls (no L2 flush between them): host and device time together, what
     a decode loop sees when the host is the bottleneck."""
@@ -132,10 +151,11 @@ def main():
                 variants[f"dzc[{codegen}]"] = lambda fn=fn: fn(x, residual)
             times = {name: _time(fn) for name, fn in variants.items()}
             loop_times = {name: loop_time(fn) for name, fn in variants.items()}
+            device_times = {name: device_time(fn) for name, fn in variants.items()}
             moved = 8 * tokens * hidden + op["parameter_bytes"] * hidden
-            rows.append((hidden, tokens, moved, times, loop_times))
-            print(hidden, tokens, {k: f"{v * 1e6:.1f}us" for k, v in times.items()},
-                  {k: f"{v * 1e6:.1f}us" for k, v in loop_times.items()}, flush=True)
+            rows.append((hidden, tokens, moved, times, loop_times, device_times))
+            print(hidden, tokens, *({k: f"{v * 1e6:.1f}us" for k, v in measured.items()}
+                                    for measured in (times, loop_times, device_times)), flush=True)
         for codegen, fn in compiled.items():
             print(fn.report)
             # Every graph (a token count of 1 may get its own) fused the pair and ran the op's own kernel.
@@ -150,7 +170,7 @@ def main():
     header += [f"{v} / torch.compile" for v in dzc_variants]
     lines = ["Per call, L2 flushed before each (triton.testing.do_bench median):", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for hidden, tokens, moved, times, _ in rows:
+    for hidden, tokens, moved, times, _, _ in rows:
         cells = [str(hidden), str(tokens)] + [f"{times[v] * 1e6:.1f}" for v in variants]
         cells += [f"{moved / times[v] / 1e12:.2f} ({100 * moved / times[v] / PEAK_BYTES_PER_S:.0f}%)"
                   for v in dzc_variants]
@@ -159,9 +179,20 @@ def main():
     header = ["H", "T"] + [f"{v} µs" for v in variants] + [f"{v} / torch.compile" for v in dzc_variants]
     lines += ["", "Per call, back to back (host and device together; what a decode loop sees):", "",
               "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for hidden, tokens, _, _, loop_times in rows:
+    for hidden, tokens, _, _, loop_times, _ in rows:
         cells = [str(hidden), str(tokens)] + [f"{loop_times[v] * 1e6:.1f}" for v in variants]
         cells += [f"{loop_times['torch.compile'] / loop_times[v]:.2f}x" for v in dzc_variants]
+        lines.append("| " + " | ".join(cells) + " |")
+    header = ["H", "T"] + [f"{v} µs" for v in variants] + [f"{v} TB/s" for v in dzc_variants + ["torch.compile"]]
+    header += [f"{v} / torch.compile" for v in dzc_variants]
+    lines += ["", "GPU time per call (each variant's call captured once into a CUDA graph, replays timed with the L2 "
+              "flushed: host time and launch overhead left out):", "",
+              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for hidden, tokens, moved, _, _, device_times in rows:
+        cells = [str(hidden), str(tokens)] + [f"{device_times[v] * 1e6:.1f}" for v in variants]
+        cells += [f"{moved / device_times[v] / 1e12:.2f} ({100 * moved / device_times[v] / PEAK_BYTES_PER_S:.0f}%)"
+                  for v in dzc_variants + ["torch.compile"]]
+        cells += [f"{device_times['torch.compile'] / device_times[v]:.2f}x" for v in dzc_variants]
         lines.append("| " + " | ".join(cells) + " |")
     props = torch.cuda.get_device_properties(device)
     meta = (f"{'' if args.op == 'add_rms_norm' else args.op + ', bf16 with weight and bias: '}"

@@ -175,7 +175,30 @@ def main():
 
     variants = {"dzc": dzc_variant(setup, args)}
     cold = first_calls(setup, *variants["dzc"])
+    print("dzc first calls (cold):", {k: f"{v:.1f} s" for k, v in cold.items()}, flush=True)
     variants["eager"] = (setup.model.vision, DecoderStep(setup.model.language, setup.cache()))
+    broken, errors, times = [], {}, {}
+    with torch.no_grad():
+        expected = {"prefill": setup.prefill(*variants["eager"]), "decode": setup.decode(variants["eager"][1])}
+
+    def check_and_time(name):
+        """Logits against eager's, then the timings, printed at once: torch.compile's max-autotune compile can
+        take many minutes, and a run cut short still shows what came before it."""
+        vision, decoder = variants[name]
+        if name != "eager":
+            with torch.no_grad():
+                actual = {"prefill": setup.prefill(vision, decoder), "decode": setup.decode(decoder)}
+            errors[name] = {}
+            for step in actual:
+                errors[name][step], ok = compare(actual[step], expected[step])
+                if not ok:
+                    broken.append(f"{name} {step}: logits {errors[name][step]} from eager")
+        times[name] = {"prefill": loop_time(lambda: setup.prefill(vision, decoder), calls=10),
+                       "decode": loop_time(lambda: setup.decode(decoder), calls=50)}
+        print(name, {k: f"{v * 1e6:.0f} µs" for k, v in times[name].items()}, errors.get(name, ""), flush=True)
+
+    check_and_time("dzc")
+    check_and_time("eager")
     skips_before = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
     try:
         inductor = torch_compile_variant(setup)
@@ -184,25 +207,10 @@ def main():
     except Exception as error:  # noqa: BLE001  (a baseline that fails is reported in the table, not fatal)
         inductor_first = f"failed: {type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
         print(f"torch.compile baseline {inductor_first}", flush=True)
+        broken.append(f"torch.compile baseline {inductor_first}")
     inductor_skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips_before
-
-    broken = [] if "torch.compile" in variants else [f"torch.compile baseline {inductor_first}"]
-    errors = {}
-    with torch.no_grad():
-        expected = {"prefill": setup.prefill(*variants["eager"]), "decode": setup.decode(variants["eager"][1])}
-        for name in [n for n in variants if n != "eager"]:
-            vision, decoder = variants[name]
-            actual = {"prefill": setup.prefill(vision, decoder), "decode": setup.decode(decoder)}
-            errors[name] = {}
-            for step in actual:
-                errors[name][step], ok = compare(actual[step], expected[step])
-                if not ok:
-                    broken.append(f"{name} {step}: logits {errors[name][step]} from eager")
-    times = {}
-    for name, (vision, decoder) in variants.items():
-        times[name] = {"prefill": loop_time(lambda v=vision, d=decoder: setup.prefill(v, d), calls=10),
-                       "decode": loop_time(lambda d=decoder: setup.decode(d), calls=50)}
-        print(name, {k: f"{v * 1e6:.0f} µs" for k, v in times[name].items()}, flush=True)
+    if "torch.compile" in variants:
+        check_and_time("torch.compile")
 
     warm = warm_compile_times(args)
     for compiled in variants["dzc"]:
