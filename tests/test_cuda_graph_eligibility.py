@@ -1,5 +1,5 @@
 """Which calls may go through CUDA graphs, decided without a GPU: the host syncs the compile report names for a
-graph, and the tokens CudaGraphRunner counts for a call (CPU: the interpreter runs the graphs)."""
+graph, and the tokens CudaGraphRunner counts for a call (on the CPU; the graphs here hold no dzc kernel)."""
 
 import torch
 
