@@ -84,8 +84,11 @@ class CudaGraphRunner:
         self.graphs.clear()
 
     def __call__(self, *args):
+        # The token count first: it is cheaper than the key, and large calls (prefill) need no key at all.
+        if self.tokens(args) > self.max_tokens or torch.cuda.is_current_stream_capturing():
+            return self.fn(*args)
         key = self._key(args)
-        if key is None or self.tokens(args) > self.max_tokens or torch.cuda.is_current_stream_capturing():
+        if key is None:
             return self.fn(*args)
         if key not in self.graphs:
             self.graphs[key] = self._capture(args)
