@@ -84,11 +84,12 @@ class CudaGraphRunner:
         self.graphs.clear()
 
     def __call__(self, *args):
-        # The token count first: it is cheaper than the key, and large calls (prefill) need no key at all.
-        if self.tokens(args) > self.max_tokens or torch.cuda.is_current_stream_capturing():
+        # The token count first: large calls (prefill) need no key. The key before asking CUDA about capture:
+        # it is None for tensors on other devices, and a CPU-only torch cannot answer that question.
+        if self.tokens(args) > self.max_tokens:
             return self.fn(*args)
         key = self._key(args)
-        if key is None:
+        if key is None or torch.cuda.is_current_stream_capturing():
             return self.fn(*args)
         if key not in self.graphs:
             self.graphs[key] = self._capture(args)

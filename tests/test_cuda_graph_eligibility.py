@@ -39,3 +39,13 @@ def test_cuda_graph_runner_counts_activation_rows_as_tokens():
     assert CudaGraphRunner.tokens((hidden, table, positions.long(), 0.5, None)) == 8
     assert CudaGraphRunner.tokens((torch.zeros(4, 16, dtype=torch.long), table)) == 512  # ids only: elements
     assert CudaGraphRunner.tokens((torch.empty(0, 0),)) == 0
+
+
+def test_small_calls_on_cpu_tensors_run_without_the_runner(tmp_path):
+    """A "cuda"-target model called on CPU tensors (the interpreter) after its first compile: the runner hands
+    every call to the compiled model without touching CUDA, which a CPU-only torch has not got."""
+    compiled = dzc.compile(ScaleByHostValue(), "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), fallback="eager"))
+    for seed in range(3):
+        x = torch.randn(4, 64, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(compiled(x), x * x.abs().amax())
+    assert not compiled._cuda_graphs.graphs
