@@ -54,8 +54,8 @@ def split_fp8_index_pages(cache: torch.Tensor, head_dim: int) -> tuple[torch.Ten
     pages, page_size = cache.shape[0], _fp8_index_page_size(cache, head_dim)
     values = cache[:, : page_size * head_dim].view(torch.float8_e4m3fn).view(pages, page_size, head_dim)
     # The whole pool viewed as fp32 words, then the scale columns: Inductor lowers a view that changes the element
-    # size of a strided tensor (the scale area alone) as a contiguous copy first, which would copy the scale area
-    # on every compiled call and read it at the copy's place in the schedule rather than the view's.
+    # size of a strided tensor (the scale area alone) as a contiguous copy first, a copy of the scale area on
+    # every compiled call.
     scales = cache.view(torch.float32)[:, page_size * head_dim // SCALE_BYTES:]
     return values, scales
 
