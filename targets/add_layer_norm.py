@@ -20,6 +20,7 @@ from dzc.targets.add_rms_norm import (
     TEMPLATES,
     TILELANG_DTYPES,
     TL_DTYPES,
+    residual_rows,
     tilelang_configs,
     tilelang_default_config,
     tilelang_shared_memory_bytes,
@@ -105,22 +106,10 @@ def prepare(spec: AddLayerNormSpec, x, residual, weight, bias, eps, *_static):
     if residual.shape != shape or shape[-1] != spec.hidden:
         raise ValueError(f"add_layer_norm kernel for hidden={spec.hidden} got x {tuple(shape)}, residual "
                          f"{tuple(residual.shape)}")
-    # Outputs are dense. empty_like of a dense x (no keyword arguments to parse) costs half of torch.empty.
-    dense = x.is_contiguous()
-    y = torch.empty_like(x) if dense and spec.out_dtype == x.dtype else \
-        torch.empty(shape, dtype=spec.out_dtype, device=x.device)
-    h = torch.empty_like(x) if dense and spec.sum_dtype == x.dtype else \
-        torch.empty(shape, dtype=spec.sum_dtype, device=x.device)
+    x2d, residual2d, y, h, y2d, h2d = residual_rows(spec.hidden, spec.out_dtype, spec.sum_dtype, x, residual)
     weight = weight.contiguous() if weight is not None else None
     bias = bias.contiguous() if bias is not None else None
-    if len(shape) == 2 and x.stride(1) == 1 and residual.stride(1) == 1:
-        # Already [tokens, hidden] with dense rows: no view or copy at all (each costs host time per call).
-        return (x, residual, weight, bias, eps), (y, h), shape[0], (y, h)
-    # Kernels index rows by stride and columns contiguously; dense inputs (the usual case) pass as views.
-    x2d = x.view(-1, spec.hidden) if x.is_contiguous() else x.reshape(-1, spec.hidden).contiguous()
-    residual2d = (residual.view(-1, spec.hidden) if residual.is_contiguous()
-                  else residual.reshape(-1, spec.hidden).contiguous())
-    return (x2d, residual2d, weight, bias, eps), (y.view(x2d.shape), h.view(x2d.shape)), x2d.shape[0], (y, h)
+    return (x2d, residual2d, weight, bias, eps), (y2d, h2d), x2d.shape[0], (y, h)
 
 
 # ---------------------------------------------------------------------------------------------------------

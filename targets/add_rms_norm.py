@@ -154,20 +154,26 @@ def prepare(spec: AddRmsNormSpec, x, residual, weight, eps, *_static):
     if residual.shape != shape or weight.shape != (spec.hidden,):
         raise ValueError(f"add_rms_norm kernel for hidden={spec.hidden} got x {tuple(shape)}, residual "
                          f"{tuple(residual.shape)}, weight {tuple(weight.shape)}")
+    x2d, residual2d, y, h, y2d, h2d = residual_rows(spec.hidden, spec.out_dtype, spec.sum_dtype, x, residual)
+    return (x2d, residual2d, weight.contiguous(), eps), (y2d, h2d), x2d.shape[0], (y, h)
+
+
+def residual_rows(hidden: int, out_dtype: torch.dtype, sum_dtype: torch.dtype, x, residual):
+    """For the residual-norm kernels (add_rms_norm, add_layer_norm): (x and residual as [tokens, hidden] rows, the
+    outputs y and h allocated dense in x's shape, and their [tokens, hidden] views). Kernels index rows by stride
+    and columns contiguously and write the 2-D views, so nothing is copied after the launch."""
+    shape = x.shape
     # Outputs are dense. empty_like of a dense x (no keyword arguments to parse) costs half of torch.empty.
     dense = x.is_contiguous()
-    y = torch.empty_like(x) if dense and spec.out_dtype == x.dtype else \
-        torch.empty(shape, dtype=spec.out_dtype, device=x.device)
-    h = torch.empty_like(x) if dense and spec.sum_dtype == x.dtype else \
-        torch.empty(shape, dtype=spec.sum_dtype, device=x.device)
-    if len(shape) == 2 and x.stride(1) == 1 and residual.stride(1) == 1 and weight.is_contiguous():
+    y = torch.empty_like(x) if dense and out_dtype == x.dtype else torch.empty(shape, dtype=out_dtype, device=x.device)
+    h = torch.empty_like(x) if dense and sum_dtype == x.dtype else torch.empty(shape, dtype=sum_dtype, device=x.device)
+    if len(shape) == 2 and x.stride(1) == 1 and residual.stride(1) == 1:
         # Already [tokens, hidden] with dense rows: no view or copy at all (each costs host time per call).
-        return (x, residual, weight, eps), (y, h), shape[0], (y, h)
-    # Kernels index rows by stride and columns contiguously; dense inputs (the usual case) pass as views.
-    x2d = x.view(-1, spec.hidden) if x.is_contiguous() else x.reshape(-1, spec.hidden).contiguous()
-    residual2d = (residual.view(-1, spec.hidden) if residual.is_contiguous()
-                  else residual.reshape(-1, spec.hidden).contiguous())
-    return (x2d, residual2d, weight.contiguous(), eps), (y.view(x2d.shape), h.view(x2d.shape)), x2d.shape[0], (y, h)
+        return x, residual, y, h, y, h
+    # Dense inputs (the usual case) pass as views.
+    x2d = x.view(-1, hidden) if x.is_contiguous() else x.reshape(-1, hidden).contiguous()
+    residual2d = residual.view(-1, hidden) if residual.is_contiguous() else residual.reshape(-1, hidden).contiguous()
+    return x2d, residual2d, y, h, y.view(x2d.shape), h.view(x2d.shape)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -10,7 +10,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import json  # noqa: E402
 import random  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -60,3 +63,31 @@ def assert_close_for_dtype(actual: torch.Tensor, expected: torch.Tensor, max_bf1
     else:
         tol = {torch.float32: 1e-5, torch.float16: 1e-3}[actual.dtype]
         torch.testing.assert_close(actual, expected, atol=tol, rtol=tol)
+
+
+def run_ahead_of_time_script(script: str, tmp_path, timeout: int = 600, **env) -> list:
+    """Run `script` with argv[1] = tmp_path in a fresh Python with Triton's interpreter off (set explicitly: dzc
+    must not turn it on over it), as compiling for a GPU without one needs; extra environment variables from
+    `env`. The script prints one line `RESULTS <json>`; returns the parsed JSON."""
+    environment = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"), **env)
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          env=environment, cwd=tmp_path, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+def compile_tuned_and_check(model, cache_dir, tokens_list):
+    """dzc.compile(model) for cuda (the Triton interpreter on CPU tensors) with tuning on, a bf16 AddRMSNorm-style
+    model (x, residual -> y, h) of hidden 64 run at each token count and checked against eager, the fusion
+    asserted from the report. Returns the compiled model and the last call's inputs."""
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(cache_dir), autotune=True))
+    for tokens in tokens_list:
+        x, residual = torch.randn(tokens, 64).bfloat16(), torch.randn(tokens, 64).bfloat16()
+        y, h = compiled(x, residual)
+        with torch.no_grad():
+            expected_y, expected_h = model(x, residual)
+        assert_close_for_dtype(h, expected_h, max_bf16_ulps=1.0)
+        torch.testing.assert_close(y, expected_y, atol=1e-2, rtol=2**-6)
+    assert compiled.report.fired() == {"fuse_residual_norm": 1}
+    return compiled, (x, residual)

@@ -12,18 +12,14 @@ from __future__ import annotations
 
 import ast
 import itertools
-import json
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_close_for_dtype, bf16_ulp
+from conftest import assert_close_for_dtype, bf16_ulp, run_ahead_of_time_script
 
 import dzc
 from dzc.models.vision import TINY_MOONVIT, build_vision_encoder, pack_images
@@ -225,13 +221,7 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_triton_kernels_compile_ahead_of_time(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"),
-               TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    [line] = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    results = json.loads(line.removeprefix("RESULTS "))
+    results = run_ahead_of_time_script(_AOT_SCRIPT, tmp_path, timeout=300, TRITON_DEFAULT_FP_FUSION="1")
     assert len(results) == 5
     for r in results:
         assert r["legal"] and r["ptx_target"], r

@@ -15,9 +15,8 @@ import logging
 
 import pytest
 import torch
-from conftest import assert_close_for_dtype
+from conftest import compile_tuned_and_check
 
-import dzc
 from dzc.autotune import ExternalCandidate
 from dzc.models.decoder import AddRMSNorm
 from dzc.ops.add_rms_norm import add_rms_norm_reference
@@ -51,18 +50,10 @@ def _provide(monkeypatch, name: str, fn) -> None:
 
 def _compile_and_run(cache_dir, tokens_list=(3, 9)):
     """AddRMSNorm compiled for cuda (Triton interpreter on CPU tensors) with tuning on; every output checked
-    against eager. Returns the compiled model and the inputs and outputs of the last call."""
+    against eager. Returns the compiled model, the model and the last call's inputs."""
     model = AddRMSNorm().bfloat16()
-    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(cache_dir), autotune=True))
-    for tokens in tokens_list:
-        x, residual = torch.randn(tokens, 64).bfloat16(), torch.randn(tokens, 64).bfloat16()
-        y, h = compiled(x, residual)
-        with torch.no_grad():
-            expected_y, expected_h = model(x, residual)
-        assert_close_for_dtype(h, expected_h, max_bf16_ulps=1.0)
-        torch.testing.assert_close(y, expected_y, atol=1e-2, rtol=2**-6)
-    assert compiled.report.fired() == {"fuse_residual_norm": 1}
-    return compiled, model, (x, residual)
+    compiled, inputs = compile_tuned_and_check(model, cache_dir, tokens_list)
+    return compiled, model, inputs
 
 
 def _database_entries(cache_dir) -> list[dict]:

@@ -6,14 +6,12 @@ so bf16 results may differ from the reference by a unit in the last place per ro
 random MoE layers (weights quantized from random floats by dzc.mxfp4), outputs NaN-poisoned before every launch.
 """
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from conftest import run_ahead_of_time_script
 
 from dzc.ops import mxfp4_moe_reference
 from dzc.targets import TARGETS, mxfp4_moe, mxfp4_moe_routing, tilelang_codegen, triton_codegen
@@ -339,12 +337,7 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_triton_kernels_compile_ahead_of_time_for_sm_90(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "triton-cache"))
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    [line] = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    results = json.loads(line.removeprefix("RESULTS "))
+    results = run_ahead_of_time_script(_AOT_SCRIPT, tmp_path)
     labels = [r["label"] for r in results]
     assert len(results) == 2 + 3 + 1 + 3 + 5, labels
     for r in results:

@@ -2,15 +2,14 @@
 on a machine without a MUSA GPU, ahead-of-time Triton compilation for CUDA profiles, and unsupported devices."""
 
 import itertools
-import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_ahead_of_time_script
 
 import dzc
 from dzc.capture import _execution_for
@@ -238,15 +237,7 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_triton_kernels_compile_ahead_of_time_for_cuda_profiles(tmp_path):
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "0"  # set explicitly: dzc must not turn the interpreter on over it
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    [line] = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    results = json.loads(line.removeprefix("RESULTS "))
+    results = run_ahead_of_time_script(_AOT_SCRIPT, tmp_path, timeout=300, TRITON_DEFAULT_FP_FUSION="1")
     assert len(results) == 4
     for r in results:
         assert r["legal"], r

@@ -16,16 +16,13 @@ matmul rounded to the 16-bit dtype, 2^-8 relative for bf16; the interpreter trun
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from conftest import run_ahead_of_time_script
 
 from dzc.ops.varlen_attention import varlen_attention_reference
 from dzc.targets import TARGETS, tilelang_codegen, triton_codegen
@@ -351,13 +348,7 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 
 def test_triton_compiles_ahead_of_time_for_sm_90(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path / "cache"),
-               TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    [line] = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
-    results = json.loads(line.removeprefix("RESULTS "))
+    results = run_ahead_of_time_script(_AOT_SCRIPT, tmp_path, TRITON_DEFAULT_FP_FUSION="1")
     assert len(results) == 3
     for r in results:
         # Tensor cores, and (with more than one stage) key/value tiles loaded asynchronously ahead of use.

@@ -79,21 +79,20 @@ def _time(fn) -> float:
         return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
 
 
-def device_time(fn) -> float:
-    """Seconds of GPU time per call: the call captured once into a CUDA graph (after warm-up calls on a side
-    stream, as capture requires), then the graph's replays timed with the L2 flushed before each. Host work
-    (guards, wrappers, launches) is left out: what remains is the kernels' own time, the bandwidth comparison."""
-    with torch.no_grad():
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e-3
+def graph_time(fn, warmup: int = 10, rep: int = 50) -> float:
+    """Seconds of GPU time per call: fn captured once into a CUDA graph (after a call, and one on a side stream
+    as capture requires), then the graph's replays timed with the L2 flushed before each (do_bench median).
+    Host work (guards, wrappers, launches) is left out: what remains is the kernels' own time."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median") * 1e-3
 
 
 def loop_time(fn, calls: int = 200) -> float:
@@ -151,7 +150,8 @@ def main():
                 variants[f"dzc[{codegen}]"] = lambda fn=fn: fn(x, residual)
             times = {name: _time(fn) for name, fn in variants.items()}
             loop_times = {name: loop_time(fn) for name, fn in variants.items()}
-            device_times = {name: device_time(fn) for name, fn in variants.items()}
+            with torch.no_grad():
+                device_times = {name: graph_time(fn, warmup=25, rep=200) for name, fn in variants.items()}
             moved = 8 * tokens * hidden + op["parameter_bytes"] * hidden
             rows.append((hidden, tokens, moved, times, loop_times, device_times))
             print(hidden, tokens, *({k: f"{v * 1e6:.1f}us" for k, v in measured.items()}

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.testing
 
+from bench_add_rms_norm import graph_time  # tools/ is on sys.path when run as a script
 from dzc import mxfp4
 from dzc.models.moe import CONFIGS
 from dzc.ops.mxfp4_moe import glu_activation, mxfp4_moe_reference
@@ -226,20 +227,6 @@ class DzcKernels:
         inputs, (out,), _, result = family.prepare(self.spec, *args)
         self.launch(self.compiled, config, *inputs, out)
         return result
-
-
-def graph_time(fn) -> float:
-    """Seconds per replay of fn captured in a CUDA graph (L2 flushed before each replay by do_bench)."""
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e-3
 
 
 def plain_time(fn) -> float:
