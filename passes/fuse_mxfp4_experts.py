@@ -21,11 +21,16 @@ Before (three spellings; W13 = dzc.mxfp4_dequantize(w13_blocks, w13_scales, bf16
   grouped mm (transformers 5.x default experts implementation, e.g. GptOss; aten._grouped_mm, or its custom
   transformers.grouped_mm_fallback op for non-bf16 weights):
     %ids_g, %perm = aten.sort(aten.view(%topk_ids, [-1]));  %offs = aten.cumsum(aten.histc(%ids_g, E, 0, E-1))
-    %gu  = aten._grouped_mm(aten.index(%x, [%perm // k]), aten.permute(%W13, [0, 2, 1]), %offs)
-           + aten.index(%b13, [%ids_g])
-    %y   = aten._grouped_mm(act(%gu), aten.permute(%W2, [0, 2, 1]), %offs) + aten.index(%b2, [%ids_g])
+    %gu  = mask(aten._grouped_mm(mask(aten.index(%x, [%perm // k])), aten.permute(%W13, [0, 2, 1]), %offs)
+                + aten.index(%b13, [%bias_ids]))
+    %y   = mask(aten._grouped_mm(act(%gu), aten.permute(%W2, [0, 2, 1]), %offs) + aten.index(%b2, [%bias_ids]))
     %y   = aten.mul(%y, aten.unsqueeze(aten.index(aten.view(%topk_weights, [-1]), [%perm]), -1))
     %out = aten.sum(aten.view(aten.index(%y, [inverse of %perm]), [T, k, H]), [1])
+  Without expert-parallel sentinel handling, mask(v) = v and %bias_ids = %ids_g. With it (transformers 5.17
+  always; later versions only under expert parallelism), mask(v) = aten.where(%sentinel, aten.scalar_tensor(0), v)
+  with %sentinel = aten.unsqueeze(aten.ge(%ids_g, E), -1), and %bias_ids = aten.clamp_max(%ids_g, E-1). The op has
+  no sentinel rows, so this is matched only where %topk_ids are the indices of an aten.topk over E scores: no id
+  reaches E, and the masks and the clamp are identities.
 
 After:
 
@@ -44,7 +49,8 @@ not compute is dropped. Every dequantized weight left in the graph afterwards is
 whether or not a pattern anchor was found near it. The pass refuses (reported, graph unchanged there) when: the expert weights are plain
 tensors rather than MXFP4 dequantizations (BF16 experts stay as they are, for the fallback); an intermediate
 (including a dequantized weight) has a use outside the layer; the loop does not cover every expert exactly once;
-the activation is not one of the above; the dequantized dtype differs from the activations'.
+the activation is not one of the above; the dequantized dtype differs from the activations'; sentinel masks
+(grouped mm) guard expert ids that are not provably below E.
 
 Ordering: runs on the captured ATen graph, after fuse_residual_norm (independent of it: it reads the normalised
 activations whichever node produces them) and before lowering. The per-expert loop spelling reaches the pass as
@@ -553,20 +559,22 @@ def _match_grouped_mm(out: torch.fx.Node) -> _Match:
     if sorted_ids is None or perm.args[1] != 1 or _arg(sort, 2, "descending", False):
         raise Refusal("the grouping permutation is not an ascending sort of the expert ids")
     t.seen.add(sorted_ids)
-    y, b2, b2_ids = _biased(t, y)
+    masks: list = []
+    y, b2, b2_ids = _biased(t, _sentinel_unmasked(t, y, masks))
     a, w2_op, offsets = _grouped_operands(t, y, grouped)
     gu = _up_gu(t, a)
-    gu_value, b13, b13_ids = _biased(t, gu)
+    gu_value, b13, b13_ids = _biased(t, _sentinel_unmasked(t, gu, masks))
     rows, w13_op, offsets_up = _grouped_operands(t, gu_value, grouped)
+    rows = _sentinel_unmasked(t, rows, masks)
     if offsets_up is not offsets:
         raise Refusal("the two grouped GEMMs use different group offsets")
-    if any(b is not None and b_ids is not sorted_ids for b, b_ids in ((b2, b2_ids), (b13, b13_ids))):
-        raise Refusal("a bias is gathered by other ids than the sorted expert ids")
     activation = _match_activation(t, a, gu)
     topk_ids = t.take(sort.args[0], aten.view.default, aten.reshape.default).args[0]
     w13 = _grouped_weight(t, w13_op, "gate_up")
     w2 = _grouped_weight(t, w2_op, "down")
     experts = fake_value(w13).shape[0]
+    bias_ids = [b_ids for b, b_ids in ((b2, b2_ids), (b13, b13_ids)) if b is not None]
+    _check_sentinels_impossible(t, masks, bias_ids, sorted_ids, topk_ids, experts)
     cumsum = t.take(offsets, aten.cumsum.default)
     if cumsum.args[1] not in (0, -1):
         raise Refusal("the group offsets are not a cumulative sum over experts")
@@ -580,6 +588,51 @@ def _match_grouped_mm(out: torch.fx.Node) -> _Match:
     if row_ids.args[0] is not perm or row_ids.args[1] != k or row_ids.kwargs.get("rounding_mode") != "floor":
         raise Refusal("the grouped rows are not the tokens of the sorted (token, slot) pairs")
     return _Match(source.args[0], topk_ids, topk_weights, w13, w2, b13, b2, activation, out, t.seen, k)
+
+
+def _sentinel_unmasked(t: _Tracker, node, masks: list):
+    """v of where(mask, scalar_tensor, v) (a masked_fill of expert-parallel sentinel rows), its mask appended to
+    masks; node itself when it is no such where. The fill value is not checked: _check_sentinels_impossible accepts
+    the masks only where they never fire."""
+    if is_call(node, aten.where.self) and is_call(node.args[1], aten.scalar_tensor.default):
+        t.seen.update((node, node.args[1]))
+        masks.append(node.args[0])
+        return node.args[2]
+    return node
+
+
+def _check_sentinels_impossible(t: _Tracker, masks: list, bias_ids: list, sorted_ids, topk_ids, experts: int):
+    """The bias gathers read the sorted ids, or clamp_max(sorted ids, E-1); each mask is unsqueeze(sorted ids >= E,
+    -1). Masks and clamp serve sentinel ids (>= E, expert parallelism), which the fused op does not have: they are
+    accepted only where they are identities, the ids being the indices of a top-k over the E experts' scores."""
+    clamped = False
+    for ids in bias_ids:
+        unclamped, low, high = _clamp_bounds(t, ids)
+        if unclamped is not sorted_ids or low is not None or high not in (None, experts - 1):
+            raise Refusal("a bias is gathered by other ids than the sorted expert ids")
+        clamped |= high is not None
+    for mask in masks:
+        unsqueeze = t.take(mask, aten.unsqueeze.default)
+        ge = t.take(unsqueeze.args[0], aten.ge.Scalar)
+        if unsqueeze.args[1] not in (-1, 1) or ge.args[0] is not sorted_ids or ge.args[1] != experts:
+            raise Refusal(f"a grouped GEMM's rows are masked by something else than the sentinel mask "
+                          f"(sorted ids >= {experts}): {mask.format_node()}")
+    if (masks or clamped) and not _top_k_indices(topk_ids, experts):
+        raise Refusal(f"sentinel masks on expert ids that do not come from a top-k over the {experts} experts "
+                      f"(expert parallelism: sentinel slots are not supported)")
+
+
+def _top_k_indices(ids, experts: int) -> bool:
+    """Whether ids are, under views and dtype casts, the indices of an aten.topk over a last dimension of size
+    `experts`: then every id is below `experts`."""
+    while is_call(ids, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                  prims.convert_element_type.default, aten._to_copy.default):
+        ids = ids.args[0]
+    if not (is_call(ids, operator.getitem) and ids.args[1] == 1 and is_call(ids.args[0], aten.topk.default)):
+        return False
+    topk = ids.args[0]
+    scores = fake_value(topk.args[0])
+    return _arg(topk, 2, "dim", -1) in (-1, scores.dim() - 1) and scores.shape[-1] == experts
 
 
 def _grouped_operands(t: _Tracker, node, grouped) -> tuple:

@@ -276,12 +276,13 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
     want_workspace = rows_per_expert(spec, bucket) >= WORKSPACE_MIN_ROWS_PER_EXPERT
 
     def preference(c: KernelConfig):
-        # The cost model's path, the tier's largest row block, then mid-size tiles: 64 x 128 with 128 threads for
-        # decode (many small blocks keep every SM loading), 256 threads for the larger prefill tiles.
+        # The cost model's path, the tier's largest row block, then mid-size tiles (64 x 128) with 128 threads:
+        # for decode many small blocks keep every SM loading; for prefill one warp group per block measured
+        # fastest on the H200 (docs/results/mxfp4_moe_h200.md).
         threads = c.num_warps * profile.warp_size
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
                 -c["BLOCK_M"], _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64),
-                abs(c["BLOCK_K"] - 128), abs(threads - (128 if c["BLOCK_M"] <= 16 else 256)), c.num_stages != 3)
+                abs(c["BLOCK_K"] - 128), abs(threads - 128), c.num_stages != 3)
 
     return tier, min(tier, key=preference)
 
@@ -297,8 +298,10 @@ def describe_config(config: KernelConfig) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Triton
 
-TRITON_KERNEL_NAMES = ("moe_gate_up_kernel", "moe_down_kernel", "moe_split_activation_kernel",
-                       "mxfp4_dequantize_experts_kernel")
+TRITON_KERNEL_NAMES = ("moe_nibble_order_kernel", "moe_gate_up_kernel", "moe_down_kernel",
+                       "moe_split_activation_kernel", "mxfp4_dequantize_experts_kernel")
+# Columns per program of the activations' reordering (bandwidth bound and small: one shape serves).
+NIBBLE_ORDER_BLOCK = 1024
 # The workspace dequantization's tile (it is bandwidth bound; one shape serves).
 DEQUANT_BLOCK_N = 32
 DEQUANT_BLOCK_K = 256
@@ -350,16 +353,17 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
     tiles the output columns (for the gate/up GEMM BLOCK_N gate and BLOCK_N up rows). Decode tiles also take 1 and
     2 warps: with 128-lane warps (mp_22) those are the 128- and 256-thread blocks that suit them, and split the
     reduction (SPLIT_K); one pipeline depth, since decoded weight loads are not software-pipelined (measured:
-    tools/diagnose_mxfp4_decode.py).
+    tools/diagnose_mxfp4_decode.py). Blocks of 64 rows or fewer take 4 warps only: compiled for sm_90 (Triton
+    3.6), 8 warps on them split the accumulators over two MMA layouts converted into each other at every step,
+    and ran 2-3x slower on the H200 (docs/results/mxfp4_moe_h200.md); 128-row blocks take 4 and 8.
     """
     configs = []
     for block_m, block_n, block_k, warps, stages, use_workspace, split_k in (
             [(16, n, k, w, 2, 0, split) for n in (32, 64, 128) for k in (128, 256) for w in (1, 2, 4, 8)
              for split in (1, 2, 4, 8)]
-            + [(m, n, k, w, s, 0, 1) for m in (32, 64) for n in (64, 128) for k in (64, 128) for w in (4, 8)
-               for s in (2, 3)]
-            + [(m, n, 64, w, s, ws, 1) for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (3, 4)
-               for ws in (0, 1)]):
+            + [(m, n, k, 4, s, 0, 1) for m in (32, 64) for n in (64, 128) for k in (64, 128) for s in (2, 3)]
+            + [(m, n, k, w, s, ws, 1) for m in (64, 128) for n in (64, 128) for k in (64, 128)
+               for w in ((4,) if m == 64 else (4, 8)) for s in (2, 3, 4) for ws in (0, 1)]):
         configs.append(KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=block_m, BLOCK_N=block_n,
                                          BLOCK_K=block_k, WORKSPACE=use_workspace, SPLIT_K=split_k))
     return configs
@@ -418,10 +422,14 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     w2_bias_arg = w2_bias if w2_bias is not None else hidden
     if use_workspace:
         _dequantize_experts(kernels, w13_blocks, w13_scales, plan, ws, 2 * spec.inter, spec.hidden, spec)
+    # The GEMMs reduce in nibble order (see the generated module's docstring): x in that order first.
+    hidden_n = torch.empty(tokens, spec.hidden, dtype=spec.hidden_dtype, device=device)
+    kernels["moe_nibble_order_kernel"][(tokens, -(-spec.hidden // NIBBLE_ORDER_BLOCK))](
+        hidden, hidden_n, hidden.stride(0), BLOCK=NIBBLE_ORDER_BLOCK, num_warps=4)
     gate_up_grid = (plan.max_blocks, -(-spec.inter // block_n))
     kernels["moe_gate_up_kernel"][(*gate_up_grid, split_k)](
-        hidden, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
-        w13_blocks, w13_scales, ws, w13_bias_arg, act, gate_up_partial, hidden.stride(0), alpha, limit, pairs,
+        hidden_n, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
+        w13_blocks, w13_scales, ws, w13_bias_arg, act, gate_up_partial, alpha, limit, pairs,
         **options)
     if split_k > 1:
         kernels["moe_split_activation_kernel"][gate_up_grid](
@@ -473,7 +481,7 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
     schedule = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
                     block_row_end_ptr="*i32", expert_slots_ptr="*i32", w_blocks_ptr="*u8", w_scales_ptr="*u8",
                     workspace_ptr=ws)
-    gate_up = dict(x_ptr=x, **schedule, bias_ptr=w13_bias, act_ptr=x, partial_ptr="*fp32", stride_x="i32",
+    gate_up = dict(x_ptr=x, **schedule, bias_ptr=w13_bias, act_ptr=x, partial_ptr="*fp32",
                    alpha="fp32", limit="fp32", pairs="i32", **constexprs)
     down = dict(act_ptr=x, **schedule, bias_ptr=w2_bias, topk_weights_ptr="*" + _TRITON_TYPES[spec.weights_dtype],
                 pair_out_ptr="*fp32", pairs="i32", **constexprs)
@@ -481,10 +489,12 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
                             block_row_end_ptr="*i32", bias_ptr=w13_bias, act_ptr=x, alpha="fp32", limit="fp32",
                             pairs="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", SPLIT_K="constexpr")
     split_tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], SPLIT_K=_split_k(config))
+    nibble_order = dict(x_ptr=x, out_ptr=x, stride_x="i32", BLOCK="constexpr")
     dequant = dict(w_blocks_ptr="*u8", w_scales_ptr="*u8", expert_counts_ptr="*i32", expert_slots_ptr="*i32",
                    workspace_ptr=ws, N="constexpr", K="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr")
     dequant_constexprs = dict(N=2 * spec.inter, K=spec.hidden, BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=DEQUANT_BLOCK_K)
-    return {"moe_gate_up_kernel": (gate_up, tiles), "moe_down_kernel": (down, tiles),
+    return {"moe_nibble_order_kernel": (nibble_order, dict(BLOCK=NIBBLE_ORDER_BLOCK), 4),
+            "moe_gate_up_kernel": (gate_up, tiles), "moe_down_kernel": (down, tiles),
             "moe_split_activation_kernel": (split_activation, split_tiles),
             "mxfp4_dequantize_experts_kernel": (dequant, dequant_constexprs, DEQUANT_NUM_WARPS)}
 

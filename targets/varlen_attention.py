@@ -232,7 +232,7 @@ def triton_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[Ke
     configs = []
     for d_lo, d_hi in triton_head_splits(spec.head_dim):
         for block_m, block_n, num_warps in ((64, 32, 4), (64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8)):
-            if _miscompiled(d_hi, block_n, num_warps):
+            if _miscompiled(d_hi, block_n):
                 continue
             for num_stages in (1, 2, 3):
                 configs.append(KernelConfig.make(num_warps=num_warps, num_stages=num_stages, BLOCK_M=block_m,
@@ -242,12 +242,14 @@ def triton_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[Ke
     return configs
 
 
-def _miscompiled(d_hi: int, block_n: int, num_warps: int) -> bool:
-    """Tilings Triton 3.6 miscompiles for sm_90 (seen on the H200, 2026-11-29): the split head dim (64 + 16) with
-    64-key blocks on 4 warps faulted at one pipeline stage (compute-sanitizer: out-of-range shared address in a
-    reduction) and returned NaN at two; 8 warps and 32-key blocks ran correctly. An autotuner that times every
-    legal config must never launch them (a fault kills the process)."""
-    return d_hi > 0 and block_n >= 64 and num_warps == 4
+def _miscompiled(d_hi: int, block_n: int) -> bool:
+    """Tilings Triton 3.6 miscompiles for sm_90 (seen on the H200): the split head dim (64 + 16) with 64-key blocks.
+    On 4 warps it faulted at one pipeline stage (compute-sanitizer: out-of-range shared address in a reduction)
+    and returned NaN at two (2026-11-29); on 8 warps, a pack of 64-token windows ending in a 17-token one came
+    out wrong in that last window at two stages and faulted at one (2026-11-30, tools/
+    diagnose_varlen_attention_configs.py). Every 32-key split tiling and every padded tiling ran correctly on the
+    same packs. An autotuner that times every legal config must never launch them (a fault kills the process)."""
+    return d_hi > 0 and block_n >= 64
 
 
 def _legal_triton(spec: VarlenAttentionSpec, profile: DeviceProfile, config: KernelConfig) -> bool:
@@ -256,17 +258,18 @@ def _legal_triton(spec: VarlenAttentionSpec, profile: DeviceProfile, config: Ker
 
 
 def triton_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -> KernelConfig:
-    """Untuned choice: the first legal config in order of preference (128-row query blocks, 2 stages, the
-    narrowest head-dim tiling), falling back to smaller tiles where shared memory is short."""
-    split = min(triton_head_splits(spec.head_dim), key=sum)
+    """Untuned choice: the first legal config in order of preference (128-row query blocks, 2 stages; per tile
+    the narrowest head-dim tiling Triton compiles correctly), falling back to smaller tiles where shared memory
+    is short."""
     preferred = [(128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 2), (64, 32, 4, 1), (32, 16, 2, 1)]
     for block_m, block_n, num_warps, num_stages in preferred:
-        if _miscompiled(split[1], block_n, num_warps):
-            continue
-        config = KernelConfig.make(num_warps=num_warps, num_stages=num_stages, BLOCK_M=block_m, BLOCK_N=block_n,
-                                   D_LO=split[0], D_HI=split[1])
-        if _legal_triton(spec, profile, config):
-            return config
+        for d_lo, d_hi in sorted(triton_head_splits(spec.head_dim), key=sum):
+            if _miscompiled(d_hi, block_n):
+                continue
+            config = KernelConfig.make(num_warps=num_warps, num_stages=num_stages, BLOCK_M=block_m,
+                                       BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi)
+            if _legal_triton(spec, profile, config):
+                return config
     raise ValueError(f"no legal Triton varlen_attention config for {spec.describe()} on {profile.name}")
 
 

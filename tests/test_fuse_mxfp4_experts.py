@@ -164,15 +164,27 @@ def test_deepseek_style_with_shared_expert_matches_eager(options, seed):
     assert "mxfp4_dequantize" not in _stages(compiled)["lowered"]
 
 
-def test_hf_gpt_oss_grouped_mm_fuses_and_matches_eager(options, seed):
+def _with_sentinel_handling(experts: nn.Module) -> nn.Module:
+    """transformers experts that spell expert parallelism's sentinel handling (masks of the rows whose id is >= E,
+    ids clamped for the bias gathers): what transformers 5.17's grouped_mm always does, later ones under EP."""
+    experts._is_expert_parallel = True
+    return experts
+
+
+@pytest.mark.parametrize("sentinel_handling", [False, True])
+def test_hf_gpt_oss_grouped_mm_fuses_and_matches_eager(sentinel_handling, options, seed):
     model, (ids,) = build_model("hf_gpt_oss_mxfp4", seq=7, batch=1)
     assert model.config._experts_implementation == "grouped_mm"  # transformers 5.x default
+    if sentinel_handling:  # the ids come from the router's top-k over the experts: the masks never fire
+        for layer in model.model.layers:
+            _with_sentinel_handling(layer.mlp.experts)
     compiled = dzc.compile(model, "cuda", options)
     actual = compiled(ids).logits
     expected = model(ids).logits
     report = compiled.report
     assert report.compiles == 1 and not report.graph_breaks
     assert report.fired()[PASS] == 2  # both layers
+    assert _stages(compiled)["capture"].count("aten.ge.Scalar") == (2 if sentinel_handling else 0)  # the masks
     lowered = _stages(compiled)["lowered"]
     assert "mxfp4_dequantize" not in lowered and "_grouped_mm" not in lowered
     assert lowered.count("kernel_id='mxfp4_moe.") == 2
@@ -264,6 +276,22 @@ def test_refuses_hf_gpt_oss_with_bf16_experts(options):
     assert PASS not in compiled.report.fired()
     [(_, reason)] = compiled.report.refusals[PASS]
     assert "plain torch.bfloat16 tensors, not MXFP4" in reason
+    assert "aten._grouped_mm" in _stages(compiled)["lowered"]
+
+
+def test_refuses_hf_gpt_oss_sentinel_masks_on_given_expert_ids(options):
+    """Experts called with ids from outside, as under expert parallelism, where ids >= E mark slots routed to
+    another rank's experts: the masks can fire and the fused op has no sentinel rows, so the layer is left to the
+    fallback, which zeroes those slots."""
+    experts = _with_sentinel_handling(build_tiny_gpt_oss(torch.bfloat16, layers=1).model.layers[0].mlp.experts)
+    compiled = dzc.compile(experts, "cuda", options)
+    x = torch.randn(5, 64).bfloat16()
+    ids = torch.tensor([[0, 4], [2, 1], [4, 3], [1, 2], [3, 0]])  # 4 = E: a sentinel slot
+    weights = torch.rand(5, 2).bfloat16()
+    torch.testing.assert_close(compiled(x, ids, weights), experts(x, ids, weights), atol=0, rtol=0)
+    assert PASS not in compiled.report.fired()
+    assert [reason for _, reason in compiled.report.refusals[PASS] if reason.startswith(
+        "sentinel masks on expert ids that do not come from a top-k over the 4 experts")]
     assert "aten._grouped_mm" in _stages(compiled)["lowered"]
 
 
