@@ -17,6 +17,9 @@ Before (three spellings; W13 = dzc.mxfp4_dequantize(w13_blocks, w13_scales, bf16
     %gu  = aten.squeeze(aten.bmm(aten.index(%W13, [%ids]), aten.unsqueeze(%rows, -1)), -1) + aten.index(%b13, [%ids])
     %y   = aten.squeeze(aten.bmm(aten.index(%W2, [%ids]), aten.unsqueeze(act(%gu), -1)), -1) + aten.index(%b2, [%ids])
     %out = aten.sum(aten.view(aten.mul(%y, aten.view(%topk_weights, [-1, 1])), [T, k, H]), [1])
+  transformers' batched_mm multiplies by aten.unsqueeze(mask(aten.view(%topk_weights, [-1])), -1) instead, with
+  mask(v) = v; under expert parallelism mask(v) = aten.where(aten.ge(%ids, E), aten.scalar_tensor(0), v) and the
+  weights and biases are gathered by clamp(%ids, 0, E-1): matched only where no id reaches E, as for grouped mm.
 
   grouped mm (transformers 5.x default experts implementation, e.g. GptOss; aten._grouped_mm, or its custom
   transformers.grouped_mm_fallback op for non-bf16 weights):
@@ -50,7 +53,7 @@ whether or not a pattern anchor was found near it. The pass refuses (reported, g
 tensors rather than MXFP4 dequantizations (BF16 experts stay as they are, for the fallback); an intermediate
 (including a dequantized weight) has a use outside the layer; the loop does not cover every expert exactly once;
 the activation is not one of the above; the dequantized dtype differs from the activations'; sentinel masks
-(grouped mm) guard expert ids that are not provably below E.
+guard expert ids that are not provably below E.
 
 Ordering: runs on the captured ATen graph, after fuse_residual_norm (independent of it: it reads the normalised
 activations whichever node produces them) and before lowering. The per-expert loop spelling reaches the pass as
@@ -489,11 +492,14 @@ def _match_gathered_bmm(out: torch.fx.Node) -> _Match:
     """out = the combine's aten.sum over the slots."""
     t = _Tracker()
     weighted, k = _token_sum(t, out)
+    masks: list = []
     for y, w in _operands(t, weighted, aten.mul.Tensor):
-        if is_call(w, aten.unsqueeze.default) and w.args[1] in (-1, 1) and is_call(w.args[0], aten.view.default):
-            t.seen.update((w, w.args[0]))  # weights.reshape(-1).unsqueeze(-1)
-            topk_weights = w.args[0].args[0]
-            break
+        if is_call(w, aten.unsqueeze.default) and w.args[1] in (-1, 1):
+            flat = _sentinel_unmasked(t, w.args[0], masks)  # masked_fill(ids >= E, 0) under expert parallelism
+            if is_call(flat, aten.view.default):
+                t.seen.update((w, flat))  # weights.reshape(-1).unsqueeze(-1)
+                topk_weights = flat.args[0]
+                break
         if is_call(w, aten.view.default) and list(fake_value(w).shape[1:]) == [1]:
             t.seen.add(w)  # weights.reshape(-1, 1)
             topk_weights = w.args[0]
@@ -508,11 +514,13 @@ def _match_gathered_bmm(out: torch.fx.Node) -> _Match:
     if ids_up is not ids or any(b is not None and b_ids is not ids for b, b_ids in ((b2, b2_ids), (b13, b13_ids))):
         raise Refusal("the GEMMs and biases gather by different ids")
     activation = _match_activation(t, a, gu)
-    ids_view = t.take(ids, aten.view.default, aten.reshape.default)
-    topk_ids = ids_view.args[0]
+    flat_ids = _clamp_bounds(t, ids)[0]  # under EP the gathers read clamp(flat ids, 0, E-1), checked below
+    topk_ids = t.take(flat_ids, aten.view.default, aten.reshape.default).args[0]
+    w13 = _dequantized(t, w13, "gate_up")
+    experts = fake_value(w13).shape[0]
+    _check_sentinels_impossible(t, masks, [ids], flat_ids, topk_ids, experts)
     x = _repeated_rows(t, rows, k)
-    return _Match(x, topk_ids, topk_weights, _dequantized(t, w13, "gate_up"), _dequantized(t, w2, "down"), b13, b2,
-                  activation, out, t.seen, k)
+    return _Match(x, topk_ids, topk_weights, w13, _dequantized(t, w2, "down"), b13, b2, activation, out, t.seen, k)
 
 
 def _repeated_rows(t: _Tracker, rows, k) -> torch.fx.Node:
@@ -593,30 +601,35 @@ def _match_grouped_mm(out: torch.fx.Node) -> _Match:
 def _sentinel_unmasked(t: _Tracker, node, masks: list):
     """v of where(mask, scalar_tensor, v) (a masked_fill of expert-parallel sentinel rows), its mask appended to
     masks; node itself when it is no such where. The fill value is not checked: _check_sentinels_impossible accepts
-    the masks only where they never fire."""
+    the masks only where they never fire, and a where that keeps v's shape and dtype is then v."""
     if is_call(node, aten.where.self) and is_call(node.args[1], aten.scalar_tensor.default):
-        t.seen.update((node, node.args[1]))
-        masks.append(node.args[0])
-        return node.args[2]
+        value, kept = fake_value(node.args[2]), fake_value(node)
+        if value is not None and kept is not None and (kept.shape, kept.dtype) == (value.shape, value.dtype):
+            t.seen.update((node, node.args[1]))
+            masks.append(node.args[0])
+            return node.args[2]
     return node
 
 
-def _check_sentinels_impossible(t: _Tracker, masks: list, bias_ids: list, sorted_ids, topk_ids, experts: int):
-    """The bias gathers read the sorted ids, or clamp_max(sorted ids, E-1); each mask is unsqueeze(sorted ids >= E,
-    -1). Masks and clamp serve sentinel ids (>= E, expert parallelism), which the fused op does not have: they are
-    accepted only where they are identities, the ids being the indices of a top-k over the E experts' scores."""
+def _check_sentinels_impossible(t: _Tracker, masks: list, gather_ids: list, ids, topk_ids, experts: int):
+    """Each of gather_ids (what the weight or bias gathers read) is ids, clamp_max(ids, E-1) or clamp(ids, 0, E-1);
+    each mask is ids >= E, possibly unsqueezed to broadcast over rows. Masks and clamps serve sentinel ids (>= E,
+    expert parallelism), which the fused op does not have: they are accepted only where they are identities, ids
+    being (a view of) the indices of a top-k over the E experts' scores, so in [0, E)."""
     clamped = False
-    for ids in bias_ids:
-        unclamped, low, high = _clamp_bounds(t, ids)
-        if unclamped is not sorted_ids or low is not None or high not in (None, experts - 1):
-            raise Refusal("a bias is gathered by other ids than the sorted expert ids")
+    for gathered_by in gather_ids:
+        unclamped, low, high = _clamp_bounds(t, gathered_by)
+        if unclamped is not ids or (low, high) not in ((None, None), (None, experts - 1), (0, experts - 1)):
+            raise Refusal("expert weights or biases are gathered by other ids than the routed expert ids")
         clamped |= high is not None
     for mask in masks:
-        unsqueeze = t.take(mask, aten.unsqueeze.default)
-        ge = t.take(unsqueeze.args[0], aten.ge.Scalar)
-        if unsqueeze.args[1] not in (-1, 1) or ge.args[0] is not sorted_ids or ge.args[1] != experts:
-            raise Refusal(f"a grouped GEMM's rows are masked by something else than the sentinel mask "
-                          f"(sorted ids >= {experts}): {mask.format_node()}")
+        if is_call(mask, aten.unsqueeze.default) and mask.args[1] in (-1, 1):
+            t.seen.add(mask)
+            mask = mask.args[0]
+        ge = t.take(mask, aten.ge.Scalar)
+        if ge.args[0] is not ids or ge.args[1] != experts:
+            raise Refusal(f"expert rows or routing weights are masked by something else than the sentinel mask "
+                          f"(expert ids >= {experts}): {mask.format_node()}")
     if (masks or clamped) and not _top_k_indices(topk_ids, experts):
         raise Refusal(f"sentinel masks on expert ids that do not come from a top-k over the {experts} experts "
                       f"(expert parallelism: sentinel slots are not supported)")

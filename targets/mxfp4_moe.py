@@ -361,7 +361,7 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
     for block_m, block_n, block_k, warps, stages, use_workspace, split_k in (
             [(16, n, k, w, 2, 0, split) for n in (32, 64, 128) for k in (128, 256) for w in (1, 2, 4, 8)
              for split in (1, 2, 4, 8)]
-            + [(m, n, k, 4, s, 0, 1) for m in (32, 64) for n in (64, 128) for k in (64, 128) for s in (2, 3)]
+            + [(32, n, k, 4, s, 0, 1) for n in (64, 128) for k in (64, 128) for s in (2, 3)]
             + [(m, n, k, w, s, ws, 1) for m in (64, 128) for n in (64, 128) for k in (64, 128)
                for w in ((4,) if m == 64 else (4, 8)) for s in (2, 3, 4) for ws in (0, 1)]):
         configs.append(KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -165,16 +165,21 @@ def test_deepseek_style_with_shared_expert_matches_eager(options, seed):
 
 
 def _with_sentinel_handling(experts: nn.Module) -> nn.Module:
-    """transformers experts that spell expert parallelism's sentinel handling (masks of the rows whose id is >= E,
-    ids clamped for the bias gathers): what transformers 5.17's grouped_mm always does, later ones under EP."""
+    """transformers experts that spell expert parallelism's sentinel handling of ids >= E: grouped_mm masks those
+    rows and clamps the ids of the bias gathers (what transformers 5.17 always does, later versions under EP);
+    batched_mm clamps the ids of every gather and zeroes those rows' routing weights."""
     experts._is_expert_parallel = True
     return experts
 
 
-@pytest.mark.parametrize("sentinel_handling", [False, True])
-def test_hf_gpt_oss_grouped_mm_fuses_and_matches_eager(sentinel_handling, options, seed):
+@pytest.mark.parametrize("implementation,sentinel_handling,gemm", [
+    ("grouped_mm", False, "_grouped_mm"),  # transformers 5.x default
+    ("grouped_mm", True, "_grouped_mm"),
+    ("batched_mm", True, "aten.bmm"),  # without sentinel handling: test_hf_gpt_oss_fp32_experts_implementations_fuse
+])
+def test_hf_gpt_oss_experts_fuse_and_match_eager(implementation, sentinel_handling, gemm, options, seed):
     model, (ids,) = build_model("hf_gpt_oss_mxfp4", seq=7, batch=1)
-    assert model.config._experts_implementation == "grouped_mm"  # transformers 5.x default
+    model.set_experts_implementation(implementation)
     if sentinel_handling:  # the ids come from the router's top-k over the experts: the masks never fire
         for layer in model.model.layers:
             _with_sentinel_handling(layer.mlp.experts)
@@ -184,9 +189,11 @@ def test_hf_gpt_oss_grouped_mm_fuses_and_matches_eager(sentinel_handling, option
     report = compiled.report
     assert report.compiles == 1 and not report.graph_breaks
     assert report.fired()[PASS] == 2  # both layers
-    assert _stages(compiled)["capture"].count("aten.ge.Scalar") == (2 if sentinel_handling else 0)  # the masks
+    captured = _stages(compiled)["capture"]
+    assert gemm in captured
+    assert captured.count("aten.ge.Scalar") == (2 if sentinel_handling else 0)  # the masks
     lowered = _stages(compiled)["lowered"]
-    assert "mxfp4_dequantize" not in lowered and "_grouped_mm" not in lowered
+    assert "mxfp4_dequantize" not in lowered and gemm not in lowered
     assert lowered.count("kernel_id='mxfp4_moe.") == 2
     torch.testing.assert_close(actual, expected, **_bf16_tolerance(expected))
 
@@ -279,11 +286,13 @@ def test_refuses_hf_gpt_oss_with_bf16_experts(options):
     assert "aten._grouped_mm" in _stages(compiled)["lowered"]
 
 
-def test_refuses_hf_gpt_oss_sentinel_masks_on_given_expert_ids(options):
+@pytest.mark.parametrize("implementation,gemm", [("grouped_mm", "aten._grouped_mm"), ("batched_mm", "aten.bmm")])
+def test_refuses_hf_gpt_oss_sentinel_masks_on_given_expert_ids(implementation, gemm, options):
     """Experts called with ids from outside, as under expert parallelism, where ids >= E mark slots routed to
     another rank's experts: the masks can fire and the fused op has no sentinel rows, so the layer is left to the
     fallback, which zeroes those slots."""
-    experts = _with_sentinel_handling(build_tiny_gpt_oss(torch.bfloat16, layers=1).model.layers[0].mlp.experts)
+    model = build_tiny_gpt_oss(torch.bfloat16, layers=1, experts_implementation=implementation)
+    experts = _with_sentinel_handling(model.model.layers[0].mlp.experts)
     compiled = dzc.compile(experts, "cuda", options)
     x = torch.randn(5, 64).bfloat16()
     ids = torch.tensor([[0, 4], [2, 1], [4, 3], [1, 2], [3, 0]])  # 4 = E: a sentinel slot
@@ -292,7 +301,7 @@ def test_refuses_hf_gpt_oss_sentinel_masks_on_given_expert_ids(options):
     assert PASS not in compiled.report.fired()
     assert [reason for _, reason in compiled.report.refusals[PASS] if reason.startswith(
         "sentinel masks on expert ids that do not come from a top-k over the 4 experts")]
-    assert "aten._grouped_mm" in _stages(compiled)["lowered"]
+    assert gemm in _stages(compiled)["lowered"]
 
 
 class _WeightEscapes(nn.Module):

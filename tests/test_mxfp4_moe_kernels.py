@@ -219,6 +219,7 @@ def test_every_emitted_config_is_legal(codegen, name):
             assert not config_problems(profile, threads=threads, num_warps=None, shared_memory_bytes=smem(spec, config),
                                        dtypes=spec.dtypes), where
         assert len(legal) + illegal == len(emitted)
+        assert len(set(emitted)) == len(emitted), "a config listed twice is timed twice by the tuner"
         default = getattr(mxfp4_moe, f"{codegen}_default_config")(spec, profile)
         assert default in legal, (codegen, name, spec_name)
         # Every token bucket gets a non-empty tier and a default inside it.
