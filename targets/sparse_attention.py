@@ -132,9 +132,21 @@ def configs_for_bucket(spec: SparseAttentionSpec, profile: DeviceProfile, bucket
     variant = variant_for_bucket(bucket)
     chosen = [c for c in configs if config_variant(c) == variant]
     if config_variant(default) != variant:
-        default = KernelConfig.make(default.num_warps, default.num_stages,
-                                    **{**dict(default.params), "SPLITS": 4 if variant == "decode" else 0})
+        splits = _decode_splits(spec, default, bucket) if variant == "decode" else 0
+        default = KernelConfig.make(default.num_warps, default.num_stages, **{**dict(default.params), "SPLITS": splits})
     return chosen, default
+
+
+# Decode programs that keep a GPU busy without splitting: about one per SM of the largest targets (H200: 132).
+DECODE_PROGRAMS_WITHOUT_SPLITS = 128
+
+
+def _decode_splits(spec: SparseAttentionSpec, config: KernelConfig, bucket: int) -> int:
+    """Splits of the untuned decode choice: none once query rows x head blocks give enough programs by themselves
+    (H200, 64 sequences x 2 rows at 32K context, 64 x 64 tiles: 1 split 435 µs, 2 460, 4 523, 8 644;
+    tools/diagnose_sparse_attention_configs.py), else 4."""
+    head_blocks = -(-spec.heads // config["BLOCK_H"])
+    return 1 if bucket * head_blocks >= DECODE_PROGRAMS_WITHOUT_SPLITS else 4
 
 
 def prepare(spec: SparseAttentionSpec, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale,
@@ -200,14 +212,17 @@ def triton_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[Ke
 
 
 def triton_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -> KernelConfig:
-    """Untuned prefill choice (the decode default is the same with 4 splits), legal on `profile`: the most heads
-    per program, 32 gathered rows per tile if that fits, the fewest warps that hold the accumulator."""
-    legal = [c for c in triton_configs(spec, profile) if c["SPLITS"] == 0 and c.num_stages == 1
+    """Untuned prefill choice (the decode default is the same tile with the splits of _decode_splits), legal on
+    `profile`: the most heads per program, the most gathered rows per tile, pipelined if that fits, the fewest
+    warps that hold the accumulator. On the H200 (MLA, 4096 query rows at 8K context) 64 heads x 64 rows with 2
+    stages took 10.7 ms, the previous choice (64 x 32, 1 stage) 21.4 ms, every smaller tile more
+    (tools/diagnose_sparse_attention_configs.py)."""
+    legal = [c for c in triton_configs(spec, profile) if c["SPLITS"] == 0
              and not config_problems(profile, threads=c.num_warps * profile.warp_size, num_warps=c.num_warps,
                                      shared_memory_bytes=triton_shared_memory_bytes(spec, c), dtypes=spec.dtypes)]
     if not legal:
         raise ValueError(f"no legal Triton sparse_attention config for {spec.describe()} on {profile.name}")
-    return max(legal, key=lambda c: (c["BLOCK_H"], c["BLOCK_N"] == 32, c["BLOCK_N"], -c.num_warps))
+    return max(legal, key=lambda c: (c["BLOCK_H"], c["BLOCK_N"], c.num_stages, -c.num_warps))
 
 
 def triton_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) -> int:
