@@ -220,13 +220,15 @@ def tune(
     database: TuningDatabase,
     externals: Sequence[ExternalCandidate] = (),
     run_external: Callable[[ExternalCandidate], object] | None = None,
+    check: Callable[[KernelConfig], str | None] | None = None,
 ) -> TuningResult:
     """Pick the fastest config: from the database when the key is known, else by timing each one.
 
     run(config) launches the kernel once on real arguments. A config that fails to compile or run is skipped
-    and logged; tuning fails only when every config does. externals are timed the same way, through
-    run_external(candidate) (which calls candidate.fn on the same arguments); one wins only if it beats every
-    config, and a config is always kept as the fallback.
+    and logged; so is one for which check(config), called after its timed runs, says why its result is wrong.
+    Tuning fails only when every config does. externals are timed the same way, through run_external(candidate)
+    (which calls candidate.fn on the same arguments); one wins only if it beats every config, and a config is
+    always kept as the fallback.
     """
     record = database.lookup(key)
     if record is not None:
@@ -253,9 +255,14 @@ def tune(
         call = (lambda: run_external(candidate)) if is_external else (lambda: run(candidate))
         try:
             seconds = bench(call)
+            wrong = None if is_external or check is None else check(candidate)
         except Exception as err:  # a candidate that does not compile or launch is skipped, never fatal
             failures[name] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
             log.info("dzc: %s candidate %s failed: %s", label, name, failures[name])
+            continue
+        if wrong is not None:  # a miscompiled tiling may well be the fastest: it must never be chosen
+            failures[name] = f"wrong result: {wrong}"[:300]
+            log.warning("dzc: %s candidate %s skipped: %s", label, name, failures[name])
             continue
         timings[name] = seconds
         if is_external:

@@ -18,7 +18,9 @@ from conftest import assert_close_for_dtype, compile_tuned_and_check
 import dzc
 from dzc.autotune import FORMAT_VERSION, TuningDatabase, tune
 from dzc.models.decoder import AddRMSNorm
+from dzc.targets import add_rms_norm
 from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.launch import agreement_check
 
 
 TOKENS = (3, 9)  # token buckets 4 and 16
@@ -294,6 +296,59 @@ def test_a_failing_config_is_skipped_and_logged(tmp_path, autotune_log):
     again = tune("k[tokens<=16]", KEY, CONFIGS, run=run, bench=lambda fn: fn(),
                  database=TuningDatabase(tmp_path / "tuning.json"))
     assert again.config == CONFIGS[2] and again.from_cache is True and ran == []
+
+
+def test_a_config_whose_outputs_disagree_is_skipped_even_when_fastest(tmp_path, autotune_log):
+    """check=agreement_check: outputs are compared with the first config's; rounding passes, a wrong result (or NaN
+    where there was none) is a failure with its reason, whatever its speed."""
+    generator = torch.Generator().manual_seed(0)
+    right = torch.randn(16, 64, generator=generator)
+    rounded = right.bfloat16().float()  # what another tiling's rounding looks like
+    written = {CONFIGS[0]: right, CONFIGS[1]: right + 0.5, CONFIGS[2]: rounded}
+    seconds = {CONFIGS[0]: 3e-6, CONFIGS[1]: 1e-7, CONFIGS[2]: 2e-6}
+    out = torch.full((16, 64), float("nan"))
+
+    def run(cfg):
+        out.copy_(written[cfg])
+        return seconds[cfg]
+
+    result = tune("k[tokens<=16]", KEY, CONFIGS, run=run, bench=lambda fn: fn(),
+                  database=TuningDatabase(tmp_path / "tuning.json"), check=agreement_check((out,)))
+    assert result.config == CONFIGS[2]
+    assert list(result.failures) == [str(CONFIGS[1])]
+    assert result.failures[str(CONFIGS[1])].startswith("wrong result: max difference 0.5")
+    assert any("wrong result" in m for m in autotune_log), autotune_log
+
+    written[CONFIGS[1]] = right.masked_fill(right > 2, float("nan"))
+    result = tune("k[tokens<=16]", {**KEY, "token_bucket": 32}, CONFIGS, run=run, bench=lambda fn: fn(),
+                  database=TuningDatabase(tmp_path / "tuning.json"), check=agreement_check((out,)))
+    assert result.config == CONFIGS[2] and "NaN or infinite" in result.failures[str(CONFIGS[1])]
+
+
+def test_compiled_kernels_keep_only_configs_that_agree_with_the_default(tmp_path, seed, monkeypatch):
+    """Through dzc.compile: every config but the untuned default writes a wrong output (the real kernel runs, then
+    its output is shifted, as a miscompiled tiling would leave it). The tuner times the default first, skips every
+    other config as a wrong result, and the compiled model still matches eager."""
+    model = AddRMSNorm().bfloat16()
+    untuned = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path / "untuned"), autotune=False))
+    untuned(torch.randn(3, 64).bfloat16(), torch.randn(3, 64).bfloat16())
+    [untuned_kernel] = untuned.report.kernels
+    default = untuned_kernel.tuned[4]["config"]
+    real_launch = add_rms_norm.triton_launch
+
+    def launch_wrong_unless_default(kernel, config, x, residual, weight, eps, y, h):
+        real_launch(kernel, config, x, residual, weight, eps, y, h)
+        if str(config) != default:
+            y.add_(1.0)
+
+    monkeypatch.setattr(add_rms_norm, "triton_launch", launch_wrong_unless_default)
+    compiled, _ = compile_tuned_and_check(model, tmp_path / "tuned", TOKENS)
+    [kernel] = compiled.report.kernels
+    legal = kernel.configs_considered - kernel.configs_illegal
+    assert legal > 1
+    for bucket, entry in _tuned(compiled.report).items():
+        assert entry["config"] == default, (bucket, entry)
+        assert entry["failed_configs"] == legal - 1, (bucket, entry)
 
 
 def test_every_config_failing_raises(tmp_path, autotune_log):
