@@ -84,8 +84,10 @@ def test_torch_rms_norm_spelling_fires_and_matches(options, seed):
     y, h = compiled(x, residual)
     expected_y, expected_h = add_norm(x, residual)
     assert compiled.report.fired() == {"fuse_residual_norm": 1}
-    torch.testing.assert_close(h, expected_h, atol=0, rtol=2**-7)
-    torch.testing.assert_close(y, expected_y, atol=1e-2, rtol=2**-6)
+    assert_close_for_dtype(h, expected_h, max_bf16_ulps=1.0)
+    # y is judged from the kernel's own h (a one-ulp h is not counted twice); torch's RMSNorm rounds once, which
+    # the interpreter truncates.
+    assert_close_for_dtype(y, norm(h), max_bf16_ulps=1.0)
 
 
 class VarianceEscapes(nn.Module):
