@@ -142,7 +142,7 @@ class DzcBackend:
         self._frames_compiled.add(frame)
         device = _input_device(example_inputs)
         execution = _execution_for(self.target, device)
-        graph, stages = run_pipeline(gm.graph, self.target, self.options.disable_passes)
+        graph, stages = run_pipeline(gm.graph, self.target, self.options)
         for stage in stages:
             if stage.result is not None:
                 self.report.record_pass(stage.name, stage.result.rewrites, stage.result.refusals)

@@ -30,6 +30,7 @@ PREFERRED_CODEGENS = {"add_rms_norm": ("triton", "tilelang"),
                       "varlen_attention": ("tilelang", "triton"),
                       # Triton first: only its kernels have the workspace path (prefill) besides online dequant.
                       "mxfp4_moe": ("triton", "tilelang"),
+                      "mxfp4_moe_w4a8": ("triton",),  # W4A8 has Triton kernels only
                       # DSA: the indexer and top-k are Triton-only; sparse attention is MMA-bound (TileLang first).
                       "dsa_indexer": ("triton",), "dsa_topk": ("triton",),
                       "sparse_attention": ("tilelang", "triton")}

@@ -6,26 +6,29 @@ order or set gets its own list here.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.fx
 
 from dzc import ir
+from dzc.options import CompileOptions
 from dzc.passes.fuse_mxfp4_experts import fuse_mxfp4_experts
 from dzc.passes.fuse_residual_norm import fuse_residual_norm
 from dzc.passes.fuse_sparse_attention import fuse_sparse_attention
 from dzc.passes.fuse_vision_attention import fuse_vision_attention
 from dzc.passes.graph_pass import PassResult
+from dzc.passes.quantize_moe_activations import quantize_moe_activations
 from dzc.passes.reinplace_cache_writes import reinplace_cache_writes
 from dzc.targets import Target
 
 GraphPass = Callable[[torch.fx.Graph], PassResult]
 
 
-def build_pipeline(target: Target) -> list[GraphPass]:
-    """The passes for `target`, in order. CUDA and MUSA share the list: their differences are profile fields
-    that lowering reads, not different rewrites."""
+def build_pipeline(target: Target, options: CompileOptions = CompileOptions()) -> list[GraphPass]:
+    """The passes for `target` under `options`, in order. CUDA and MUSA share the list: their differences are
+    profile fields that lowering (and the opt-in W4A8 rewrite) read, not different rewrites."""
     return [
         # Residual add + RMSNorm -> dzc.add_rms_norm. First: it only needs the captured ATen ops, and later
         # fusions (attention, MoE) consume the normalised activations it produces.
@@ -41,11 +44,19 @@ def build_pipeline(target: Target) -> list[GraphPass]:
         # of the other fusions (it takes the normalised activations from whichever node produces them); before
         # lowering, which must never see the dequantized weights it removes.
         fuse_mxfp4_experts,
+        # Opt-in (options.moe_fp8_activations): dzc.mxfp4_moe -> dzc.mxfp4_moe_w4a8 (FP8 activations) where the
+        # profile has native E4M3. After fuse_mxfp4_experts, which makes the nodes it rewrites.
+        *([_on_profile(quantize_moe_activations, target)] if options.moe_fp8_activations else []),
         # Functional writes into an input (KV cache) + AOTAutograd's copy-back -> in-place writes, no copy of the
         # cache. Last: the fusions match the functional graph (fuse_sparse_attention then reads the written cache
         # in place instead of gathering it), and no later pass may move a read across a write.
         reinplace_cache_writes,
     ]
+
+
+def _on_profile(graph_pass, target: Target) -> GraphPass:
+    """A pass that also reads the target's profile, as a Graph -> PassResult function under its own name."""
+    return functools.update_wrapper(functools.partial(graph_pass, profile=target.profile), graph_pass)
 
 
 @dataclass
@@ -57,9 +68,10 @@ class Stage:
     result: PassResult | None  # None for the captured graph
 
 
-def run_pipeline(graph: torch.fx.Graph, target: Target, disabled: tuple[str, ...] = (),
+def run_pipeline(graph: torch.fx.Graph, target: Target, options: CompileOptions = CompileOptions(),
                  verify: bool = True) -> tuple[torch.fx.Graph, list[Stage]]:
-    passes = build_pipeline(target)
+    passes = build_pipeline(target, options)
+    disabled = options.disable_passes
     names = [p.__name__ for p in passes]
     unknown = set(disabled) - set(names)
     if unknown:

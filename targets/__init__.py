@@ -50,6 +50,7 @@ KERNEL_FAMILIES: dict[str, ModuleType] = {
     "add_layer_norm": add_layer_norm,
     "varlen_attention": varlen_attention,
     "mxfp4_moe": mxfp4_moe,
+    "mxfp4_moe_w4a8": mxfp4_moe,  # the same family: specs of this op get the FP8 configs (MXFP4MoESpec)
     "dsa_indexer": dsa_indexer,
     "dsa_topk": dsa_topk,
     "sparse_attention": sparse_attention,

@@ -10,7 +10,12 @@ on one of two paths, chosen per token bucket (a config parameter, WORKSPACE, so 
       buffer, shared by every layer, and both GEMMs read plain bf16 tiles. It moves ~4.8x the weight bytes, so it
       only pays when each expert has enough rows that decoding the same tile again for every row block costs more.
 TileLang runs the online path; it multiplies bf16 x bf16 only (its fp32 GEMM is TF32), so fp16 / fp32
-activations enter as 2 / 3 stacked bf16 terms, which hold them exactly. No FP8 (W4A8) variant yet.
+activations enter as 2 / 3 stacked bf16 terms, which hold them exactly.
+W4A8 (the dzc.mxfp4_moe_w4a8 op, profiles with native FP8; Triton, workspace path only): the activations and the
+activated experts' weights are converted to E4M3 (one scale per 128 columns) once per call, and both GEMMs
+multiply FP8 tiles. Its configs carry FP8=1; the op's specs get no other configs. Online dequant to FP8 is not
+offered: decoding in the GEMM's inner loop costs the same integer work per weight as W4A16's and W4A16 needs no
+activation quantization, so W4A8 only pays where the weights are converted once for many rows (prefill).
 
 Decode is weight-bandwidth bound: useful bytes = the packed weights (and scales) of the experts actually touched.
 """
@@ -25,7 +30,7 @@ from string import Template
 import torch
 
 from dzc import mxfp4
-from dzc.ops.mxfp4_moe import ACTIVATIONS, check_mxfp4_moe_args
+from dzc.ops.mxfp4_moe import ACTIVATIONS, FP8_GROUP, check_mxfp4_moe_args
 from dzc.targets import mxfp4_moe_routing as routing
 from dzc.targets import triton_codegen
 from dzc.targets.kernel_config import KernelConfig
@@ -58,10 +63,12 @@ class MXFP4MoESpec:
     w2_bias_dtype: torch.dtype | None
     activation: str
     interleaved: bool
+    fp8_activations: bool = False  # dzc.mxfp4_moe_w4a8: both GEMMs multiply E4M3 operands
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
-        return tuple(d for d in (self.hidden_dtype, self.weights_dtype, self.w13_bias_dtype, self.w2_bias_dtype)
+        fp8 = torch.float8_e4m3fn if self.fp8_activations else None
+        return tuple(d for d in (self.hidden_dtype, self.weights_dtype, self.w13_bias_dtype, self.w2_bias_dtype, fp8)
                      if d is not None)
 
     @property
@@ -75,23 +82,24 @@ class MXFP4MoESpec:
         return (f"H={self.hidden} I={self.inter} E={self.experts} top_k={self.top_k} "
                 f"x={str(self.hidden_dtype).removeprefix('torch.')} "
                 f"topk_weights={str(self.weights_dtype).removeprefix('torch.')} bias={bias} "
-                f"{self.activation} interleaved={self.interleaved}")
+                f"{self.activation} interleaved={self.interleaved}{' W4A8 (e4m3)' if self.fp8_activations else ''}")
 
 
 def spec_from_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias,
-                   activation, gate_up_interleaved) -> MXFP4MoESpec:
+                   activation, gate_up_interleaved, fp8_activations: bool = False) -> MXFP4MoESpec:
     check_mxfp4_moe_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
                          w2_bias, activation)
     experts, two_i, _ = w13_scales.shape
     return MXFP4MoESpec(int(hidden.shape[1]), int(two_i) // 2, int(experts), int(topk_ids.shape[1]), hidden.dtype,
                         topk_weights.dtype, None if w13_bias is None else w13_bias.dtype,
-                        None if w2_bias is None else w2_bias.dtype, activation, bool(gate_up_interleaved))
+                        None if w2_bias is None else w2_bias.dtype, activation, bool(gate_up_interleaved),
+                        fp8_activations)
 
 
 def spec_from_node(node) -> MXFP4MoESpec:
     values = [a.meta["val"] if hasattr(a, "meta") else a for a in node.args[:9]]
     activation, interleaved = node.args[9], node.args[10]
-    return spec_from_args(*values, activation, interleaved)
+    return spec_from_args(*values, activation, interleaved, fp8_activations=node.target._opname == "mxfp4_moe_w4a8")
 
 
 def token_bucket(tokens: int) -> int:
@@ -224,7 +232,7 @@ def prepare(spec: MXFP4MoESpec, hidden, topk_ids, topk_weights, w13_blocks, w13_
     """Op arguments -> (kernel inputs, (out,), token count, out). Inputs are made dense (the kernels index them
     as contiguous rows); the packed weights and biases of a model already are, so they pass as they are."""
     got = spec_from_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
-                         w2_bias, activation, gate_up_interleaved)
+                         w2_bias, activation, gate_up_interleaved, spec.fp8_activations)
     if got != spec:
         raise ValueError(f"mxfp4_moe kernel for {spec.describe()} got arguments for {got.describe()}")
     dense = [t if t is None or t.is_contiguous() else t.contiguous()
@@ -239,13 +247,15 @@ def prepare(spec: MXFP4MoESpec, hidden, topk_ids, topk_weights, w13_blocks, w13_
 
 
 def _tier(spec: MXFP4MoESpec, bucket: int) -> tuple[set[int], set[int]]:
-    """(BLOCK_M values, WORKSPACE values) worth trying for `bucket` tokens."""
+    """(BLOCK_M values, WORKSPACE values) worth trying for `bucket` tokens (W4A8 has the workspace path only)."""
     rows = rows_per_expert(spec, bucket)
     if rows <= DECODE_MAX_ROWS_PER_EXPERT:
-        return {16}, {0}
-    if rows < WORKSPACE_MIN_ROWS_PER_EXPERT:
-        return {32, 64}, {0}
-    return {64, 128}, {0, 1}
+        block_ms, paths = {16}, {0}
+    elif rows < WORKSPACE_MIN_ROWS_PER_EXPERT:
+        block_ms, paths = {32, 64}, {0}
+    else:
+        block_ms, paths = {64, 128}, {0, 1}
+    return block_ms, {1} if spec.fp8_activations else paths
 
 
 def _uses_workspace(config: KernelConfig) -> bool:
@@ -287,8 +297,14 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
     return tier, min(tier, key=preference)
 
 
+def _fp8(config: KernelConfig) -> bool:
+    return dict(config.params).get("FP8", 0) == 1
+
+
 def describe_config(config: KernelConfig) -> str:
     """Which path a config runs: what the compile report records per token bucket."""
+    if _fp8(config):
+        return "W4A8 workspace (activated experts converted once to E4M3, then grouped FP8 GEMM)"
     if _uses_workspace(config):
         return "workspace (dequantize activated experts once, then grouped bf16 GEMM)"
     split = f", split-K {_split_k(config)}" if _split_k(config) > 1 else ""
@@ -299,7 +315,8 @@ def describe_config(config: KernelConfig) -> str:
 # Triton
 
 TRITON_KERNEL_NAMES = ("moe_nibble_order_kernel", "moe_gate_up_kernel", "moe_down_kernel",
-                       "moe_split_activation_kernel", "mxfp4_dequantize_experts_kernel")
+                       "moe_split_activation_kernel", "mxfp4_dequantize_experts_kernel", "moe_quantize_e4m3_kernel",
+                       "mxfp4_to_e4m3_experts_kernel")
 # Columns per program of the activations' reordering (bandwidth bound and small: one shape serves).
 NIBBLE_ORDER_BLOCK = 1024
 # The workspace dequantization's tile (it is bandwidth bound; one shape serves).
@@ -357,6 +374,11 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
     3.6), 8 warps on them split the accumulators over two MMA layouts converted into each other at every step,
     and ran 2-3x slower on the H200 (docs/results/mxfp4_moe_h200.md); 128-row blocks take 4 and 8.
     """
+    if spec.fp8_activations:  # W4A8: the workspace path, one scale group per step (see the module docstring)
+        return [KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=block_m, BLOCK_N=block_n,
+                                  BLOCK_K=FP8_GROUP, WORKSPACE=1, SPLIT_K=1, FP8=1)
+                for block_m in (16, 32, 64, 128) for block_n in (64, 128)
+                for warps in ((4,) if block_m <= 64 else (4, 8)) for stages in (2, 3, 4)]
     configs = []
     for block_m, block_n, block_k, warps, stages, use_workspace, split_k in (
             [(16, n, k, w, 2, 0, split) for n in (32, 64, 128) for k in (128, 256) for w in (1, 2, 4, 8)
@@ -383,12 +405,14 @@ def triton_shared_memory_bytes(spec: MXFP4MoESpec, config: KernelConfig) -> int:
     """Upper estimate: per pipeline stage the activation tile and two weight tiles (gate and up; packed bytes and
     scales online, bf16/fp32 from the workspace), plus the decoded operands the MMA reads from shared memory."""
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
-    operand = 4 if spec.dot_fp32 else 2
-    activation = block_m * block_k * spec.hidden_dtype.itemsize
+    operand = 1 if _fp8(config) else 4 if spec.dot_fp32 else 2
+    activation = block_m * block_k * (1 if _fp8(config) else spec.hidden_dtype.itemsize)
     if _uses_workspace(config):
         weights = 2 * block_n * block_k * operand
     else:
         weights = 2 * (block_n * block_k // 2 + block_n * block_k // mxfp4.BLOCK)
+    if _fp8(config):  # and each step's activation-row and weight-column scales (fp32)
+        weights += (block_m + 2 * block_n) * 4
     staged = max(config.num_stages - 1, 1) * (activation + weights)
     return staged + 2 * block_n * block_k * operand + block_m * block_k * operand
 
@@ -410,7 +434,12 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     split_k = _split_k(config)
     upcast = triton_codegen.interpreting()
     options = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WORKSPACE=use_workspace, SPLIT_K=split_k,
-                   UPCAST_DOT=upcast, num_warps=config.num_warps, num_stages=config.num_stages)
+                   UPCAST_DOT=upcast, FP8=_fp8(config), num_warps=config.num_warps, num_stages=config.num_stages)
+    if _fp8(config):
+        _launch_w4a8(kernels, plan, options, hidden, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
+                     w2_scales, w2_bias, alpha, limit, act, pair_out, spec)
+        combine(pair_out, ids, spec, out)
+        return
     if split_k > 1:  # fp32 partial sums of each split: gate/up [S, P, 2I] (by sorted row), down [S, P, H]
         gate_up_partial = torch.empty(split_k, pairs, 2 * spec.inter, dtype=torch.float32, device=device)
         pair_out = torch.empty(split_k, pairs, spec.hidden, dtype=torch.float32, device=device)
@@ -427,9 +456,11 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     kernels["moe_nibble_order_kernel"][(tokens, -(-spec.hidden // NIBBLE_ORDER_BLOCK))](
         hidden, hidden_n, hidden.stride(0), BLOCK=NIBBLE_ORDER_BLOCK, num_warps=4)
     gate_up_grid = (plan.max_blocks, -(-spec.inter // block_n))
+    # W4A8's scale arguments (x_scales_ptr, w_block_scales_ptr): any pointer will do, with FP8 = False the
+    # kernels never read them.
     kernels["moe_gate_up_kernel"][(*gate_up_grid, split_k)](
         hidden_n, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
-        w13_blocks, w13_scales, ws, w13_bias_arg, act, gate_up_partial, alpha, limit, pairs,
+        w13_blocks, w13_scales, ws, w13_bias_arg, act, gate_up_partial, pair_out, pair_out, alpha, limit, pairs,
         **options)
     if split_k > 1:
         kernels["moe_split_activation_kernel"][gate_up_grid](
@@ -439,8 +470,56 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
         _dequantize_experts(kernels, w2_blocks, w2_scales, plan, ws, spec.hidden, spec.inter, spec)
     kernels["moe_down_kernel"][(plan.max_blocks, -(-spec.hidden // block_n), split_k)](
         act, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
-        w2_blocks, w2_scales, ws, w2_bias_arg, topk_weights.reshape(-1), pair_out, pairs, **options)
+        w2_blocks, w2_scales, ws, w2_bias_arg, topk_weights.reshape(-1), pair_out, pair_out, pair_out, pairs,
+        **options)
     combine(pair_out, ids, spec, out)
+
+
+def _launch_w4a8(kernels, plan: Routing, options: dict, hidden, topk_weights, w13_blocks, w13_scales, w13_bias,
+                 w2_blocks, w2_scales, w2_bias, alpha, limit, act, pair_out, spec: "_LaunchShape") -> None:
+    """W4A8 (FP8 configs): x and the activations to E4M3 with their scales, each weight converted into the
+    workspace (E4M3 bytes, then its block scales) before its GEMM, both GEMMs on E4M3 tiles."""
+    tokens, pairs, device = hidden.shape[0], act.shape[0], hidden.device
+    e4m3 = torch.float8_e4m3fn
+    x8 = torch.empty(tokens, spec.hidden, dtype=torch.uint8, device=device)
+    x_scales = torch.empty(tokens, _groups(spec.hidden), dtype=torch.float32, device=device)
+    kernels["moe_quantize_e4m3_kernel"][(tokens, _groups(spec.hidden))](
+        hidden, x8, x_scales, hidden.stride(0), K=spec.hidden, REORDER=True, num_warps=4)
+    slots = min(spec.experts, tokens * spec.top_k)
+    weight_bytes = slots * max(2 * spec.inter * spec.hidden, spec.hidden * spec.inter)
+    # Block scales after the E4M3 bytes, 16-byte aligned.
+    scales_offset = -(-weight_bytes // 16) * 16
+    scale_count = slots * max(2 * spec.inter * _groups(spec.hidden), spec.hidden * _groups(spec.inter))
+    ws = workspace(device, torch.uint8, scales_offset + 4 * scale_count)
+    ws_values, ws_scales = ws[:weight_bytes], ws[scales_offset:].view(torch.float32)
+    bias = [b if b is not None else hidden for b in (w13_bias, w2_bias)]  # absent: never read
+    _convert_experts(kernels, w13_blocks, w13_scales, plan, ws_values, ws_scales, 2 * spec.inter, spec.hidden, spec)
+    kernels["moe_gate_up_kernel"][(plan.max_blocks, -(-spec.inter // options["BLOCK_N"]), 1)](
+        x8.view(e4m3), plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end,
+        plan.expert_slots, w13_blocks, w13_scales, ws_values.view(e4m3), bias[0], act, pair_out, x_scales, ws_scales,
+        alpha, limit, pairs, **options)
+    act8 = torch.empty(pairs, spec.inter, dtype=torch.uint8, device=device)
+    act_scales = torch.empty(pairs, _groups(spec.inter), dtype=torch.float32, device=device)
+    kernels["moe_quantize_e4m3_kernel"][(pairs, _groups(spec.inter))](
+        act, act8, act_scales, act.stride(0), K=spec.inter, REORDER=False, num_warps=4)
+    _convert_experts(kernels, w2_blocks, w2_scales, plan, ws_values, ws_scales, spec.hidden, spec.inter, spec)
+    kernels["moe_down_kernel"][(plan.max_blocks, -(-spec.hidden // options["BLOCK_N"]), 1)](
+        act8.view(e4m3), plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end,
+        plan.expert_slots, w2_blocks, w2_scales, ws_values.view(e4m3), bias[1], topk_weights.reshape(-1), pair_out,
+        act_scales, ws_scales, pairs, **options)
+
+
+def _groups(k: int) -> int:
+    """W4A8 scale groups along a reduction of k columns."""
+    return -(-k // FP8_GROUP)
+
+
+def _convert_experts(kernels, blocks, scales, plan: Routing, ws_values, ws_scales, n: int, k: int,
+                     spec: "_LaunchShape") -> None:
+    grid = (spec.experts, -(-n // DEQUANT_BLOCK_N), _groups(k))
+    kernels["mxfp4_to_e4m3_experts_kernel"][grid](blocks, scales, plan.expert_counts, plan.expert_slots, ws_values,
+                                                  ws_scales, N=n, K=k, BLOCK_N=DEQUANT_BLOCK_N,
+                                                  num_warps=DEQUANT_NUM_WARPS)
 
 
 @dataclass(frozen=True)
@@ -473,18 +552,23 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
     x = "*" + _TRITON_TYPES[spec.hidden_dtype]
     ws = "*" + _TRITON_TYPES[_LaunchShape(spec.hidden, spec.inter, spec.experts, spec.top_k,
                                           spec.hidden_dtype).workspace_dtype]
+    fp8 = _fp8(config)
+    # W4A8: the GEMMs read E4M3 activations and weights (uint8 buffers viewed as float8_e4m3fn).
+    operand, weights = ("*fp8e4nv", "*fp8e4nv") if fp8 else (x, ws)
     w13_bias = "*" + _TRITON_TYPES[spec.w13_bias_dtype or spec.hidden_dtype]
     w2_bias = "*" + _TRITON_TYPES[spec.w2_bias_dtype or spec.hidden_dtype]
     tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-                 WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=False)
+                 WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=False, FP8=fp8)
     constexprs = {name: "constexpr" for name in tiles}
     schedule = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
                     block_row_end_ptr="*i32", expert_slots_ptr="*i32", w_blocks_ptr="*u8", w_scales_ptr="*u8",
-                    workspace_ptr=ws)
-    gate_up = dict(x_ptr=x, **schedule, bias_ptr=w13_bias, act_ptr=x, partial_ptr="*fp32",
-                   alpha="fp32", limit="fp32", pairs="i32", **constexprs)
-    down = dict(act_ptr=x, **schedule, bias_ptr=w2_bias, topk_weights_ptr="*" + _TRITON_TYPES[spec.weights_dtype],
-                pair_out_ptr="*fp32", pairs="i32", **constexprs)
+                    workspace_ptr=weights)
+    gate_up = dict(x_ptr=operand, **schedule, bias_ptr=w13_bias, act_ptr=x, partial_ptr="*fp32",
+                   x_scales_ptr="*fp32", w_block_scales_ptr="*fp32", alpha="fp32", limit="fp32", pairs="i32",
+                   **constexprs)
+    down = dict(act_ptr=operand, **schedule, bias_ptr=w2_bias,
+                topk_weights_ptr="*" + _TRITON_TYPES[spec.weights_dtype], pair_out_ptr="*fp32",
+                act_scales_ptr="*fp32", w_block_scales_ptr="*fp32", pairs="i32", **constexprs)
     split_activation = dict(partial_ptr="*fp32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
                             block_row_end_ptr="*i32", bias_ptr=w13_bias, act_ptr=x, alpha="fp32", limit="fp32",
                             pairs="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", SPLIT_K="constexpr")
@@ -493,6 +577,16 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
     dequant = dict(w_blocks_ptr="*u8", w_scales_ptr="*u8", expert_counts_ptr="*i32", expert_slots_ptr="*i32",
                    workspace_ptr=ws, N="constexpr", K="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr")
     dequant_constexprs = dict(N=2 * spec.inter, K=spec.hidden, BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=DEQUANT_BLOCK_K)
+    if fp8:  # the W4A8 path's kernels instead of the W4A16 workspace's and split-K's
+        quantize = dict(x_ptr=x, out_ptr="*u8", scales_ptr="*fp32", stride_x="i32", K="constexpr",
+                        REORDER="constexpr")
+        convert = dict(w_blocks_ptr="*u8", w_scales_ptr="*u8", expert_counts_ptr="*i32", expert_slots_ptr="*i32",
+                       workspace_ptr="*u8", block_scales_ptr="*fp32", N="constexpr", K="constexpr",
+                       BLOCK_N="constexpr")
+        return {"moe_quantize_e4m3_kernel": (quantize, dict(K=spec.hidden, REORDER=True), 4),
+                "moe_gate_up_kernel": (gate_up, tiles), "moe_down_kernel": (down, tiles),
+                "mxfp4_to_e4m3_experts_kernel": (convert, dict(N=2 * spec.inter, K=spec.hidden,
+                                                               BLOCK_N=DEQUANT_BLOCK_N), DEQUANT_NUM_WARPS)}
     return {"moe_nibble_order_kernel": (nibble_order, dict(BLOCK=NIBBLE_ORDER_BLOCK), 4),
             "moe_gate_up_kernel": (gate_up, tiles), "moe_down_kernel": (down, tiles),
             "moe_split_activation_kernel": (split_activation, split_tiles),
@@ -523,7 +617,14 @@ _TILELANG_ACTIVATIONS = {
 }
 
 
+def tilelang_supports(spec: MXFP4MoESpec) -> bool:
+    """TileLang has the W4A16 online path only: W4A8 is Triton's."""
+    return not spec.fp8_activations
+
+
 def tilelang_source(spec: MXFP4MoESpec, profile: DeviceProfile) -> str:
+    if not tilelang_supports(spec):
+        raise ValueError("mxfp4_moe: no TileLang kernel for W4A8 (dzc.mxfp4_moe_w4a8); use codegen='triton'")
     if spec.activation not in ACTIVATIONS:
         raise ValueError(f"mxfp4_moe: no kernel for activation {spec.activation!r}")
     fields = _template_fields(spec, profile)
@@ -542,6 +643,8 @@ def tilelang_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelC
 
     T.gemm needs whole warps along M and N; threads are whole warps of the profile (one 128-lane QY2 warp is four
     32-lane ones). Row blocks of 16 serve decode, 64 prefill-sized groups."""
+    if not tilelang_supports(spec):
+        return []
     configs = []
     for block_m, block_n, block_k, threads, stages in (
             [(16, n, k, t, s) for n in (64, 128) for k in (64, 128) for t in (128, 256) for s in (1, 2)]

@@ -3,6 +3,7 @@ eager dequantize-then-matmul, torch.compile of it, and BF16 weights through torc
 
     python tools/bench_mxfp4_moe.py [--quick] [--musa-legal] [--models gpt-oss-120b deepseek-style]
                                     [--tokens 1 2 4 8 16 32 64 2048 8192] [--routing uniform skewed] [--out results.md]
+    python tools/bench_mxfp4_moe.py --memory-only [--memory-layers 2] [--models ...]   # peak memory, no timings
 
 Shapes are dzc.models.moe.CONFIGS (gpt-oss-120b: E=128, top-4, H=I=2880, clamped SwiGLU, biases, gate/up
 interleaved; deepseek-style: E=256, top-8, H=7168, I=2048, SwiGLU, no biases). Weights are random MXFP4 (uniform
@@ -256,6 +257,7 @@ def main():
     parser.add_argument("--musa-legal", action="store_true", help="only configs legal on musa:mp_22 (see the doc)")
     parser.add_argument("--memory-layers", type=int, default=2,
                         help="stacked layers in the memory measurement (0: skip it)")
+    parser.add_argument("--memory-only", action="store_true", help="only the memory measurement (no timings)")
     parser.add_argument("--out", help="write the markdown report here too")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -276,6 +278,11 @@ def main():
              "dzc times: whole op from a CUDA graph. eager = dequantize-then-matmul per activated expert; "
              "compile = torch.compile of its per-expert body; grouped_mm = offline BF16 weights, torch._grouped_mm "
              "(CUDA graph). Ratios: baseline time / dzc tuned time.", ""]
+    if args.memory_only:
+        lines += memory_report(args.models, args.memory_layers, device, generator, workdir)
+        if args.out:
+            Path(args.out).write_text("\n".join(lines) + "\n")
+        return
     header = ("| model | routing | T | experts touched | path (tuned) | dzc default µs | dzc tuned µs | TB/s | % of 4.8 "
               "| TFLOP/s | tilelang µs | eager µs | compile µs | grouped_mm µs | vs eager | vs compile | vs grouped_mm "
               "| rel. err |")
@@ -361,6 +368,7 @@ def memory_report(models, layers: int, device, generator, workdir) -> list[str]:
              "| model | dzc: packed + workspace + activations | of which workspace | BF16 copy (grouped_mm) | "
              "FP8 copy (storage + BF16 run's activations) | dzc saving vs FP8 | full depth: dzc / FP8 / BF16 |",
              "|---|---|---|---|---|---|---|"]
+    print("\n".join(lines), flush=True)
     gib = 2**30
     for model in models:
         torch.cuda.empty_cache()
@@ -371,7 +379,7 @@ def memory_report(models, layers: int, device, generator, workdir) -> list[str]:
         spec = stack[0].spec
         hidden, topk_ids, topk_weights = random_routing(spec, MEMORY_TOKENS, False, device, generator)
         kernels = DzcKernels(spec, "triton", workdir)
-        (_, config), = kernels.configs(family.token_bucket(MEMORY_TOKENS), musa_legal=False, how_many=0)
+        (_, config), *_ = kernels.configs(family.token_bucket(MEMORY_TOKENS), musa_legal=False, how_many=0)
         if not config["WORKSPACE"]:
             raise AssertionError(f"the memory measurement should run the workspace path; the cost model chose {config}")
         packed = sum(t.numel() * t.element_size() for layer in stack for t in
@@ -382,7 +390,7 @@ def memory_report(models, layers: int, device, generator, workdir) -> list[str]:
             x = kernels.run(config, layer.args(x, topk_ids, topk_weights))
         torch.cuda.synchronize()
         dzc_peak = torch.cuda.max_memory_allocated() - base
-        workspace = family.workspace_bytes(device)
+        workspace = family.workspace_bytes(hidden.device)
         del x
         # BF16 copies, run through torch._grouped_mm.
         bf16_layers = [GroupedMMBaseline(layer) for layer in stack]
@@ -414,6 +422,7 @@ def memory_report(models, layers: int, device, generator, workdir) -> list[str]:
                      f"{fp8_peak / gib:.2f} | {100 * (1 - dzc_peak / fp8_peak):.0f}% | "
                      f"{full[0] / gib:.0f} / {full[1] / gib:.0f} / {full[2] / gib:.0f} "
                      f"({100 * (1 - full[0] / full[1]):.0f}% below FP8) |")
+        print(lines[-1], flush=True)
     return lines
 
 

@@ -15,13 +15,15 @@ from dzc.mxfp4 import dequantize as mxfp4_dequantize_reference
 from dzc.ops.add_layer_norm import add_layer_norm_reference
 from dzc.ops.add_rms_norm import add_rms_norm_reference
 from dzc.ops.dsa import dsa_indexer_reference, dsa_topk_reference, sparse_attention_reference
-from dzc.ops.mxfp4_moe import mxfp4_moe_reference
+from dzc.ops.mxfp4_moe import mxfp4_moe_reference, mxfp4_moe_w4a8_reference
 from dzc.ops.varlen_attention import varlen_attention_reference
 
 # Every dzc op, by the name the IR printer and the report use, with its reference implementation.
 OPS = {
     "add_rms_norm": (torch.ops.dzc.add_rms_norm.default, add_rms_norm_reference),
     "mxfp4_moe": (torch.ops.dzc.mxfp4_moe.default, mxfp4_moe_reference),
+    # The same layer with FP8 (E4M3) activations and weights in its GEMMs (opt-in: quantize_moe_activations).
+    "mxfp4_moe_w4a8": (torch.ops.dzc.mxfp4_moe_w4a8.default, mxfp4_moe_w4a8_reference),
     # Not a fusion: what MXFP4 experts modules call in eager; it runs as itself (no kernel_id), and
     # fuse_mxfp4_experts removes it where it feeds expert matmuls.
     "mxfp4_dequantize": (torch.ops.dzc.mxfp4_dequantize.default, mxfp4_dequantize_reference),
@@ -33,6 +35,7 @@ OPS = {
     "sparse_attention": (torch.ops.dzc.sparse_attention.default, sparse_attention_reference),
 }
 
-__all__ = ["OPS", "add_rms_norm_reference", "mxfp4_moe_reference", "mxfp4_dequantize_reference",
+__all__ = ["OPS", "add_rms_norm_reference", "mxfp4_moe_reference", "mxfp4_moe_w4a8_reference",
+           "mxfp4_dequantize_reference",
            "varlen_attention_reference", "add_layer_norm_reference", "dsa_indexer_reference", "dsa_topk_reference",
            "sparse_attention_reference"]

@@ -8,6 +8,19 @@ Rounding points, which every kernel reproduces: the GEMMs, biases, the activatio
 activation's output is rounded to hidden's dtype before the down GEMM (kernels feed that GEMM in the activation
 dtype); the sum over the k slots is fp32, cast to hidden's dtype once.
 
+dzc.mxfp4_moe_w4a8 is the same layer with both GEMMs multiplying FP8 (E4M3) operands (W4A8), for profiles with
+native FP8; its rounding points on top of the above:
+    activations (hidden, and the activation output after its rounding to hidden's dtype) are quantized in groups
+        of FP8_GROUP consecutive columns per row (the last group of a row may be shorter): one power-of-two scale
+        2^k per group, the smallest with amax <= 448 * 2^k and k >= -126 (1 for an all-zero group, NaN if amax
+        is not finite), values rounded to E4M3 to nearest even;
+    weights: each E2M1 element times 2^(s - s_ref), rounded to E4M3 to nearest even, where s is its 32-element
+        group's E8M0 exponent and s_ref the largest exponent among the groups of its FP8_GROUP-column block (so
+        the block's largest groups convert exactly and only elements over 2^8 below the block's largest lose
+        bits); the block scale 2^(s_ref - 127) multiplies the block's product. Scale byte 0 counts as 1 (2^-126),
+        as the W4A16 kernels read it; a NaN scale (0xFF) makes its block scale NaN.
+    Each GEMM is then a sum over FP8_GROUP-column blocks of exact fp8 products times the two scales, in fp32.
+
 Activations (gate, up = the two halves of x @ W13^T + b13: rows 0::2 / 1::2 if gate_up_interleaved, else the
 first / last I rows):
     "silu_glu":            silu(gate) * up                                  (alpha, limit unused)
@@ -83,12 +96,8 @@ def mxfp4_moe_reference(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, 
     """The meaning of dzc.mxfp4_moe, in plain torch (one expert at a time, weights dequantized to fp32)."""
     check_mxfp4_moe_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
                          w2_bias, activation)
-    experts = w13_blocks.shape[0]
     ids = topk_ids.long()
-    outside = (ids < 0) | (ids >= experts)
-    if outside.any():
-        raise ValueError(f"mxfp4_moe: topk_ids has expert ids outside [0, {experts}): "
-                         f"{sorted(set(ids[outside].tolist()))[:8]}")
+    _check_expert_ids(ids, w13_blocks.shape[0])
     x = hidden.float()
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for e in ids.unique().tolist():
@@ -102,6 +111,90 @@ def mxfp4_moe_reference(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, 
             y = y + w2_bias[e].float()
         out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].float())
     return out.to(hidden.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# W4A8
+
+FP8_GROUP = 128  # columns per activation scale and per weight block scale (the reduction step of the FP8 GEMMs)
+E4M3_MAX = 448.0
+
+
+def _columns_in_groups(x: torch.Tensor) -> torch.Tensor:
+    """[R, K] -> [R, ceil(K / FP8_GROUP), FP8_GROUP], zero-padded at the end of each row."""
+    pad = -x.shape[-1] % FP8_GROUP
+    return torch.nn.functional.pad(x, (0, pad)).reshape(*x.shape[:-1], -1, FP8_GROUP)
+
+
+def quantize_e4m3_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [R, K] -> (E4M3 values as fp32 [R, K], power-of-two scales fp32 [R, ceil(K / FP8_GROUP)]), as
+    dzc.mxfp4_moe_w4a8 quantizes its activations (module docstring); x ~ values * scales per group."""
+    groups = _columns_in_groups(x.float())
+    amax = groups.abs().amax(dim=-1)
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    # 448 = 1.75 * 2^8: the smallest k with amax <= 448 * 2^k, at least -126 (scales stay normal fp32 numbers).
+    k = (exponent - 9 + (mantissa > 0.875).int()).clamp(min=-126)
+    scales = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), k), torch.ones_like(amax))
+    scales = torch.where(amax.isfinite(), scales, float("nan"))
+    values = (groups / scales.unsqueeze(-1)).to(torch.float8_e4m3fn).float()
+    return values.reshape(*x.shape[:-1], -1)[..., :x.shape[-1]], scales
+
+
+def mxfp4_to_e4m3(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MXFP4 weight (blocks u8 [N, K/32, 16], scales u8 [N, K/32]) -> (E4M3 values as fp32 [N, K], block
+    scales fp32 [N, ceil(K / FP8_GROUP)]), as dzc.mxfp4_moe_w4a8 converts its weights (module docstring)."""
+    exponents = scales.int().clamp(min=1)
+    per_block = FP8_GROUP // mxfp4.BLOCK
+    padded = torch.nn.functional.pad(exponents, (0, -exponents.shape[-1] % per_block))
+    reference = padded.reshape(*exponents.shape[:-1], -1, per_block).amax(dim=-1)
+    relative = exponents - reference.repeat_interleave(per_block, dim=-1)[..., :exponents.shape[-1]]
+    # 2^relative as an E8M0 byte (127 + relative, at least 1: anything 2^-126 or smaller rounds to zero in E4M3).
+    elements = mxfp4.dequantize(blocks, (127 + relative).clamp(min=1).to(torch.uint8), torch.float32)
+    values = elements.to(torch.float8_e4m3fn).float()
+    block_scales = torch.ldexp(torch.ones_like(reference, dtype=torch.float32), reference - 127)
+    nan_blocks = torch.nn.functional.pad(scales == 0xFF, (0, -scales.shape[-1] % per_block)).reshape(
+        *scales.shape[:-1], -1, per_block).any(dim=-1)
+    return values, torch.where(nan_blocks, float("nan"), block_scales)
+
+
+def _fp8_matmul(a_values, a_scales, w_values, w_scales) -> torch.Tensor:
+    """sum over FP8_GROUP-column blocks b of (a_values[:, b] @ w_values[:, b]^T) * a_scales[:, b] * w_scales[:, b]
+    (fp32; the products of E4M3 values and their sums of FP8_GROUP terms are exact in fp32 up to rounding of
+    the sum)."""
+    a, w = _columns_in_groups(a_values), _columns_in_groups(w_values)  # [R, B, G], [N, B, G]
+    partial = torch.einsum("rbg,nbg->brn", a, w)
+    return (partial * a_scales.T.unsqueeze(-1) * w_scales.T.unsqueeze(1)).sum(dim=0)
+
+
+def mxfp4_moe_w4a8_reference(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
+                             w2_scales, w2_bias, activation: str, gate_up_interleaved: bool, alpha: float,
+                             limit: float) -> torch.Tensor:
+    """The meaning of dzc.mxfp4_moe_w4a8, in plain torch (one expert at a time)."""
+    check_mxfp4_moe_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
+                         w2_bias, activation)
+    experts = w13_blocks.shape[0]
+    ids = topk_ids.long()
+    _check_expert_ids(ids, experts)
+    x_values, x_scales = quantize_e4m3_groups(hidden.float())
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for e in ids.unique().tolist():
+        tokens, slots = torch.where(ids == e)
+        gate_up = _fp8_matmul(x_values[tokens], x_scales[tokens], *mxfp4_to_e4m3(w13_blocks[e], w13_scales[e]))
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[e].float()
+        act = glu_activation(gate_up, activation, gate_up_interleaved, alpha, limit).to(hidden.dtype).float()
+        y = _fp8_matmul(*quantize_e4m3_groups(act), *mxfp4_to_e4m3(w2_blocks[e], w2_scales[e]))
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
+        out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].float())
+    return out.to(hidden.dtype)
+
+
+def _check_expert_ids(ids: torch.Tensor, experts: int) -> None:
+    outside = (ids < 0) | (ids >= experts)
+    if outside.any():
+        raise ValueError(f"mxfp4_moe: topk_ids has expert ids outside [0, {experts}): "
+                         f"{sorted(set(ids[outside].tolist()))[:8]}")
 
 
 @torch.library.custom_op("dzc::mxfp4_moe", mutates_args=())
@@ -134,3 +227,30 @@ def _mxfp4_moe_fake(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_
     check_mxfp4_moe_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
                          w2_bias, activation)
     return torch.empty_like(hidden)
+
+
+@torch.library.custom_op("dzc::mxfp4_moe_w4a8", mutates_args=())
+def mxfp4_moe_w4a8(
+    hidden: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_blocks: torch.Tensor,
+    w13_scales: torch.Tensor,
+    w13_bias: torch.Tensor | None,
+    w2_blocks: torch.Tensor,
+    w2_scales: torch.Tensor,
+    w2_bias: torch.Tensor | None,
+    activation: str,
+    gate_up_interleaved: bool,
+    alpha: float,
+    limit: float,
+    kernel_id: str = "",
+) -> torch.Tensor:
+    if kernel_id:
+        return runtime.launch(kernel_id, hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
+                              w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit)
+    return mxfp4_moe_w4a8_reference(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
+                                    w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit)
+
+
+mxfp4_moe_w4a8.register_fake(_mxfp4_moe_fake)

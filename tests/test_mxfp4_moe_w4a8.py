@@ -1,0 +1,292 @@
+"""W4A8 MXFP4 MoE (dzc.mxfp4_moe_w4a8, CompileOptions.moe_fp8_activations): the op's E4M3 rounding against torch's
+own float8 casts, the conversion kernels bit for bit against it, the whole layer against the op's reference, the
+configs on every profile, the sm_90 compile (FP8 wgmma), and the quantize_moe_activations rewrite with its refusal.
+
+On CPU the Triton kernels run through the interpreter: FP8 dots are exact there, its fp32 -> fp8 casts are not
+(which is why the kernels round to E4M3 with fp32 adds and integer arithmetic), and its fp32 -> bf16 casts
+truncate. Inputs are fresh seeded random layers; outputs are NaN-poisoned before every launch.
+"""
+
+import dataclasses
+import textwrap
+
+import pytest
+import torch
+from conftest import run_ahead_of_time_script
+
+import dzc
+from dzc import mxfp4
+from dzc.models.moe import CONFIGS, build_moe
+from dzc.ops.mxfp4_moe import (FP8_GROUP, mxfp4_moe_reference, mxfp4_moe_w4a8_reference, mxfp4_to_e4m3,
+                               quantize_e4m3_groups)
+from dzc.targets import TARGETS, mxfp4_moe, triton_codegen
+from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.launch import legal_configs
+from dzc.targets.profiles import SM_90
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DECODE = KernelConfig.make(4, 2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)
+PREFILL = KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)
+
+
+def _w4a8_spec(args) -> mxfp4_moe.MXFP4MoESpec:
+    return mxfp4_moe.spec_from_args(*args[:11], fp8_activations=True)
+
+
+def _kernels(spec, tmp_path):
+    path = tmp_path / f"mxfp4_moe_w4a8_{abs(hash(spec))}.py"
+    path.write_text(mxfp4_moe.triton_source(spec, SM_90))
+    return triton_codegen.load(mxfp4_moe, path, spec, SM_90)
+
+
+def _random_args(seed: int, **changes):
+    shape = dict(tokens=9, hidden=160, inter=96, experts=4, top_k=2) | changes
+    return mxfp4_moe.random_moe_args(torch.device(DEVICE), torch.Generator().manual_seed(seed), **shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The op's rounding
+
+
+def test_activation_groups_take_the_smallest_power_of_two_scale(seed):
+    x = torch.randn(6, 300) * torch.exp2(torch.randint(-30, 30, (6, 1)).float())
+    x[1] = 0.0
+    x[2, :128] = 448.0 * 2.0**-3  # exactly at a scale boundary: 2^-3, values exact
+    x[2, 128:256] = 448.0 * 2.0**-3 * (1 + 2**-20)  # just above it: 2^-2
+    values, scales = quantize_e4m3_groups(x)
+    assert scales.shape == (6, 3)
+    assert scales[1].eq(1.0).all() and values[1].eq(0).all()
+    assert scales[2, 0] == 2.0**-3 and values[2, :128].eq(448.0).all()
+    assert scales[2, 1] == 2.0**-2
+    assert torch.equal(values, values.to(torch.float8_e4m3fn).float()), "values must be E4M3 numbers"
+    groups = torch.nn.functional.pad(x, (0, 84)).reshape(6, 3, FP8_GROUP).abs().amax(-1)
+    live = groups > 0
+    # amax <= 448 * scale < 2 * amax: the smallest power of two that fits.
+    assert (groups[live] <= 448 * scales[live]).all() and (448 * scales[live] < 2 * groups[live]).all()
+    dequantized = values * scales.repeat_interleave(FP8_GROUP, dim=1)[:, :300]
+    assert ((dequantized - x).abs() <= 2.0**-4 * x.abs() + 2.0**-10 * scales.repeat_interleave(FP8_GROUP, 1)[:, :300]
+            ).all(), "E4M3 keeps 3 mantissa bits (half a step: 2^-4 relative) above its subnormals"
+
+
+def test_weights_convert_exactly_where_the_block_spread_allows(seed):
+    w = torch.randn(8, 256)
+    blocks, scales = mxfp4.quantize(w)
+    values, block_scales = mxfp4_to_e4m3(blocks, scales)
+    assert block_scales.shape == (8, 2)
+    exact = mxfp4.dequantize(blocks, scales, torch.float32)
+    spread = scales.int().reshape(8, 2, 4)
+    narrow = (spread.amax(-1) - spread.amin(-1) <= 8).repeat_interleave(FP8_GROUP, dim=1)
+    assert torch.equal((values * block_scales.repeat_interleave(FP8_GROUP, 1))[narrow], exact[narrow])
+    # A group 12 binades below its block's largest keeps only what E4M3's subnormals hold.
+    scales[0, 1] = scales[0, 0] - 12
+    values, block_scales = mxfp4_to_e4m3(blocks, scales)
+    small = mxfp4.dequantize(blocks, scales, torch.float32)[0, 32:64] / block_scales[0, 0]
+    assert torch.equal(values[0, 32:64], small.to(torch.float8_e4m3fn).float())
+    scales[3, 5] = 0xFF
+    _, block_scales = mxfp4_to_e4m3(blocks, scales)
+    assert block_scales[3, 1].isnan() and not block_scales[3, 0].isnan() and not block_scales[:3].isnan().any()
+
+
+def test_w4a8_reference_is_close_to_w4a16_but_not_equal(seed):
+    args = _random_args(seed, dtype=torch.float32)
+    w4a16, w4a8 = mxfp4_moe_reference(*args), mxfp4_moe_w4a8_reference(*args)
+    scale = w4a16.abs().max()
+    assert (w4a8 - w4a16).abs().max() <= 2**-3 * scale, "FP8 activations keep 3 mantissa bits"
+    assert (w4a8 - w4a16).abs().max() > 2**-12 * scale, "the reference must quantize the activations"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Conversion kernels, bit for bit
+
+
+@pytest.mark.parametrize("reorder", [False, True], ids=["in-order", "nibble-order"])
+def test_quantize_kernel_matches_reference_bits(reorder, seed, tmp_path):
+    args = _random_args(seed)
+    kernels = _kernels(_w4a8_spec(args), tmp_path)
+    rows, k = 7, 160  # a full group and a 32-column tail
+    x = (torch.randn(rows, k) * torch.exp2(torch.randint(-20, 20, (rows, 1)).float())).to(DEVICE)
+    x[1] = 0.0
+    x[2, :] *= 2.0**-125  # amax below fp32's normal range: the scale stays 2^-126
+    x[3, 5] = float("nan")
+    x[4, 140] = float("inf")
+    x[5] = torch.randint(-64, 64, (k,)).float() * 0.25  # many values exactly on E4M3 rounding ties after scaling
+    out = torch.full((rows, k), 0x7F, dtype=torch.uint8, device=DEVICE)
+    scales = torch.full((rows, 2), float("nan"), device=DEVICE)
+    kernels["moe_quantize_e4m3_kernel"][(rows, 2)](x, out, scales, x.stride(0), K=k, REORDER=reorder)
+    columns = torch.arange(k)
+    order = columns // 32 * 32 + columns % 16 * 2 + columns % 32 // 16 if reorder else columns
+    values, expected_scales = quantize_e4m3_groups(x[:, order.to(DEVICE)].cpu())
+    finite = ~expected_scales.isnan()
+    assert torch.equal(scales.cpu()[finite], expected_scales[finite]), "power-of-two scales differ"
+    assert scales.cpu()[~finite].isnan().all() and (~finite).sum() == 2, "a group with NaN or inf gets a NaN scale"
+    kernel_values = out.cpu().view(torch.float8_e4m3fn).float()
+    good = finite.repeat_interleave(FP8_GROUP, dim=1)[:, :k]
+    assert torch.equal(kernel_values[good], values[good]), "E4M3 bytes differ from torch's round-to-nearest-even"
+
+
+def test_weight_conversion_kernel_matches_reference_bits(seed, tmp_path):
+    experts, n, k = 3, 40, 160  # row blocks past N, a 32-column tail group
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (experts, n, k // 32, 16), dtype=torch.uint8, generator=generator)
+    # Exponent spreads inside a block wide enough that E4M3's subnormals round, scale bytes 0 and 1, a NaN.
+    scales = torch.randint(100, 140, (experts, n, k // 32), dtype=torch.uint8, generator=generator)
+    scales[0, 0, :] = torch.tensor([0, 1, 127, 140, 3], dtype=torch.uint8)
+    scales[2, 7, 4] = 0xFF
+    counts = torch.tensor([5, 0, 2, 0], dtype=torch.int32)  # expert 1 inactive: its slot is never written
+    slots = torch.tensor([0, 0, 1, 0], dtype=torch.int32)
+    ws = torch.full((2, n, k), 0x7F, dtype=torch.uint8)
+    ws_scales = torch.full((2, n, 2), -1.0)
+    args = _random_args(seed)
+    kernels = _kernels(_w4a8_spec(args), tmp_path)
+    on = [t.to(DEVICE) for t in (blocks, scales, counts, slots, ws, ws_scales)]
+    kernels["mxfp4_to_e4m3_experts_kernel"][(experts, -(-n // 32), 2)](*on, N=n, K=k, BLOCK_N=32)
+    ws, ws_scales = on[4].cpu(), on[5].cpu()
+    columns = torch.arange(k)
+    nibble_order = columns // 32 * 32 + columns % 16 * 2 + columns % 32 // 16  # position -> column
+    for expert, slot in ((0, 0), (2, 1)):
+        values, block_scales = mxfp4_to_e4m3(blocks[expert], scales[expert])
+        assert torch.equal(ws[slot].view(torch.float8_e4m3fn).float(), values[:, nibble_order]), expert
+        torch.testing.assert_close(ws_scales[slot], block_scales, atol=0, rtol=0, equal_nan=True, msg=str(expert))
+    assert ws_scales[1, 7, 1].isnan()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The whole layer
+
+
+W4A8_CASES = [("float32", dict(dtype=torch.float32), DECODE), ("float32-T37-skewed", dict(
+    dtype=torch.float32, tokens=37, skew=3.0), PREFILL), ("bfloat16-silu-nobias", dict(
+        activation="silu_glu", interleaved=False, bias=False), PREFILL)]
+
+
+@pytest.mark.parametrize("name, changes, config", W4A8_CASES, ids=[c[0] for c in W4A8_CASES])
+def test_w4a8_layer_matches_reference(name, changes, config, seed, tmp_path):
+    """The kernels' E4M3 operands are the reference's bit for bit (tests above), so only the order of fp32 sums
+    differs: fp32 layers match to fp32 accuracy (an activation that close to an E4M3 rounding tie is rare). bf16
+    layers round the output once more (the interpreter truncates it: a bf16 ulp), and the activation to bf16
+    before its quantization (exactly: the kernels round it with integer arithmetic, as a truncation would move
+    whole groups to other E4M3 values)."""
+    args = _random_args(seed, **changes)
+    spec = _w4a8_spec(args)
+    kernels = _kernels(spec, tmp_path)
+    inputs, (out,), _, result = mxfp4_moe.prepare(spec, *args)
+    out.fill_(float("nan"))
+    mxfp4_moe.triton_launch(kernels, config, *inputs, out)
+    assert not out.isnan().any(), "NaN in the output: an element was not written (outputs are poisoned)"
+    expected, w4a16 = mxfp4_moe_w4a8_reference(*args).float(), mxfp4_moe_reference(*args).float()
+    scale = expected.abs().max().item()
+    error = (out.float() - expected).abs().max().item()
+    limit = (2**-14 if spec.hidden_dtype == torch.float32 else 2**-6) * scale
+    assert error <= limit, f"{error:.3g} > {limit:.3g} (output scale {scale:.3g})"
+    assert (w4a16 - expected).abs().max().item() > 2 * error, "the check must tell W4A8 from W4A16"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Configs and the sm_90 compile
+
+
+def test_fp8_configs_only_where_e4m3_is_native():
+    spec = dataclasses.replace(mxfp4_moe.MXFP4MoESpec(2880, 2880, 128, 4, torch.bfloat16, torch.float32,
+                                                      torch.bfloat16, torch.bfloat16, "gptoss_clamped_glu", True),
+                               fp8_activations=True)
+    for name, target in TARGETS.items():
+        legal, illegal = legal_configs(mxfp4_moe, "triton", spec, target.profile)
+        if target.profile.supports_dtype(torch.float8_e4m3fn):
+            assert legal and all(c["FP8"] == 1 and c["WORKSPACE"] == 1 and c["BLOCK_K"] == FP8_GROUP
+                                 for c in legal), name
+            for bucket in (1, 64, 8192):
+                tier, default = mxfp4_moe.configs_for_bucket(spec, target.profile, bucket, legal, legal[0])
+                assert default in tier and mxfp4_moe.describe_config(default).startswith("W4A8"), (name, bucket)
+        else:
+            assert not legal and illegal, f"{name} has no native E4M3 and must get no W4A8 config"
+        assert not legal_configs(mxfp4_moe, "tilelang", spec, target.profile)[0], "W4A8 is Triton-only"
+
+
+_AOT_SCRIPT = textwrap.dedent("""
+    import json, re, sys
+    from pathlib import Path
+    import torch, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import dzc
+    from dzc.targets import mxfp4_moe as family, triton_codegen
+    from dzc.targets.kernel_config import KernelConfig
+    from dzc.targets.profiles import SM_90
+
+    spec = family.MXFP4MoESpec(2880, 2880, 128, 4, torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16,
+                               "gptoss_clamped_glu", True, fp8_activations=True)
+    path = Path(sys.argv[1]) / "w4a8.py"
+    path.write_text(family.triton_source(spec, SM_90))
+    kernels = triton_codegen.load(family, path, spec, SM_90)
+    results = []
+    for config in (KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1),
+                   KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)):
+        for name, (signature, constexprs, *own_warps) in family.triton_signatures(spec, config).items():
+            names = list(signature)
+            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
+            fn = getattr(kernels[name], "fn", kernels[name])
+            kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                    target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": own_warps[0] if own_warps else config.num_warps,
+                                             "num_stages": config.num_stages})
+            ptx = kernel.asm["ptx"]
+            results.append(dict(label=f"{config}/{name}", shared=kernel.metadata.shared,
+                                estimate=family.triton_shared_memory_bytes(spec, config),
+                                fp8_wgmma=bool(re.search(r"wgmma[.a-z_]*[.]m64n[0-9]+k32[.]f32[.]e4m3[.]e4m3", ptx)),
+                                rounding_adds="sub.f32" in ptx))
+    print("RESULTS " + json.dumps(results))
+""")
+
+
+def test_w4a8_kernels_compile_for_sm_90_with_fp8_wgmma(tmp_path):
+    results = run_ahead_of_time_script(_AOT_SCRIPT, tmp_path)
+    assert len(results) == 8, [r["label"] for r in results]
+    for r in results:
+        if r["label"].endswith(("gate_up_kernel", "down_kernel")):
+            assert r["fp8_wgmma"], f"{r['label']}: the GEMM does not multiply E4M3 on the tensor cores"
+            assert r["shared"] <= r["estimate"], r
+        else:  # the E4M3 rounding's add-and-subtract survived compilation (nothing reassociated it away)
+            assert r["rounding_adds"], r
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The rewrite, through dzc.compile
+
+
+def _model():
+    return build_moe(dataclasses.replace(CONFIGS["tiny-deepseek"], experts=4, top_k=2, shared_expert=False,
+                                         expert_loop="gathered_bmm"), torch.bfloat16, "mxfp4")
+
+
+def test_option_rewrites_the_fused_layer_into_w4a8(tmp_path, seed):
+    model = _model()
+    options = dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False, moe_fp8_activations=True)
+    compiled = dzc.compile(model, "cuda", options)
+    x = torch.randn(5, 64).bfloat16()
+    out = compiled(x)
+    assert compiled.report.fired() == {"fuse_mxfp4_experts": 1, "quantize_moe_activations": 1}
+    stages = dict(compiled.report.graphs[0].stages)
+    before, after = stages["fuse_mxfp4_experts"], stages["quantize_moe_activations"]
+    assert after == before.replace("# built by fuse_mxfp4_experts", "# built by quantize_moe_activations").replace(
+        "dzc.mxfp4_moe.default(", "dzc.mxfp4_moe_w4a8.default("), "only the op changes"
+    assert "dzc.mxfp4_moe_w4a8.default(" in after and "dzc.mxfp4_moe.default(" not in after
+    [kernel] = compiled.report.kernels
+    assert kernel.op == "mxfp4_moe_w4a8" and kernel.codegen == "triton"
+    assert all(entry["path"].startswith("W4A8") for entry in kernel.tuned.values()), kernel.tuned
+    expected = model(x).float()
+    assert (out.float() - expected).abs().max() <= 2**-3 * expected.abs().max(), "W4A8 strays from the layer"
+    # Off by default: the same model keeps the W4A16 op.
+    default = dzc.compile(model, "cuda", dataclasses.replace(options, moe_fp8_activations=False))
+    default(x)
+    assert default.report.fired() == {"fuse_mxfp4_experts": 1}
+    assert [k.op for k in default.report.kernels] == ["mxfp4_moe"]
+
+
+def test_refuses_on_profiles_without_fp8(tmp_path, seed):
+    options = dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False, moe_fp8_activations=True)
+    compiled = dzc.compile(_model(), "cuda:sm_80", options)
+    compiled(torch.randn(3, 64).bfloat16())
+    assert compiled.report.fired() == {"fuse_mxfp4_experts": 1}
+    [(where, reason)] = compiled.report.refusals["quantize_moe_activations"]
+    assert "sm_80 has no native FP8" in reason
+    assert [k.op for k in compiled.report.kernels] == ["mxfp4_moe"]
