@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", action="store_true", help="also print the generated kernel sources")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--cache-dir", help="where generated sources go (default: $DZC_CACHE_DIR)")
+    parser.add_argument("--moe-fp8", action="store_true",
+                        help="compile MXFP4 MoE layers as W4A8 (CompileOptions.moe_fp8_activations)")
     parser.add_argument("--list-models", action="store_true")
     args = parser.parse_args(argv)
 
@@ -52,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model, inputs = load_model(args.model)
     # Dumps show what would run; tuning on the CPU interpreter would only slow them down.
-    options = CompileOptions(codegen=args.codegen, autotune=False, cache_dir=args.cache_dir)
+    options = CompileOptions(codegen=args.codegen, autotune=False, cache_dir=args.cache_dir,
+                             moe_fp8_activations=args.moe_fp8)
     compiled = dzc.compile(model, target=args.target, options=options)
     run_note = "ran"
     try:

@@ -82,6 +82,10 @@ def choose_codegen(op: str, options: CompileOptions, execution: Execution, spec=
     return "triton"
 
 
+class NoLegalConfig(RuntimeError):
+    """The op has no kernel config legal on the target's profile (W4A8 on a profile without FP8, say)."""
+
+
 class NotRunnable:
     """Stands in for a kernel that was generated but cannot execute in this process; calling it says why."""
 
@@ -132,7 +136,7 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
             os.replace(partial, path)
         legal, illegal = legal_configs(family, codegen_name, spec, target.profile)
         if not legal:
-            raise RuntimeError(f"dzc: no legal {codegen_name} config for {op} ({spec.describe()}) on "
+            raise NoLegalConfig(f"dzc: no legal {codegen_name} config for {op} ({spec.describe()}) on "
                                f"{target.profile.name}")
         reason = execution.not_runnable_reason
         if not reason and codegen_name == "tilelang" and not execution.runtime.runs_tilelang:

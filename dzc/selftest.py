@@ -3,7 +3,7 @@
     dzc-selftest --target musa --json selftest_musa.json     # on a MUSA machine: the first thing to run
     dzc-selftest --target cuda --dry-run                      # anywhere: generate, check legality, compile here
 
-For every kernel family (targets.KERNEL_FAMILIES) × code generator × case the family offers for the profile
+For every dzc op with kernels (targets.KERNEL_FAMILIES) × its code generators × case its family offers for the profile
 (`selftest_cases(profile)`: named small cases with the dtypes the profile allows), it lowers the family's dzc op
 through dzc's own lowering (the path dzc.compile takes), checks every legal config and the generated source
 statically (targets/static_check.py), and then:
@@ -15,7 +15,8 @@ statically (targets/static_check.py), and then:
     lowered to device source where the installed TileLang has the target (tilelang_musa for MUSA).
 A family without selftest_cases is listed as "no selftest cases", and a code generator the machine lacks (TileLang
 without tilelang_musa on a MUSA card) as "unavailable": neither is a failure (families land before their cases;
-Triton alone runs every op), but the summary names them. Exit status: 0 when nothing failed; 1 when something
+Triton alone runs every op), but the summary names them; nor is an op with no legal config on the profile
+("not on this profile": W4A8 MoE needs native FP8). Exit status: 0 when nothing failed; 1 when something
 did; 2 when the device asked for is not here.
 """
 
@@ -39,7 +40,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dzc
-from dzc.lowering import Execution, dzc_op_name, lower_graph
+from dzc.lowering import PREFERRED_CODEGENS, Execution, NoLegalConfig, dzc_op_name, lower_graph
 from dzc.ops import OPS
 from dzc.options import CompileOptions
 from dzc.targets import KERNEL_FAMILIES, Target, musa_triton, resolve_target, static_check, tilelang_codegen
@@ -56,6 +57,7 @@ DEFAULT_TOLERANCES = {
 }
 
 NO_CASES = "no selftest cases"
+UNSUPPORTED = "not on this profile"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -345,8 +347,9 @@ def run_selftest(target_name: str, *, dry_run: bool, seed: int | None = None, tu
             results.append({"family": op, "status": NO_CASES})
             log(f"{op}: {NO_CASES}")
             continue
-        for codegen in (name for name in target.codegens if hasattr(family, f"{name}_source")
-                        and (codegens is None or name in codegens)):
+        # The op's code generators (a family may serve several ops, each with its own: W4A8 MoE is Triton-only).
+        for codegen in (name for name in target.codegens if name in PREFERRED_CODEGENS[op]
+                        and hasattr(family, f"{name}_source") and (codegens is None or name in codegens)):
             options = CompileOptions(codegen=codegen, autotune=tune and not dry_run, cache_dir=options_cache)
             for case_index, (case, make_args) in enumerate(cases):
                 case_seed = seed + case_index
@@ -356,6 +359,8 @@ def run_selftest(target_name: str, *, dry_run: bool, seed: int | None = None, tu
                 try:
                     _run_case(entry, op, family, codegen, make_args, target, options, execution, runtime, device,
                               case_seed, pending_aot, compile_here)
+                except NoLegalConfig as err:  # the op does not exist on this profile (W4A8 without FP8)
+                    entry.update(status=UNSUPPORTED, why=str(err)[:2000])
                 except Exception as err:  # one broken case must not hide the others
                     entry.update(status="failed", why=f"{type(err).__name__}: {err}"[:2000])
                 if not (pending_aot and pending_aot[-1][0] is entry):  # logged once its compiles are done

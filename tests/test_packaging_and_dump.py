@@ -89,6 +89,8 @@ DUMPS = {
     "capture": ["llama_decoder", "--target", "musa", "--after", "capture"],
     "json": ["llama_decoder", "--target", "musa", "--json"],
     "bad_after": ["llama_decoder", "--target", "musa", "--after", "nosuchpass"],
+    "moe_fp8": ["moe_mxfp4", "--target", "musa:mp_31", "--moe-fp8", "--json"],
+    "moe_fp8_mp_22": ["moe_mxfp4", "--target", "musa:mp_22", "--moe-fp8", "--json"],
 }
 
 
@@ -161,6 +163,17 @@ def test_dump_json(dumps):
     assert data["kernels"] == {}
     [kernel] = data["report"]["kernels"]
     assert kernel["uses"] == 4 and kernel["profile"] == "musa:mp_31"
+
+
+def test_dump_moe_fp8_shows_the_w4a8_rewrite_where_the_profile_has_fp8(dumps):
+    mp_31 = json.loads(_ok(dumps["moe_fp8"]))
+    assert mp_31["report"]["passes"]["quantize_moe_activations"] == 1
+    assert [k["op"] for k in mp_31["report"]["kernels"]] == ["mxfp4_moe_w4a8"]
+    mp_22 = json.loads(_ok(dumps["moe_fp8_mp_22"]))
+    assert mp_22["report"]["passes"]["quantize_moe_activations"] == 0
+    [(_, reason)] = mp_22["report"]["refusals"]["quantize_moe_activations"]
+    assert "no native FP8" in reason
+    assert [k["op"] for k in mp_22["report"]["kernels"]] == ["mxfp4_moe"]
 
 
 def test_dump_after_an_unknown_stage_lists_the_stages(dumps):

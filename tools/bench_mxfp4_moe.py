@@ -3,6 +3,7 @@ eager dequantize-then-matmul, torch.compile of it, and BF16 weights through torc
 
     python tools/bench_mxfp4_moe.py [--quick] [--musa-legal] [--models gpt-oss-120b deepseek-style]
                                     [--tokens 1 2 4 8 16 32 64 2048 8192] [--routing uniform skewed] [--out results.md]
+    python tools/bench_mxfp4_moe.py --w4a8 --tokens 2048 8192 --codegens triton   # W4A8 (FP8) beside W4A16
     python tools/bench_mxfp4_moe.py --memory-only [--memory-layers 2] [--models ...]   # peak memory, no timings
 
 Shapes are dzc.models.moe.CONFIGS (gpt-oss-120b: E=128, top-4, H=I=2880, clamped SwiGLU, biases, gate/up
@@ -30,6 +31,7 @@ activations the BF16 run needed), and projected to the model's full depth.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import platform
 import sys
@@ -45,7 +47,7 @@ import triton.testing
 from bench_add_rms_norm import graph_time  # tools/ is on sys.path when run as a script
 from dzc import mxfp4
 from dzc.models.moe import CONFIGS
-from dzc.ops.mxfp4_moe import glu_activation, mxfp4_moe_reference
+from dzc.ops.mxfp4_moe import glu_activation, mxfp4_moe_reference, mxfp4_moe_w4a8_reference
 from dzc.targets import mxfp4_moe as family
 from dzc.targets import tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
@@ -230,6 +232,30 @@ class DzcKernels:
         return result
 
 
+def time_configs(kernels: "DzcKernels", bucket: int, musa_legal: bool, how_many: int, op_args, expected, errors,
+                 label: str) -> tuple[float, float, KernelConfig | None]:
+    """The cost model's default, then the tier's candidates, each checked against `expected` (appended to
+    `errors`) and timed: (default seconds, best seconds, best config)."""
+    default_s = tuned_s = float("inf")
+    tuned_config = None
+    for role, config in kernels.configs(bucket, musa_legal, how_many):
+        try:
+            result = kernels.run(config, op_args)
+        except Exception as err:  # a candidate that does not compile is skipped, as the tuner does
+            if role == "default":
+                raise
+            print(f"skipped {config}: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
+            continue
+        errors.append(check(f"dzc {kernels.codegen} {config}", result, expected))
+        seconds = graph_time(lambda c=config: kernels.run(c, op_args))
+        print(f"  {label} {role} {config}: {seconds * 1e6:.1f} µs", file=sys.stderr)
+        if role == "default":
+            default_s = seconds
+        if seconds < tuned_s:
+            tuned_s, tuned_config = seconds, config
+    return default_s, tuned_s, tuned_config
+
+
 def plain_time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median") * 1e-3
 
@@ -257,6 +283,8 @@ def main():
     parser.add_argument("--musa-legal", action="store_true", help="only configs legal on musa:mp_22 (see the doc)")
     parser.add_argument("--memory-layers", type=int, default=2,
                         help="stacked layers in the memory measurement (0: skip it)")
+    parser.add_argument("--w4a8", action="store_true",
+                        help="also time the W4A8 op (dzc.mxfp4_moe_w4a8: FP8 activations, workspace path)")
     parser.add_argument("--memory-only", action="store_true", help="only the memory measurement (no timings)")
     parser.add_argument("--out", help="write the markdown report here too")
     args = parser.parse_args()
@@ -284,8 +312,8 @@ def main():
             Path(args.out).write_text("\n".join(lines) + "\n")
         return
     header = ("| model | routing | T | experts touched | path (tuned) | dzc default µs | dzc tuned µs | TB/s | % of 4.8 "
-              "| TFLOP/s | tilelang µs | eager µs | compile µs | grouped_mm µs | vs eager | vs compile | vs grouped_mm "
-              "| rel. err |")
+              "| TFLOP/s | tilelang µs | W4A8 µs | W4A8 TFLOP/s | eager µs | compile µs | grouped_mm µs | vs eager "
+              "| vs compile | vs grouped_mm | rel. err |")
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     print("\n".join(lines), flush=True)
     compiled_body = torch.compile(_expert_body, dynamic=True)
@@ -293,6 +321,8 @@ def main():
         layer = random_layer(model, device, generator)
         spec = layer.spec
         kernels = {cg: DzcKernels(spec, cg, workdir) for cg in args.codegens}
+        w4a8_kernels = (DzcKernels(dataclasses.replace(spec, fp8_activations=True), "triton", workdir)
+                        if args.w4a8 else None)
         grouped = GroupedMMBaseline(layer)
         for routing in args.routing:
             for tokens in args.tokens:
@@ -302,26 +332,17 @@ def main():
                 touched = int(topk_ids.unique().numel())
                 useful_bytes = touched * family.packed_expert_bytes(spec)
                 bucket = family.token_bucket(tokens)
-                # dzc Triton: the cost model's default, then the tier's candidates; keep the fastest.
-                triton_kernels = kernels["triton"] if "triton" in kernels else None
+                errors = []
                 default_s = tuned_s = float("inf")
-                tuned_config, errors = None, []
-                if triton_kernels is not None:
-                    for role, config in triton_kernels.configs(bucket, args.musa_legal, how_many):
-                        try:
-                            result = triton_kernels.run(config, op_args)
-                        except Exception as err:  # a candidate that does not compile is skipped, as the tuner does
-                            if role == "default":
-                                raise
-                            print(f"skipped {config}: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
-                            continue
-                        errors.append(check(f"dzc triton {config}", result, expected))
-                        seconds = graph_time(lambda c=config: triton_kernels.run(c, op_args))
-                        print(f"  {model} T={tokens} {role} {config}: {seconds * 1e6:.1f} µs", file=sys.stderr)
-                        if role == "default":
-                            default_s = seconds
-                        if seconds < tuned_s:
-                            tuned_s, tuned_config = seconds, config
+                tuned_config = None
+                if "triton" in kernels:
+                    default_s, tuned_s, tuned_config = time_configs(
+                        kernels["triton"], bucket, args.musa_legal, how_many, op_args, expected, errors,
+                        f"{model} T={tokens}")
+                w4a8_s = float("nan")
+                if w4a8_kernels is not None:
+                    _, w4a8_s, _ = time_configs(w4a8_kernels, bucket, False, how_many, op_args,
+                                                mxfp4_moe_w4a8_reference(*op_args), errors, f"{model} T={tokens} W4A8")
                 tilelang_s = float("nan")
                 if "tilelang" in kernels and bucket <= 64:
                     tl_kernels = kernels["tilelang"]
@@ -345,7 +366,8 @@ def main():
                        f"{family.describe_config(tuned_config).split(' (')[0] if tuned_config else '-'} | "
                        f"{default_s * 1e6:.1f} | {tuned_s * 1e6:.1f} | {bandwidth / 1e12:.2f} | "
                        f"{100 * bandwidth / PEAK_BYTES_PER_S:.0f}% | {family.flops(spec, tokens) / tuned_s / 1e12:.1f} | "
-                       f"{tilelang_s * 1e6:.1f} | {eager_s * 1e6:.1f} | {compile_s * 1e6:.1f} | {grouped_s * 1e6:.1f} | "
+                       f"{tilelang_s * 1e6:.1f} | {w4a8_s * 1e6:.1f} | {family.flops(spec, tokens) / w4a8_s / 1e12:.1f} | "
+                       f"{eager_s * 1e6:.1f} | {compile_s * 1e6:.1f} | {grouped_s * 1e6:.1f} | "
                        f"{eager_s / tuned_s:.1f}x | {compile_s / tuned_s:.1f}x | {grouped_s / tuned_s:.2f}x | "
                        f"{max(errors):.1e} |")
                 lines.append(row)

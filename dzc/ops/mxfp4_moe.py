@@ -197,60 +197,42 @@ def _check_expert_ids(ids: torch.Tensor, experts: int) -> None:
                          f"{sorted(set(ids[outside].tolist()))[:8]}")
 
 
-@torch.library.custom_op("dzc::mxfp4_moe", mutates_args=())
-def mxfp4_moe(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13_blocks: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w13_bias: torch.Tensor | None,
-    w2_blocks: torch.Tensor,
-    w2_scales: torch.Tensor,
-    w2_bias: torch.Tensor | None,
-    activation: str,
-    gate_up_interleaved: bool,
-    alpha: float,
-    limit: float,
-    kernel_id: str = "",
-) -> torch.Tensor:
-    if kernel_id:
-        return runtime.launch(kernel_id, hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
-                              w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit)
-    return mxfp4_moe_reference(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
-                               w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit)
+def _moe_op(name: str, reference):
+    """A custom op dzc::`name` with the MoE layer's arguments (+ kernel_id): the bound kernel, else `reference`."""
+
+    def op(
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        w13_blocks: torch.Tensor,
+        w13_scales: torch.Tensor,
+        w13_bias: torch.Tensor | None,
+        w2_blocks: torch.Tensor,
+        w2_scales: torch.Tensor,
+        w2_bias: torch.Tensor | None,
+        activation: str,
+        gate_up_interleaved: bool,
+        alpha: float,
+        limit: float,
+        kernel_id: str = "",
+    ) -> torch.Tensor:
+        arguments = (hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias,
+                     activation, gate_up_interleaved, alpha, limit)
+        if kernel_id:
+            return runtime.launch(kernel_id, *arguments)
+        return reference(*arguments)
+
+    def fake(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias,
+             activation, gate_up_interleaved, alpha, limit, kernel_id=""):
+        check_mxfp4_moe_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
+                             w2_scales, w2_bias, activation)
+        return torch.empty_like(hidden)
+
+    op.__name__ = op.__qualname__ = name
+    custom = torch.library.custom_op(f"dzc::{name}", op, mutates_args=())
+    custom.register_fake(fake)
+    return custom
 
 
-@mxfp4_moe.register_fake
-def _mxfp4_moe_fake(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias,
-                    activation, gate_up_interleaved, alpha, limit, kernel_id=""):
-    check_mxfp4_moe_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
-                         w2_bias, activation)
-    return torch.empty_like(hidden)
-
-
-@torch.library.custom_op("dzc::mxfp4_moe_w4a8", mutates_args=())
-def mxfp4_moe_w4a8(
-    hidden: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w13_blocks: torch.Tensor,
-    w13_scales: torch.Tensor,
-    w13_bias: torch.Tensor | None,
-    w2_blocks: torch.Tensor,
-    w2_scales: torch.Tensor,
-    w2_bias: torch.Tensor | None,
-    activation: str,
-    gate_up_interleaved: bool,
-    alpha: float,
-    limit: float,
-    kernel_id: str = "",
-) -> torch.Tensor:
-    if kernel_id:
-        return runtime.launch(kernel_id, hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
-                              w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit)
-    return mxfp4_moe_w4a8_reference(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
-                                    w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit)
-
-
-mxfp4_moe_w4a8.register_fake(_mxfp4_moe_fake)
+mxfp4_moe = _moe_op("mxfp4_moe", mxfp4_moe_reference)
+mxfp4_moe_w4a8 = _moe_op("mxfp4_moe_w4a8", mxfp4_moe_w4a8_reference)
