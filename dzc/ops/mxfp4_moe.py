@@ -117,7 +117,6 @@ def mxfp4_moe_reference(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, 
 # W4A8
 
 FP8_GROUP = 128  # columns per activation scale and per weight block scale (the reduction step of the FP8 GEMMs)
-E4M3_MAX = 448.0
 
 
 def _columns_in_groups(x: torch.Tensor) -> torch.Tensor:
@@ -158,9 +157,8 @@ def mxfp4_to_e4m3(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Ten
 
 
 def _fp8_matmul(a_values, a_scales, w_values, w_scales) -> torch.Tensor:
-    """sum over FP8_GROUP-column blocks b of (a_values[:, b] @ w_values[:, b]^T) * a_scales[:, b] * w_scales[:, b]
-    (fp32; the products of E4M3 values and their sums of FP8_GROUP terms are exact in fp32 up to rounding of
-    the sum)."""
+    """sum over FP8_GROUP-column blocks b of (a_values[:, b] @ w_values[:, b]^T) * a_scales[:, b] * w_scales[:, b],
+    in fp32 (a product of two E4M3 values is exact in fp32; only the sums round)."""
     a, w = _columns_in_groups(a_values), _columns_in_groups(w_values)  # [R, B, G], [N, B, G]
     partial = torch.einsum("rbg,nbg->brn", a, w)
     return (partial * a_scales.T.unsqueeze(-1) * w_scales.T.unsqueeze(1)).sum(dim=0)
