@@ -137,7 +137,7 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
         legal, illegal = legal_configs(family, codegen_name, spec, target.profile)
         if not legal:
             raise NoLegalConfig(f"dzc: no legal {codegen_name} config for {op} ({spec.describe()}) on "
-                               f"{target.profile.name}")
+                                f"{target.profile.name}")
         reason = execution.not_runnable_reason
         if not reason and codegen_name == "tilelang" and not execution.runtime.runs_tilelang:
             reason = "TileLang kernels need a GPU (TileLang has no CPU interpreter); use codegen='triton' here"

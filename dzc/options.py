@@ -52,8 +52,9 @@ class CompileOptions:
     tuning_db: str | None = None
     # MXFP4 MoE layers multiply FP8 (E4M3) activations (W4A8: dzc.mxfp4_moe_w4a8, whose rounding dzc/ops/
     # mxfp4_moe.py defines) instead of the activations' own dtype (W4A16). It changes the numerics, so it is opt-in;
-    # on profiles without native FP8 (sm_80, mp_22) the rewrite refuses and the report says so. Triton, workspace
-    # path: meant for prefill-heavy serving (decode keeps its bandwidth-bound W4A16 online path only without it).
+    # on profiles without native FP8 (sm_80, mp_22) the rewrite refuses and the report says so. Triton, on the
+    # workspace path at every token count: it is for prefill; a decode step with it moves ~4x the weight bytes of
+    # W4A16's online path, so leave it off where decode dominates.
     moe_fp8_activations: bool = False
 
     def resolved_cache_dir(self) -> str:

@@ -3,8 +3,8 @@
     dzc-selftest --target musa --json selftest_musa.json     # on a MUSA machine: the first thing to run
     dzc-selftest --target cuda --dry-run                      # anywhere: generate, check legality, compile here
 
-For every dzc op with kernels (targets.KERNEL_FAMILIES) × its code generators × case its family offers for the profile
-(`selftest_cases(profile)`: named small cases with the dtypes the profile allows), it lowers the family's dzc op
+For every dzc op with kernels (targets.KERNEL_FAMILIES) × its code generators × case its family offers for the
+profile (`selftest_cases(profile)`: named small cases with the dtypes the profile allows), it lowers the op
 through dzc's own lowering (the path dzc.compile takes), checks every legal config and the generated source
 statically (targets/static_check.py), and then:
   on the device: calls the op with the kernel bound, on fresh random inputs (the seed is in the report), compares

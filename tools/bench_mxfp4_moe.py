@@ -342,7 +342,8 @@ def main():
                 w4a8_s = float("nan")
                 if w4a8_kernels is not None:
                     _, w4a8_s, _ = time_configs(w4a8_kernels, bucket, False, how_many, op_args,
-                                                mxfp4_moe_w4a8_reference(*op_args), errors, f"{model} T={tokens} W4A8")
+                                                mxfp4_moe_w4a8_reference(*op_args), errors,
+                                                f"{model} T={tokens} W4A8")
                 tilelang_s = float("nan")
                 if "tilelang" in kernels and bucket <= 64:
                     tl_kernels = kernels["tilelang"]
@@ -366,7 +367,8 @@ def main():
                        f"{family.describe_config(tuned_config).split(' (')[0] if tuned_config else '-'} | "
                        f"{default_s * 1e6:.1f} | {tuned_s * 1e6:.1f} | {bandwidth / 1e12:.2f} | "
                        f"{100 * bandwidth / PEAK_BYTES_PER_S:.0f}% | {family.flops(spec, tokens) / tuned_s / 1e12:.1f} | "
-                       f"{tilelang_s * 1e6:.1f} | {w4a8_s * 1e6:.1f} | {family.flops(spec, tokens) / w4a8_s / 1e12:.1f} | "
+                       f"{tilelang_s * 1e6:.1f} | {w4a8_s * 1e6:.1f} | "
+                       f"{family.flops(spec, tokens) / w4a8_s / 1e12:.1f} | "
                        f"{eager_s * 1e6:.1f} | {compile_s * 1e6:.1f} | {grouped_s * 1e6:.1f} | "
                        f"{eager_s / tuned_s:.1f}x | {compile_s / tuned_s:.1f}x | {grouped_s / tuned_s:.2f}x | "
                        f"{max(errors):.1e} |")

@@ -36,6 +36,5 @@ OPS = {
 }
 
 __all__ = ["OPS", "add_rms_norm_reference", "mxfp4_moe_reference", "mxfp4_moe_w4a8_reference",
-           "mxfp4_dequantize_reference",
-           "varlen_attention_reference", "add_layer_norm_reference", "dsa_indexer_reference", "dsa_topk_reference",
-           "sparse_attention_reference"]
+           "mxfp4_dequantize_reference", "varlen_attention_reference", "add_layer_norm_reference",
+           "dsa_indexer_reference", "dsa_topk_reference", "sparse_attention_reference"]
