@@ -10,21 +10,38 @@ import time
 import pytest
 import torch
 from conftest import assert_add_rms_norm_matches_eager
+from torch import nn
 
 import dzc
 from dzc import config
 from dzc.autotune import (ExternalCandidate, ShippedTuningDatabase, TuningDatabase, TuningDatabaseMismatch,
                           open_database, tune)
-from dzc.models.decoder import AddRMSNorm
+from dzc.models.decoder import HFRMSNorm
 from dzc.targets import INTERPRETER, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
 from dzc.tune import main as tune_main
 from dzc.tune import tune_model
 
 
+class HFAddNorm(nn.Module):
+    """dzc.models.decoder.AddRMSNorm(64) with a forward of its own: Dynamo keeps compiled graphs per code object,
+    and every dzc.compile is a new backend, so a class compiled in many tests reaches Dynamo's recompile limit
+    and then runs eagerly (the refusal tests below would then see no tuning database at all)."""
+
+    def __init__(self, hidden=64):
+        super().__init__()
+        self.norm = HFRMSNorm(hidden, 1e-6)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.1)  # ones would hide a missing weight multiply
+
+    def forward(self, x, residual):
+        h = x + residual
+        return self.norm(h), h
+
+
 def _model_and_inputs():
     """Fresh random weights and rows (the seed fixture seeds them); the tuning key depends only on the spec."""
-    return AddRMSNorm(64).bfloat16(), tuple(torch.randn(5, 64).bfloat16() for _ in range(2))
+    return HFAddNorm().bfloat16(), tuple(torch.randn(5, 64).bfloat16() for _ in range(2))
 
 
 @pytest.fixture(scope="module")
