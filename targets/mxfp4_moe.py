@@ -485,10 +485,10 @@ def _launch_w4a8(kernels, plan: Routing, options: dict, hidden, topk_weights, w1
     x_scales = torch.empty(tokens, _groups(spec.hidden), dtype=torch.float32, device=device)
     kernels["moe_quantize_e4m3_kernel"][(tokens, _groups(spec.hidden))](
         hidden, x8, x_scales, hidden.stride(0), K=spec.hidden, REORDER=True, num_warps=4)
-    slots = min(spec.experts, tokens * spec.top_k)
-    weight_bytes = slots * max(2 * spec.inter * spec.hidden, spec.hidden * spec.inter)
+    weight_bytes = workspace_elements(spec, tokens)  # one byte per E4M3 element
     # Block scales after the E4M3 bytes, 16-byte aligned.
     scales_offset = -(-weight_bytes // 16) * 16
+    slots = min(spec.experts, tokens * spec.top_k)
     scale_count = slots * max(2 * spec.inter * _groups(spec.hidden), spec.hidden * _groups(spec.inter))
     ws = workspace(device, torch.uint8, scales_offset + 4 * scale_count)
     ws_values, ws_scales = ws[:weight_bytes], ws[scales_offset:].view(torch.float32)
