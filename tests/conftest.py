@@ -42,15 +42,16 @@ def options(tmp_path):
     return dzc.CompileOptions(cache_dir=str(tmp_path / "cache"), autotune=False)
 
 
-def bf16_ulp(values: torch.Tensor) -> torch.Tensor:
-    """Size of one bf16 unit in the last place at each value's magnitude (8 significant bits)."""
-    values = values.float().abs()
-    return torch.where(values == 0, torch.tensor(2.0**-133), 2.0 ** (torch.floor(torch.log2(values)) - 7))
+def ulp(values: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Size of one unit in the last place of `dtype` at each value's magnitude (subnormals: the smallest step)."""
+    info = torch.finfo(dtype)
+    magnitude = values.float().abs().clamp_min(info.tiny)
+    return 2.0 ** torch.floor(torch.log2(magnitude)) * info.eps
 
 
 def bf16_ulps(actual: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
     """Distance in bf16 units in the last place, measured at the expected value's magnitude."""
-    return (actual.float() - expected.float()).abs() / bf16_ulp(expected)
+    return (actual.float() - expected.float()).abs() / ulp(expected)
 
 
 def assert_close_for_dtype(actual: torch.Tensor, expected: torch.Tensor, max_bf16_ulps: float = 1.0):
@@ -67,15 +68,17 @@ def assert_close_for_dtype(actual: torch.Tensor, expected: torch.Tensor, max_bf1
 
 def assert_hf_rms_norm_output_close(y: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float,
                                     expected_y: torch.Tensor):
-    """y = HF RMSNorm(h) in bf16 (the normalised value cast to bf16, then times the weight) against `expected_y`,
-    computed from the kernel's own h so that a one-ulp difference in h is not counted twice. The Triton
-    interpreter truncates fp32 -> bf16 casts where a GPU and eager round to nearest even; each of the two
-    roundings can then be one ulp off: |w| ulps of the normalised value carried through the multiply, plus one
-    ulp of the product (two of y's near a power of two) and y's own half ulp."""
+    """y = HF RMSNorm(h) in bf16 or fp16 (the normalised value cast to y's dtype, then times the weight) against
+    `expected_y`, computed from the kernel's own h so that a one-ulp difference in h is not counted twice. Each of
+    the two roundings can land one ulp away from eager's: the normalised value's because the kernel sums the
+    squares in another order (a value near a rounding tie goes the other way) and, on the CPU, because Triton's
+    interpreter truncates fp32 -> bf16 casts; the product's because of that or on its own. The bound: |w| ulps of
+    the normalised value carried through the multiply, plus one ulp of the product (two of y's near a power of
+    two) and y's own half ulp."""
     assert not y.isnan().any(), "NaN in the output: an element was not written (outputs are poisoned)"
     hf = h.float()
     normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
-    bound = 2.5 * bf16_ulp(expected_y) + weight.float().abs() * bf16_ulp(normed)
+    bound = 2.5 * ulp(expected_y, y.dtype) + weight.float().abs() * ulp(normed, y.dtype)
     excess = (y.float() - expected_y.float()).abs() - bound
     assert (excess <= 0).all(), f"y exceeds the two-rounding bound by up to {excess.max().item():.3g}"
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_close_for_dtype, bf16_ulp, run_ahead_of_time_script
+from conftest import assert_close_for_dtype, run_ahead_of_time_script, ulp
 
 import dzc
 from dzc.models.vision import TINY_MOONVIT, build_vision_encoder, pack_images
@@ -418,7 +418,7 @@ def _assert_layer_norm_close(y, expected_y, h, weight, bias):
     terms = (centred * rstd).abs() * scale + (bias.float().abs() if bias is not None else 0.0)
     statistics_noise = (4 * hf.shape[-1] ** 0.5 * torch.finfo(torch.float32).eps
                         * hf.abs().mean(-1, keepdim=True) * rstd * scale)
-    allowed = bf16_ulp(terms.clamp_min(expected_y.float().abs())) + statistics_noise
+    allowed = ulp(terms.clamp_min(expected_y.float().abs())) + statistics_noise
     worst = ((y.float() - expected_y.float()).abs() / allowed).max()
     assert worst <= 1.0, f"{worst.item()} x (one bf16 ulp at the terms' magnitude + the statistics' fp32 noise)"
 
