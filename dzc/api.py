@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
+import warnings
 
 import torch
 
@@ -52,6 +54,19 @@ def _process_wide_dynamo_settings(options: CompileOptions):
     return config.patch(**wanted)
 
 
+# Dynamo keeps a code object's compiled graphs in one cache of torch._dynamo.config.recompile_limit (8) entries,
+# and a new backend fails the backend guard: without isolation every dzc.compile of the same forward (one per
+# decoder layer, say) takes an entry, and past eight Dynamo runs the model eagerly. torch.compile's
+# isolate_recompiles (newer torch; 2.13 has it) gives each dzc.compile its own cache and budget. Where torch lacks
+# it, CompiledModel notices the eager runs, records them in the report and warns.
+_OWN_RECOMPILE_BUDGET = ({"isolate_recompiles": True}
+                         if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
+
+
+def _frames_dynamo_tried() -> int:
+    return torch._dynamo.utils.counters["frames"]["total"]
+
+
 class CompiledModel:
     """The result of dzc.compile: call it like the model; `report` says what dzc did."""
 
@@ -59,7 +74,8 @@ class CompiledModel:
         self.model = model
         self.options = options
         self.backend = backend(target, options)
-        self._compiled = torch.compile(model, backend=self.backend, dynamic=None if options.dynamic_tokens else False)
+        self._compiled = torch.compile(model, backend=self.backend, dynamic=None if options.dynamic_tokens else False,
+                                       **_OWN_RECOMPILE_BUDGET)
         # Dynamo reads these when it traces, which any call may do (a guard fails). Entering a config.patch around
         # every call costs ~25 µs of host time (measured on the CPU host: as much as a small kernel takes on the
         # GPU), so dzc turns the captures its options ask for on process-wide, once; other torch.compile users in
@@ -91,13 +107,20 @@ class CompiledModel:
             # A hint for the first compile; later compiles of the frame keep what Dynamo learnt was dynamic.
             _mark_token_dims(args)
             _mark_token_dims(kwargs)
+        frames_tried = _frames_dynamo_tried()
         # dzc compiles inference graphs (AOTAutograd's inference path); serving loops run with grad off already,
         # and skipping the no_grad context saves its host time there.
         if torch.is_grad_enabled():
             with torch.no_grad(), self._dynamo_settings:
-                return self._compiled(*args, **kwargs)
-        with self._dynamo_settings:
-            return self._compiled(*args, **kwargs)
+                result = self._compiled(*args, **kwargs)
+        else:
+            with self._dynamo_settings:
+                result = self._compiled(*args, **kwargs)
+        if _frames_dynamo_tried() != frames_tried:  # Dynamo compiled (or gave up on) something during this call
+            for reason in self.backend.note_eager_runs():
+                warnings.warn(f"dzc.compile: {reason}. Raise the limit, or compile one model and reuse it "
+                              "(the report's eager_runs says so too)", RuntimeWarning, stacklevel=3)
+        return result
 
 
 def compile(model, target: str = "cuda", options: CompileOptions | None = None) -> CompiledModel:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import operator
+import re
 from pathlib import Path
 
 import torch
@@ -100,6 +101,10 @@ def _direct_launches(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+# Dynamo's graph-break type when a frame's cache is full: the frame runs eagerly from then on.
+_RECOMPILE_LIMIT_BREAK = "Dynamo recompile limit exceeded"
+
+
 class DzcBackend:
     """A torch.compile backend bound to a target and options; `report` accumulates over every compile."""
 
@@ -110,6 +115,7 @@ class DzcBackend:
         # Dynamo counts graph breaks per process: start from what was counted before this backend existed, so
         # breaks in models compiled earlier are not reported as this model's.
         self._graph_breaks_seen = collections.Counter(torch._dynamo.utils.counters["graph_break"])
+        self._unsupported_seen = collections.Counter(torch._dynamo.utils.counters["unimplemented"])
         self._frames_compiled: set = set()
         # keep_inference_input_mutations: an input the model writes in place (a KV cache) is copied back by a
         # `copy_` at the end of the graph, not by AOTAutograd's runtime wrapper after it, so that the pass
@@ -125,6 +131,23 @@ class DzcBackend:
     def _refuse_training(gm, example_inputs):
         raise RuntimeError("dzc compiles inference graphs: call the model under torch.no_grad() or "
                            "torch.inference_mode() (dzc.compile's wrapper does this for you)")
+
+    def note_eager_runs(self) -> list[str]:
+        """Record in the report, and return, each time since the last look that Dynamo gave up compiling a frame
+        of the model because it reached a recompile limit: it then runs that frame eagerly, without dzc, on every
+        later call that misses its cached graphs, and only logs a warning."""
+        counts = torch._dynamo.utils.counters["unimplemented"]
+        new = [reason for reason, n in counts.items()
+               if reason.startswith(_RECOMPILE_LIMIT_BREAK) and n > self._unsupported_seen[reason]]
+        self._unsupported_seen = collections.Counter(counts)
+        runs = []
+        for reason in new:
+            limit = re.search(r"Limit type: (\w+)", reason)
+            name = limit.group(1) if limit else "recompile_limit"
+            runs.append(f"Dynamo reached torch._dynamo.config.{name} ({getattr(torch._dynamo.config, name, '?')}) "
+                        "for the model's code and runs it eagerly, without dzc, where no compiled graph fits")
+        self.report.eager_runs.extend(runs)
+        return runs
 
     def _new_break_reasons(self) -> list[str]:
         counts = torch._dynamo.utils.counters["graph_break"]

@@ -40,6 +40,8 @@ class CompileReport:
     pass_sites: dict[str, list[str]] = field(default_factory=dict)  # pass name -> where it fired
     refusals: dict[str, list[tuple[str, str]]] = field(default_factory=dict)  # pass -> (where, why)
     kernels: list[KernelRecord] = field(default_factory=list)
+    # Why Dynamo ran (part of) the model eagerly, without dzc: a recompile limit reached (it only logs a warning).
+    eager_runs: list[str] = field(default_factory=list)
 
     @property
     def compiles(self) -> int:
@@ -76,6 +78,8 @@ class CompileReport:
                  f"graph breaks: {len(self.graph_breaks)}"]
         for reason in self.graph_breaks:
             lines.append(f"    break: {reason}")
+        for reason in self.eager_runs:
+            lines.append(f"  NOT COMPILED: {reason}")
         for graph in self.graphs:
             dynamic = ", ".join(graph.dynamic_sizes) or "none"
             lines.append(f"  graph {graph.compile_id}: {graph.nodes} nodes, dynamic sizes: {dynamic}, "

@@ -1,11 +1,15 @@
 """Whole models through dzc.compile: the fusion fires where it should, outputs match eager, and a new sequence
 length does not recompile."""
 
+import dataclasses
+
 import pytest
 import torch
+from conftest import assert_add_rms_norm_matches_eager
 
 import dzc
 from dzc.models import MODELS, build_model
+from dzc.models.decoder import AddRMSNorm
 
 # Per-dtype tolerance on logits: the fused kernel rounds like eager, but its fp32 reduction order differs, and a
 # one-ulp bf16 difference in a norm output is amplified by the layers after it.
@@ -77,3 +81,40 @@ def test_inductor_fallback_runs_the_unfused_ops(tmp_path):
     torch.testing.assert_close(compiled(tokens), model(tokens), atol=1e-4, rtol=1e-4)
     assert compiled.report.fired() == {"fuse_residual_norm": 4}
     assert compiled.report.graphs[0].fallback == "inductor"
+
+
+@pytest.mark.skipif(not dzc.api._OWN_RECOMPILE_BUDGET, reason="this torch.compile has no isolate_recompiles")
+def test_one_compile_per_layer_never_runs_eagerly(options, seed):
+    """A serving stack that compiles each decoder layer on its own: more dzc.compile calls of one forward than
+    Dynamo's recompile limit allows entries in a shared cache (each new backend fails the backend guard) still
+    all get dzc's graph, because each compile keeps its own cache."""
+    torch._dynamo.reset()
+    layers = [AddRMSNorm(64).bfloat16() for _ in range(torch._dynamo.config.recompile_limit + 2)]
+    for layer in layers:
+        with torch.no_grad():
+            layer.norm.weight.normal_(1.0, 0.1)
+        compiled = dzc.compile(layer, "cuda", options)
+        x, residual = torch.randn(7, 64).bfloat16(), torch.randn(7, 64).bfloat16()
+        y, h = compiled(x, residual)
+        assert compiled.report.fired() == {"fuse_residual_norm": 1} and not compiled.report.eager_runs
+        assert_add_rms_norm_matches_eager(layer, x, residual, y, h)
+
+
+def test_a_reached_recompile_limit_is_reported_and_warned(options, seed):
+    """Past Dynamo's recompile limit a call runs eagerly, which Dynamo only logs: the report records it, with the
+    limit's name, and dzc.compile warns, so a benchmark or server does not silently run without dzc."""
+    torch._dynamo.reset()
+    model = AddRMSNorm(64).bfloat16()
+    static = dataclasses.replace(options, dynamic_tokens=False)  # each token count is a new graph
+    compiled = dzc.compile(model, "cuda", static)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        compiled(torch.randn(5, 64).bfloat16(), torch.randn(5, 64).bfloat16())
+        x, residual = torch.randn(6, 64).bfloat16(), torch.randn(6, 64).bfloat16()
+        with pytest.warns(RuntimeWarning, match=r"torch\._dynamo\.config\.recompile_limit \(1\).*eagerly"):
+            y, h = compiled(x, residual)
+    expected_y, expected_h = model(x, residual)
+    assert torch.equal(y, expected_y) and torch.equal(h, expected_h)  # the eager model itself ran
+    report = compiled.report
+    assert report.compiles == 1 and len(report.eager_runs) == 1
+    assert "NOT COMPILED: Dynamo reached torch._dynamo.config.recompile_limit" in str(report)
+    assert report.to_json()["eager_runs"] == report.eager_runs

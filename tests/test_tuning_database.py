@@ -25,8 +25,9 @@ from dzc.tune import tune_model
 
 class HFAddNorm(nn.Module):
     """dzc.models.decoder.AddRMSNorm(64) with a forward of its own: Dynamo keeps compiled graphs per code object,
-    and every dzc.compile is a new backend, so a class compiled in many tests reaches Dynamo's recompile limit
-    and then runs eagerly (the refusal tests below would then see no tuning database at all)."""
+    and every dzc.compile is a new backend, so on a torch.compile without isolate_recompiles (dzc.api) a class
+    compiled in many tests reaches Dynamo's recompile limit and then runs eagerly (the refusal tests below would
+    then see no tuning database at all)."""
 
     def __init__(self, hidden=64):
         super().__init__()
