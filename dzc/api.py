@@ -63,10 +63,6 @@ _OWN_RECOMPILE_BUDGET = ({"isolate_recompiles": True}
                          if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {})
 
 
-def _frames_dynamo_tried() -> int:
-    return torch._dynamo.utils.counters["frames"]["total"]
-
-
 class CompiledModel:
     """The result of dzc.compile: call it like the model; `report` says what dzc did."""
 
@@ -107,7 +103,7 @@ class CompiledModel:
             # A hint for the first compile; later compiles of the frame keep what Dynamo learnt was dynamic.
             _mark_token_dims(args)
             _mark_token_dims(kwargs)
-        frames_tried = _frames_dynamo_tried()
+        frames_tried = self.backend.start_call()
         # dzc compiles inference graphs (AOTAutograd's inference path); serving loops run with grad off already,
         # and skipping the no_grad context saves its host time there.
         if torch.is_grad_enabled():
@@ -116,10 +112,9 @@ class CompiledModel:
         else:
             with self._dynamo_settings:
                 result = self._compiled(*args, **kwargs)
-        if _frames_dynamo_tried() != frames_tried:  # Dynamo compiled (or gave up on) something during this call
-            for reason in self.backend.note_eager_runs():
-                warnings.warn(f"dzc.compile: {reason}. Raise the limit, or compile one model and reuse it "
-                              "(the report's eager_runs says so too)", RuntimeWarning, stacklevel=3)
+        for reason in self.backend.eager_runs_since(frames_tried):
+            warnings.warn(f"dzc.compile: {reason}. Raise the limit, or compile one model and reuse it "
+                          "(the report's eager_runs says so too)", RuntimeWarning, stacklevel=3)
         return result
 
 

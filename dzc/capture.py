@@ -132,14 +132,25 @@ class DzcBackend:
         raise RuntimeError("dzc compiles inference graphs: call the model under torch.no_grad() or "
                            "torch.inference_mode() (dzc.compile's wrapper does this for you)")
 
-    def note_eager_runs(self) -> list[str]:
-        """Record in the report, and return, each time since the last look that Dynamo gave up compiling a frame
-        of the model because it reached a recompile limit: it then runs that frame eagerly, without dzc, on every
-        later call that misses its cached graphs, and only logs a warning."""
-        counts = torch._dynamo.utils.counters["unimplemented"]
-        new = [reason for reason, n in counts.items()
+    def start_call(self) -> int:
+        """Call before running the model, and pass the result to eager_runs_since after: how many frames Dynamo
+        has tried to compile in this process. Brings the baseline of Dynamo's unsupported-feature counts up to
+        date (other models may have met some since), so that eager_runs_since sees only the call's."""
+        unsupported = torch._dynamo.utils.counters["unimplemented"]
+        if unsupported.total() != self._unsupported_seen.total():
+            self._unsupported_seen = collections.Counter(unsupported)
+        return torch._dynamo.utils.counters["frames"]["total"]
+
+    def eager_runs_since(self, frames_tried: int) -> list[str]:
+        """Record in the report, and return, each frame Dynamo gave up compiling during the call because it
+        reached a recompile limit: it then runs that frame eagerly, without dzc, on every later call that misses
+        its cached graphs, and only logs a warning."""
+        if torch._dynamo.utils.counters["frames"]["total"] == frames_tried:
+            return []  # Dynamo tried no frame: the call ran graphs compiled before
+        unsupported = torch._dynamo.utils.counters["unimplemented"]
+        new = [reason for reason, n in unsupported.items()
                if reason.startswith(_RECOMPILE_LIMIT_BREAK) and n > self._unsupported_seen[reason]]
-        self._unsupported_seen = collections.Counter(counts)
+        self._unsupported_seen = collections.Counter(unsupported)
         runs = []
         for reason in new:
             limit = re.search(r"Limit type: (\w+)", reason)

@@ -107,6 +107,7 @@ def test_a_reached_recompile_limit_is_reported_and_warned(options, seed):
     model = AddRMSNorm(64).bfloat16()
     static = dataclasses.replace(options, dynamic_tokens=False)  # each token count is a new graph
     compiled = dzc.compile(model, "cuda", static)
+    other = dzc.compile(AddRMSNorm(64).bfloat16(), "cuda", options)
     with torch._dynamo.config.patch(recompile_limit=1):
         compiled(torch.randn(5, 64).bfloat16(), torch.randn(5, 64).bfloat16())
         x, residual = torch.randn(6, 64).bfloat16(), torch.randn(6, 64).bfloat16()
@@ -118,3 +119,7 @@ def test_a_reached_recompile_limit_is_reported_and_warned(options, seed):
     assert report.compiles == 1 and len(report.eager_runs) == 1
     assert "NOT COMPILED: Dynamo reached torch._dynamo.config.recompile_limit" in str(report)
     assert report.to_json()["eager_runs"] == report.eager_runs
+    # A model compiled before the limit was reached and first called after it does not take the other one's
+    # eager run for its own (Dynamo counts per process).
+    other(x, residual)
+    assert other.report.fired() == {"fuse_residual_norm": 1} and not other.report.eager_runs
