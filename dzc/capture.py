@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters as dynamo_counters
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
@@ -114,8 +115,9 @@ class DzcBackend:
         self.report = CompileReport(target.name, repr(options))
         # Dynamo counts graph breaks per process: start from what was counted before this backend existed, so
         # breaks in models compiled earlier are not reported as this model's.
-        self._graph_breaks_seen = collections.Counter(torch._dynamo.utils.counters["graph_break"])
-        self._unsupported_seen = collections.Counter(torch._dynamo.utils.counters["unimplemented"])
+        self._graph_breaks_seen = collections.Counter(dynamo_counters["graph_break"])
+        self._unsupported_seen = collections.Counter(dynamo_counters["unimplemented"])
+        self._unsupported_total = self._unsupported_seen.total()
         self._frames_compiled: set = set()
         # keep_inference_input_mutations: an input the model writes in place (a KV cache) is copied back by a
         # `copy_` at the end of the graph, not by AOTAutograd's runtime wrapper after it, so that the pass
@@ -136,21 +138,23 @@ class DzcBackend:
         """Call before running the model, and pass the result to eager_runs_since after: how many frames Dynamo
         has tried to compile in this process. Brings the baseline of Dynamo's unsupported-feature counts up to
         date (other models may have met some since), so that eager_runs_since sees only the call's."""
-        unsupported = torch._dynamo.utils.counters["unimplemented"]
-        if unsupported.total() != self._unsupported_seen.total():
+        unsupported = dynamo_counters["unimplemented"]
+        if unsupported.total() != self._unsupported_total:
             self._unsupported_seen = collections.Counter(unsupported)
-        return torch._dynamo.utils.counters["frames"]["total"]
+            self._unsupported_total = self._unsupported_seen.total()
+        return dynamo_counters["frames"]["total"]
 
     def eager_runs_since(self, frames_tried: int) -> list[str]:
         """Record in the report, and return, each frame Dynamo gave up compiling during the call because it
         reached a recompile limit: it then runs that frame eagerly, without dzc, on every later call that misses
         its cached graphs, and only logs a warning."""
-        if torch._dynamo.utils.counters["frames"]["total"] == frames_tried:
+        if dynamo_counters["frames"]["total"] == frames_tried:
             return []  # Dynamo tried no frame: the call ran graphs compiled before
-        unsupported = torch._dynamo.utils.counters["unimplemented"]
+        unsupported = dynamo_counters["unimplemented"]
         new = [reason for reason, n in unsupported.items()
                if reason.startswith(_RECOMPILE_LIMIT_BREAK) and n > self._unsupported_seen[reason]]
         self._unsupported_seen = collections.Counter(unsupported)
+        self._unsupported_total = self._unsupported_seen.total()
         runs = []
         for reason in new:
             limit = re.search(r"Limit type: (\w+)", reason)
@@ -161,7 +165,7 @@ class DzcBackend:
         return runs
 
     def _new_break_reasons(self) -> list[str]:
-        counts = torch._dynamo.utils.counters["graph_break"]
+        counts = dynamo_counters["graph_break"]
         new = [reason for reason, n in counts.items() if n > self._graph_breaks_seen[reason]]
         self._graph_breaks_seen = collections.Counter(counts)
         return new
