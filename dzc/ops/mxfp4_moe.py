@@ -94,6 +94,19 @@ def mxfp4_moe_reference(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, 
                         w2_bias, activation: str, gate_up_interleaved: bool, alpha: float,
                         limit: float) -> torch.Tensor:
     """The meaning of dzc.mxfp4_moe, in plain torch (one expert at a time, weights dequantized to fp32)."""
+    return _reference_layer(_dequantized_matmul, hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias,
+                            w2_blocks, w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit)
+
+
+def _dequantized_matmul(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """W4A16's GEMM: fp32 rows a [R, K] times one MXFP4 weight [N, K] dequantized to fp32, transposed."""
+    return a @ mxfp4.dequantize(blocks, scales, torch.float32).T
+
+
+def _reference_layer(matmul, hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
+                     w2_bias, activation: str, gate_up_interleaved: bool, alpha: float, limit: float) -> torch.Tensor:
+    """The MoE layer both ops share, one expert at a time, with `matmul(fp32 rows, blocks, scales)` as its two
+    GEMMs: the ops differ only there."""
     check_mxfp4_moe_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
                          w2_bias, activation)
     ids = topk_ids.long()
@@ -102,11 +115,11 @@ def mxfp4_moe_reference(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, 
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     for e in ids.unique().tolist():
         tokens, slots = torch.where(ids == e)
-        gate_up = x[tokens] @ mxfp4.dequantize(w13_blocks[e], w13_scales[e], torch.float32).T
+        gate_up = matmul(x[tokens], w13_blocks[e], w13_scales[e])
         if w13_bias is not None:
             gate_up = gate_up + w13_bias[e].float()
         act = glu_activation(gate_up, activation, gate_up_interleaved, alpha, limit).to(hidden.dtype).float()
-        y = act @ mxfp4.dequantize(w2_blocks[e], w2_scales[e], torch.float32).T
+        y = matmul(act, w2_blocks[e], w2_scales[e])
         if w2_bias is not None:
             y = y + w2_bias[e].float()
         out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].float())
@@ -164,28 +177,18 @@ def _fp8_matmul(a_values, a_scales, w_values, w_scales) -> torch.Tensor:
     return (partial * a_scales.T.unsqueeze(-1) * w_scales.T.unsqueeze(1)).sum(dim=0)
 
 
+def _fp8_weight_matmul(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """W4A8's GEMM: fp32 rows a [R, K] quantized to E4M3 groups (per row, so any subset of rows quantizes alike)
+    times one MXFP4 weight converted to E4M3 blocks."""
+    return _fp8_matmul(*quantize_e4m3_groups(a), *mxfp4_to_e4m3(blocks, scales))
+
+
 def mxfp4_moe_w4a8_reference(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
                              w2_scales, w2_bias, activation: str, gate_up_interleaved: bool, alpha: float,
                              limit: float) -> torch.Tensor:
     """The meaning of dzc.mxfp4_moe_w4a8, in plain torch (one expert at a time)."""
-    check_mxfp4_moe_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
-                         w2_bias, activation)
-    experts = w13_blocks.shape[0]
-    ids = topk_ids.long()
-    _check_expert_ids(ids, experts)
-    x_values, x_scales = quantize_e4m3_groups(hidden.float())
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    for e in ids.unique().tolist():
-        tokens, slots = torch.where(ids == e)
-        gate_up = _fp8_matmul(x_values[tokens], x_scales[tokens], *mxfp4_to_e4m3(w13_blocks[e], w13_scales[e]))
-        if w13_bias is not None:
-            gate_up = gate_up + w13_bias[e].float()
-        act = glu_activation(gate_up, activation, gate_up_interleaved, alpha, limit).to(hidden.dtype).float()
-        y = _fp8_matmul(*quantize_e4m3_groups(act), *mxfp4_to_e4m3(w2_blocks[e], w2_scales[e]))
-        if w2_bias is not None:
-            y = y + w2_bias[e].float()
-        out.index_add_(0, tokens, y * topk_weights[tokens, slots, None].float())
-    return out.to(hidden.dtype)
+    return _reference_layer(_fp8_weight_matmul, hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias,
+                            w2_blocks, w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit)
 
 
 def _check_expert_ids(ids: torch.Tensor, experts: int) -> None:
