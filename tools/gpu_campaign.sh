@@ -7,7 +7,7 @@
 #                                                            # the runtime double; add_rms_norm benchmark
 #   call 3:                    bash tools/gpu_campaign.sh 3   # end-to-end multimodal benchmark (the whole call)
 #   call 4:                    bash tools/gpu_campaign.sh 4   # kernel benchmarks (MoE, DSA, vision attention)
-#   call 5:                    bash tools/gpu_campaign.sh 5   # W4A8 MoE numerics and timings; MoE memory table
+#   call 5:                    bash tools/gpu_campaign.sh 5   # MoE numerics (W4A8 and W4A16); W4A8 timings; MoE memory table
 # With little device time left, one call without TileLang instead:
 #   bash tools/gpu_campaign.sh triton   # GPU tests of the Triton paths of the newest work; end-to-end and norm benches
 # Everything lands under $OUT (logs, result tables).
@@ -59,8 +59,10 @@ case $step in
   ;;
 5)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  # Not marked gpu: every test of the file runs on the GPU when there is one (the AOT ones compile for sm_90).
-  TAIL=12 part gpu_tests_w4a8 200 python3 -m pytest -q -p no:logging tests/test_mxfp4_moe_w4a8.py
+  # Not marked gpu: every test of these files runs on the GPU when there is one (the AOT ones compile for sm_90);
+  # the W4A16 kernels' file too, for their gate/up epilogue's rounding (changed with W4A8).
+  TAIL=12 part gpu_tests_moe 300 python3 -m pytest -q -p no:logging tests/test_mxfp4_moe_w4a8.py \
+    tests/test_mxfp4_moe_kernels.py
   TAIL=30 part bench_mxfp4_moe_memory 120 python3 tools/bench_mxfp4_moe.py --memory-only \
     --out "$OUT/mxfp4_moe_memory_h200.md"
   TAIL=30 part bench_mxfp4_moe_w4a8 240 python3 tools/bench_mxfp4_moe.py --quick --w4a8 --codegens triton \
