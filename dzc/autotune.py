@@ -2,9 +2,15 @@
 
 The database key names everything that invalidates a result (dzc version, profile, the device's tuning identity
 (arch, multiprocessor count, toolkit, Triton flavour and TileLang versions), codegen and its version,
-generated-source hash, dtypes and shape bucket), so a stale entry is never used; it is just not found.
-Writers take a file lock and replace the file atomically, so concurrent compiles cannot corrupt it; a file that
-is corrupt anyway (a crash elsewhere, a hand edit) is set aside with a warning and rebuilt.
+generated-source hash, dtypes and shape bucket, and `config_fingerprint`: the sources that decide what a config
+means and whether it is legal: the family module with its config space and launch code, the targets modules it
+uses, legality, the launcher, the codegen and the templates), so a stale entry is just not found. A stored config
+is also checked against the current legal configs before it is used: one that is not among them (a hand edit, a
+database shipped by another dzc) is ignored, retuned, and the report says so.
+Writers take a file lock and replace the file atomically (temporary file + os.replace), so concurrent compiles and
+a writer killed mid-write cannot corrupt it; a file that is corrupt anyway (a hand edit) is set aside with a
+warning and rebuilt. A database that cannot be written (read-only or full disk) costs only the persistence: the
+tuned config is used, and the report says it was not saved.
 
 A shipped database (dzc-tune's output, given as CompileOptions.tuning_db or $DZC_TUNING_DB) is read-only and
 consulted before the local one. It was tuned on one device; on any other (another arch, multiprocessor count,
@@ -16,16 +22,20 @@ when one wins, the record names it, and a process where it is not installed uses
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 from filelock import FileLock
 
@@ -53,22 +63,35 @@ class TuningDatabase:
     def key_string(key: dict) -> str:
         return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
-    def _read_file(self) -> dict[str, dict]:
+    def _parse(self) -> tuple[dict[str, dict] | None, str]:
+        """(entries, "") or, for a file that is there but unreadable, (None, why)."""
         try:
             text = self.path.read_text()
         except FileNotFoundError:
-            return {}
+            return {}, ""
         try:
             data = json.loads(text)
             if data.get("format") != FORMAT_VERSION or not isinstance(data.get("entries"), dict):
                 raise ValueError(f"format {data.get('format')!r}, expected {FORMAT_VERSION}")
-            return data["entries"]
+            return data["entries"], ""
         except (ValueError, AttributeError) as err:
-            aside = self.path.with_name(self.path.name + ".corrupt")
-            warnings.warn(f"dzc: tuning database {self.path} is unreadable ({err}); moved it to {aside} and "
-                          f"starting a new one", RuntimeWarning, stacklevel=3)
+            return None, str(err)
+
+    def _read_file(self) -> dict[str, dict]:
+        """The entries; a corrupt file is moved aside (the caller holds the lock, so no writer replaces it
+        meanwhile) and counts as empty."""
+        entries, why = self._parse()
+        if entries is not None:
+            return entries
+        aside = self.path.with_name(self.path.name + ".corrupt")
+        try:
             os.replace(self.path, aside)
-            return {}
+            what = f"moved it to {aside} and starting a new one"
+        except OSError as err:
+            what = f"could not move it aside ({err}); tuning without it"
+        warnings.warn(f"dzc: tuning database {self.path} is unreadable ({why}); {what}", RuntimeWarning,
+                      stacklevel=4)
+        return {}
 
     def _load(self) -> dict[str, dict]:
         try:
@@ -76,33 +99,55 @@ class TuningDatabase:
         except FileNotFoundError:
             mtime = 0
         if self._entries is None or mtime != self._mtime_ns:
-            with self._lock:
-                self._entries = self._read_file()
+            # Writers replace the file atomically, so reading needs no lock (nor a writable directory); only
+            # setting a corrupt file aside does.
+            entries, _ = self._parse()
+            if entries is None:
+                try:
+                    with self._lock:
+                        entries = self._read_file()
+                except OSError:  # no lock file in a read-only directory: nothing can be set aside there
+                    entries = {}
+                    warnings.warn(f"dzc: tuning database {self.path} is unreadable; tuning without it",
+                                  RuntimeWarning, stacklevel=3)
+            self._entries = entries
             self._mtime_ns = mtime
         return self._entries
 
-    def lookup(self, key: dict) -> dict | None:
-        """The record for `key`: from the shipped database when it has one (marked "shipped": its path), else
-        from the local one."""
+    def records(self, key: dict) -> list[dict]:
+        """The records for `key`, the shipped database's first (marked "shipped": its path), then the local one's."""
+        found = []
         if self.shipped is not None:
             record = self.shipped.lookup(key)
             if record is not None:
-                return {**record, "shipped": str(self.shipped.path)}
-        return self._load().get(self.key_string(key))
+                found.append({**record, "shipped": str(self.shipped.path)})
+        record = self._load().get(self.key_string(key))
+        return found + ([record] if record is not None else [])
+
+    def lookup(self, key: dict) -> dict | None:
+        """The record for `key`: from the shipped database when it has one, else from the local one."""
+        return next(iter(self.records(key)), None)
 
     def entries_for_device(self, identity: dict) -> dict[str, dict]:
         """The local entries measured on the device with this tuning identity (what dzc-tune exports)."""
         return {k: v for k, v in self._load().items() if v.get("key", {}).get("device") == identity}
 
     def store(self, key: dict, record: dict) -> None:
+        """Add `record` under `key`. Raises OSError when the file cannot be written (the old file stays whole)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._lock:
             entries = self._read_file()  # merge with what other processes wrote meanwhile
             entries[self.key_string(key)] = {"key": key, **record}
             fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump({"format": FORMAT_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"format": FORMAT_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())  # the rename must not reach the disk before the contents
+                os.replace(tmp, self.path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
             self._entries = entries
             self._mtime_ns = self.path.stat().st_mtime_ns
 
@@ -126,6 +171,47 @@ def export_database(database: TuningDatabase, identity: dict, out: str | os.Path
     partial.write_text(json.dumps(data, indent=1, sort_keys=True))
     os.replace(partial, out)
     return len(entries)
+
+
+def _targets_modules_used(roots: list[ModuleType]) -> dict[str, ModuleType]:
+    """`roots` and the dzc.targets modules they use (import, or import names from), transitively."""
+    modules: dict[str, ModuleType] = {}
+    pending = list(roots)
+    while pending:
+        module = pending.pop()
+        if module.__name__ in modules:
+            continue
+        modules[module.__name__] = module
+        for value in vars(module).values():
+            name = value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None)
+            if isinstance(name, str) and name.startswith("dzc.targets.") and name not in modules:
+                pending.append(sys.modules[name])
+    return modules
+
+
+@functools.cache
+def config_fingerprint(family: ModuleType, codegen: ModuleType) -> str:
+    """A hash of every source that decides what a config of `family` means and whether it is legal for `codegen`:
+    the family module (spec, config space, shared-memory estimate, launch code) and the dzc.targets modules it
+    uses, transitively (legality, kernel_config, helpers such as another family's config spaces), the launcher and
+    the codegen module (with its version), and the templates the family names. Any edit there retunes; the
+    generated-source hash alone misses a config space, a legality rule or a launch that changed."""
+    from dzc.targets import kernel_config, launch, legality  # dzc.targets.launch imports this module
+
+    family_modules = _targets_modules_used([family])
+    modules = {**family_modules, **_targets_modules_used([codegen, legality, kernel_config, launch])}
+    digest = hashlib.sha256(f"{codegen.__name__} {getattr(codegen, 'VERSION', '')}".encode())
+    sources = {name: Path(module.__file__).read_text() for name, module in sorted(modules.items())}
+    # The templates the family's own code names ("add_rms_norm.triton.py.tmpl", or a stem formatted in), from
+    # the directories it reads them from (its TEMPLATES).
+    named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", "\n".join(sources[name] for name in family_modules)))
+    directories = {Path(m.TEMPLATES) for m in family_modules.values() if hasattr(m, "TEMPLATES")}
+    for path in sorted(p for directory in directories for p in directory.glob("*.tmpl")):
+        if path.name.split(".")[0] in named:
+            sources[path.name] = path.read_text()
+    for name, text in sources.items():
+        digest.update(f"\0{name}\0{text}".encode())
+    return digest.hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -201,14 +287,19 @@ class TuningResult:
     failures: dict[str, str]  # candidate text -> why it was skipped
     external: ExternalCandidate | None = None  # set when an external candidate beat every config
     shipped_from: str | None = None  # the shipped database the result came from
+    # What went wrong around the tuning and was worked around: a stored config no longer legal (ignored,
+    # retuned), a database that could not be written (the result is used, not saved).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def how(self) -> str:
         if self.shipped_from:
-            return f"shipped tuning database {self.shipped_from}"
-        if self.from_cache:
-            return "tuning database"
-        return f"timed {len(self.timings) + len(self.failures)} candidates"
+            how = f"shipped tuning database {self.shipped_from}"
+        elif self.from_cache:
+            how = "tuning database"
+        else:
+            how = f"timed {len(self.timings) + len(self.failures)} candidates"
+        return "; ".join([how, *self.notes])
 
 
 def tune(
@@ -230,16 +321,23 @@ def tune(
     (which calls candidate.fn on the same arguments); one wins only if it beats every config, and a config is
     always kept as the fallback.
     """
-    record = database.lookup(key)
-    if record is not None:
+    notes: list[str] = []
+    for record in database.records(key):
+        where = f"shipped tuning database {record['shipped']}" if "shipped" in record else "tuning database"
         try:
             best_config = KernelConfig.from_json(record["config"])
-            external = next((e for e in externals if e.name == record.get("external")), None)
-            return TuningResult(best_config, True, 0.0, {}, {}, external=external,
-                                shipped_from=record.get("shipped"))
         except (KeyError, TypeError, ValueError) as err:  # a hand-edited entry: tune again and overwrite it
-            warnings.warn(f"dzc: ignoring a malformed tuning-database entry for {label} ({err!r}); retuning",
+            warnings.warn(f"dzc: ignoring a malformed {where} entry for {label} ({err!r}); retuning",
                           RuntimeWarning, stacklevel=2)
+            notes.append(f"ignored a malformed {where} entry")
+            continue
+        if best_config not in configs:  # legal when it was stored; the config space or legality changed since
+            notes.append(f"ignored the {where}'s config {best_config}: not a legal config now")
+            warnings.warn(f"dzc: {label}: {notes[-1]}; retuning", RuntimeWarning, stacklevel=2)
+            continue
+        external = next((e for e in externals if e.name == record.get("external")), None)
+        return TuningResult(best_config, True, 0.0, {}, {}, external=external, shipped_from=record.get("shipped"),
+                            notes=notes)
     if externals and run_external is None:
         raise ValueError("external candidates need run_external")
     start = time.perf_counter()
@@ -282,8 +380,13 @@ def tune(
         raise RuntimeError(f"dzc: every config of {label} failed: {failures}")
     external = best_external[1] if best_external is not None and best_external[0] < best[0] else None
     elapsed = time.perf_counter() - start
-    database.store(key, {"config": best[1].to_json(), "seconds_per_call": best[0], "tuning_seconds": elapsed,
-                         "configs_tried": len(configs), "configs_failed": len(failures),
-                         "external": external.name if external else None,
-                         "external_seconds_per_call": best_external[0] if best_external else None})
-    return TuningResult(best[1], False, elapsed, timings, failures, external=external)
+    try:
+        database.store(key, {"config": best[1].to_json(), "seconds_per_call": best[0], "tuning_seconds": elapsed,
+                             "configs_tried": len(configs), "configs_failed": len(failures),
+                             "external": external.name if external else None,
+                             "external_seconds_per_call": best_external[0] if best_external else None})
+    except OSError as err:  # a read-only cache or a full disk: the result stands, it is only not remembered
+        notes.append(f"not saved to {database.path}: {type(err).__name__}: {err}")
+        warnings.warn(f"dzc: tuned {label} but could not save it to {database.path} ({err}); it will be tuned "
+                      f"again in the next process", RuntimeWarning, stacklevel=2)
+    return TuningResult(best[1], False, elapsed, timings, failures, external=external, notes=notes)

@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 
 import dzc
-from dzc.autotune import ExternalCandidate, TuningDatabase, tune
+from dzc.autotune import ExternalCandidate, TuningDatabase, config_fingerprint, tune
 from dzc.targets import external_kernels
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.legality import config_problems
@@ -118,6 +118,7 @@ class GeneratedKernel:
             "dzc": dzc.__version__, "profile": self.profile.name, "profile_hash": self.profile.fingerprint,
             "device": self.runtime.tuning_identity(device), "codegen": self.codegen.NAME,
             "codegen_version": self.codegen.VERSION, "source_hash": self.source_hash, "op": self.record.op,
+            "config_fingerprint": config_fingerprint(self.family, self.codegen),
             "spec": self.spec.describe(), "token_bucket": bucket,
         }
 

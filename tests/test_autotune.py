@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -371,3 +372,107 @@ def test_a_malformed_entry_in_a_well_formed_database_is_not_fatal(tmp_path):
         result = tune("k[tokens<=16]", KEY, CONFIGS, run=lambda cfg: 1e-6 * cfg.num_warps, bench=lambda fn: fn(),
                       database=TuningDatabase(path))
     assert result.config == CONFIGS[0] and result.from_cache is False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Stale entries: a stored config is used only while it is legal, and the key names what decides legality
+
+
+def test_a_stored_config_that_is_no_longer_legal_is_ignored_and_retuned(tmp_path):
+    """An entry whose config is not among today's legal configs (the space shrank, a legality rule was added,
+    a database came from another dzc) is ignored: the kernel is tuned again, the result says why, and the entry is
+    replaced with a legal config."""
+    path = tmp_path / "tuning.json"
+    pruned = KernelConfig.make(num_warps=32, num_stages=1, ROWS=16, BLOCK=64)  # legal once, not in CONFIGS now
+    TuningDatabase(path).store(KEY, {"config": pruned.to_json(), "seconds_per_call": 1e-9})
+    ran = []
+
+    def run(cfg):
+        ran.append(cfg)
+        return 1e-6 * cfg.num_warps
+
+    with pytest.warns(RuntimeWarning, match="not a legal config now"):
+        result = tune("k[tokens<=16]", KEY, CONFIGS, run=run, bench=lambda fn: fn(), database=TuningDatabase(path))
+    assert result.from_cache is False and result.config == CONFIGS[0] and ran == CONFIGS
+    assert str(pruned) in result.how and "not a legal config now" in result.how, result.how
+    assert KernelConfig.from_json(TuningDatabase(path).lookup(KEY)["config"]) == CONFIGS[0]
+
+    ran.clear()
+    again = tune("k[tokens<=16]", KEY, CONFIGS, run=run, bench=lambda fn: fn(), database=TuningDatabase(path))
+    assert again.from_cache and again.config == CONFIGS[0] and again.how == "tuning database" and ran == []
+
+
+def test_compiled_kernels_retune_over_an_entry_whose_config_is_illegal(tmp_path, seed):
+    """Through dzc.compile: entries of a real tuning database (keyed by the family's config fingerprint) rewritten
+    to a config the profile forbids (64 warps = 2048 threads on sm_90) are ignored; the kernel retunes, matches
+    eager, and the report says why."""
+    from dzc.autotune import config_fingerprint
+    from dzc.targets import triton_codegen
+
+    cache = tmp_path / "cache"
+    model = AddRMSNorm().bfloat16()
+    _compile_and_check(model, cache)
+    path = cache / "tuning.json"
+    data = json.loads(path.read_text())
+    fingerprint = config_fingerprint(add_rms_norm, triton_codegen)
+    assert all(e["key"]["config_fingerprint"] == fingerprint for e in data["entries"].values())
+    illegal = KernelConfig.make(num_warps=64, num_stages=1, ROWS=1)
+    for entry in data["entries"].values():
+        entry["config"] = illegal.to_json()
+    path.write_text(json.dumps(data))
+
+    with pytest.warns(RuntimeWarning, match="not a legal config now"):
+        report = _compile_and_check(model, cache)
+    for bucket, entry in _tuned(report).items():
+        assert entry["from_cache"] is False and entry["config"] != str(illegal), (bucket, entry)
+        assert f"ignored the tuning database's config {illegal}: not a legal config now" in entry["how"], entry
+    assert all(e["config"] != illegal.to_json() for e in _read_database(path).values())
+    assert "not a legal config now" in str(report)
+
+
+def _module_copy(module, directory, edit=lambda text: text):
+    """`module` executed again from an (edited) copy of its source in `directory`, under the same name."""
+    import types
+
+    source = Path(module.__file__).read_text()
+    copy = directory / Path(module.__file__).name
+    copy.write_text(edit(source))
+    clone = types.ModuleType(module.__name__)
+    clone.__file__ = str(copy)
+    exec(compile(copy.read_text(), str(copy), "exec"), vars(clone))
+    return clone
+
+
+def test_the_tuning_key_changes_with_the_config_space_legality_and_templates(tmp_path, monkeypatch):
+    """The key's config_fingerprint covers what the generated-source hash does not: the family's config space and
+    launch code, the legality rules and the templates. An unedited copy of the family keeps the fingerprint."""
+    import shutil
+
+    from dzc import targets
+    from dzc.autotune import config_fingerprint
+    from dzc.targets import legality, triton_codegen
+
+    def fingerprint(family):
+        config_fingerprint.cache_clear()
+        return config_fingerprint(family, triton_codegen)
+
+    real = fingerprint(add_rms_norm)
+    shutil.copytree(add_rms_norm.TEMPLATES, tmp_path / "templates")
+    assert fingerprint(_module_copy(add_rms_norm, tmp_path)) == real
+    assert "def triton_configs(" in Path(add_rms_norm.__file__).read_text()
+    space = _module_copy(add_rms_norm, tmp_path, lambda t: t.replace("def triton_configs(", "def triton_configs(\n"))
+    assert fingerprint(space) != real
+
+    copy = _module_copy(add_rms_norm, tmp_path)
+    template = tmp_path / "templates" / "add_rms_norm.triton.py.tmpl"
+    template.write_text(template.read_text() + "\n# a changed template\n")
+    assert fingerprint(copy) != real
+
+    (tmp_path / "legality").mkdir()
+    stricter = _module_copy(legality, tmp_path / "legality", lambda t: t + "\nMAX_THREADS_SEEN = 512\n")
+    monkeypatch.setattr(targets, "legality", stricter)
+    monkeypatch.setitem(sys.modules, legality.__name__, stricter)
+    assert fingerprint(add_rms_norm) != real
+    monkeypatch.undo()
+    assert fingerprint(add_rms_norm) == real
+

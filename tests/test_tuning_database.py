@@ -159,3 +159,30 @@ def test_external_candidates_are_timed_like_configs_and_kept_as_an_option(tmp_pa
     assert lost.external is None and lost.config == configs[0]
     record = database.lookup({"k": 2})
     assert record["external"] is None and record["external_seconds_per_call"] > record["seconds_per_call"]
+
+
+def test_a_shipped_config_that_is_no_longer_legal_is_ignored_retuned_and_reported(shipped, tmp_path, seed):
+    """A shipped database is read-only: an entry whose config is not legal now (made by a dzc with another config
+    space) is ignored, the kernel is tuned into the local database, and every later compile, which takes the
+    local entry, still says that the shipped one was ignored."""
+    out, _ = shipped
+    data = json.loads(out.read_text())
+    illegal = KernelConfig.make(num_warps=64, ROWS=1)  # 2048 threads: over sm_90's limit
+    for entry in data["entries"].values():
+        entry["config"] = illegal.to_json()
+    stale = tmp_path / "stale.json"
+    stale.write_text(json.dumps(data))
+    model, inputs = _model_and_inputs()
+    cache = tmp_path / "cache"
+    for attempt in ("retuned", "local"):
+        compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(cache), tuning_db=str(stale)))
+        with pytest.warns(RuntimeWarning, match="not a legal config now"):
+            y, h = compiled(*inputs)
+        assert_add_rms_norm_matches_eager(model, *inputs, y, h)
+        entries = _tuned_entries(compiled)
+        assert entries, attempt
+        for entry in entries:
+            assert entry["config"] != str(illegal), (attempt, entry)
+            assert f"ignored the shipped tuning database {stale}'s config {illegal}" in entry["how"], entry
+            assert entry["from_cache"] is (attempt == "local"), (attempt, entry)
+        assert (cache / "tuning.json").exists()
