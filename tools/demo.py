@@ -1,5 +1,5 @@
 """The README demo: compile the multimodal reference model for target "cuda", run requests of images + text and
-decode steps, and show what dzc did (report, error against eager, where the generated kernels are).
+decode steps, and show what dzc did (report, coverage, error against eager, where the generated kernels are).
 
 The model (dzc.models.multimodal, tiny config): a Qwen2.5-VL-style vision encoder whose packed image attention
 becomes dzc.varlen_attention, and a decoder of DeepSeek-V3.2-style sparse attention (DSA) over a paged KV cache and
@@ -53,6 +53,7 @@ def main():
     for name, part in (("vision encoder", compiled.vision), ("decoder step", compiled.decoder)):
         print(f"\n===== {name} =====")
         print(part.report)
+        print(part.report.coverage)  # what runs in dzc kernels, what was left to the fallback, and why
     print("\nkernel sources:")
     for path in dict.fromkeys(k.source_path for k in compiled.vision.report.kernels + compiled.decoder.report.kernels):
         print(f"  {path}")
