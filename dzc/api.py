@@ -81,7 +81,7 @@ class CompiledModel:
         self._cuda_graphs = None
         if options.cuda_graph_max_tokens > 0 and self.backend.target.profile.torch_device_type == "cuda":
             self._cuda_graphs = runtime.CudaGraphRunner(self._run_compiled, options.cuda_graph_max_tokens,
-                                                        reuse_outputs=options.cuda_graph_reuse_outputs)
+                                                        reuse_outputs=options.cuda_graph_reuse_outputs, model=model)
 
     @property
     def report(self):
@@ -94,8 +94,8 @@ class CompiledModel:
 
     def __call__(self, *args, **kwargs):
         graphs = self.backend.report.graphs
-        if self._cuda_graphs is not None and not kwargs and graphs and not any(g.host_syncs for g in graphs):
-            return self._cuda_graphs(*args)
+        if self._cuda_graphs is not None and graphs and not any(g.host_syncs for g in graphs):
+            return self._cuda_graphs(*args, **kwargs)
         return self._run_compiled(*args, **kwargs)
 
     def _run_compiled(self, *args, **kwargs):

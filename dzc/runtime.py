@@ -7,11 +7,16 @@ kernels as in another.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import inspect
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch._prims_common
 import torch.utils._pytree as pytree
 
 _KERNELS: dict[str, Callable] = {}
@@ -46,122 +51,419 @@ def direct_launcher(kernel_id: str) -> Callable:
     return launch_kernel
 
 
-class CudaGraphRunner:
-    """Replays one CUDA graph per input signature for calls with few tokens, above Dynamo (dzc.compile's wrapper).
+# ---------------------------------------------------------------------------------------------------------
+# CUDA-graph replay. The decisions (argument flattening, tokens, graph keys, block-table buckets, which arguments
+# a call writes) are plain functions of tensors, run on any device; only capture and replay need CUDA.
 
-    Small calls are bound by host time: Dynamo's guards, AOTAutograd's wrappers and one launch per kernel cost
-    far more than the GPU work. A replay costs one graph launch. It skips the guards, so the contract (the one
-    serving engines' CUDA graphs have) is: parameters and module attributes are frozen once a shape has been
-    captured (in-place weight updates are seen; reassigned parameters are not: call `reset()` or compile again).
-    The graph's input buffers are its own: an argument is copied in unless it is the same tensor, unmodified
-    (same version counter), as at the previous replay. Outputs are cloned out unless `reuse_outputs`, where the
-    returned tensors are the graph's buffers and the next replay of that shape overwrites them (a decode loop
-    that consumes each step's output first).
-    Calls it cannot key (keyword or non-tensor unhashable arguments) or with more tokens go to `fn` unchanged.
+# Leaves that are values, not state: part of the graph key by value (Dynamo specialises on them too).
+_VALUES = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_NUMBERS = (int, float, bool)
+# How deep argument objects are searched for tensors (an HF cache: cache -> layers -> layer -> keys is 3).
+_OBJECT_DEPTH = 4
+# Tensor arguments without a version counter (inference tensors) up to this size are compared before and after
+# the first call of a signature, to see writes made outside compiled graphs; larger ones are treated as state.
+_COMPARED_BYTES = 64 << 20
+BLOCK_TABLE = "block_table"  # the parameter whose width runs are bucketed (see pad_block_table)
+
+
+class Unkeyable(Exception):
+    """An argument the runner cannot key (a callable, an object without __dict__, a structure too deep)."""
+
+
+@dataclass
+class FlatCall:
+    """One call's arguments as the runner sees them.
+
+    inputs: the tensors passed directly (positional, keyword, inside lists, tuples, dicts or pytree nodes): a
+    step's inputs, copied into the graph's own buffers unless the call writes them. state: the tensors reached
+    through argument objects (a KV cache object's attributes), always read and written in place, at the address
+    they had at capture. structure: everything else, hashable (containers, keyword names, values, object types).
     """
 
-    MAX_GRAPHS = 32  # distinct small signatures kept; the least recently used graph is dropped beyond that
+    structure: tuple
+    inputs: list
+    state: list
+    objects: list
 
-    def __init__(self, fn: Callable, max_tokens: int, reuse_outputs: bool):
+    def rebuild(self, args: tuple, kwargs: dict, inputs: list) -> tuple[tuple, dict]:
+        """(args, kwargs) with the direct tensors replaced by `inputs`, in flattening order."""
+        replacements = iter(inputs)
+        return _replace(args, replacements), _replace(kwargs, replacements)
+
+
+def flatten_call(args: tuple, kwargs: dict) -> FlatCall:
+    """Flatten a call's arguments (raises Unkeyable). Builtin containers by hand (pytree's generic flatten costs
+    ~20 µs a call, as much as the replay saves), other registered pytree nodes (named tuples, model outputs)
+    through torch.utils._pytree, objects (caches) by their attributes."""
+    call = FlatCall([], [], [], [])
+    _flatten(args, call)
+    _flatten(kwargs, call)
+    call.structure = tuple(call.structure)
+    return call
+
+
+def _flatten(value, call: FlatCall) -> None:
+    if isinstance(value, torch.Tensor):
+        call.structure.append(_TENSOR)
+        call.inputs.append(value)
+    elif isinstance(value, _VALUES):
+        call.structure.append((type(value), value))
+    elif type(value) in (tuple, list):
+        call.structure.append((type(value), len(value)))
+        for item in value:
+            _flatten(item, call)
+    elif type(value) is dict:
+        call.structure.append((dict, tuple(value)))
+        for item in value.values():
+            _flatten(item, call)
+    elif _pytree_node(value):
+        children, spec = pytree.tree_flatten(value)
+        call.structure.append(spec)
+        for item in children:
+            _flatten(item, call)
+    else:
+        call.structure.append((object, type(value), len(call.state)))
+        call.objects.append(value)
+        _collect_state(value, call.state, _OBJECT_DEPTH, set())
+        call.structure.append(len(call.state))
+
+
+_TENSOR = "tensor"
+
+
+def _pytree_node(value) -> bool:
+    """A container registered with torch.utils._pytree (named tuples, transformers' model outputs)."""
+    return type(value) in pytree.SUPPORTED_NODES or pytree.is_namedtuple_instance(value)
+
+
+def _replace(value, replacements):
+    if isinstance(value, torch.Tensor):
+        return next(replacements)
+    if type(value) in (tuple, list):
+        return type(value)(_replace(item, replacements) for item in value)
+    if type(value) is dict:
+        return {key: _replace(item, replacements) for key, item in value.items()}
+    if isinstance(value, _VALUES) or not _pytree_node(value):
+        return value  # values, and objects (their tensors are used in place)
+    children, spec = pytree.tree_flatten(value)
+    return pytree.tree_unflatten([_replace(item, replacements) for item in children], spec)
+
+
+def _collect_state(value, out: list, depth: int, seen: set) -> None:
+    """The tensors an argument object holds, in attribute order."""
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+        return
+    if isinstance(value, _VALUES) or id(value) in seen:
+        return
+    if type(value) in (tuple, list):
+        # Lists of plain numbers (a sequence's lengths, a free-page list) hold no state: not walked element-wise.
+        if not value or (isinstance(value[0], _NUMBERS) and isinstance(value[-1], _NUMBERS)):
+            return
+        items = value
+    elif type(value) is dict:
+        items = value.values()
+    elif hasattr(value, "__dict__") and not callable(value) and not isinstance(value, type):
+        items = vars(value).values()
+    else:
+        raise Unkeyable(f"an argument holds a {type(value).__name__}, which the CUDA-graph runner cannot key "
+                        f"(callables and objects without __dict__)")
+    if depth == 0:
+        raise Unkeyable(f"an argument object nests deeper than {_OBJECT_DEPTH} levels")
+    seen.add(id(value))
+    for item in items:
+        _collect_state(item, out, depth - 1, seen)
+
+
+def _snapshot(value, depth: int = _OBJECT_DEPTH + 1):
+    """An argument object's observable Python state: which tensors (identity and metadata) and values it holds,
+    to see whether a call changed it (a replay would not repeat a change made on the host)."""
+    if isinstance(value, torch.Tensor):
+        return (id(value), value.shape, value.stride(), value.storage_offset(), value.dtype)
+    if isinstance(value, _VALUES) or depth == 0:
+        return value if isinstance(value, _VALUES) else id(value)
+    if type(value) in (tuple, list):
+        return (type(value), tuple(_snapshot(item, depth - 1) for item in value))
+    if type(value) is dict:
+        return (dict, tuple((key, _snapshot(item, depth - 1)) for key, item in value.items()))
+    if hasattr(value, "__dict__") and not callable(value):
+        return (type(value), tuple((key, _snapshot(item, depth - 1)) for key, item in vars(value).items()))
+    return id(value)
+
+
+def call_tokens(inputs: list) -> int:
+    """Tokens of a call, from its direct tensor inputs (state such as a cache's tensors never counts): the rows
+    (all dims but the last) of the largest floating input, the activations. Without one, token ids: the element
+    count shared by the most integer tensors (ids, positions and cache slots have one element per token; a
+    block table or an attention mask over the context has another), ties to the first in argument order."""
+    rows, counts = 0, {}
+    for a in inputs:
+        if a.dim() == 0:
+            continue
+        if a.is_floating_point():
+            rows = max(rows, a.numel() // max(a.shape[-1], 1))
+        elif not rows:
+            counts[a.numel()] = counts.get(a.numel(), 0) + 1
+    if rows or not counts:
+        return rows
+    return max(counts, key=counts.get)  # dicts keep insertion order and max keeps the first of equal counts
+
+
+def _meta(a: torch.Tensor) -> tuple:
+    return (a.shape, a.stride(), a.dtype, a.device, a.is_inference(), a.requires_grad)
+
+
+def graph_key(call: FlatCall) -> tuple:
+    """What a captured graph is specialised on: the structure and values, each direct input's shape, strides,
+    dtype, device and inference flag, each state tensor's too and its address (a graph reads and writes state in
+    place), which tensors share storage (Dynamo compiles aliased inputs apart), and inference mode."""
+    tensors = call.inputs + call.state
+    storages = [t.untyped_storage().data_ptr() for t in tensors]
+    aliasing = tuple(storages.index(s) for s in storages) if len(set(storages)) < len(storages) else ()
+    return (call.structure, tuple(_meta(a) for a in call.inputs),
+            tuple((_meta(s), s.data_ptr()) for s in call.state), aliasing, torch.is_inference_mode_enabled())
+
+
+def page_bucket(width: int) -> int:
+    """Block-table widths are bucketed to a power-of-two page count: a table that widens by one page every
+    page_size tokens is captured log2(pages) times, not once per page."""
+    return 1 << max(width - 1, 0).bit_length()
+
+
+def pad_block_table(table):
+    """A block table [sequences, pages] padded with page 0 to page_bucket(pages) columns, or `table` itself when
+    it is already that wide or is not a 2-D integer tensor.
+
+    Harmless by the paged-cache contract (dzc.kv_cache.PagedKVCache.block_table): entries past a sequence's pages
+    are never read, the sequence lengths mark those positions invalid; shorter sequences in a batch are padded
+    with page 0 the same way."""
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.is_floating_point():
+        return table
+    width = table.shape[1]
+    wanted = page_bucket(width)
+    return table if wanted == width else torch.nn.functional.pad(table, (0, wanted - width))
+
+
+def block_table_position(model) -> int | None:
+    """Where `block_table` sits among the model's positional parameters (it may also come by keyword)."""
+    forward = getattr(model, "forward", model)
+    try:
+        parameters = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional.index(BLOCK_TABLE) if BLOCK_TABLE in positional else None
+
+
+_writes: list | None = None  # while a CudaGraphRunner observes a call: the tensors compiled graphs write
+
+
+def recording_writes(compiled: Callable, written) -> Callable:
+    """`compiled` (a graph's compiled function), noting its arguments at positions `written` (the inputs the
+    graph writes in place: AOTAutograd's input mutations) while a CudaGraphRunner observes a call."""
+    if not written:
+        return compiled
+    written = tuple(sorted(written))
+
+    def run(*args):
+        if _writes is not None:
+            _writes.extend(args[i] for i in written)
+        return compiled(*args)
+
+    return run
+
+
+@contextlib.contextmanager
+def _observing_writes():
+    global _writes
+    outer, _writes = _writes, []
+    try:
+        yield _writes
+    finally:
+        if outer is not None:
+            outer.extend(_writes)  # a compiled model called inside another one: the outer call wrote these too
+        _writes = outer
+
+
+@dataclass
+class Signature:
+    """What the first call of a graph key showed: `refused` (why such calls never replay), `in_place` (the direct
+    inputs used at their own address: written by the call, sharing storage, or not dense)."""
+
+    refused: str | None = None
+    in_place: frozenset = frozenset()
+    graphs: int = 0  # captured so far (one per address of the in-place inputs)
+
+
+def observe(fn: Callable, args: tuple, kwargs: dict, call: FlatCall):
+    """Run the call as it is (the first call of its graph key: it compiles and tunes what it meets, side effects
+    happen once) and work out its Signature: which direct inputs it writes, from the compiled graphs' input
+    mutations (AOTAutograd), version counters where tensors have them, and a comparison of the small inference
+    tensors (writes by eager code between graph breaks); whether it changed its argument objects' Python state."""
+    inputs = call.inputs
+    versions = [None if a.is_inference() else a._version for a in inputs]
+    compared = {i: a.clone() for i, a in enumerate(inputs)
+                if versions[i] is None and a.numel() * a.element_size() <= _COMPARED_BYTES}
+    metadata = [(a.shape, a.stride(), a.storage_offset()) for a in inputs]
+    before = [_snapshot(obj) for obj in call.objects]
+    with _observing_writes() as written:
+        result = fn(*args, **kwargs)
+    written_storages = {t.untyped_storage().data_ptr() for t in written if isinstance(t, torch.Tensor)}
+    storages = [a.untyped_storage().data_ptr() for a in inputs + call.state]
+    in_place = set()
+    for i, a in enumerate(inputs):
+        if (storages[i] in written_storages or storages.count(storages[i]) > 1 or not _dense(a)
+                or (versions[i] is not None and a._version != versions[i])
+                or (versions[i] is None and (i not in compared or not _same(compared[i], a)))):
+            in_place.add(i)
+    if metadata != [(a.shape, a.stride(), a.storage_offset()) for a in inputs]:
+        return result, Signature("the call changes an argument's shape or strides (a replay would not)")
+    if before != [_snapshot(obj) for obj in call.objects]:
+        return result, Signature("the call changes its argument objects' Python state, e.g. replaces a cache's "
+                                 "tensors (a replay would not)")
+    return result, Signature(None, frozenset(in_place))
+
+
+def _dense(a: torch.Tensor) -> bool:
+    return torch._prims_common.is_non_overlapping_and_dense_or_false(a)
+
+
+def _same(before: torch.Tensor, after: torch.Tensor) -> bool:
+    return torch.equal(before, after) if not before.is_floating_point() else bool(
+        ((before == after) | (before.isnan() & after.isnan())).all())
+
+
+class CudaGraphRunner:
+    """Replays one CUDA graph per graph key for calls with few tokens, above Dynamo (dzc.compile's wrapper).
+
+    Small calls are bound by host time: Dynamo's guards, AOTAutograd's wrappers and one launch per kernel cost far
+    more than the GPU work. A replay costs one graph launch. It skips the guards, so the contract (the one serving
+    engines' CUDA graphs have) is: parameters, module attributes and the non-tensor attributes of argument objects
+    are frozen once a key has been captured (in-place updates of their tensors are seen; reassigned parameters are
+    not: call `reset()` or compile again).
+
+    Per graph key (flatten_call, graph_key): the first call runs as it is (observe: it compiles, tunes, and shows
+    what the call writes; its side effects, buffer updates included, happen once); the next is captured (the
+    capture runs no kernel) and replayed; later ones replay. Each call's work runs exactly once. Direct tensor
+    inputs are copied into the graph's own buffers at every replay, unless the call writes them (or they share
+    storage, or are not dense): those are used at their own address, which becomes part of the key (at most
+    MAX_GRAPHS_PER_SIGNATURE addresses). Tensors held by argument objects (caches) are always used at their own
+    address. Outputs are cloned out unless `reuse_outputs`, where the returned tensors are the graph's buffers and
+    the next replay of that key overwrites them (a decode loop that consumes each step's output first). A
+    `block_table` argument is padded to a power-of-two page count (pad_block_table). Calls that cannot be keyed
+    (`bypassed` says why), that change their argument objects' Python state, or with more tokens run `fn`.
+    """
+
+    MAX_GRAPHS = 32  # graphs kept; the least recently used is dropped beyond that
+    MAX_GRAPHS_PER_SIGNATURE = 4
+
+    def __init__(self, fn: Callable, max_tokens: int, reuse_outputs: bool, model=None):
         self.fn = fn
         self.max_tokens = max_tokens
         self.reuse_outputs = reuse_outputs
+        self.block_table_position = block_table_position(model) if model is not None else None
+        self.signatures: OrderedDict[tuple, Signature] = OrderedDict()
         self.graphs: OrderedDict[tuple, _CapturedGraph] = OrderedDict()
+        self.bypassed: collections.Counter[str] = collections.Counter()
         self.pool = None
 
-    @staticmethod
-    def tokens(args) -> int:
-        """Tokens of the call: rows (all dims but the last) of the largest floating input, the activations;
-        integer inputs beside them (block tables, positions, cache slots) are not tokens. A call with integer
-        inputs only (token ids) counts the elements of the largest."""
-        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.dim() > 0]
-        rows = [a.numel() // max(a.shape[-1], 1) for a in tensors if a.is_floating_point()]
-        if rows:
-            return max(rows)
-        return max((a.numel() for a in tensors), default=0)
-
     def reset(self) -> None:
+        self.signatures.clear()
         self.graphs.clear()
 
-    def __call__(self, *args):
-        # The token count first: large calls (prefill) need no key. The key before asking CUDA about capture:
-        # it is None for tensors on other devices, and a CPU-only torch cannot answer that question.
-        if self.tokens(args) > self.max_tokens:
-            return self.fn(*args)
-        key = self._key(args)
-        if key is None or torch.cuda.is_current_stream_capturing():
-            return self.fn(*args)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(args)
+    def __call__(self, *args, **kwargs):
+        padded_args, padded_kwargs = self._pad_block_table(args, kwargs)
+        try:
+            call = flatten_call(padded_args, padded_kwargs)
+        except Unkeyable as reason:
+            return self._bypass(str(reason), args, kwargs)
+        if call_tokens(call.inputs) > self.max_tokens:
+            return self.fn(*args, **kwargs)
+        # On another device the runner has nothing to do; checked before asking CUDA about capture, which a
+        # CPU-only torch cannot answer.
+        if any(t.device.type != "cuda" for t in call.inputs + call.state) or torch.cuda.is_current_stream_capturing():
+            return self.fn(*args, **kwargs)
+        key = graph_key(call)
+        signature = self.signatures.get(key)
+        if signature is None:
+            result, self.signatures[key] = observe(self.fn, padded_args, padded_kwargs, call)
+            if len(self.signatures) > 4 * self.MAX_GRAPHS:
+                self.signatures.popitem(last=False)
+            return result
+        self.signatures.move_to_end(key)
+        if signature.refused:
+            return self.fn(*args, **kwargs)
+        full_key = (key, tuple(call.inputs[i].data_ptr() for i in sorted(signature.in_place)))
+        graph = self.graphs.get(full_key)
+        if graph is None:
+            if signature.graphs >= self.MAX_GRAPHS_PER_SIGNATURE:
+                signature.refused = (f"the arguments it writes came at {signature.graphs} addresses: each would "
+                                     "need its own graph")
+                return self.fn(*args, **kwargs)
+            graph = self._capture(call, padded_args, padded_kwargs, signature)
+            if graph is None:
+                return self.fn(*args, **kwargs)
+            signature.graphs += 1
+            self.graphs[full_key] = graph
             if len(self.graphs) > self.MAX_GRAPHS:
                 self.graphs.popitem(last=False)
         else:
-            self.graphs.move_to_end(key)
-        graph = self.graphs[key]
-        return self.fn(*args) if graph is None else graph.replay(args, self.reuse_outputs)
+            self.graphs.move_to_end(full_key)
+        return graph.replay(call.inputs, self.reuse_outputs)
 
-    @staticmethod
-    def _key(args) -> tuple | None:
-        key = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                if a.device.type != "cuda":
-                    return None
-                key.append((a.shape, a.dtype, a.stride(), a.device))
-            elif isinstance(a, (int, float, bool, str, type(None))):
-                key.append(a)
-            else:
-                return None
-        return tuple(key)
+    def _pad_block_table(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        position = self.block_table_position
+        if position is not None and position < len(args):
+            return (*args[:position], pad_block_table(args[position]), *args[position + 1:]), kwargs
+        if BLOCK_TABLE in kwargs:
+            return args, {**kwargs, BLOCK_TABLE: pad_block_table(kwargs[BLOCK_TABLE])}
+        return args, kwargs
 
-    def _capture(self, args) -> "_CapturedGraph | None":
-        """The graph for this signature, or None when the call cannot be replayed, so that such calls always run
-        `fn`: it mutates an input (a cache written in place: a replay would write the graph's copy, not the
-        caller's tensor), or it cannot be captured (it waits on the GPU for a value, e.g. a data-dependent size)."""
+    def _bypass(self, reason: str, args, kwargs):
+        if not self.bypassed[reason]:
+            warnings.warn(f"dzc: calls like this one run without CUDA graphs: {reason}", stacklevel=3)
+        self.bypassed[reason] += 1
+        return self.fn(*args, **kwargs)
+
+    def _capture(self, call: FlatCall, args, kwargs, signature: Signature) -> "_CapturedGraph | None":
+        """Capture the call on the graph's own copies of its copied inputs; None when it cannot be captured (it
+        waits on the GPU for a value, e.g. a data-dependent size), so that such calls run `fn`."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        static_inputs = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        versions = [a._version for a in static_inputs if isinstance(a, torch.Tensor)]
-        # Warm up on a side stream: first calls compile, tune kernels and allocate, none of which may be captured.
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.fn(*static_inputs)
-        torch.cuda.current_stream().wait_stream(stream)
-        if versions != [a._version for a in static_inputs if isinstance(a, torch.Tensor)]:
-            return None
+        static = [a if i in signature.in_place else _own_copy(a) for i, a in enumerate(call.inputs)]
+        static_args, static_kwargs = call.rebuild(args, kwargs, static)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self.fn(*static_inputs)
-        except RuntimeError as error:  # the call syncs with the host (.item(), data-dependent sizes): not capturable
-            warnings.warn(f"dzc: calls of this signature run without a CUDA graph: capture failed ({error})",
+                outputs = self.fn(*static_args, **static_kwargs)
+        except RuntimeError as error:  # the call syncs with the host (.item(), data-dependent sizes)
+            signature.refused = f"capture failed ({error})"
+            warnings.warn(f"dzc: calls of this signature run without a CUDA graph: {signature.refused}",
                           stacklevel=3)
             return None
-        return _CapturedGraph(graph, static_inputs, outputs)
+        copied = [(i, s) for i, s in enumerate(static) if i not in signature.in_place]
+        return _CapturedGraph(graph, copied, outputs)
+
+
+def _own_copy(a: torch.Tensor) -> torch.Tensor:
+    """A buffer with a's strides and inference flag (Dynamo's guards check both), holding a's values."""
+    with torch.inference_mode(a.is_inference()):
+        buffer = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
+    return buffer.copy_(a)
 
 
 class _CapturedGraph:
-    def __init__(self, graph, static_inputs: list, outputs):
+    def __init__(self, graph, copied: list, outputs):
         self.graph = graph
-        self.static_inputs = static_inputs
+        self.positions = [i for i, _ in copied]
+        self.buffers = [buffer for _, buffer in copied]
         self.flat_outputs, self.output_spec = pytree.tree_flatten(outputs)
-        # Per tensor input: the argument last copied in and its version counter then.
-        self.copied_from: list = [None] * len(static_inputs)
 
-    def replay(self, args, reuse_outputs: bool):
-        targets, sources = [], []
-        for i, (static, a) in enumerate(zip(self.static_inputs, args)):
-            if not isinstance(a, torch.Tensor):
-                continue
-            last = self.copied_from[i]
-            if last is None or last[0] is not a or last[1] != a._version:
-                targets.append(static)
-                sources.append(a)
-                self.copied_from[i] = (a, a._version)
-        if targets:
-            torch._foreach_copy_(targets, sources)
+    def replay(self, inputs: list, reuse_outputs: bool):
+        # Copied at every replay: a same tensor may hold new values without a version counter telling
+        # (inference tensors, or a buffer another graph's replay wrote).
+        if self.buffers:
+            torch._foreach_copy_(self.buffers, [inputs[i] for i in self.positions])
         self.graph.replay()
         if reuse_outputs:
             flat = self.flat_outputs

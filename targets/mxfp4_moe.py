@@ -141,9 +141,14 @@ def workspace_elements(spec, tokens: int) -> int:
 
 def workspace(device: torch.device, dtype: torch.dtype, elements: int) -> torch.Tensor:
     """The device's workspace as `elements` of `dtype`. Allocated on first use and grown only when a larger layer
-    needs more, so the model's largest layer decides its size and every layer reuses it."""
+    needs more, so the model's largest layer decides its size and every layer reuses it.
+
+    While a CUDA graph is being captured, a buffer of the graph's own instead (from its memory pool): the graph
+    keeps the address it captured for as long as it lives, and the shared buffer may be replaced when it grows."""
     device = torch.device(device)
     nbytes = elements * dtype.itemsize
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty(nbytes, dtype=torch.uint8, device=device).view(dtype)
     buffer = _WORKSPACES.get(device)
     if buffer is None or buffer.numel() < nbytes:
         _WORKSPACES.pop(device, None)

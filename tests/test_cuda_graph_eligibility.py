@@ -4,7 +4,7 @@ graph, and the tokens CudaGraphRunner counts for a call (on the CPU; the graphs 
 import torch
 
 import dzc
-from dzc.runtime import CudaGraphRunner
+from dzc.runtime import call_tokens, flatten_call
 
 
 class KeepPositive(torch.nn.Module):
@@ -34,11 +34,12 @@ def test_report_names_the_ops_the_host_waits_for(tmp_path):
 
 def test_cuda_graph_runner_counts_activation_rows_as_tokens():
     """A paged decode step: 8 sequences' hidden states beside a block table of 8 x 64 pages and positions. The
-    tokens are the 8 rows, not the table's 512 entries (which would keep every decode step off CUDA graphs)."""
+    tokens are the 8 rows, not the table's 512 entries (which would keep every decode step off CUDA graphs); with
+    token ids only, the ids' 64, not the table's 512 either."""
     hidden, table, positions = torch.empty(8, 1, 32), torch.zeros(8, 64, dtype=torch.int32), torch.zeros(8, 1)
-    assert CudaGraphRunner.tokens((hidden, table, positions.long(), 0.5, None)) == 8
-    assert CudaGraphRunner.tokens((torch.zeros(4, 16, dtype=torch.long), table)) == 512  # ids only: elements
-    assert CudaGraphRunner.tokens((torch.empty(0, 0),)) == 0
+    assert call_tokens(flatten_call((hidden, table, positions.long(), 0.5, None), {}).inputs) == 8
+    assert call_tokens([torch.zeros(4, 16, dtype=torch.long), table]) == 64  # ids only: the ids' elements
+    assert call_tokens([torch.empty(0, 0)]) == 0
 
 
 def test_small_calls_on_cpu_tensors_run_without_the_runner(tmp_path):
