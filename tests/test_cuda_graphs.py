@@ -1,7 +1,10 @@
 """CUDA-graph replay of small calls (dzc.runtime.CudaGraphRunner, above Dynamo): same results as the guarded path,
-inputs copied only when they changed, in-place-mutating calls never replayed, outputs owned by the caller."""
+inputs copied in, written arguments and cache objects used in place, each call's work (buffer updates included)
+run once, block tables bucketed, outputs owned by the caller; the MoE workspace a graph captured stays its own."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -49,7 +52,7 @@ def test_replay_matches_guarded_path_and_sees_new_values(seed, tmp_path):
             for a, e in zip(actual, expected):
                 torch.testing.assert_close(a, e, atol=0.02, rtol=0.02)
             if step == 1:
-                x.mul_(-2.0)  # same tensor, new values: the version counter says copy it in again
+                x.mul_(-2.0)  # same tensor, new values: inputs are copied in at every replay
             if step == 2:
                 x, r = _inputs(8, 256)  # other tensors, same signature: replayed, copied in
     assert len(compiled._cuda_graphs.graphs) == 1
@@ -70,16 +73,121 @@ def test_reuse_outputs_returns_the_graph_buffers(seed, tmp_path):
         torch.testing.assert_close(second, model(x2, r2)[0], atol=0.02, rtol=0.02)
 
 
-def test_calls_that_mutate_inputs_are_not_replayed(seed, tmp_path):
+def test_a_written_argument_is_replayed_in_place(seed, tmp_path):
+    """The call writes its residual (AOTAutograd's input mutation): the graph uses the caller's tensor at its own
+    address, so each replay's write lands there; a residual at another address gets its own graph (up to
+    MAX_GRAPHS_PER_SIGNATURE), then such calls run without graphs. Under inference_mode: no version counters."""
     model = _model(AddNormInPlace, 256, seed)
     compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), fallback="eager"))
-    x, r = _inputs(4, 256)
-    expected_r = r.clone()
-    for _ in range(3):
-        compiled(x, r)
-        expected_r += x
-    torch.testing.assert_close(r, expected_r, atol=0.05, rtol=0.02)
-    assert list(compiled._cuda_graphs.graphs.values()) == [None]
+    with torch.inference_mode():
+        x, r = _inputs(4, 256)
+        expected_r = r.clone()
+        for _ in range(4):
+            x.normal_()
+            expected = model.norm(expected_r + x)
+            torch.testing.assert_close(compiled(x, r), expected, atol=0.02, rtol=0.02)
+            expected_r += x
+            torch.testing.assert_close(r, expected_r, atol=0.05, rtol=0.02)
+        runner = compiled._cuda_graphs
+        assert len(runner.graphs) == 1 and [s.in_place for s in runner.signatures.values()] == [{1}]
+        for _ in range(runner.MAX_GRAPHS_PER_SIGNATURE + 2):  # a new residual each call
+            x, r = _inputs(4, 256)
+            expected_r = r + x
+            torch.testing.assert_close(compiled(x, r), model.norm(expected_r), atol=0.02, rtol=0.02)
+            torch.testing.assert_close(r, expected_r, atol=0.05, rtol=0.02)
+        assert "addresses" in next(iter(runner.signatures.values())).refused
+
+
+def test_replays_under_inference_mode_with_keyword_arguments(seed, tmp_path):
+    """Serving loops run under inference_mode (inference tensors have no version counter: reading one crashed the
+    first small call) and pass arguments by keyword (they bypassed the runner)."""
+    model = _model(AddRMSNorm, 256, seed)
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path)))
+    with torch.inference_mode():
+        x, r = _inputs(8, 256)
+        for _ in range(4):
+            x.normal_()  # the same tensor, new values: copied in at every replay
+            for a, e in zip(compiled(x, residual=r), model(x, r)):
+                torch.testing.assert_close(a, e, atol=0.02, rtol=0.02)
+    assert len(compiled._cuda_graphs.graphs) == 1
+
+
+class CountSteps(torch.nn.Module):
+    """Updates a buffer in forward (a step counter, a running statistic)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), device="cuda"))
+
+    def forward(self, x):
+        self.steps += 1
+        return x * self.steps
+
+
+def test_buffers_updated_in_forward_move_once_per_call(tmp_path):
+    """The first call of a key is the warm-up (it runs once, as it is); the capture runs no kernel; every later
+    call is one replay: the buffer counts calls exactly."""
+    model = CountSteps()
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), fallback="eager"))
+    x = torch.randn(4, 64, device="cuda")
+    with torch.inference_mode():
+        for step in range(1, 6):
+            torch.testing.assert_close(compiled(x), x * step)
+    assert model.steps.item() == 5 and len(compiled._cuda_graphs.graphs) == 1
+
+
+def test_widening_block_table_reuses_power_of_two_graphs(seed, tmp_path):
+    """A DSA layer's decode steps over dzc's paged cache (a cache object argument, written in place by the
+    replays) while the block table widens from 1 to 3 pages: graphs for 1, 2 and 4 pages only (the table padded
+    with page 0), every step as the same compiled layer without graphs gives, the caches equal too."""
+    from dzc.kv_cache import PagedKVCache
+    from models.dsa import TINY_DSA, DSASession, build_dsa_attention
+
+    model = build_dsa_attention(seed=seed).cuda()
+    options = dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False)
+    plain = dzc.compile(model, "cuda", replace(options, cuda_graph_max_tokens=0))
+    graphed = dzc.compile(model, "cuda", options)
+    sessions = [DSASession(PagedKVCache(TINY_DSA.cache_config(), 8, 2, False, "cuda")) for _ in range(2)]
+    prompt = torch.randn(2, 60, TINY_DSA.hidden, device="cuda").bfloat16()
+    with torch.inference_mode():
+        for session, compiled in zip(sessions, (plain, graphed)):
+            session.step(compiled, prompt)
+        for _ in range(80):  # positions 60..139: pages 1 to 3
+            x = torch.randn(2, 1, TINY_DSA.hidden, device="cuda").bfloat16()
+            expected, actual = (session.step(compiled, x) for session, compiled in zip(sessions, (plain, graphed)))
+            torch.testing.assert_close(actual, expected, atol=0.02, rtol=0.02)
+    runner = graphed._cuda_graphs
+    widths = sorted({key[0][1][2][0][1] for key in runner.graphs})  # the block table's [rows, pages]
+    assert widths == [1, 2, 4], widths
+    for mine, theirs in zip(sessions[1].cache.latent + sessions[1].cache.index_keys,
+                            sessions[0].cache.latent + sessions[0].cache.index_keys):
+        torch.testing.assert_close(mine, theirs, atol=0.02, rtol=0.02)
+
+
+def test_moe_workspace_captured_by_a_graph_outlives_its_replacement(seed, tmp_path):
+    """A graph captured on the MoE workspace path keeps its own buffer: growing the shared workspace afterwards
+    (a larger layer) and reusing the freed memory cannot reach what the graph reads and writes."""
+    from test_mxfp4_moe_kernels import WORKSPACE, case_args, check_against_reference, load_triton
+
+    from dzc.targets import mxfp4_moe
+
+    args = case_args("gptoss-bfloat16-T5", seed, "cuda")
+    spec = mxfp4_moe.spec_from_args(*args[:11])
+    kernels = load_triton(spec, tmp_path)
+    inputs, (out,), _, _ = mxfp4_moe.prepare(spec, *args)
+    mxfp4_moe.release_workspaces()
+    mxfp4_moe.triton_launch(kernels, WORKSPACE, *inputs, out)  # warm-up: compiles, allocates the shared buffer
+    shared = mxfp4_moe.workspace_bytes("cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mxfp4_moe.triton_launch(kernels, WORKSPACE, *inputs, out)
+    mxfp4_moe.workspace("cuda", torch.uint8, 4 * shared)  # grows: the old shared buffer is freed
+    poison = [torch.full((shared,), 7, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    out.fill_(float("nan"))
+    graph.replay()
+    check_against_reference(args, out)
+    assert all(bool((p == 7).all()) for p in poison), "the graph wrote into memory it does not own"
+    mxfp4_moe.release_workspaces()
 
 
 def test_large_calls_take_the_guarded_path(seed, tmp_path):

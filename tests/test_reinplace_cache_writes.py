@@ -427,8 +427,8 @@ def test_hf_deepseek_v32_static_cache_writes_in_place(options):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8_index", [False, True])
 def test_dsa_layer_on_gpu_writes_the_paged_cache_in_place(options, seed, fp8_index):
-    """On the H200: Inductor runs the rest of the graph, CUDA graphs are on. Calls that write the cache are never
-    replayed as CUDA graphs (a replay would write the graph's copy of the cache). BF16: the whole pipeline;
+    """On the H200: Inductor runs the rest of the graph, CUDA graphs are on. Calls that write the cache (an
+    argument object) replay with the cache in place, at its own address. BF16: the whole pipeline;
     FP8 index keys: dense attention (the FP8 indexer kernel takes an e4m3 q, which the layer does not make)."""
     disabled = ("fuse_sparse_attention",) if fp8_index else ()
     options = dzc.CompileOptions(cache_dir=options.cache_dir, autotune=False, disable_passes=disabled)
@@ -440,14 +440,13 @@ def test_dsa_layer_on_gpu_writes_the_paged_cache_in_place(options, seed, fp8_ind
                                       device="cuda")
     assert all(graph.fallback == "inductor" for graph in report.graphs), [g.fallback for g in report.graphs]
     assert report.passes["reinplace_cache_writes"] == (6 if fp8_index else 4)
-    assert all(graph is None for graph in compiled._cuda_graphs.graphs.values())
+    assert not any(signature.refused for signature in compiled._cuda_graphs.signatures.values())
 
 
 @pytest.mark.gpu
-def test_cuda_graph_runner_never_replays_a_cache_write(options, seed):
-    """Tensor arguments only (the DSA layer's cache object keeps its calls off the runner): the runner captures
-    this signature, sees the cache's version counter move during warm-up, and runs every call through the
-    compiled graph, so each step's rows land in the caller's cache."""
+def test_cuda_graph_runner_replays_a_cache_write_in_place(options, seed):
+    """The cache as a tensor argument: the first call shows (AOTAutograd's input mutation) that the call writes
+    it, so the graph uses the caller's cache at its own address and each replay's rows land there."""
     compiled = dzc.compile(PagedWrite(), "cuda", options)
     cache = torch.randn(4, 8, 16, device="cuda").bfloat16()
     expected_cache = cache.clone()
@@ -459,4 +458,5 @@ def test_cuda_graph_runner_never_replays_a_cache_write(options, seed):
         torch.testing.assert_close(compiled(cache, slots, rows, table), expected)
         assert torch.equal(cache, expected_cache)
     assert compiled.report.passes["reinplace_cache_writes"] >= 1
-    assert list(compiled._cuda_graphs.graphs.values()) == [None]
+    runner = compiled._cuda_graphs
+    assert [s.in_place for s in runner.signatures.values()] == [{0}] and len(runner.graphs) == 1
