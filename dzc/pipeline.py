@@ -14,6 +14,7 @@ import torch.fx
 
 from dzc import ir
 from dzc.options import CompileOptions
+from dzc.passes.canonicalize_graph import canonicalize_graph
 from dzc.passes.fuse_mxfp4_experts import fuse_mxfp4_experts
 from dzc.passes.fuse_residual_norm import fuse_residual_norm
 from dzc.passes.fuse_sparse_attention import fuse_sparse_attention
@@ -30,7 +31,10 @@ def build_pipeline(target: Target, options: CompileOptions = CompileOptions()) -
     """The passes for `target` under `options`, in order. CUDA and MUSA share the list: their differences are
     profile fields that lowering (and the opt-in W4A8 rewrite) read, not different rewrites."""
     return [
-        # Residual add + RMSNorm -> dzc.add_rms_norm. First: it only needs the captured ATen ops, and later
+        # Equivalent spellings -> one (exact: no number changes). First: every fusion below matches the canonical
+        # form instead of each model's spelling.
+        canonicalize_graph,
+        # Residual add + RMSNorm -> dzc.add_rms_norm. Next: it only needs the canonical ATen ops, and later
         # fusions (attention, MoE) consume the normalised activations it produces.
         fuse_residual_norm,
         # DSA top-k masked dense attention -> dzc.dsa_indexer + dsa_topk + sparse_attention. Independent of the
