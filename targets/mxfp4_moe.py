@@ -610,8 +610,11 @@ def _dequantize_experts(kernels, blocks, scales, plan: Routing, ws, n: int, k: i
 
 TILELANG_FACTORY_NAME = "build"
 _TILELANG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# bf16 terms that hold an activation exactly (the TileLang kernels multiply bf16 x bf16 only).
-_ACTIVATION_TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+# bf16 terms that hold an activation exactly (the TileLang kernels multiply bf16 x bf16 only). fp32 needs three; it
+# takes four (the fourth is what three leave, zero for fp32 numbers in bf16's range): TileLang 0.1.15's GEMMs over
+# the 48-row stacked tile that three terms make gave wrong products on the H200 (2026-12-01, every element of both
+# GEMMs, tools/diagnose_mxfp4_moe_numerics.py), while its 16-, 32- and 64-row tiles were right.
+_ACTIVATION_TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 4}
 _TILELANG_ACTIVATIONS = {
     "silu_glu": ["return gate / (1.0 + T.exp(-gate)) * up"],
     "gptoss_clamped_glu": [

@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import run_ahead_of_time_script
 
+from dzc import mxfp4
 from dzc.ops import mxfp4_moe_reference
 from dzc.targets import TARGETS, mxfp4_moe, mxfp4_moe_routing, tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
@@ -174,6 +175,33 @@ def test_bad_routing_and_nan_scales_show_as_nan(seed, tmp_path):
         out = run_triton(tuple(args), config, tmp_path)
         assert out[0, 3].isnan(), config
         assert not out[0, torch.arange(out.shape[1]) != 3].isnan().any(), config
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decoding_saturates_to_inf_at_the_largest_scales(dtype, seed, tmp_path):
+    """The top of E8M0's range through the workspace decode, against dzc.mxfp4.dequantize: bytes 0xFC-0xFE
+    (4 * 2^126 and up are past fp32's and bf16's largest finite number: inf, not an exponent wrapped into the
+    sign bit) and 0xFF (NaN). bf16 takes the byte-permute decoder on a GPU, the arithmetic one elsewhere."""
+    experts, n, k = 2, 8, 64
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (experts, n, k // 32, 16), dtype=torch.uint8, generator=generator)
+    scales = torch.randint(100, 140, (experts, n, k // 32), dtype=torch.uint8, generator=generator)
+    scales[0, :5, 0] = torch.tensor([2, 0xFC, 0xFD, 0xFE, 0xFF], dtype=torch.uint8)
+    scales[1, :, 1] = 0xFE
+    spec = mxfp4_moe.MXFP4MoESpec(k, k, experts, 1, dtype, torch.float32, None, None, "silu_glu", False)
+    kernels = load_triton(spec, tmp_path)
+    on = [t.to(DEVICE) for t in (blocks, scales, torch.ones(experts, dtype=torch.int32),
+                                 torch.arange(experts, dtype=torch.int32))]
+    ws = torch.full((experts, n, k), 7.0, dtype=torch.float32 if spec.dot_fp32 else torch.bfloat16, device=DEVICE)
+    grid = (experts, -(-n // mxfp4_moe.DEQUANT_BLOCK_N), -(-k // mxfp4_moe.DEQUANT_BLOCK_K))
+    kernels["mxfp4_dequantize_experts_kernel"][grid](*on, ws, N=n, K=k, BLOCK_N=mxfp4_moe.DEQUANT_BLOCK_N,
+                                                     BLOCK_K=mxfp4_moe.DEQUANT_BLOCK_K,
+                                                     num_warps=mxfp4_moe.DEQUANT_NUM_WARPS)
+    columns = torch.arange(k)
+    actual = ws.float().cpu()[..., columns // 32 * 32 + columns % 2 * 16 + columns % 32 // 2]  # nibble order
+    expected = mxfp4.dequantize(blocks, scales, torch.float32).to(dtype).float()
+    assert expected[0, 2:4].isinf().any() and expected[1].isinf().any(), "the case must reach past the range"
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
 
 
 def test_prepare_rejects_arguments_of_another_spec(seed, tmp_path):

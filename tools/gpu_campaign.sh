@@ -8,6 +8,9 @@
 #   call 3:                    bash tools/gpu_campaign.sh 3   # end-to-end multimodal benchmark (the whole call)
 #   call 4:                    bash tools/gpu_campaign.sh 4   # kernel benchmarks (MoE, DSA, vision attention)
 #   call 5:                    bash tools/gpu_campaign.sh 5   # MoE numerics (W4A8 and W4A16); W4A8 timings; MoE memory table
+# Diagnosis of the MoE kernels that are wrong on the GPU (issue 15), each GEMM on its own:
+#   (carry .whl-gpu1)          bash tools/gpu_campaign.sh moe-diag-1   # W4A8 diagnosis + its tests
+#   (carry .whl-gpu2)          bash tools/gpu_campaign.sh moe-diag-2   # TileLang W4A16 diagnosis
 # With little device time left, one call without TileLang instead:
 #   bash tools/gpu_campaign.sh triton   # GPU tests of the Triton paths of the newest work; end-to-end and norm benches
 # Everything lands under $OUT (logs, result tables).
@@ -16,8 +19,9 @@ step=$1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-if [ "$step" = 1 ] || [ "$step" = 2 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl-gpu$step/*.whl 2>&1 \
+wheels=${step##*-}
+if [ "$wheels" = 1 ] || [ "$wheels" = 2 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl-gpu$wheels/*.whl 2>&1 \
     | grep -v WARNING
 fi
 # Each part gets a time limit so that one slow part cannot take the rest of the call with it.
@@ -67,6 +71,17 @@ case $step in
     --out "$OUT/mxfp4_moe_memory_h200.md"
   TAIL=30 part bench_mxfp4_moe_w4a8 240 python3 tools/bench_mxfp4_moe.py --quick --w4a8 --codegens triton \
     --out "$OUT/mxfp4_moe_w4a8_h200.md"
+  ;;
+moe-diag-1)
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  TAIL=40 part diag_w4a8 200 python3 tools/diagnose_mxfp4_moe_numerics.py --codegen w4a8
+  TAIL=20 part gpu_tests_w4a8 200 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_w4a8.py
+  ;;
+moe-diag-2)
+  TAIL=60 part diag_tilelang 400 python3 tools/diagnose_mxfp4_moe_numerics.py --codegen tilelang \
+    --cases float32-T1 silu --configs 2 --workdir "$OUT/tl"
   ;;
 triton)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
