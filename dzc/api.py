@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from dzc import runtime
+from dzc import autotune, config, runtime
 from dzc.capture import DzcBackend
 from dzc.options import CompileOptions
 from dzc.targets import resolve_target
@@ -93,10 +93,15 @@ class CompiledModel:
             self._cuda_graphs.reset()
 
     def __call__(self, *args, **kwargs):
-        graphs = self.backend.report.graphs
-        if self._cuda_graphs is not None and graphs and not any(g.host_syncs for g in graphs):
-            return self._cuda_graphs(*args, **kwargs)
-        return self._run_compiled(*args, **kwargs)
+        try:
+            graphs = self.backend.report.graphs
+            if self._cuda_graphs is not None and graphs and not any(g.host_syncs for g in graphs):
+                return self._cuda_graphs(*args, **kwargs)
+            return self._run_compiled(*args, **kwargs)
+        except runtime.NotRunnableError as err:
+            # Raised by the first kernel, ~18 frames deep in Dynamo and AOTAutograd; those frames say nothing
+            # about why (no device for the target, or the inputs on another device), the message does.
+            raise runtime.NotRunnableError(str(err)) from None
 
     def _run_compiled(self, *args, **kwargs):
         if self.options.dynamic_tokens and not self.backend.report.graphs:
@@ -125,4 +130,8 @@ def compile(model, target: str = "cuda", options: CompileOptions | None = None) 
     if not isinstance(options, CompileOptions):
         raise TypeError(f"options must be a dzc.CompileOptions, not {type(options).__name__}")
     resolve_target(target)  # fail now on a bad target name, not at the first call
+    # The same for the environment's knobs and the shipped tuning database: read at the first call, a bad value
+    # would surface inside Dynamo, wrapped in its BackendCompilerFailed.
+    config.validate()
+    autotune.open_shipped(options.tuning_db)
     return CompiledModel(model, target, options)

@@ -152,12 +152,22 @@ class TuningDatabase:
             self._mtime_ns = self.path.stat().st_mtime_ns
 
 
+def open_shipped(tuning_db: str | None) -> ShippedTuningDatabase | None:
+    """The shipped database named by `tuning_db` (CompileOptions.tuning_db) or else $DZC_TUNING_DB, if any.
+    dzc.compile opens it once to check it, so that a missing or malformed file is an error there and then."""
+    path = tuning_db or config.TUNING_DB.get()
+    if not path:
+        return None
+    try:
+        return ShippedTuningDatabase(path)
+    except TuningDatabaseError as err:
+        raise TuningDatabaseError(f"{err} (named by {'CompileOptions.tuning_db' if tuning_db else 'DZC_TUNING_DB'})"
+                                  ) from None
+
+
 def open_database(cache_dir: str | os.PathLike, tuning_db: str | None) -> TuningDatabase:
-    """The database lowering uses: the cache directory's, behind the shipped one named by `tuning_db`
-    (CompileOptions.tuning_db) or else $DZC_TUNING_DB, if any."""
-    shipped_path = tuning_db or config.TUNING_DB.get()
-    shipped = ShippedTuningDatabase(shipped_path) if shipped_path else None
-    return TuningDatabase(Path(cache_dir) / "tuning.json", shipped)
+    """The database lowering uses: the cache directory's, behind the shipped one (open_shipped), if any."""
+    return TuningDatabase(Path(cache_dir) / "tuning.json", open_shipped(tuning_db))
 
 
 def export_database(database: TuningDatabase, identity: dict, out: str | os.PathLike, **metadata) -> int:
@@ -229,7 +239,11 @@ class ExternalCandidate:
 IDENTITY_FIELDS = ("device_type", "device", "arch", "multiprocessors", "toolkit", "triton", "tilelang")
 
 
-class TuningDatabaseMismatch(ValueError):
+class TuningDatabaseError(ValueError):
+    """A shipped tuning database that cannot be used: missing, unreadable, not one, or from another device."""
+
+
+class TuningDatabaseMismatch(TuningDatabaseError):
     """A shipped tuning database was made on another device than the one tuning asks about."""
 
 
@@ -243,18 +257,21 @@ class ShippedTuningDatabase:
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
-            raise FileNotFoundError(f"dzc: tuning database {self.path} does not exist") from None
+            raise TuningDatabaseError(f"dzc: tuning database {self.path} does not exist") from None
+        except OSError as err:  # a directory, no permission
+            raise TuningDatabaseError(f"dzc: cannot read tuning database {self.path} ({err.strerror or err})"
+                                      ) from None
         except ValueError as err:
-            raise ValueError(f"dzc: tuning database {self.path} is not JSON ({err})") from None
+            raise TuningDatabaseError(f"dzc: tuning database {self.path} is not JSON ({err})") from None
         if not isinstance(data, dict) or data.get("kind") != self.KIND:
-            raise ValueError(f"dzc: {self.path} is not a shipped tuning database (dzc-tune --out writes them; the "
-                             f"local cache's tuning.json is not one)")
+            raise TuningDatabaseError(f"dzc: {self.path} is not a shipped tuning database (dzc-tune --out writes "
+                                      f"them; the local cache's tuning.json is not one)")
         if data.get("format") != FORMAT_VERSION:
-            raise ValueError(f"dzc: tuning database {self.path} has format {data.get('format')!r}; this dzc reads "
-                             f"format {FORMAT_VERSION}")
+            raise TuningDatabaseError(f"dzc: tuning database {self.path} has format {data.get('format')!r}; this "
+                                      f"dzc reads format {FORMAT_VERSION}")
         device, entries = data.get("device"), data.get("entries")
         if not isinstance(device, dict) or set(device) != set(IDENTITY_FIELDS) or not isinstance(entries, dict):
-            raise ValueError(f"dzc: tuning database {self.path} lacks its device identity or entries")
+            raise TuningDatabaseError(f"dzc: tuning database {self.path} lacks its device identity or entries")
         self.device: dict = device
         self.entries: dict[str, dict] = entries
 

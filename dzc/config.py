@@ -1,15 +1,22 @@
 """Every DZC_* environment variable, declared once. The environment is for debugging and deployment paths;
 compile semantics are explicit CompileOptions (dzc/options.py).
 
-Knobs are read when used (not at import), so tests can set them with `scope(...)`.
+Knobs are read when used (not at import), so tests can set them with `scope(...)`. Every read checks the value
+against what the knob accepts, and dzc.compile checks them all (`validate()`) before anything is compiled: a
+mistyped value is one error naming the variable, its value and what is accepted, not a crash inside Dynamo.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+
+class ConfigError(ValueError):
+    """A DZC_* environment variable holds a value its knob does not accept."""
 
 
 @dataclass(frozen=True)
@@ -17,27 +24,73 @@ class Knob:
     env: str
     default: str
     help: str
+    accepts: str = "any value"  # for the error message
+    # value -> None when accepted, else why not ("" when `accepts` says it all); no check: any value
+    check: Callable[[str], str | None] | None = None
 
     def get(self) -> str:
-        return os.environ.get(self.env, self.default)
+        value = os.environ.get(self.env, self.default)
+        why = self.check(value) if self.check is not None else None
+        if why is not None:
+            raise ConfigError(f"dzc: {self.env}={value!r} is not accepted{f' ({why})' if why else ''}: {self.env} "
+                              f"accepts {self.accepts}")
+        return value
+
+
+def _one_of(*values: str) -> Callable[[str], str | None]:
+    return lambda value: None if value in values else ""
+
+
+def _directory(value: str) -> str | None:
+    if not value:
+        return "empty"
+    return "a file, not a directory" if Path(value).expanduser().is_file() else None
+
+
+def _optional_directory(value: str) -> str | None:
+    return _directory(value) if value else None
+
+
+def _optional_file(value: str) -> str | None:
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not path.exists():
+        return "no such file"
+    return None if path.is_file() else "not a file"
 
 
 CACHE_DIR = Knob("DZC_CACHE_DIR", str(Path.home() / ".cache" / "dzc"),
-                 "where generated kernel sources and the tuning database live (CompileOptions.cache_dir wins)")
+                 "where generated kernel sources and the tuning database live (CompileOptions.cache_dir wins)",
+                 "a directory path (created if missing)", _directory)
 DEBUG = Knob("DZC_DEBUG", "0",
-             "1: print the compile report after each compile; 2: also the IR after each pass; 3: also kernel sources")
+             "1: print the compile report after each compile; 2: also the IR after each pass; 3: also kernel sources",
+             "0, 1, 2 or 3", _one_of("", "0", "1", "2", "3"))
 DUMP_DIR = Knob("DZC_DUMP_DIR", "",
-                "if set, write 000_capture.txt, 001_<pass>.txt, ... and report.txt for every compiled graph there")
-AUTOTUNE_LOG = Knob("DZC_AUTOTUNE_LOG", "0", "1: log every tuning run with each config's time")
+                "if set, write 000_capture.txt, 001_<pass>.txt, ... and report.txt for every compiled graph there",
+                "a directory path (created if missing), or empty for none", _optional_directory)
+AUTOTUNE_LOG = Knob("DZC_AUTOTUNE_LOG", "0", "1: log every tuning run with each config's time", "0 or 1",
+                    _one_of("", "0", "1"))
 TUNING_DB = Knob("DZC_TUNING_DB", "",
                  "a shipped tuning database (dzc-tune --out), consulted read-only before the local cache "
-                 "(CompileOptions.tuning_db wins); refused on a device other than the one it was tuned on")
+                 "(CompileOptions.tuning_db wins); refused on a device other than the one it was tuned on",
+                 "the path of an existing file written by dzc-tune --out, or empty for none", _optional_file)
 
-KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB)
+CHECK_REWRITES = Knob("DZC_CHECK_REWRITES", "1",
+                      "1: run each graph's first call also as captured and drop rewrites whose outputs differ; 0: "
+                      "off (CompileOptions.check_rewrites wins)", "0 or 1", _one_of("0", "1"))
+
+KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB, CHECK_REWRITES)
 
 
 def debug_level() -> int:
     return int(DEBUG.get() or "0")
+
+
+def validate() -> None:
+    """Check every knob's value now (dzc.compile calls this): raises ConfigError for the first one not accepted."""
+    for knob in KNOBS:
+        knob.get()
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@
     dzc-dump llama_decoder --target cuda             # captured graph, graph after each pass, report
     dzc-dump llama_decoder --target musa --kernels   # ... and the generated MUSA kernel sources
     dzc-dump pkg.module:factory --after fuse_residual_norm --json
+    dzc-dump hf_gpt_oss_mxfp4 --coverage             # what runs in dzc kernels, what was left and why
 
 MODEL is a name from --list-models or `package.module:factory`, where factory() returns (model, example_inputs).
 A thin front end: it compiles with dzc.compile and prints the report's stages; it has no compiler logic.
@@ -14,23 +15,75 @@ import argparse
 import importlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import dzc
-from dzc.models import MODELS, build_model
+from dzc import autotune, config
+from dzc.models import MODELS
 from dzc.options import CompileOptions
 from dzc.runtime import NotRunnableError
+from dzc.targets import Target, resolve_target
+
+
+class UsageError(ValueError):
+    """A mistake on a dzc command line (an unknown model or target): printed as one line, exit status 2."""
+
+
+def find_model(spec: str) -> Callable[..., tuple]:
+    """MODEL (a dzc.models name or package.module:factory) -> its factory, not called yet."""
+    if ":" not in spec:
+        if spec not in MODELS:
+            raise UsageError(f"unknown model {spec!r}: not a name from --list-models ({', '.join(sorted(MODELS))}) "
+                             f"nor package.module:factory")
+        return MODELS[spec][0]
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise UsageError(f"model {spec!r}: expected package.module:factory")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name is None or not (module_name + ".").startswith(err.name + "."):
+            raise  # the module is there, and something it imports is not: its traceback says what
+        raise UsageError(f"model {spec!r}: no module named {err.name!r} (is it on PYTHONPATH?)") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise UsageError(f"model {spec!r}: module {module_name!r} has no "
+                         f"{'callable ' if factory is not None else ''}{name!r}")
+    return factory
 
 
 def load_model(spec: str, **kwargs):
     """MODEL (a dzc.models name or package.module:factory) -> (model, example_inputs); kwargs go to the factory."""
-    if ":" in spec:
-        module_name, factory = spec.split(":", 1)
-        return getattr(importlib.import_module(module_name), factory)(**kwargs)
-    return build_model(spec, **kwargs)
+    built = find_model(spec)(**kwargs)
+    if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[1], (tuple, list))):
+        raise UsageError(f"model {spec!r}: its factory returned {type(built).__name__}, not (model, "
+                         f"example_inputs)")
+    return built
+
+
+def find_target(name: str) -> Target:
+    try:
+        return resolve_target(name)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
+def run_cli(prog: str, main: Callable[[], int]) -> int:
+    """main(), with the mistakes a user makes on the command line or in the environment (UsageError, a DZC_*
+    variable not accepted, a tuning database that cannot be used) printed as one line and exit status 2."""
+    try:
+        return main()
+    except (UsageError, config.ConfigError, autotune.TuningDatabaseError) as err:
+        print(f"{prog}: error: {str(err).removeprefix('dzc: ')}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_cli("dzc-dump", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="dzc-dump", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?", help="a name from --list-models, or package.module:factory")
     parser.add_argument("--target", default="cuda", help="cuda | musa | a profile such as musa:mp_22")
@@ -39,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                                                         "a pass name, or 'lowered')")
     parser.add_argument("--kernels", action="store_true", help="also print the generated kernel sources")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.add_argument("--coverage", action="store_true",
+                        help="print only the coverage: the share of FLOPs and bytes in dzc kernels per graph, the "
+                             "largest unfused ops, and the near-misses with why each was not rewritten")
     parser.add_argument("--cache-dir", help="where generated sources go (default: $DZC_CACHE_DIR)")
     parser.add_argument("--moe-fp8", action="store_true",
                         help="compile MXFP4 MoE layers as W4A8 (CompileOptions.moe_fp8_activations)")
@@ -52,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.model:
         parser.error("MODEL is required (see --list-models)")
 
+    find_target(args.target)
     model, inputs = load_model(args.model)
     # Dumps show what would run; tuning on the CPU interpreter would only slow them down.
     options = CompileOptions(codegen=args.codegen, autotune=False, cache_dir=args.cache_dir,
@@ -63,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     except NotRunnableError as err:
         run_note = f"compiled, not run: {err}"
     report = compiled.report
+    if args.coverage and not args.json:
+        print(report.coverage)
+        print(f"  model: {run_note}")
+        return 0
 
     stages = [(f"graph {g.compile_id}", name, text) for g in report.graphs for name, text in g.stages]
     if args.after:

@@ -40,6 +40,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import dzc
+from dzc.dump import find_target, run_cli
 from dzc.lowering import PREFERRED_CODEGENS, Execution, NoLegalConfig, dzc_op_name, lower_graph
 from dzc.ops import OPS
 from dzc.options import CompileOptions
@@ -470,6 +471,10 @@ def _describe(entry: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_cli("dzc-selftest", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="dzc-selftest", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="cuda | musa | a profile such as musa:mp_22")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON (send it back from a MUSA card)")
@@ -487,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "fresh temp dir, named in the report)")
     args = parser.parse_args(argv)
 
+    find_target(args.target)
     try:
         report = run_selftest(args.target, dry_run=args.dry_run, seed=args.seed, tune=not args.no_tune,
                               cache_dir=args.cache_dir, families=args.family, quick=args.quick,

@@ -22,7 +22,7 @@ import torch
 
 import dzc
 from dzc.autotune import TuningDatabase, export_database
-from dzc.dump import load_model
+from dzc.dump import UsageError, find_model, find_target, load_model, run_cli
 from dzc.options import CompileOptions
 from dzc.targets import resolve_target
 from dzc.targets.device_runtime import DeviceRuntime
@@ -64,6 +64,10 @@ def tune_model(model, input_sets: list[tuple], target_name: str, out: str | Path
 
 
 def main(argv: list[str] | None = None) -> int:
+    return run_cli("dzc-tune", lambda: _main(argv))
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="dzc-tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a name from dzc-dump --list-models, or package.module:factory")
     parser.add_argument("--target", default="cuda", help="cuda | musa | a profile such as musa:mp_22")
@@ -73,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", help="reuse this cache's local tuning results (default: tune afresh)")
     args = parser.parse_args(argv)
 
-    target = resolve_target(args.target)
+    target = find_target(args.target)
+    find_model(args.model)  # a mistyped model is an error before the device is looked for
     try:
         target.runtime.check_available()
     except RuntimeError as missing:
@@ -81,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = target.runtime.device(args.device_index)
     if args.seq_lens:
-        builds = [load_model(args.model, seq=int(n)) for n in args.seq_lens.split(",")]
+        try:
+            seq_lens = [int(n) for n in args.seq_lens.split(",")]
+        except ValueError:
+            raise UsageError(f"--seq-lens {args.seq_lens!r}: expected comma-separated integers") from None
+        builds = [load_model(args.model, seq=n) for n in seq_lens]
     else:
         builds = [load_model(args.model)]
     model = builds[0][0]

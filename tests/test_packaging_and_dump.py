@@ -91,6 +91,8 @@ DUMPS = {
     "bad_after": ["llama_decoder", "--target", "musa", "--after", "nosuchpass"],
     "moe_fp8": ["moe_mxfp4", "--target", "musa:mp_31", "--moe-fp8", "--json"],
     "moe_fp8_mp_22": ["moe_mxfp4", "--target", "musa:mp_22", "--moe-fp8", "--json"],
+    "missing_model": ["missing_model"],
+    "missing_module": ["pkg.mod:missing"],
 }
 
 
@@ -182,6 +184,83 @@ def test_dump_after_an_unknown_stage_lists_the_stages(dumps):
     assert "nosuchpass" in result.stderr
     for stage in ("capture", "fuse_residual_norm", "lowered"):
         assert stage in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("key, expected", [("missing_model", "unknown model 'missing_model'"),
+                                           ("missing_module", "no module named 'pkg'")])
+def test_dump_of_a_model_that_is_not_there_is_one_line(dumps, key, expected):
+    result = dumps[key]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.splitlines() == [result.stderr.strip()] and expected in result.stderr, result.stderr
+    assert result.stderr.startswith("dzc-dump: error: ")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Mistakes on the command line and in the environment: one line naming the mistake, exit status 2
+
+
+def _cli_mains():
+    from dzc.dump import main as dump_main
+    from dzc.selftest import main as selftest_main
+    from dzc.tune import main as tune_main
+    return {"dzc-dump": dump_main, "dzc-tune": tune_main, "dzc-selftest": selftest_main}
+
+
+CLI_MISTAKES = [
+    ("dzc-dump", ["missing_model"], "unknown model 'missing_model'"),
+    ("dzc-dump", ["dzc.models:missing"], "module 'dzc.models' has no 'missing'"),
+    ("dzc-dump", ["os:getcwd"], "its factory returned str"),
+    ("dzc-dump", ["llama_decoder", "--target", "rocm"], "unknown dzc target 'rocm'"),
+    ("dzc-tune", ["missing_model", "--out", "db.json"], "unknown model 'missing_model'"),
+    ("dzc-tune", ["pkg.mod:missing", "--out", "db.json"], "no module named 'pkg'"),
+    ("dzc-tune", ["llama_decoder", "--target", "rocm", "--out", "db.json"], "unknown dzc target 'rocm'"),
+    ("dzc-selftest", ["--target", "rocm", "--dry-run"], "unknown dzc target 'rocm'"),
+]
+
+
+@pytest.mark.parametrize("prog, argv, expected", CLI_MISTAKES, ids=[" ".join(m[:2][1]) for m in CLI_MISTAKES])
+def test_cli_mistakes_are_one_line_and_exit_2(prog, argv, expected, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert _cli_mains()[prog](argv) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"{prog}: error: " + err.strip().removeprefix(f"{prog}: error: ")], err
+    assert expected in err, err
+    assert not (tmp_path / "db.json").exists()
+
+
+@pytest.mark.parametrize("knob, value, accepted", [
+    ("DZC_DEBUG", "yes", "0, 1, 2 or 3"), ("DZC_AUTOTUNE_LOG", "on", "0 or 1"),
+    ("DZC_TUNING_DB", "/no/such/db.json", "dzc-tune --out"), ("DZC_CACHE_DIR", "", "a directory path"),
+])
+def test_every_knob_value_is_checked_when_dzc_compile_is_called(knob, value, accepted, capsys):
+    """A value a knob does not accept is a ConfigError from dzc.compile itself (not at the first call, inside
+    Dynamo), naming the variable, the value and what is accepted; the CLIs print it as their one line."""
+    with config.scope(**{knob: value}):
+        with pytest.raises(config.ConfigError) as err:
+            dzc.compile(AddRMSNorm(), "cuda", dzc.CompileOptions())
+        assert f"{knob}={value!r}" in str(err.value) and accepted in str(err.value), str(err.value)
+        assert _cli_mains()["dzc-dump"](["llama_decoder"]) == 2
+    assert capsys.readouterr().err.strip() == f"dzc-dump: error: {str(err.value).removeprefix('dzc: ')}"
+
+
+def test_every_knob_declares_what_it_accepts():
+    for knob in config.KNOBS:
+        assert knob.check is not None and knob.accepts != "any value", knob.env
+        with config.scope(**{knob.env: knob.default}):
+            config.validate()
+
+
+def test_a_musa_target_on_cpu_tensors_is_a_short_error(tmp_path, seed):
+    """Compiled for MUSA, called on CPU tensors without a MUSA device: the NotRunnableError says why, raised from
+    dzc.compile's call, not from the kernel ~18 frames down in Dynamo and AOTAutograd."""
+    from dzc.runtime import NotRunnableError
+
+    compiled = dzc.compile(AddRMSNorm(), "musa", dzc.CompileOptions(cache_dir=str(tmp_path)))
+    with pytest.raises(NotRunnableError, match="cannot run here") as err:
+        compiled(torch.randn(3, 64), torch.randn(3, 64))
+    frames = [entry.frame.code.name for entry in err.traceback]
+    assert len(frames) <= 3, frames  # this test, CompiledModel.__call__
+    assert compiled.report.fired() == {"fuse_residual_norm": 1}, "it compiled; only running is refused"
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from torch import nn
 
 import dzc
 from dzc import config
-from dzc.autotune import (ExternalCandidate, ShippedTuningDatabase, TuningDatabase, TuningDatabaseMismatch,
-                          open_database, tune)
+from dzc.autotune import (ExternalCandidate, ShippedTuningDatabase, TuningDatabase, TuningDatabaseError,
+                          TuningDatabaseMismatch, open_database, tune)
 from dzc.models.decoder import HFRMSNorm
 from dzc.targets import INTERPRETER, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
@@ -109,16 +109,36 @@ def test_a_database_from_another_device_is_refused_whole(shipped, tmp_path, seed
 
 
 def test_malformed_shipped_databases_are_clear_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(TuningDatabaseError, match="does not exist"):
         open_database(tmp_path, str(tmp_path / "missing.json"))
     local = tmp_path / "tuning.json"
     TuningDatabase(local).store({"op": "x"}, {"config": KernelConfig.make(ROWS=1).to_json()})
-    with pytest.raises(ValueError, match="not a shipped tuning database"):
+    with pytest.raises(TuningDatabaseError, match="not a shipped tuning database"):
         open_database(tmp_path, str(local))
     (tmp_path / "text.json").write_text("{not json")
-    with pytest.raises(ValueError, match="is not JSON"):
+    with pytest.raises(TuningDatabaseError, match="is not JSON"):
         open_database(tmp_path, str(tmp_path / "text.json"))
     assert open_database(tmp_path, None).shipped is None
+
+
+@pytest.mark.parametrize("how", ["option", "environment"])
+@pytest.mark.parametrize("content, problem", [(None, "does not exist"), ("{not json", "is not JSON")])
+def test_a_missing_or_malformed_tuning_db_fails_dzc_compile_itself(tmp_path, how, content, problem):
+    """Checked by dzc.compile, not at the first call (where Dynamo would wrap it in BackendCompilerFailed), with
+    the file, the problem and where it was named."""
+    path = tmp_path / "db.json"
+    if content is not None:
+        path.write_text(content)
+    options = dzc.CompileOptions(cache_dir=str(tmp_path / "c"), tuning_db=str(path) if how == "option" else None)
+    if how == "environment" and content is None:  # the knob's own check: DZC_TUNING_DB must name a file
+        problem = "DZC_TUNING_DB=.* is not accepted \\(no such file\\)"
+    with config.scope(DZC_TUNING_DB=str(path) if how == "environment" else ""):
+        with pytest.raises(ValueError, match=problem) as err:
+            dzc.compile(HFAddNorm(), "cuda", options)
+    assert str(path) in str(err.value)
+    if "accepted" not in str(err.value):
+        assert isinstance(err.value, TuningDatabaseError)
+        assert ("CompileOptions.tuning_db" if how == "option" else "DZC_TUNING_DB") in str(err.value)
 
 
 def test_dzc_tune_without_the_device_names_what_is_missing(tmp_path, capsys, monkeypatch):
