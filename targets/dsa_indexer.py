@@ -206,6 +206,9 @@ def prepare(spec: DsaIndexerSpec, q, weights, index_k_cache, block_table, seq_le
     page_size, values, scales = cache_views(spec, index_k_cache)
     max_context = int(max_context)
     logits = torch.empty(rows, max_context, dtype=torch.float32, device=q.device)
+    # The kernel indexes seq_lens, query_seq and query_pos as dense vectors (strided ones were read at the wrong
+    # elements).
+    seq_lens, query_seq, query_pos = seq_lens.contiguous(), query_seq.contiguous(), query_pos.contiguous()
     inputs = (q, weights, values, scales, block_table, seq_lens, query_seq, query_pos, page_size, max_context, spec)
     return inputs, (logits,), rows * max_context, logits
 

@@ -108,7 +108,8 @@ def prepare(spec: DsaTopkSpec, logits, lengths, k, *_static):
     dsa_ops.check_dsa_topk_args(logits, lengths, k)
     k = int(k)
     indices = torch.empty(logits.shape[0], k, dtype=torch.int32, device=logits.device)
-    return (logits, lengths, k), (indices,), logits.shape[0] * max(logits.shape[1], 1), indices
+    # The kernel indexes lengths as a dense vector (a strided one was read at the wrong elements).
+    return (logits, lengths.contiguous(), k), (indices,), logits.shape[0] * max(logits.shape[1], 1), indices
 
 
 def selftest_cases(profile: DeviceProfile):

@@ -160,6 +160,8 @@ def prepare(spec: SparseAttentionSpec, q, k_cache, v_cache, block_table, seq_len
     # exp2 in the kernels: fold log2(e) into the scale once.
     scale_log2 = float(sm_scale) * math.log2(math.e)
     values = v_cache if v_cache is not None else k_cache  # never read when V comes from K
+    # The kernels index seq_lens and query_seq as dense vectors (a strided one was read at the wrong elements).
+    seq_lens, query_seq = seq_lens.contiguous(), query_seq.contiguous()
     inputs = (q, k_cache, values, block_table, seq_lens, query_seq, indices, scale_log2, spec)
     return inputs, (out,), q.shape[0], out
 

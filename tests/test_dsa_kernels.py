@@ -188,6 +188,54 @@ def test_prefill_and_decode_buckets_pick_their_kernels():
         assert "prefill" in sparse_attention.describe_config(prefill_default)
 
 
+def _every_other(vector: torch.Tensor, fill: int) -> torch.Tensor:
+    """`vector` as every other element of a buffer holding `fill` in between (stride 2)."""
+    buffer = torch.full((2 * vector.shape[0],), fill, dtype=vector.dtype, device=vector.device)
+    buffer[::2] = vector
+    return buffer[::2]
+
+
+# op -> (build its arguments, positions of its per-row / per-sequence int32 vectors)
+STRIDED_VECTOR_CASES = {
+    "dsa_indexer": (lambda g: dsa_cases.indexer_args([37, 20, 5], [1, 2, 1], 4, 64, fp8=False, page_size=16,
+                                                     device=DEVICE, generator=g), (4, 5, 6)),
+    "dsa_topk": (lambda g: dsa_cases.topk_args(4, 100, [100, 10, 0, 57], 16, DEVICE, g), (1,)),
+    "sparse_attention": (lambda g: dsa_cases.sparse_attention_args([37, 20, 5], [1, 2, 1], 16, 1, 80, 64, False,
+                                                                   topk=24, page_size=16, device=DEVICE,
+                                                                   generator=g), (4, 5)),
+}
+
+
+@pytest.mark.parametrize("op", STRIDED_VECTOR_CASES)
+def test_strided_int_vectors_are_read_by_element(op, seed, tmp_path):
+    """seq_lens, query_seq, query_pos and lengths as strided views (found by tools/fuzz.py: the kernels indexed
+    them as dense vectors and read the buffer's neighbouring elements)."""
+    build, positions = STRIDED_VECTOR_CASES[op]
+    args = list(build(_generator(seed)))
+    for position in positions:
+        args[position] = _every_other(args[position], 0)
+    args = tuple(args)
+    family = FAMILIES[op]
+    spec = KERNEL_SPEC[op](args)
+    expected = OPS[op][1](*args)
+    got = _run_triton(family, spec, _load_triton(family, spec, tmp_path),
+                      family.triton_default_config(spec, SM_90), args)
+    if op == "sparse_attention":
+        torch.testing.assert_close(got.float(), expected.float(), atol=2**-6, rtol=2**-7)
+    elif op == "dsa_indexer":
+        assert torch.equal(got.isinf(), expected.isinf()), "masked (−inf) columns differ"
+        torch.testing.assert_close(got, expected, atol=1e-3, rtol=1e-4)
+    else:
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+KERNEL_SPEC = {
+    "dsa_indexer": lambda args: dsa_indexer.spec_for(args[0], args[2]),
+    "dsa_topk": lambda args: dsa_topk.DsaTopkSpec(),
+    "sparse_attention": lambda args: sparse_attention.spec_for(args[0], args[1], args[2], args[8]),
+}
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Through dzc's lowering: the op called with the kernel id that lowering binds (the path compiled graphs take)
 
