@@ -7,7 +7,9 @@ a node by a node that holds the same bits, so the graph computes exactly what it
     convert(convert(x: bf16, f32), bf16)          =>  x                  (fold_round_trip_cast)
     convert(x, f32) ... convert(x, f32)           =>  the first one      (dedupe_cast)
     mul(h: bf16, r: f32), convert(h, f32) exists  =>  mul(convert(h, f32), r)   (reuse_upcast)
-    view(x: [s0, 64], [-1, 64])                   =>  x                  (strip_noop_view)
+
+Not yet here: stripping views that change nothing (`view(x: [s0, 64], [-1, 64])`): fuse_mxfp4_experts' walker
+still reads such a view to find the routing-weight multiply, and refuses without it.
 
 What is not here, on purpose: `x / sqrt(y)` => `x * rsqrt(y)` and `sum(x) / n` => `mean(x)` round differently
 (rsqrt then multiply rounds twice where sqrt then divide rounds twice elsewhere; CUDA's mean multiplies by 1/n and
@@ -29,7 +31,7 @@ import torch.fx
 
 from dzc.passes.graph_pass import PassResult, copy_graph
 from dzc.passes.patterns import Cast, Match, Op, Rule, Var, apply_rules, cast_dtype, dtype_of, remove_dead, \
-    same_shape, same_sizes, widens_exactly
+    widens_exactly
 
 aten = torch.ops.aten
 
@@ -47,9 +49,10 @@ def _replaceable(node: torch.fx.Node) -> bool:
     return True
 
 
-def _replace(node: torch.fx.Node, value: torch.fx.Node) -> bool:
+def _replace(node: torch.fx.Node, value: torch.fx.Node, *inputs: torch.fx.Node) -> bool:
+    """Make node's uses read value; erase node, and those of `inputs` (the match's own nodes) left unused."""
     node.replace_all_uses_with(value)
-    remove_dead([node])
+    remove_dead([node, *inputs])
     return True
 
 
@@ -69,7 +72,7 @@ def fold_round_trip_cast(match: Match):
     if source is None or cast_dtype(down) != source or not widens_exactly(source, cast_dtype(up)) \
             or not _replaceable(down):
         return None
-    return _replace(down, x)
+    return _replace(down, x, up)
 
 
 def dedupe_cast(match: Match):
@@ -111,26 +114,11 @@ def reuse_upcast(match: Match):
     return True
 
 
-_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default)
-
-
-def strip_noop_view(match: Match):
-    """view / reshape / expand of x to x's own shape  =>  x. The view has x's shape, strides and elements."""
-    view, x = match.root, match["x"]
-    if not isinstance(x, torch.fx.Node) or x.meta.get("val") is None or not _replaceable(view):
-        return None
-    before, after = x.meta["val"], view.meta.get("val")
-    if after is None or not same_shape(before, after) or not same_sizes(before.stride(), after.stride()):
-        return None
-    return _replace(view, x)
-
-
 RULES = [
     Rule(Cast(Var("x"), name="cast"), fold_noop_cast),
     Rule(Cast(Cast(Var("x"), name="up"), name="down"), fold_round_trip_cast),
     Rule(Cast(Var("x"), name="cast"), dedupe_cast),
     Rule(Op(_PROMOTING_OPS, Var("a"), Var("b")), reuse_upcast),
-    Rule(Op(_VIEWS, Var("x"), Var("shape")), strip_noop_view),
 ]
 
 

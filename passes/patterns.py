@@ -218,11 +218,6 @@ def same_sizes(a, b) -> bool:
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
-def same_shape(a, b) -> bool:
-    """Whether two fake tensors have the same shape, provably."""
-    return same_sizes(tuple(a.shape), tuple(b.shape))
-
-
 def is_last_dim(dims, rank: int) -> bool:
     """Whether a reduction's `dims` argument names only the last of `rank` dimensions."""
     return isinstance(dims, (list, tuple)) and len(dims) == 1 and dims[0] in (-1, rank - 1)

@@ -1,7 +1,8 @@
 """fuse_residual_norm: golden IR before/after, the spellings it must fire on, and the cases it must refuse."""
 
+import pytest
 import torch
-from conftest import assert_close_for_dtype
+from conftest import assert_close_for_dtype, ulp
 from torch import nn
 
 import dzc
@@ -198,3 +199,268 @@ def test_layer_norm_whose_mean_escapes_is_refused(options):
     assert report.passes["fuse_residual_norm"] == 0
     [(_, reason)] = report.refusals["fuse_residual_norm"]
     assert "another use" in reason
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Every norm spelling released models use: golden IR, numerics against eager, a refusal case each.
+
+H = 64
+
+
+class ResidualNorm(nn.Module):
+    """x + residual, then `norm(h)` as a subclass spells it; returns (y, h). weight: drawn around `centre`."""
+
+    def __init__(self, centre=1.0, dtype=torch.bfloat16):
+        super().__init__()
+        self.weight = nn.Parameter((centre + 0.1 * torch.randn(H)).to(dtype))
+
+    def forward(self, x, residual):
+        h = x + residual
+        return self.norm(h), h
+
+
+class GemmaNorm(ResidualNorm):
+    """Gemma: fp32 math, the weight stored as an offset from 1 and applied as `x * (1 + w)` before the cast."""
+
+    def __init__(self):
+        super().__init__(centre=0.0)
+
+    def norm(self, h):
+        v = h.float()
+        out = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (out * (1.0 + self.weight.float())).type_as(h)
+
+
+class NormWithoutWeight(ResidualNorm):
+    def norm(self, h):
+        v = h.float()
+        return (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
+class SeparateUpcastNorm(ResidualNorm):
+    """T5: the variance over an upcast copy, `h * rsqrt(var)` on the bf16 h (type promotion upcasts it)."""
+
+    def norm(self, h):
+        variance = h.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        return self.weight * (h * torch.rsqrt(variance + 1e-6)).to(self.weight.dtype)
+
+
+class DivideBySqrtNorm(ResidualNorm):
+    def norm(self, h):
+        v = h.float()
+        return self.weight * (v / torch.sqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
+class SumOverHiddenNorm(ResidualNorm):
+    def norm(self, h):
+        v = h.float()
+        return self.weight * (v * torch.rsqrt(v.pow(2).sum(-1, keepdim=True) / H + 1e-6)).to(h.dtype)
+
+
+class Bf16MathNorm(ResidualNorm):
+    """Every step in the activations' dtype, no upcast."""
+
+    def norm(self, h):
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _fused_line(stages):
+    [line] = [line for line in stages["fuse_residual_norm"].splitlines() if "dzc.add_rms_norm" in line]
+    return line.strip()
+
+
+def _eager_y_from(model, h):
+    """The eager model's y for the kernel's own sum h (h + 0 is h): a one-ulp difference in h is not counted twice."""
+    with torch.no_grad():
+        return model(h, torch.zeros_like(h))[0]
+
+
+def _assert_y_close(y, expected, ulps):
+    """y within `ulps` units in the last place of its dtype, at the expected value's magnitude or at the row's
+    typical magnitude (a value near 0 inherits the absolute error of the larger values it was computed with)."""
+    assert not y.isnan().any(), "NaN in the output: an element was not written"
+    scale = torch.maximum(expected.float().abs(), expected.float().abs().mean(-1, keepdim=True) / 4)
+    excess = (y.float() - expected.float()).abs() - ulps * ulp(scale, y.dtype)
+    assert (excess <= 0).all(), f"y exceeds {ulps} ulps by up to {excess.max().item():.3g}"
+
+
+# (model, the fused op's line after fuse_residual_norm, ulps of y allowed against eager). In the interpreter each
+# rounding point truncates where eager rounds to nearest even: one ulp per rounding of y's path, plus the weight's
+# magnification of the normalised value's.
+SPELLINGS = {
+    "gemma_one_plus_weight": (GemmaNorm, "%2 = dzc.add_rms_norm.default(%a1, %a2, %1, 1e-06, False, False, bf16, bf16)"
+                              "  # (bf16[s0, 64], bf16[s0, 64])", 2),
+    "without_weight": (NormWithoutWeight, "%0 = dzc.add_rms_norm.default(%a1, %a2, None, 1e-06, False, False, bf16, "
+                       "bf16)  # (bf16[s0, 64], bf16[s0, 64])", 1),
+    "separate_upcast": (SeparateUpcastNorm, "%0 = dzc.add_rms_norm.default(%a1, %a2, %a3, 1e-06, False, True, bf16, "
+                        "bf16)  # (bf16[s0, 64], bf16[s0, 64])", 3),
+    "divide_by_sqrt": (DivideBySqrtNorm, "%0 = dzc.add_rms_norm.default(%a1, %a2, %a3, 1e-06, False, True, bf16, bf16, "
+                       "f32, True)  # (bf16[s0, 64], bf16[s0, 64])", 3),
+    "sum_over_hidden": (SumOverHiddenNorm, "%0 = dzc.add_rms_norm.default(%a1, %a2, %a3, 1e-06, False, True, bf16, "
+                        "bf16)  # (bf16[s0, 64], bf16[s0, 64])", 3),
+    "bf16_math": (Bf16MathNorm, "%0 = dzc.add_rms_norm.default(%a1, %a2, %a3, 1e-06, False, False, bf16, bf16, bf16, "
+                  "False)  # (bf16[s0, 64], bf16[s0, 64])", 6),
+}
+
+
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+def test_every_norm_spelling_fuses_and_matches_eager(spelling, options, seed):
+    model_class, fused_line, ulps = SPELLINGS[spelling]
+    model = model_class()
+    x, residual = _bf16(5, H), _bf16(5, H)
+    compiled = dzc.compile(model, "cuda", options)
+    y, h = compiled(x, residual)
+    stages = dict(compiled.report.graphs[0].stages)
+    assert _fused_line(stages) == fused_line
+    # Nothing of the norm is left beside the fused op (Gemma's `1 + w` stays: it is the weight, hoisted before it).
+    assert "rsqrt" not in stages["fuse_residual_norm"] and "mean" not in stages["fuse_residual_norm"]
+    assert compiled.report.fired()["fuse_residual_norm"] == 1
+    assert [k.op for k in compiled.report.kernels] == ["add_rms_norm"]
+    with torch.no_grad():
+        expected_y, expected_h = model(x, residual)
+    assert_close_for_dtype(h, expected_h, max_bf16_ulps=1.0)
+    _assert_y_close(y, _eager_y_from(model, h), ulps)
+
+
+def test_golden_gemma_weight_is_hoisted_before_the_add(options):
+    stages, report = _stages(GemmaNorm(), options, _bf16(3, H), _bf16(3, H))
+    assert stages["fuse_residual_norm"] == """\
+# built by fuse_residual_norm
+graph(%a0: sym s0, %a1: bf16[s0, 64], %a2: bf16[s0, 64], %a3: bf16[64]):
+  %0 = prims.convert_element_type.default(%a3, f32)  # f32[64]
+  %1 = aten.add.Tensor(%0, 1.0)  # f32[64]
+  %2 = dzc.add_rms_norm.default(%a1, %a2, %1, 1e-06, False, False, bf16, bf16)  # (bf16[s0, 64], bf16[s0, 64])
+  %3 = %2[0]  # bf16[s0, 64]
+  %4 = %2[1]  # bf16[s0, 64]
+  return (%3, %4)
+"""
+
+
+def test_fp32_sum_over_hidden_matches_eager_tightly(options, seed):
+    model = SumOverHiddenNorm()
+    model.weight.data = model.weight.data.float()
+    x, residual = torch.randn(5, H), torch.randn(5, H)
+    compiled = dzc.compile(model, "cuda", options)
+    y, h = compiled(x, residual)
+    assert compiled.report.fired()["fuse_residual_norm"] == 1
+    with torch.no_grad():
+        expected_y, expected_h = model(x, residual)
+    assert_close_for_dtype(h, expected_h)
+    assert_close_for_dtype(y, expected_y)
+
+
+class WeightFromTheSum(ResidualNorm):
+    """A per-column scale computed from the sum itself: it cannot be read before the add."""
+
+    def norm(self, h):
+        v = h.float()
+        return (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + h.mean(0).float())).to(h.dtype)
+
+
+class NormalisedEscapes(ResidualNorm):
+    def forward(self, x, residual):
+        v = (x + residual).float()
+        normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return normed.to(x.dtype), normed
+
+
+class UpcastCopyEscapes(ResidualNorm):
+    def forward(self, x, residual):
+        h = x + residual
+        upcast = h.to(torch.float32)
+        variance = upcast.pow(2).mean(-1, keepdim=True)
+        return self.weight * (h * torch.rsqrt(variance + 1e-6)).to(h.dtype), upcast.exp()
+
+
+class RootEscapes(ResidualNorm):
+    def forward(self, x, residual):
+        v = (x + residual).float()
+        root = torch.sqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * (v / root).to(x.dtype), root
+
+
+class HalfTheSum(ResidualNorm):
+    """sum(-1) / (H / 2) is twice the mean square: not an RMSNorm."""
+
+    def norm(self, h):
+        v = h.float()
+        return self.weight * (v * torch.rsqrt(v.pow(2).sum(-1, keepdim=True) / (H // 2) + 1e-6)).to(h.dtype)
+
+
+class Bf16MathCastToHalf(ResidualNorm):
+    def norm(self, h):
+        return self.weight.half() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).half()
+
+
+REFUSALS = {
+    "weight_from_the_sum": (WeightFromTheSum, "the weight is computed after the residual add, not from parameters "
+                                              "alone"),
+    "normalised_value_escapes": (NormalisedEscapes, "another use"),
+    "upcast_copy_escapes": (UpcastCopyEscapes, "the fp32 copy of the sum has another use"),
+    "root_escapes": (RootEscapes, "another use"),
+    "bf16_math_cast_to_half": (Bf16MathCastToHalf, "the normalised value is cast to a dtype other than the norm "
+                                                   "input's"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_each_spelling_refuses_what_it_cannot_fuse(case, options):
+    model_class, reason = REFUSALS[case]
+    stages, report = _stages(model_class(), options, _bf16(4, H), _bf16(4, H))
+    assert report.passes["fuse_residual_norm"] == 0
+    assert "dzc.add_rms_norm" not in stages["fuse_residual_norm"]
+    [(_, why)] = report.refusals["fuse_residual_norm"]
+    assert reason in why
+
+
+def test_a_sum_over_another_count_is_not_a_mean(options):
+    stages, report = _stages(HalfTheSum(), options, _bf16(4, H), _bf16(4, H))
+    assert report.passes["fuse_residual_norm"] == 0 and report.refusals["fuse_residual_norm"] == []
+    assert stages["fuse_residual_norm"].splitlines()[1:] == stages["capture"].splitlines()[1:]
+
+
+def test_float64_models_are_refused_with_a_reason(options, seed):
+    model = AddRMSNorm().double()
+    x, residual = torch.randn(4, H, dtype=torch.float64), torch.randn(4, H, dtype=torch.float64)
+    compiled = dzc.compile(model, "cuda", options)
+    y, h = compiled(x, residual)
+    report = compiled.report
+    assert report.passes["fuse_residual_norm"] == 0
+    [(_, why)] = report.refusals["fuse_residual_norm"]
+    assert why.startswith("float64 tensors")
+    with torch.no_grad():
+        expected_y, expected_h = model(x, residual)
+    assert torch.equal(h, expected_h) and torch.allclose(y, expected_y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("weight_dtype,compute_dtype,divide_by_rms", [
+    (torch.float32, torch.float32, False), (None, torch.float32, True), (torch.bfloat16, torch.bfloat16, False),
+    (None, torch.bfloat16, True)])
+def test_new_kernel_variants_match_the_reference_in_every_legal_config(weight_dtype, compute_dtype, divide_by_rms,
+                                                                      seed, tmp_path):
+    """The op's new rounding points (no weight, an fp32 weight, bf16 steps, `/ sqrt`), kernel against reference."""
+    from dzc.ops.add_rms_norm import add_rms_norm_reference
+    from dzc.targets import add_rms_norm as family
+    from dzc.targets import resolve_target, triton_codegen
+    from dzc.targets.launch import legal_configs
+
+    bf16 = torch.bfloat16
+    spec = family.AddRmsNormSpec(96, bf16, bf16, weight_dtype, bf16, bf16, False, False, compute_dtype, divide_by_rms)
+    profile = resolve_target("cuda").profile
+    path = tmp_path / "kernel.py"
+    path.write_text(family.triton_source(spec, profile))
+    kernel = triton_codegen.load_kernel(path, family.TRITON_KERNEL_NAME)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x, residual = (torch.randn(7, 96, device=device).to(bf16) for _ in range(2))
+    weight = (1.0 + 0.1 * torch.randn(96, device=device)).to(weight_dtype) if weight_dtype else None
+    statics = (False, False, bf16, bf16, compute_dtype, divide_by_rms)
+    configs, _ = legal_configs(family, "triton", spec, profile)
+    for config in configs[:4]:
+        y, h = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+        family.triton_launch(kernel, config, x, residual, weight, 1e-6, y, h)
+        _, expected_h = add_rms_norm_reference(x, residual, weight, 1e-6, *statics)
+        assert_close_for_dtype(h, expected_h, max_bf16_ulps=1.0)
+        expected_y, _ = add_rms_norm_reference(h, torch.zeros_like(h), weight, 1e-6, *statics)
+        # bf16 steps: five roundings, each one ulp apart where the interpreter truncates (and the CPU reference's
+        # bf16 mean rounds the sum before dividing).
+        _assert_y_close(y.cpu(), expected_y.cpu(), 6 if compute_dtype == bf16 else 2)
