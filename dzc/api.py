@@ -7,6 +7,9 @@ import inspect
 import warnings
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
 
 from dzc import autotune, config, runtime
 from dzc.capture import DzcBackend
@@ -54,6 +57,12 @@ def _process_wide_dynamo_settings(options: CompileOptions):
     return config.patch(**wanted)
 
 
+# What a capture that failed raises: Dynamo's own errors (BackendCompilerFailed where AOTAutograd's tracing inside
+# dzc's backend failed), and the data-dependent errors of symbolic shapes, which Dynamo lets through as they are.
+_CAPTURE_FAILURES = (torch._dynamo.exc.TorchDynamoException, GuardOnDataDependentSymNode,
+                     PendingUnbackedSymbolNotFound, DataDependentOutputException, DynamicOutputShapeException)
+
+
 # Dynamo keeps a code object's compiled graphs in one cache of torch._dynamo.config.recompile_limit (8) entries,
 # and a new backend fails the backend guard: without isolation every dzc.compile of the same forward (one per
 # decoder layer, say) takes an entry, and past eight Dynamo runs the model eagerly. torch.compile's
@@ -78,6 +87,7 @@ class CompiledModel:
         # the process then capture those ops too instead of breaking their graphs there. Only options that turn
         # a capture off which the process has on need the patch around every call.
         self._dynamo_settings = _process_wide_dynamo_settings(options)
+        self._capture_retried = False
         self._cuda_graphs = None
         if options.cuda_graph_max_tokens > 0 and self.backend.target.profile.torch_device_type == "cuda":
             self._cuda_graphs = runtime.CudaGraphRunner(self._run_compiled, options.cuda_graph_max_tokens,
@@ -109,18 +119,48 @@ class CompiledModel:
             _mark_token_dims(args)
             _mark_token_dims(kwargs)
         frames_tried = self.backend.start_call()
-        # dzc compiles inference graphs (AOTAutograd's inference path); serving loops run with grad off already,
-        # and skipping the no_grad context saves its host time there.
-        if torch.is_grad_enabled():
-            with torch.no_grad(), self._dynamo_settings:
-                result = self._compiled(*args, **kwargs)
-        else:
-            with self._dynamo_settings:
-                result = self._compiled(*args, **kwargs)
+        try:
+            # dzc compiles inference graphs (AOTAutograd's inference path); serving loops run with grad off
+            # already, and skipping the no_grad context saves its host time there.
+            if torch.is_grad_enabled():
+                with torch.no_grad(), self._dynamo_settings:
+                    result = self._compiled(*args, **kwargs)
+            else:
+                with self._dynamo_settings:
+                    result = self._compiled(*args, **kwargs)
+        except Exception as error:
+            inner = error.inner_exception if isinstance(error, BackendCompilerFailed) else error
+            if inner is self.backend.failure:
+                # dzc's own stage failed: its error as it is, not inside Dynamo's "report a bug to PyTorch" text
+                raise inner.with_traceback(inner.__traceback__) from inner.__cause__
+            if not self._retry_capture(inner, frames_tried):
+                raise
+            return self._run_compiled(*args, **kwargs)
         for reason in self.backend.eager_runs_since(frames_tried):
             warnings.warn(f"dzc.compile: {reason}. Raise the limit, or compile one model and reuse it "
                           "(the report's eager_runs says so too)", RuntimeWarning, stacklevel=3)
         return result
+
+
+    def _retry_capture(self, error: Exception, frames_tried: int) -> bool:
+        """After a capture (Dynamo or AOTAutograd tracing) failed with Dynamo's scalar and dynamic-shape captures
+        on, turn them off for this model, as torch.compile has them, and say so: the call is then retried, and
+        .item(), .tolist() and ops with data-dependent output shapes break the graph instead of failing it.
+        Whether to retry: once, where a capture was tried during the call and failed with its own error."""
+        if (self._capture_retried or not self.backend.frames_tried_since(frames_tried)
+                or not isinstance(error, _CAPTURE_FAILURES)
+                or not (self.options.capture_scalar_outputs or self.options.capture_dynamic_output_shapes)):
+            return False
+        self._capture_retried = True
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        message = (f"the capture failed with capture_scalar_outputs and capture_dynamic_output_shape_ops on "
+                   f"({type(error).__name__}: {first_line}); retried without them, accepting graph breaks at "
+                   ".item(), .tolist() and ops with data-dependent output shapes")
+        self.backend.report.capture_retries.append(message)
+        warnings.warn(f"dzc.compile: {message}", RuntimeWarning, stacklevel=4)
+        self._dynamo_settings = torch._dynamo.config.patch(capture_scalar_outputs=False,
+                                                           capture_dynamic_output_shape_ops=False)
+        return True
 
 
 def compile(model, target: str = "cuda", options: CompileOptions | None = None) -> CompiledModel:

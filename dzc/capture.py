@@ -5,23 +5,33 @@ inference graph with symbolic token sizes, and dzc runs its pipeline, lowers, an
 from __future__ import annotations
 
 import collections
+import contextlib
+import dataclasses
+import itertools
 import operator
 import re
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters as dynamo_counters
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dzc import config, ir, runtime
-from dzc.lowering import Execution, dzc_op_name, lower_graph
+from dzc.coverage import GraphCoverage, graph_coverage
+from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph
 from dzc.options import CompileOptions
+from dzc.passes.graph_pass import PassResult, copy_graph
 from dzc.pipeline import run_pipeline
 from dzc.report import CompileReport, GraphRecord
 from dzc.targets import INTERPRETER, Target, triton_codegen
+from dzc.targets.launch import KernelRecord
 
 # Capture applies Inductor's decomposition table, whichever fallback runs the graph: Inductor requires it, and the
 # passes then see one graph form on every device (torch.rms_norm, for one, traces to aten._fused_rms_norm on
@@ -105,6 +115,43 @@ def _direct_launches(gm: torch.fx.GraphModule) -> None:
 # Dynamo's graph-break type when a frame's cache is full: the frame runs eagerly from then on.
 _RECOMPILE_LIMIT_BREAK = "Dynamo recompile limit exceeded"
 
+_BACKEND_SERIAL = itertools.count(1)
+
+
+def _graph_break(gm) -> str | None:
+    """Why Dynamo ended the graph `gm` at a graph break (None when it ended at the frame's return): Dynamo's
+    GraphCompileReason on the graph module, what torch._dynamo.explain counts. Dynamo's process-wide counters
+    no longer record graph breaks (torch 2.13 counts them nowhere), and would mix in other models' breaks."""
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is None or not reason.graph_break:
+        return None
+    text = str(reason.reason).strip().splitlines()[0] if str(reason.reason).strip() else "graph break"
+    if reason.user_stack:
+        frame = reason.user_stack[-1]
+        text += f" (at {Path(frame.filename).name}:{frame.lineno}, in {frame.name})"
+    return text
+
+
+@dataclass
+class _Build:
+    """One run of the pipeline and lowering over a captured graph, with a given set of passes disabled."""
+
+    graph: torch.fx.Graph  # lowered
+    stages: list  # pipeline Stages, "lowered" last
+    results: list[PassResult]  # of the passes that ran, in order
+    uses: collections.Counter  # kernel id -> dzc op nodes running it
+    references: list[KernelRecord]  # op instances left to their reference (no kernel takes them)
+    fallback: str
+    run: Callable  # what the compiled graph runs per call
+    checkable: torch.fx.GraphModule | None  # the lowered graph run op by op (no Inductor), for the rewrite check
+    coverage: GraphCoverage  # of the lowered graph, costed before the fallback compiles it (dzc/coverage.py)
+
+    def fired(self) -> list[str]:
+        return [result.name for result in self.results if result.rewrites]
+
+    def rewrites(self, name: str) -> list[str]:
+        return next(result.rewrites for result in self.results if result.name == name)
+
 
 class DzcBackend:
     """A torch.compile backend bound to a target and options; `report` accumulates over every compile."""
@@ -112,10 +159,14 @@ class DzcBackend:
     def __init__(self, target: Target, options: CompileOptions):
         self.target = target
         self.options = options
+        self.check_rewrites = options.resolved_check_rewrites()
         self.report = CompileReport(target.name, repr(options))
-        # Dynamo counts graph breaks per process: start from what was counted before this backend existed, so
-        # breaks in models compiled earlier are not reported as this model's.
-        self._graph_breaks_seen = collections.Counter(dynamo_counters["graph_break"])
+        # This model's kernels: they carry its tuning options, database and report (one table per backend).
+        self.kernels = KernelTable(f"m{next(_BACKEND_SERIAL)}")
+        # The exception dzc's own stages (passes, lowering, fallback compile) raised last: dzc.compile re-raises
+        # it as itself, not wrapped in Dynamo's BackendCompilerFailed, and never retries the capture for it.
+        self.failure: BaseException | None = None
+        self._graph_break: str | None = None
         self._unsupported_seen = collections.Counter(dynamo_counters["unimplemented"])
         self._unsupported_total = self._unsupported_seen.total()
         self._frames_compiled: set = set()
@@ -127,6 +178,7 @@ class DzcBackend:
                                  decompositions=_DECOMPOSITIONS, keep_inference_input_mutations=True)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self._graph_break = _graph_break(gm)  # read by _compile_graph, which AOTAutograd calls from here
         return self._aot(gm, example_inputs)
 
     @staticmethod
@@ -143,6 +195,11 @@ class DzcBackend:
             self._unsupported_seen = collections.Counter(unsupported)
             self._unsupported_total = self._unsupported_seen.total()
         return dynamo_counters["frames"]["total"]
+
+    @staticmethod
+    def frames_tried_since(frames_tried: int) -> bool:
+        """Whether Dynamo tried to compile a frame since start_call returned `frames_tried`."""
+        return dynamo_counters["frames"]["total"] != frames_tried
 
     def eager_runs_since(self, frames_tried: int) -> list[str]:
         """Record in the report, and return, each frame Dynamo gave up compiling during the call because it
@@ -164,13 +221,16 @@ class DzcBackend:
         self.report.eager_runs.extend(runs)
         return runs
 
-    def _new_break_reasons(self) -> list[str]:
-        counts = dynamo_counters["graph_break"]
-        new = [reason for reason, n in counts.items() if n > self._graph_breaks_seen[reason]]
-        self._graph_breaks_seen = collections.Counter(counts)
-        return new
-
     def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs):
+        written = _written_inputs(gm.graph)  # AOTAutograd's input mutations, before passes touch the graph
+        try:
+            # The CUDA-graph runner learns from them which arguments a call writes.
+            return runtime.recording_writes(self._compile_captured(gm, example_inputs), written)
+        except Exception as error:
+            self.failure = error
+            raise
+
+    def _compile_captured(self, gm: torch.fx.GraphModule, example_inputs):
         dynamo_id = torch._guards.CompileContext.current_compile_id()
         compile_id = str(dynamo_id) if dynamo_id is not None else "0/0"
         # A recompile is a second graph for a frame this backend already compiled (Dynamo's own compile counter
@@ -180,13 +240,46 @@ class DzcBackend:
         self._frames_compiled.add(frame)
         device = _input_device(example_inputs)
         execution = _execution_for(self.target, device)
-        graph, stages = run_pipeline(gm.graph, self.target, self.options)
-        for stage in stages:
-            if stage.result is not None:
-                self.report.record_pass(stage.name, stage.result.rewrites, stage.result.refusals)
-        kernels = lower_graph(graph, self.target, self.options, execution, device)
-        self.report.kernels.extend(kernels)
+        captured = copy_graph(gm.graph)  # as captured, for the rewrite check (lowering binds kernels in place)
+        skip_check = "" if self.check_rewrites else "off (CompileOptions.check_rewrites)"
+        if not skip_check and execution.runtime is None:
+            skip_check = f"the kernels cannot run here ({execution.not_runnable_reason})"
+        if not skip_check:
+            skip_check = _nondeterminism(captured)
+        build = self._build(gm, example_inputs, execution, device, self.options.disable_passes,
+                            checkable=not skip_check)
+        for result in build.results:
+            self.report.record_pass(result.name, result.rewrites, result.refusals)
+        self._commit(build)
+        dynamic = sorted({str(v) for v in example_inputs if isinstance(v, torch.SymInt)})
+        record = GraphRecord(compile_id, recompile, 0, dynamic,
+                             [self._graph_break] if self._graph_break else [], "", execution.describe(),
+                             execution.not_runnable_reason, {})
+        _describe(record, build)
+        if build.fired():
+            record.rewrite_check = f"skipped: {skip_check}" if skip_check else ""
+        self.report.graphs.append(record)
+        _dump(build.stages, compile_id)
+        if config.debug_level() >= 1:
+            print(self.report)
+        if config.debug_level() >= 2:
+            for stage in build.stages:
+                print(stage.text)
+        if skip_check or not build.fired():
+            return build.run
+        check = _RewriteCheck(self, gm, example_inputs, captured, build, record, execution, device)
+        return check.call
+
+    def _build(self, gm, example_inputs, execution: Execution, device, disabled, checkable: bool,
+               inductor_context=None) -> _Build:
+        options = dataclasses.replace(self.options, disable_passes=tuple(disabled))
+        graph, stages = run_pipeline(gm.graph, self.target, options)
+        created = lower_graph(graph, self.target, self.options, execution, device, self.kernels)
+        uses = kernel_uses(graph)
+        references = [record for record in created if record.codegen == "reference"]
         stages.append(type(stages[0])("lowered", ir.print_graph(graph, f"lowered for {self.target.name}"), None))
+        coverage = graph_coverage(graph, [(s.name, where, why) for s in stages if s.result is not None
+                                          for where, why in s.result.refusals])
         fallback = self.options.fallback
         if fallback == "auto":
             fallback = "inductor" if device is not None and device.type != "cpu" else "eager"
@@ -198,25 +291,16 @@ class DzcBackend:
             # Nothing left for Inductor to fuse: running the graph directly skips the dispatcher hop that an
             # Inductor-compiled graph makes into each dzc op (tens of microseconds a call).
             fallback = "eager (nothing left for inductor)"
-        dynamic = sorted({str(v) for v in example_inputs if isinstance(v, torch.SymInt)})
-        record = GraphRecord(compile_id, recompile, len(graph.nodes), dynamic, self._new_break_reasons(), fallback,
-                             execution.describe(), execution.not_runnable_reason, _unfused_ops(graph),
-                             host_syncs=_host_syncs(graph), stages=[(s.name, s.text) for s in stages])
-        self.report.graphs.append(record)
-        _dump(stages, compile_id)
-        if config.debug_level() >= 1:
-            print(self.report)
-        if config.debug_level() >= 2:
-            for stage in stages:
-                print(stage.text)
-
+        checked = torch.fx.GraphModule(gm, copy_graph(graph)) if checkable else None
         lowered = torch.fx.GraphModule(gm, graph)
         if fallback == "inductor":
             from torch._inductor.compile_fx import compile_fx_inner  # noqa: PLC0415 (heavy; only when used)
 
             # MUSA Triton builds fail when Inductor compiles in several processes (torch_musa sets one thread).
             serial = {} if self.target.profile.compile_in_parallel else {"compile_threads": 1}
-            with torch._inductor.config.patch(serial):
+            tracing = (torch._guards.tracing(inductor_context) if inductor_context is not None
+                       else contextlib.nullcontext())
+            with torch._inductor.config.patch(serial), tracing:
                 boxed = compile_fx_inner(lowered, example_inputs)
 
             def compiled(*args):
@@ -224,7 +308,235 @@ class DzcBackend:
         else:
             _direct_launches(lowered)
             compiled = lowered.forward  # the generated function itself: no nn.Module call machinery per call
-        return compiled
+        results = [stage.result for stage in stages if stage.result is not None]
+        return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage)
+
+    def _commit(self, build: _Build) -> None:
+        """Put the kernels `build` runs into the report (those not there yet)."""
+        in_use = [record for record in self.kernels.records.values() if record.kernel_id in build.uses]
+        for record in in_use + build.references:
+            if not any(record is known for known in self.report.kernels):
+                self.report.kernels.append(record)
+
+    def _discard(self, build: _Build) -> None:
+        """Give back the kernels of a build that will not run; those no other graph runs leave the report."""
+        gone = self.kernels.release(build.uses) + build.references
+        self.report.kernels = [k for k in self.report.kernels if not any(k is g for g in gone)]
+
+
+def _describe(record: GraphRecord, build: _Build) -> None:
+    """Fill in what the graph record says about the build that runs."""
+    record.nodes = len(build.graph.nodes)
+    record.fallback = build.fallback
+    record.unfused_ops = _unfused_ops(build.graph)
+    record.host_syncs = _host_syncs(build.graph)
+    record.stages = [(s.name, s.text) for s in build.stages]
+    record.coverage = dataclasses.replace(build.coverage, compile_id=record.compile_id)
+
+
+def _draws_random_numbers(node: torch.fx.Node) -> bool:
+    """An op that draws random numbers in this call: ATen tags them; attention's dropout only with dropout_p > 0."""
+    if not isinstance(node.target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in node.target.tags:
+        return False
+    names = [argument.name for argument in node.target._schema.arguments]
+    if "dropout_p" in names:
+        position = names.index("dropout_p")
+        p = node.args[position] if position < len(node.args) else node.kwargs.get("dropout_p", 0.0)
+        return p != 0
+    return True
+
+
+# Ops that choose among values (which of them, or in which order): a value rounded an ulp differently can change
+# the choice at a near-tie, and everything computed from the choice with it.
+_SELECTING_OPS = {torch.ops.aten.topk.default, torch.ops.aten.sort.default, torch.ops.aten.sort.stable,
+                  torch.ops.aten.argsort.default, torch.ops.aten.argsort.stable, torch.ops.aten.argmax.default,
+                  torch.ops.aten.argmin.default, torch.ops.aten.max.dim, torch.ops.aten.min.dim,
+                  torch.ops.aten.kthvalue.default}
+_LOW_PRECISION = {torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+def _nondeterminism(graph: torch.fx.Graph) -> str:
+    """Why two runs of `graph` on the same inputs may differ by more than rounding although both are right, or
+    "": the check cannot compare such runs. Random numbers differ by design. A selection (top-k, argmax: MoE
+    routers, DSA's key selection) in a graph that computes in bf16 or fp16 flips at near-ties when a fused kernel
+    rounds differently (measured: a quarter of the logits on a bf16 model with both), so its outputs are not
+    comparable; in fp32 near-ties are too rare to matter."""
+    random_ops = sorted({str(node.target) for node in graph.nodes if _draws_random_numbers(node)})
+    if random_ops:
+        return f"the graph draws random numbers ({', '.join(random_ops)})"
+    selections = sorted({str(node.target) for node in graph.nodes if node.target in _SELECTING_OPS})
+    low = sorted({str(value.dtype).removeprefix("torch.") for node in graph.nodes
+                  for value in pytree.tree_leaves(node.meta.get("val"))
+                  if isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION})
+    if selections and low:
+        return (f"the graph selects among values ({', '.join(selections)}) and computes in {', '.join(low)}: a "
+                "near-tie that rounds the other way changes the selection, so its runs are not comparable")
+    return ""
+
+
+# Ops whose integer results may legitimately differ between implementations: which of tied values comes first.
+_TIE_BREAKING_OPS = {torch.ops.aten.topk.default, torch.ops.aten.sort.default, torch.ops.aten.sort.stable,
+                     torch.ops.aten.argsort.default, torch.ops.aten.argsort.stable}
+
+# (relative L2 error, largest error relative to the largest |value|) beyond which two runs of a graph compute
+# different things, not the same thing rounded differently: a fused kernel rounds at other points and sums in
+# another order, which moves elements by an ulp or two of their dtype, and the ops after it carry that further.
+# Gross by design, like the autotuner's agreement check: the kernel tests hold each kernel to its op's reference
+# tightly; this catches a rewrite that computes something else (a wrong mask, a dropped term).
+# Measured on the bf16 reference models (two layers, every fusion correct): relative L2 errors up to 0.014.
+_TOLERANCES = {torch.float64: (1e-9, 1e-7), torch.float32: (1e-5, 1e-4), torch.float16: (2.0 ** -7, 2.0 ** -4),
+               torch.bfloat16: (2.0 ** -4, 2.0 ** -2)}
+_LOW_PRECISION_TOLERANCE = (2.0 ** -3, 2.0 ** -1)  # FP8 outputs
+
+
+def _difference(expected, actual, compare_integers: bool) -> tuple[str | None, str]:
+    """Compare two runs' flattened results: (why they differ, or None; the largest relative errors found)."""
+    expected, actual = pytree.tree_leaves(expected), pytree.tree_leaves(actual)
+    if len(expected) != len(actual):
+        return f"{len(actual)} results, the captured graph has {len(expected)}", ""
+    worst_l2 = worst_max = 0.0
+    for index, (e, a) in enumerate(zip(expected, actual)):
+        if not isinstance(e, torch.Tensor):
+            if not isinstance(a, torch.Tensor) and a != e:
+                return f"result {index}: {a!r}, the captured graph gives {e!r}", ""
+            continue
+        if not isinstance(a, torch.Tensor) or a.shape != e.shape or a.dtype != e.dtype:
+            got = f"{a.dtype} {tuple(a.shape)}" if isinstance(a, torch.Tensor) else repr(a)
+            return f"result {index}: {got}, the captured graph gives {e.dtype} {tuple(e.shape)}", ""
+        if e.is_complex():
+            e, a = torch.view_as_real(e), torch.view_as_real(a)
+        if not e.is_floating_point():
+            if compare_integers and not torch.equal(e, a):
+                return f"result {index} ({e.dtype}): {int((e != a).sum())} of {e.numel()} elements differ", ""
+            continue
+        wide = torch.float64 if e.dtype == torch.float64 else torch.float32
+        e, a, dtype, shape = e.to(wide), a.to(wide), e.dtype, tuple(e.shape)
+        for name, test in (("NaN", torch.isnan), ("+inf", torch.isposinf), ("-inf", torch.isneginf)):
+            if not torch.equal(test(e), test(a)):
+                return f"result {index} ({dtype}): {name} at other positions than the captured graph's", ""
+        finite = torch.isfinite(e)
+        if not finite.any():
+            continue
+        e, a = e[finite], a[finite]
+        tiny = torch.finfo(wide).tiny
+        error = (a - e).abs()
+        relative_l2 = (error.norm() / e.norm().clamp_min(tiny)).item()
+        relative_max = (error.max() / e.abs().max().clamp_min(tiny)).item()
+        worst_l2, worst_max = max(worst_l2, relative_l2), max(worst_max, relative_max)
+        l2_bound, max_bound = _TOLERANCES.get(dtype, _LOW_PRECISION_TOLERANCE)
+        if relative_l2 > l2_bound or relative_max > max_bound:
+            return (f"result {index} ({str(dtype).removeprefix('torch.')} {list(shape)}): relative L2 error "
+                    f"{relative_l2:.3g}, largest error {relative_max:.3g} of the largest |value| (bounds for "
+                    f"{str(dtype).removeprefix('torch.')}: {l2_bound:.3g}, {max_bound:.3g})"), ""
+    return None, f"relative L2 error {worst_l2:.3g}, largest error {worst_max:.3g} of the largest |value|"
+
+
+def _written_inputs(graph: torch.fx.Graph) -> set[int]:
+    """Positions of the graph's inputs that it writes in place (through views too): a KV cache, say."""
+    placeholders = {node: i for i, node in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+
+    def base(value):
+        while (isinstance(value, torch.fx.Node) and isinstance(value.target, torch._ops.OpOverload)
+               and value.target.is_view):
+            value = value.args[0]
+        return value
+
+    written = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for position, argument in enumerate(node.target._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if base(item) in placeholders:
+                    written.add(placeholders[base(item)])
+    return written
+
+
+def _copy_inputs(args, written, sources=None) -> list:
+    """args with fresh copies (strides kept) of the written positions, taken from `sources` where given."""
+    sources = sources or {}
+    return [torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).copy_(sources.get(i, a))
+            if i in written else a for i, a in enumerate(args)]
+
+
+class _RewriteCheck:
+    """A graph's first call under CompileOptions.check_rewrites: the rewritten graph (op by op, so that the
+    check judges the rewrites, not Inductor) runs on copies of the inputs the graph writes, the graph as captured
+    runs on the caller's inputs (their one update, and the call's results), and the two are compared. Where they
+    differ, the pass at fault is found by adding the passes that fired back one at a time, each trial on fresh
+    copies, and the graph is rebuilt without the ones that made a difference."""
+
+    def __init__(self, backend: DzcBackend, gm, example_inputs, captured, build: _Build, record: GraphRecord,
+                 execution: Execution, device):
+        self.backend, self.gm, self.example_inputs = backend, gm, example_inputs
+        self.build, self.record, self.execution, self.device = build, record, execution, device
+        self.reference = torch.fx.GraphModule(gm, captured)
+        self.written = _written_inputs(captured) | _written_inputs(build.graph)
+        self.compare_integers = not any(node.target in _TIE_BREAKING_OPS for node in captured.nodes)
+        # Inductor compiles under the capture's tracing context (its fake inputs carry the symbolic sizes): kept
+        # for a rebuild at the first call.
+        self.inductor_context = torch._guards.TracingContext.try_get()
+        self.run = self._first_call
+
+    def call(self, *args):
+        return self.run(*args)
+
+    def _trial(self, build: _Build, args, pristine, expected) -> str | None:
+        inputs = _copy_inputs(args, self.written, pristine)
+        # An error raised here (a refused tuning database, say) is the call's error, as it would be without the check.
+        actual = build.checkable(*inputs)
+        why, summary = _difference(expected, [actual, [inputs[i] for i in sorted(self.written)]],
+                                   self.compare_integers)
+        self._summary = summary
+        return why
+
+    def _first_call(self, *args):
+        pristine = {i: args[i].clone() for i in self.written}  # kept for the trials while looking for a pass
+        expected_outputs = self.reference(*args)  # the caller's written inputs get the captured graph's update
+        expected = [expected_outputs, [args[i] for i in sorted(self.written)]]
+        why = self._trial(self.build, args, pristine, expected)
+        if why is None:
+            self.record.rewrite_check = f"passed ({self._summary})"
+            self.run = self.build.run
+            return expected_outputs
+        backend, record = self.backend, self.record
+        fired = self.build.fired()
+        warnings.warn(f"dzc: graph {record.compile_id}: the rewritten graph's results differ from the graph as "
+                      f"captured ({why}); looking for the pass at fault among {', '.join(fired)}", RuntimeWarning,
+                      stacklevel=2)
+        base = set(backend.options.disable_passes)
+        accepted: list[str] = []
+        dropped: list[tuple[str, str]] = []
+        final = None
+        for name in fired:
+            trial = backend._build(self.gm, self.example_inputs, self.execution, self.device,
+                                   base | (set(fired) - set(accepted) - {name}), checkable=True,
+                                   inductor_context=self.inductor_context)
+            why = self._trial(trial, args, pristine, expected)
+            if why is None:
+                accepted.append(name)
+                if final is not None:
+                    backend._discard(final)
+                final = trial
+            else:
+                dropped.append((name, why))
+                backend._discard(trial)
+        if final is None:  # every pass that fired was at fault: the graph as captured, lowered
+            final = backend._build(self.gm, self.example_inputs, self.execution, self.device,
+                                   base | set(fired), checkable=False, inductor_context=self.inductor_context)
+        backend._discard(self.build)
+        backend._commit(final)
+        for name, error in dropped:
+            backend.report.drop_rewrites(name, record.compile_id, self.build.rewrites(name), error)
+            warnings.warn(f"dzc: graph {record.compile_id}: dropped the rewrites of {name} "
+                          f"({', '.join(self.build.rewrites(name))}): {error}", RuntimeWarning, stacklevel=2)
+        _describe(record, final)
+        record.rewrite_check = "dropped " + "; ".join(f"{name} ({error})" for name, error in dropped)
+        self.run = final.run
+        return expected_outputs
 
 
 def _host_syncs(graph: torch.fx.Graph) -> list[str]:

@@ -7,6 +7,7 @@ shared across models and processes), load it, and write the kernel id into the n
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 from dataclasses import dataclass
@@ -96,14 +97,59 @@ class NotRunnable:
         raise runtime.NotRunnableError(f"dzc kernel {self.kernel_id} cannot run here: {self.reason}")
 
 
+class KernelTable:
+    """One compiled model's kernels, by generated source and where they run. A kernel carries its model's tuning
+    switch, tuning database and report record, so each dzc.compile keeps its own table: two models with
+    different options never share a kernel, and each report records its own tuning. The table's scope goes into
+    the kernel ids, which keeps the models' kernels apart in the process-wide launch table (runtime)."""
+
+    def __init__(self, scope: str = ""):
+        self.scope = scope
+        self.records: dict[tuple[str, str], KernelRecord] = {}  # (source name, execution) -> record
+
+    def kernel_id(self, name: str, execution: str) -> str:
+        taken = sum(1 for (other, _) in self.records if other == name)  # the same source run elsewhere
+        return ".".join(part for part in (name, self.scope, str(taken) if taken else "") if part)
+
+    def release(self, uses: collections.Counter) -> list[KernelRecord]:
+        """Take back `uses` (kernel id -> dzc op nodes) of a graph that was dropped; returns the records no graph
+        uses any more, which leave the table."""
+        gone = []
+        for key, record in list(self.records.items()):
+            record.uses -= uses.get(record.kernel_id, 0)
+            if record.uses <= 0:
+                del self.records[key]
+                gone.append(record)
+        return gone
+
+
+def kernel_uses(graph: torch.fx.Graph) -> collections.Counter:
+    """Kernel id -> dzc op nodes of a lowered graph that run it."""
+    return collections.Counter(node.kwargs["kernel_id"] for node in graph.nodes
+                               if dzc_op_name(node) and node.kwargs.get("kernel_id"))
+
+
+def _reference_record(op: str, profile: str, spec: str, why: str) -> KernelRecord:
+    return KernelRecord(f"{op}.reference", op, "reference", profile, spec, "", f"plain-torch reference ({why})", 0, 0,
+                        uses=0)
+
+
 def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, execution: Execution,
-                device: torch.device | None) -> list[KernelRecord]:
-    """Bind every dzc op node in `graph` (in place) to a generated kernel; returns the report entries."""
+                device: torch.device | None, table: KernelTable | None = None) -> list[KernelRecord]:
+    """Bind every dzc op node in `graph` (in place) to a generated kernel; returns the report entries of the
+    kernels this call added to `table` (a compiled model's own; kernels already in it are reused).
+
+    With a table (dzc.compile), an op instance that no kernel takes (the family rejects its spec: head dim,
+    dtype, size; or no config is legal on the profile) runs the op's plain-torch reference, and its record says
+    why. Without one (dzc-selftest, kernel tests, which ask for that kernel), it raises.
+    """
+    fall_back = table is not None
+    table = table if table is not None else KernelTable()
     cache = Path(options.resolved_cache_dir())
     kernel_dir = cache / "kernels"
     kernel_dir.mkdir(parents=True, exist_ok=True)
     database = open_database(cache, options.tuning_db)
-    records: dict[str, KernelRecord] = {}
+    added: dict[str, KernelRecord] = {}
     for node in graph.nodes:
         op = dzc_op_name(node)
         if op is None or not _takes_kernel_id(node):
@@ -112,32 +158,48 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
             # An op whose kernels are not written yet runs its plain-torch reference (empty kernel_id); the report
             # lists it with codegen "reference" so that nobody mistakes it for a generated kernel.
             key = f"{op}.reference"
-            if key not in records:
-                records[key] = KernelRecord(key, op, "reference", target.profile.name, "", "",
-                                            "plain-torch reference (no kernel family yet)", 0, 0, uses=0)
-            records[key].uses += 1
+            if key not in added:
+                added[key] = _reference_record(op, target.profile.name, "", "no kernel family yet")
+            added[key].uses += 1
             continue
         family = KERNEL_FAMILIES[op]
-        spec = family.spec_from_node(node)
-        codegen_name = choose_codegen(op, options, execution, spec, target.profile)
-        codegen = target.codegens[codegen_name]
-        source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
-        digest = hashlib.sha256(f"{target.profile.fingerprint}\n{source}".encode()).hexdigest()
-        kernel_id = f"{op}.{codegen_name}.{digest[:10]}"
-        node.update_kwarg("kernel_id", kernel_id)
-        if kernel_id in records:  # the same spec elsewhere in the graph (every layer's norm, usually)
-            records[kernel_id].uses += 1
+        spec = None
+        try:
+            spec = family.spec_from_node(node)
+            codegen_name = choose_codegen(op, options, execution, spec, target.profile)
+            codegen = target.codegens[codegen_name]
+            source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
+            legal, illegal = legal_configs(family, codegen_name, spec, target.profile)
+            if not legal:
+                raise NoLegalConfig(f"dzc: no legal {codegen_name} config for {op} ({spec.describe()}) on "
+                                    f"{target.profile.name}")
+        except (ValueError, NoLegalConfig) as rejected:
+            if not fall_back:
+                raise
+            # Slow is better than failing the compile: the op's reference computes the same thing.
+            node.update_kwarg("kernel_id", "")
+            why = f"no kernel takes this instance: {rejected}".replace("dzc: ", "")
+            key = f"{op}.reference: {why}"
+            if key not in added:
+                added[key] = _reference_record(op, target.profile.name, spec.describe() if spec else "", why)
+            added[key].uses += 1
             continue
-        path = kernel_dir / f"{kernel_id.replace('.', '_')}.py"
+        digest = hashlib.sha256(f"{target.profile.fingerprint}\n{source}".encode()).hexdigest()
+        name = f"{op}.{codegen_name}.{digest[:10]}"
+        where = f"{execution.describe()}: {execution.not_runnable_reason}"
+        existing = table.records.get((name, where))
+        if existing is not None:  # the same spec elsewhere in the model (every layer's norm, usually)
+            existing.uses += 1
+            node.update_kwarg("kernel_id", existing.kernel_id)
+            continue
+        kernel_id = table.kernel_id(name, where)
+        node.update_kwarg("kernel_id", kernel_id)
+        path = kernel_dir / f"{name.replace('.', '_')}.py"
         if not path.exists() or path.read_text() != source:
             # Write then rename: a process compiling the same kernel at once never imports a half-written file.
             partial = path.with_suffix(f".{os.getpid()}.tmp")
             partial.write_text(source)
             os.replace(partial, path)
-        legal, illegal = legal_configs(family, codegen_name, spec, target.profile)
-        if not legal:
-            raise NoLegalConfig(f"dzc: no legal {codegen_name} config for {op} ({spec.describe()}) on "
-                                f"{target.profile.name}")
         reason = execution.not_runnable_reason
         if not reason and codegen_name == "tilelang" and not execution.runtime.runs_tilelang:
             reason = "TileLang kernels need a GPU (TileLang has no CPU interpreter); use codegen='triton' here"
@@ -153,5 +215,6 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
                                      source_hash=digest, record=record, autotune=options.autotune,
                                      database=database)
         runtime.register_kernel(kernel_id, kernel)
-        records[kernel_id] = record
-    return list(records.values())
+        table.records[(name, where)] = record
+        added[kernel_id] = record
+    return list(added.values())

@@ -56,9 +56,21 @@ class CompileOptions:
     # workspace path at every token count: it is for prefill; a decode step with it moves ~4x the weight bytes of
     # W4A16's online path, so leave it off where decode dominates.
     moe_fp8_activations: bool = False
+    # Check the rewrites on each graph's first call: run the graph as captured (before any pass) beside the
+    # rewritten one on the same inputs (inputs the graph writes, such as a KV cache, are copied for the rewritten
+    # run, so the caller's are written once), compare the outputs, and where they differ beyond rounding, drop
+    # the pass responsible for that graph (warned, recorded in the report with the error found). The first call
+    # returns the captured graph's results. Costs one extra run per graph, once (and a copy of the inputs it
+    # writes, two while looking for the pass at fault). None = $DZC_CHECK_REWRITES (on unless set to 0).
+    check_rewrites: bool | None = None
 
     def resolved_cache_dir(self) -> str:
         return self.cache_dir or config.CACHE_DIR.get()
+
+    def resolved_check_rewrites(self) -> bool:
+        if self.check_rewrites is not None:
+            return self.check_rewrites
+        return config.CHECK_REWRITES.get() == "1"
 
     def __post_init__(self):
         if self.codegen not in ("auto", "triton", "tilelang"):

@@ -11,6 +11,7 @@ import collections
 import json
 from dataclasses import asdict, dataclass, field
 
+from dzc.coverage import Coverage, GraphCoverage
 from dzc.targets.launch import KernelRecord
 
 
@@ -29,6 +30,11 @@ class GraphRecord:
     # number): calls of such a graph cannot be captured into a CUDA graph, so dzc's runner never tries.
     host_syncs: list[str] = field(default_factory=list)
     stages: list[tuple[str, str]] = field(default_factory=list)  # (stage name, IR text); not in summaries
+    # What the rewrite check (CompileOptions.check_rewrites) found on the graph's first call: "" before that call,
+    # "passed: <errors>", "dropped <passes>: ...", or "skipped: <why>".
+    rewrite_check: str = ""
+    # The share of FLOPs and bytes run in dzc kernels, the largest unfused ops, near-misses (dzc/coverage.py).
+    coverage: GraphCoverage | None = None
 
 
 @dataclass
@@ -42,6 +48,10 @@ class CompileReport:
     kernels: list[KernelRecord] = field(default_factory=list)
     # Why Dynamo ran (part of) the model eagerly, without dzc: a recompile limit reached (it only logs a warning).
     eager_runs: list[str] = field(default_factory=list)
+    # Rewrites the rewrite check dropped: {"pass", "graph", "sites", "error"} (the error it found on the outputs).
+    dropped_rewrites: list[dict] = field(default_factory=list)
+    # Captures that failed with dzc's capture settings and were retried without them (graph breaks accepted).
+    capture_retries: list[str] = field(default_factory=list)
 
     @property
     def compiles(self) -> int:
@@ -59,10 +69,29 @@ class CompileReport:
         """The passes that rewrote something, with how many times (report.passes lists every pass that ran)."""
         return {name: count for name, count in self.passes.items() if count}
 
+    @property
+    def coverage(self) -> Coverage:
+        """Per graph: how much runs in dzc kernels, the largest ops left to the fallback, and the sites that looked
+        like a fusion but were not rewritten, with why."""
+        return Coverage([g.coverage for g in self.graphs if g.coverage is not None])
+
+    @property
+    def reference_fallbacks(self) -> list[KernelRecord]:
+        """Op instances that run their plain-torch reference, no kernel taking them (the record says why)."""
+        return [k for k in self.kernels if k.codegen == "reference"]
+
     def record_pass(self, name: str, rewrites: list[str], refusals: list[tuple[str, str]]) -> None:
         self.passes[name] = self.passes.get(name, 0) + len(rewrites)
         self.pass_sites.setdefault(name, []).extend(rewrites)
         self.refusals.setdefault(name, []).extend(refusals)
+
+    def drop_rewrites(self, name: str, graph: str, rewrites: list[str], error: str) -> None:
+        """A pass's rewrites in one graph were dropped by the rewrite check: they no longer count as fired."""
+        self.passes[name] -= len(rewrites)
+        sites = self.pass_sites[name]
+        for site in rewrites:
+            sites.remove(site)
+        self.dropped_rewrites.append({"pass": name, "graph": graph, "sites": list(rewrites), "error": error})
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -80,17 +109,26 @@ class CompileReport:
             lines.append(f"    break: {reason}")
         for reason in self.eager_runs:
             lines.append(f"  NOT COMPILED: {reason}")
+        for retry in self.capture_retries:
+            lines.append(f"  capture retried: {retry}")
+        for dropped in self.dropped_rewrites:
+            lines.append(f"  REWRITE DROPPED: {dropped['pass']} in graph {dropped['graph']} at "
+                         f"{', '.join(dropped['sites'])}: {dropped['error']}")
         for graph in self.graphs:
             dynamic = ", ".join(graph.dynamic_sizes) or "none"
             lines.append(f"  graph {graph.compile_id}: {graph.nodes} nodes, dynamic sizes: {dynamic}, "
                          f"kernels run on: {graph.execution}")
             if graph.not_runnable_reason:
                 lines.append(f"    why: {graph.not_runnable_reason}")
+            if graph.coverage is not None:
+                lines.append(f"    {graph.coverage.summary()} (report.coverage: what was left and why)")
             if graph.unfused_ops:
                 ops = ", ".join(f"{op} x{n}" for op, n in sorted(graph.unfused_ops.items()))
                 lines.append(f"    left to {graph.fallback}: {ops}")
             if graph.host_syncs:
                 lines.append(f"    host syncs (calls run without CUDA graphs): {', '.join(graph.host_syncs)}")
+            if graph.rewrite_check:
+                lines.append(f"    rewrite check: {graph.rewrite_check}")
         lines.append("  passes:")
         for name, count in self.passes.items():
             sites = collections.Counter(self.pass_sites[name])

@@ -1,0 +1,170 @@
+"""CompileOptions.check_rewrites: each graph's first call also runs the graph as captured, and a rewrite whose
+results differ is dropped (warned, reported) while the call returns the right answer.
+
+The wrong rewrites here are the real fuse_residual_norm with one mistake put into its result (the norm's eps
+made 1.0): the fusion fires and the report says so, exactly as a pass that misread a structure would."""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import dzc
+import dzc.pipeline
+from dzc import config
+from dzc.capture import _difference
+from dzc.lowering import dzc_op_name
+from dzc.models.decoder import AddRMSNorm
+
+
+def _wrong_eps(graph_pass):
+    """graph_pass, whose add_rms_norm nodes then normalise with eps=1.0 (the model's is 1e-6)."""
+
+    @functools.wraps(graph_pass)
+    def wrong(graph):
+        result = graph_pass(graph)
+        for node in result.graph.nodes:
+            if dzc_op_name(node) == "add_rms_norm":
+                node.update_arg(3, 1.0)
+        return result
+
+    return wrong
+
+
+def _inputs(tokens=7, hidden=64, dtype=torch.float32):
+    return torch.randn(tokens, hidden, dtype=dtype), torch.randn(tokens, hidden, dtype=dtype)
+
+
+def _assert_matches_eager(model, outputs, x, residual):
+    expected_y, expected_h = model(x, residual)
+    torch.testing.assert_close(outputs[0], expected_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outputs[1], expected_h, atol=0, rtol=0)
+
+
+def test_a_passing_check_is_recorded(options, seed):
+    torch._dynamo.reset()
+    model = AddRMSNorm(64)
+    compiled = dzc.compile(model, "cuda", options)
+    x, residual = _inputs()
+    _assert_matches_eager(model, compiled(x, residual), x, residual)
+    report = compiled.report
+    assert report.fired() == {"fuse_residual_norm": 1} and not report.dropped_rewrites
+    assert report.graphs[0].rewrite_check.startswith("passed (relative L2 error ")
+    assert "rewrite check: passed" in str(report)
+
+
+def test_a_wrong_rewrite_is_dropped_reported_and_the_output_is_eager(options, seed, monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setattr(dzc.pipeline, "fuse_residual_norm", _wrong_eps(dzc.pipeline.fuse_residual_norm))
+    model = AddRMSNorm(64)
+    compiled = dzc.compile(model, "cuda", options)
+    x, residual = _inputs()
+    with pytest.warns(RuntimeWarning, match=r"dropped the rewrites of fuse_residual_norm .*relative L2 error"):
+        first = compiled(x, residual)
+    _assert_matches_eager(model, first, x, residual)
+    x, residual = _inputs(tokens=11)  # the rebuilt graph, not the check, runs from now on
+    _assert_matches_eager(model, compiled(x, residual), x, residual)
+    report = compiled.report
+    assert report.compiles == 1 and report.fired() == {}
+    [dropped] = report.dropped_rewrites
+    assert dropped["pass"] == "fuse_residual_norm" and dropped["graph"] == "0/0" and len(dropped["sites"]) == 1
+    assert "relative L2 error" in dropped["error"] and "float32" in dropped["error"]
+    assert report.graphs[0].rewrite_check.startswith("dropped fuse_residual_norm")
+    assert "add_rms_norm" not in dict(report.graphs[0].stages)["lowered"]
+    assert not report.kernels  # the dropped rewrite's kernel left the report with it
+    assert "REWRITE DROPPED: fuse_residual_norm in graph 0/0" in str(report)
+
+
+class _NormThenCacheWrite(nn.Module):
+    """A residual add + RMSNorm (fuse_residual_norm), a cache row written in place and read back
+    (reinplace_cache_writes) and a step counter bumped in place: two passes fire, and two inputs are written."""
+
+    def __init__(self, hidden=64):
+        super().__init__()
+        self.block = AddRMSNorm(hidden)
+
+    def forward(self, x, residual, cache, slots, steps):
+        y, h = self.block(x, residual)
+        cache[slots] = h
+        steps.add_(1)
+        return y + cache.sum(0), steps * 2
+
+
+def test_only_the_pass_at_fault_is_dropped_and_written_inputs_get_one_update(options, seed, monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setattr(dzc.pipeline, "fuse_residual_norm", _wrong_eps(dzc.pipeline.fuse_residual_norm))
+    model = _NormThenCacheWrite()
+    compiled = dzc.compile(model, "cuda", options)
+    x, residual = _inputs(tokens=3)
+    cache, slots, steps = torch.randn(16, 64), torch.tensor([5, 2, 9]), torch.zeros((), dtype=torch.int64)
+    expected_cache, expected_steps = cache.clone(), steps.clone()
+    expected = model(x, residual, expected_cache, slots, expected_steps)
+    with pytest.warns(RuntimeWarning, match="dropped the rewrites of fuse_residual_norm"):
+        actual = compiled(x, residual, cache, slots, steps)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, expected_cache)
+    assert steps.item() == 1, "the caller's input was written more (or less) than once"
+    report = compiled.report
+    assert [d["pass"] for d in report.dropped_rewrites] == ["fuse_residual_norm"]
+    assert report.fired() == {"reinplace_cache_writes": 1}, report.passes
+    lowered = dict(report.graphs[0].stages)["lowered"]
+    assert "add_rms_norm" not in lowered and "index_put_" in lowered
+    # The rebuilt graph on the next step: still eager's answer and one more write.
+    actual = compiled(x, residual, cache, torch.tensor([1, 0, 3]), steps)
+    expected = model(x, residual, expected_cache, torch.tensor([1, 0, 3]), expected_steps)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, expected_cache) and steps.item() == 2
+
+
+class _NoisyNorm(AddRMSNorm):
+    def forward(self, x, residual):
+        y, h = super().forward(x, residual)
+        return y + 1e-3 * torch.rand_like(y), h
+
+
+def test_graphs_that_draw_random_numbers_are_not_checked(options, seed):
+    torch._dynamo.reset()
+    compiled = dzc.compile(_NoisyNorm(64), "cuda", options)
+    compiled(*_inputs())
+    report = compiled.report
+    assert report.fired() == {"fuse_residual_norm": 1}
+    assert report.graphs[0].rewrite_check == "skipped: the graph draws random numbers (aten.rand.default)"
+
+
+def test_the_check_can_be_turned_off(options, seed, monkeypatch):
+    """Off (option or DZC_CHECK_REWRITES=0), the wrong rewrite runs: the check is what caught it above."""
+    monkeypatch.setattr(dzc.pipeline, "fuse_residual_norm", _wrong_eps(dzc.pipeline.fuse_residual_norm))
+    model = AddRMSNorm(64)
+    x, residual = _inputs()
+    for switch in ({"check_rewrites": False}, {}):
+        torch._dynamo.reset()
+        with config.scope(DZC_CHECK_REWRITES="0"):
+            compiled = dzc.compile(model, "cuda", dzc.CompileOptions(**{**vars(options), **switch}))
+        y, _ = compiled(x, residual)
+        assert not torch.allclose(y, model(x, residual)[0], atol=1e-2)
+        assert compiled.report.fired() == {"fuse_residual_norm": 1} and not compiled.report.dropped_rewrites
+        assert compiled.report.graphs[0].rewrite_check == "skipped: off (CompileOptions.check_rewrites)"
+    with config.scope(DZC_CHECK_REWRITES="yes"), pytest.raises(ValueError, match="DZC_CHECK_REWRITES"):
+        dzc.compile(model, "cuda", options)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_tolerances_pass_rounding_and_catch_wrong_values(dtype, seed):
+    expected = torch.randn(64, 256).to(dtype)
+    # Every element an ulp away (the other rounding of a fused kernel)
+    one_ulp = (expected.float() + torch.finfo(dtype).eps * expected.float().abs()).to(dtype)
+    assert (one_ulp != expected).float().mean() > 0.9
+    assert _difference([expected], [one_ulp], True)[0] is None
+    dropped_rows = expected.clone()
+    dropped_rows[:16] = 0  # a quarter of the rows lost (a mask that drops a segment)
+    scaled = (expected.float() * 1.1).to(dtype)  # everything off by a tenth (a wrong scale or eps)
+    for wrong in (dropped_rows, scaled):
+        why = _difference([expected], [wrong], True)[0]
+        assert why is not None and f"result 0 ({str(dtype)[6:]} [64, 256]): relative L2 error" in why
+    nan = expected.clone()
+    nan[0, 0] = float("nan")
+    assert "NaN" in _difference([expected], [nan], True)[0]
+    indices = torch.randint(0, 9, (5, 4))
+    assert "elements differ" in _difference([indices], [indices.flip(0)], True)[0]
+    assert _difference([indices], [indices.flip(0)], False)[0] is None  # top-k ties may order them otherwise
