@@ -118,11 +118,23 @@ def main():
     parser.add_argument("--codegens", nargs="+", default=["triton", "tilelang"])
     parser.add_argument("--cache-dir", default="/tmp/dzc-bench-cache")
     parser.add_argument("--out", help="write the markdown table here too")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: check the arguments, build what needs no device, print the plan")
     args = parser.parse_args()
     op = OPS[args.op]
     quick_hidden, quick_tokens = op["quick"]
     args.hidden = args.hidden or (quick_hidden if args.quick else op["hidden"])
     args.tokens = args.tokens or (quick_tokens if args.quick else op["tokens"])
+    if not set(args.codegens) <= {"triton", "tilelang"}:
+        parser.error(f"--codegens: {args.codegens} (triton, tilelang)")
+    if args.dry_run:  # everything up to the first device launch: the models and their dzc.compile wrappers
+        for hidden in args.hidden:
+            model = op["module"](hidden).to(torch.bfloat16).eval()
+            for codegen in args.codegens:
+                dzc.compile(_private_copy(model), "cuda", dzc.CompileOptions(codegen=codegen, cache_dir=args.cache_dir))
+            print(f"dry run: {args.op} hidden {hidden}, tokens {args.tokens}, dzc[{', '.join(args.codegens)}] "
+                  f"against eager and torch.compile")
+        return
     device = torch.device("cuda")
     # Every variant compiles the same forward; keep Dynamo from running out of cache entries for it.
     torch._dynamo.config.recompile_limit = 64

@@ -34,7 +34,7 @@ import triton
 import triton.testing
 
 from dzc.kv_cache import PAGE_SIZE, PagedKVCache
-from dzc.models.dsa import DEEPSEEK_V32, DSAConfig, DSASession, build_dsa_attention
+from dzc.models.dsa import DEEPSEEK_V32, TINY_DSA, DSAConfig, DSASession, build_dsa_attention
 from dzc.targets.device_runtime import dsl_versions
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 datasheet; measured copy bandwidth is ~4.3e12
@@ -103,11 +103,21 @@ def main():
     parser.add_argument("--quick", action="store_true", help="batch {1, 8} x context 32K, untuned kernels")
     parser.add_argument("--cache-dir", default=None, help="dzc cache (tuning database); default $DZC_CACHE_DIR")
     parser.add_argument("--out", help="also write the markdown table here")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: check the arguments, build what needs no device, print the plan")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_cache_writes needs a CUDA GPU")
     shapes = [(1, 32768), (8, 32768)] if args.quick else [(b, c) for b in args.batch for c in args.context]
+    if any(b < 1 or c < 1 for b, c in shapes):
+        parser.error("--batch and --context must be positive")
     options = dzc.CompileOptions(autotune=not args.quick, cache_dir=args.cache_dir)
+    if args.dry_run:  # the variants, on the tiny config's layer (DeepSeek-V3.2's is built on the GPU only)
+        tiny = build_dsa_attention(TINY_DSA)
+        for name in VARIANTS:
+            _variant(name, tiny, options)
+            print(f"dry run: {name}: (batch, context) {shapes}")
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_cache_writes needs a CUDA GPU (--dry-run checks the arguments without one)")
     model = build_dsa_attention(DEEPSEEK_V32).cuda()
 
     times: dict = {}

@@ -36,6 +36,8 @@ from dzc.ops.dsa import dsa_indexer_reference, dsa_topk_reference, sparse_attent
 from dzc.options import CompileOptions
 from dzc.selftest import lower_op
 from dzc.targets import TARGETS, Target, tilelang_codegen
+from dzc.targets import sparse_attention as attention_family
+from dzc.targets.launch import legal_configs
 from dzc.targets.profiles import MP_22
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 datasheet (measured copy: ~4.3e12)
@@ -234,30 +236,49 @@ class Bench:
         torch.cuda.empty_cache()
         return times
 
-    def decode(self):
+    def decode_shapes(self) -> list[tuple[int, int, int]]:
+        """(batch, queries, context) of every decode problem."""
         batches = (1, 64) if self.args.quick else self.args.batches
         contexts = (32768,) if self.args.quick else self.args.contexts
-        for context in contexts:
-            for batch in batches:
-                for queries in (2,) if self.args.quick else (1, 2):
-                    torch.manual_seed(batch * 1000 + queries + context)
-                    problem = Problem(batch, queries, context, self.fp8, self.device)
-                    label = f"decode B={batch} q={queries} ctx={context // 1024}K"
-                    torch.cuda.reset_peak_memory_stats()
-                    before = torch.cuda.memory_allocated()
-                    self.indexer_and_topk(problem, label)
-                    self.sparse_attention(problem, label)
-                    logits_mib = problem.rows * context * 4 / 2**20
-                    print(f"{label}: peak {(torch.cuda.max_memory_allocated() - before) / 2**20:.0f} MiB above the "
-                          f"caches, of which the indexer logits are {logits_mib:.0f} MiB (and the dense baselines' "
-                          f"tensors when they ran)", flush=True)
-                    del problem
-                    torch.cuda.empty_cache()
+        return [(batch, queries, context) for context in contexts for batch in batches
+                for queries in ((2,) if self.args.quick else (1, 2))]
+
+    def prefill_contexts(self) -> tuple[int, ...]:
+        return (8192,) if self.args.quick else tuple(self.args.prefill_contexts)
+
+    def plan(self):
+        """--dry-run: every problem built on the meta device (shapes, no memory), its sparse-attention spec and
+        legal configs on the profile: everything up to the first launch."""
+        meta = torch.device("meta")
+        shapes = [] if self.args.only == "prefill" else self.decode_shapes()
+        shapes += [] if self.args.only == "decode" else [(1, 4096, c) for c in self.prefill_contexts()]
+        for batch, queries, context in shapes:
+            problem = Problem(batch, queries, context, self.fp8, meta)
+            args = problem.attention_args()
+            spec = attention_family.spec_for(args[0], args[1], None, D_V)
+            legal, _ = legal_configs(attention_family, "triton", spec, self.target.profile)
+            print(f"dry run: B={batch} q={queries} ctx={context}: {spec.describe()}, {len(legal)} legal Triton configs "
+                  f"on {self.target.profile.name}")
+
+    def decode(self):
+        for batch, queries, context in self.decode_shapes():
+            torch.manual_seed(batch * 1000 + queries + context)
+            problem = Problem(batch, queries, context, self.fp8, self.device)
+            label = f"decode B={batch} q={queries} ctx={context // 1024}K"
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            self.indexer_and_topk(problem, label)
+            self.sparse_attention(problem, label)
+            logits_mib = problem.rows * context * 4 / 2**20
+            print(f"{label}: peak {(torch.cuda.max_memory_allocated() - before) / 2**20:.0f} MiB above the "
+                  f"caches, of which the indexer logits are {logits_mib:.0f} MiB (and the dense baselines' "
+                  f"tensors when they ran)", flush=True)
+            del problem
+            torch.cuda.empty_cache()
 
     def prefill(self):
-        contexts = (8192,) if self.args.quick else self.args.prefill_contexts
         chunk = self.args.prefill_chunk
-        for context in contexts:
+        for context in self.prefill_contexts():
             torch.manual_seed(context)
             problem = Problem(1, 4096, context, self.fp8, self.device)
             label = f"prefill 4096 q ctx={context // 1024}K"
@@ -325,9 +346,14 @@ def main():
     parser.add_argument("--prefill-contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--cache-dir", default="/tmp/dzc-bench-dsa-cache")
     parser.add_argument("--out", help="write the markdown table here too")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: check the arguments, build what needs no device, print the plan")
     args = parser.parse_args()
     torch._dynamo.config.recompile_limit = 64
     bench = Bench(args)
+    if args.dry_run:
+        bench.plan()
+        return
     if args.only != "prefill":
         bench.decode()
     if args.only != "decode":

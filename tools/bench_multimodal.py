@@ -160,10 +160,19 @@ def main():
     parser.add_argument("--compile-mode", default="max-autotune", choices=["max-autotune", "reduce-overhead"],
                         help="torch.compile baseline's mode (both use CUDA graphs; see the doc)")
     parser.add_argument("--out", help="write the markdown table here too")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: check the arguments, build what needs no device, print the plan")
     args = parser.parse_args()
     args.grids = args.grids or [[32, 32], [64, 48], [16, 24]]  # 1024, 3072 and 384 patches
     if len(args.text) != len(args.grids) + 1:
         parser.error(f"--text needs {len(args.grids) + 1} numbers for {len(args.grids)} images")
+    if args.dry_run:  # the model's config and the requests' token counts; the model itself is built on the GPU
+        cfg = model_config(args)
+        images = pack_images([tuple(g) for g in args.grids], cfg.vision, torch.bfloat16, torch.Generator())
+        ids = request_ids(cfg, [tuple(g) for g in args.grids], args.text, torch.Generator())
+        print(f"dry run: {cfg.layers} decoder layers; prefill of {images.patches.shape[0]} patches and "
+              f"{ids.shape[1]} tokens; decode batch {args.batch} at context {args.context}")
+        return
     args.cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="dzc-bench-multimodal-")
     device = torch.device("cuda")
     torch._dynamo.config.recompile_limit = 64

@@ -208,9 +208,22 @@ def main():
     parser.add_argument("--musa-legal", action="store_true", help="only configs legal on MUSA mp_22")
     parser.add_argument("--work-dir", default="/tmp/dzc-bench-vision-attention")
     parser.add_argument("--out", help="write the markdown table here too")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: check the arguments, build what needs no device, print the plan")
     args = parser.parse_args()
     if args.quick:
         args.head_dims, args.packs = [80], [p for p in args.packs if p in QUICK_PACKS]
+    if not set(args.codegens) <= {"triton", "tilelang"}:
+        parser.error(f"--codegens: {args.codegens} (triton, tilelang)")
+    if args.dry_run:  # every spec and the configs each codegen would time: all before the first launch
+        for head_dim in args.head_dims:
+            for rope in ([False, True] if args.rope else [False]):
+                spec = family.make_spec(head_dim, torch.bfloat16, torch.float32 if rope else None)
+                for codegen in args.codegens:
+                    candidates = dzc_configs(codegen, spec, args.full_tune, args.musa_legal)
+                    print(f"dry run: d={head_dim} rope={rope} {codegen}: "
+                          f"{len(candidates[:1] if args.quick else candidates)} configs, packs {args.packs}")
+        return
     device = torch.device("cuda")
     work_dir = Path(args.work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,9 @@ DECODE_STEPS = 2
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="cuda")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build the model, the compiled session and the first request's inputs; run nothing "
+                             "(the whole demo takes minutes through Triton's interpreter)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = CONFIGS["tiny"]
@@ -33,6 +36,12 @@ def main():
     options = dzc.CompileOptions(autotune=device == "cuda")
     compiled = MultimodalSession.compiled(model, new_cache(cfg, 2, len(REQUESTS), False, torch.bfloat16, device),
                                           args.target, options)
+    if args.dry_run:
+        grids, text = REQUESTS[0]
+        ids = request_ids(cfg, grids, text, torch.Generator().manual_seed(0))
+        print(f"dry run: {len(REQUESTS)} requests (the first: {len(grids)} images, {ids.shape[1]} tokens), "
+              f"{DECODE_STEPS} decode steps each, on {device} for target {args.target}")
+        return
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for sequence, (grids, text) in enumerate(REQUESTS):

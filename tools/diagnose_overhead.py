@@ -23,11 +23,20 @@ def per_call_us(fn, calls=300) -> float:
 
 
 def main():
-
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=2880)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 4096])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: check the arguments, build what needs no device, print the plan")
     args = parser.parse_args()
+    if args.dry_run:  # the model and the dzc variants, uncalled
+        model = AddRMSNorm(args.hidden).bfloat16()
+        for fallback in ("inductor", "eager"):
+            for graphs in (0, 256):
+                dzc.compile(model, "cuda", dzc.CompileOptions(fallback=fallback, cuda_graph_max_tokens=graphs,
+                                                              cache_dir="/tmp/dzc-diag"))
+        print(f"dry run: H={args.hidden}, tokens {args.tokens}")
+        return
     torch._dynamo.config.recompile_limit = 64
     model = AddRMSNorm(args.hidden).cuda().bfloat16()
     for tokens in args.tokens:

@@ -33,10 +33,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--limit-s", type=float, default=120.0, help="stop timing a variant's configs after this")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: check the arguments, build what needs no device, print the plan")
     args = parser.parse_args()
-    device = torch.device("cuda")
+    device = torch.device("meta" if args.dry_run else "cuda")
     torch.manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {__import__('triton').__version__}\n")
+    where = "dry run (meta tensors)" if args.dry_run else torch.cuda.get_device_name()
+    print(f"{where}, torch {torch.__version__}, triton {__import__('triton').__version__}\n")
     print("| variant | config | µs | TFLOP/s | % of 790 |\n|---|---|---|---|---|")
     for variant in args.variants:
         problem = Problem(fp8_index=False, device=device, **SHAPES[variant])
@@ -46,11 +49,14 @@ def main() -> None:
         path = Path(tempfile.mkdtemp()) / "sparse_attention.py"
         path.write_text(family.triton_source(spec, SM_90))
         kernels = triton_codegen.load(family, path, spec, SM_90)
-        expected = sparse_attention_reference(*problem.first_sequence(op_args, (0, 5, 6)))
         legal, _ = legal_configs(family, "triton", spec, SM_90)
         bucket = family.token_bucket(problem.rows)
         tier, default = family.configs_for_bucket(spec, SM_90, bucket, legal, family.triton_default_config(spec,
                                                                                                           SM_90))
+        if args.dry_run:  # the source generated and loaded, the tier chosen: everything before the first launch
+            print(f"| {variant} | dry run: {len(tier)} configs in the tier, default {default} | | | |")
+            continue
+        expected = sparse_attention_reference(*problem.first_sequence(op_args, (0, 5, 6)))
         flops = 2 * HEADS * TOPK * (D_QK + D_V) * problem.rows
         started = time.monotonic()
         for config in [default] + [c for c in tier if c != default]:

@@ -1,0 +1,111 @@
+"""Every tool in tools/ runs its smallest mode on the CPU, so that a change elsewhere cannot break one unseen (the
+MUSA-constrained runs crashed on the first W4A8 op they met, and nothing had run them since W4A8 landed).
+
+Tools that measure a GPU have a --dry-run: arguments checked, everything up to the first device launch built
+(models, compile wrappers, problems on the meta device, specs and config lists), the plan printed. Tools that can
+run on the CPU run for real on tiny shapes through Triton's interpreter. All run at once, each in its own process
+(each pays Python + torch start-up), as the user runs them: `python tools/<tool>.py ...`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ROOT / "tools"
+
+# tool -> (argv, text its output must contain). {tmp} is the test's scratch directory.
+SMOKE = {
+    "bench_add_rms_norm.py": (["--dry-run", "--quick"], "dry run: add_rms_norm hidden 2880"),
+    "bench_cache_writes.py": (["--dry-run", "--quick"], "dry run: dzc: (batch, context) [(1, 32768), (8, 32768)]"),
+    "bench_dsa.py": (["--dry-run", "--quick"], "dry run: B=1 q=4096 ctx=8192"),
+    "bench_multimodal.py": (["--dry-run", "--quick"], "dry run: 2 decoder layers"),
+    "bench_vision_attention.py": (["--dry-run", "--quick", "--musa-legal"], "dry run: d=80 rope=False triton"),
+    "diagnose_overhead.py": (["--dry-run", "--hidden", "64"], "dry run: H=64"),
+    "diagnose_sparse_attention_configs.py": (["--dry-run"], "| decode | dry run:"),
+    "demo.py": (["--dry-run"], "dry run: 2 requests"),
+    # Runs for real through the interpreter (the lookup-table decoders need the GPU's inline PTX).
+    "diagnose_mxfp4_decode.py": (["--check-only", "--hidden", "64", "--out-features", "32", "--experts", "4",
+                                  "--rows", "2", "--variants", "arith+fma", "--block-n", "32", "--block-k", "64",
+                                  "--stages", "1", "--prefetch", "0"], "| arith+fma | 32 | 64 | 4 | 1 | 0 | correct"),
+    "diagnose_varlen_attention_configs.py": (["--head-dim", "16", "--dtype", "float32", "--lengths", "1", "5", "0",
+                                              "--heads", "1", "--in-process", "--config",
+                                              "BLOCK_M=64 BLOCK_N=32 D_HI=0 D_LO=16 num_warps=4 num_stages=1"],
+                                             "ok: max abs error"),
+    # W4A8 has no legal config on mp_22 (no FP8): listed as not on this profile, not a crash; add_rms_norm runs.
+    "musa_constrained_runs.py": (["--device", "cpu", "--quick", "--family", "mxfp4_moe_w4a8", "--family",
+                                  "add_rms_norm", "--profile", "musa:mp_22", "--out", "{tmp}/musa.md"],
+                                 "not on this profile: mxfp4_moe_w4a8 on musa:mp_22"),
+    "diagnose_mxfp4_moe_numerics.py": (["--dry-run", "--workdir", "{tmp}/work"], ""),
+    # Run by their own tests (tests/test_model_zoo.py, the fuzzer's test) or on the GPU only (the lead's MoE
+    # benchmark, no CPU mode): here they must at least import and parse their arguments.
+    "zoo.py": (["--help"], "usage:"),
+    "fuzz.py": (["--help"], "usage:"),
+    "bench_mxfp4_moe.py": (["--help"], "usage:"),
+}
+
+
+def _env(tmp_path) -> dict:
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"  # CPU tensors run Triton kernels through the interpreter, also on a GPU machine
+    env["DZC_CACHE_DIR"] = str(tmp_path / "cache")
+    env["CUDA_VISIBLE_DEVICES"] = ""  # the smallest mode on the CPU, wherever the test runs
+    for knob in ("DZC_DUMP_DIR", "DZC_DEBUG", "DZC_AUTOTUNE_LOG", "DZC_TUNING_DB"):
+        env.pop(knob, None)
+    return env
+
+
+# Start-up is CPU-bound: more processes than this at once only add memory (~0.5 GB each).
+AT_ONCE = 4
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every tool's smoke command, AT_ONCE at a time; tool -> CompletedProcess."""
+    tmp_path = tmp_path_factory.mktemp("tools")
+    pending = [tool for tool in SMOKE if (TOOLS / tool).exists()]  # a tool gone: the coverage test says so
+    running: dict[str, subprocess.Popen] = {}
+    results = {}
+    try:
+        while pending or running:
+            while pending and len(running) < AT_ONCE:
+                tool = pending.pop(0)
+                argv = [a.replace("{tmp}", str(tmp_path)) for a in SMOKE[tool][0]]
+                running[tool] = subprocess.Popen([sys.executable, str(TOOLS / tool), *argv], stdout=subprocess.PIPE,
+                                                 stderr=subprocess.STDOUT, text=True, env=_env(tmp_path),
+                                                 cwd=tmp_path)
+            tool = next(iter(running))
+            proc = running.pop(tool)
+            out, _ = proc.communicate(timeout=600)
+            results[tool] = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+    finally:
+        for proc in running.values():
+            proc.kill()
+    return results
+
+
+def test_every_tool_has_a_smoke_run():
+    tools = sorted(p.name for p in TOOLS.glob("*.py"))
+    assert sorted(set(tools) - set(SMOKE)) == [], "give every tool a smallest CPU mode (--dry-run) and list it here"
+
+
+@pytest.mark.parametrize("tool", sorted(SMOKE))
+def test_tool_smallest_mode_runs_on_the_cpu(runs, tool):
+    if tool not in runs:
+        pytest.skip(f"tools/{tool} is gone")
+    result = runs[tool]
+    assert result.returncode == 0, f"{' '.join(result.args)}\n{result.stdout[-6000:]}"
+    assert SMOKE[tool][1] in result.stdout, result.stdout[-6000:]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
+@pytest.mark.parametrize("script", sorted(p.name for p in TOOLS.glob("*.sh")))
+def test_shell_tools_parse(script):
+    result = subprocess.run(["bash", "-n", str(TOOLS / script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
