@@ -168,11 +168,12 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
             spec = family.spec_from_node(node)
             codegen_name = choose_codegen(op, options, execution, spec, target.profile)
             codegen = target.codegens[codegen_name]
-            source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
+            # Legality first: a codegen with no kernel for the spec has no configs either (NoLegalConfig).
             legal, illegal = legal_configs(family, codegen_name, spec, target.profile)
             if not legal:
                 raise NoLegalConfig(f"dzc: no legal {codegen_name} config for {op} ({spec.describe()}) on "
                                     f"{target.profile.name}")
+            source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
         except (ValueError, NoLegalConfig) as rejected:
             if not fall_back:
                 raise

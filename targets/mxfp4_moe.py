@@ -9,19 +9,27 @@ on one of two paths, chosen per token bucket (a config parameter, WORKSPACE, so 
   workspace (prefill, Triton only): the activated experts' weights are dequantized once into one per-device
       buffer, shared by every layer, and both GEMMs read plain bf16 tiles. It moves ~4.8x the weight bytes, so it
       only pays when each expert has enough rows that decoding the same tile again for every row block costs more.
-TileLang runs the online path; it multiplies bf16 x bf16 only (its fp32 GEMM is TF32), so fp16 / fp32
-activations enter as 2 / 3 stacked bf16 terms, which hold them exactly.
-W4A8 (the dzc.mxfp4_moe_w4a8 op, profiles with native FP8; Triton, workspace path only): the activations and the
-activated experts' weights are converted to E4M3 (one scale per 128 columns) once per call, and both GEMMs
-multiply FP8 tiles. Its configs carry FP8=1; the op's specs get no other configs. Online dequant to FP8 is not
-offered: decoding in the GEMM's inner loop costs the same integer work per weight as W4A16's and W4A16 needs no
-activation quantization, so W4A8 only pays where the weights are converted once for many rows (prefill).
+TileLang runs the online path for bf16 and fp16 activations; it multiplies bf16 x bf16 only (its fp32 GEMM is
+TF32), so fp16 activations enter as 2 stacked bf16 terms, which hold them exactly (fp32: Triton, see
+tilelang_supports).
+W4A8 (the dzc.mxfp4_moe_w4a8 op, profiles with native FP8; Triton): the activations and the activated experts'
+weights are converted to E4M3 (one scale per 128 columns) once per call, and both GEMMs multiply FP8 tiles (configs
+with FP8=1, workspace path). Online dequant to FP8 is not offered: decoding in the GEMM's inner loop costs the same
+integer work per weight as W4A16's and W4A16 needs no activation quantization, so W4A8 only pays where the weights
+are converted once for many rows (prefill). At decode sizes (fewer than WORKSPACE_MIN_ROWS_PER_EXPERT rows per
+expert) the op's tier is W4A16's online one (FP8=0): converting every activated expert per call made W4A8 6.7x
+slower than W4A16 at 64 tokens of gpt-oss-120b on the H200 (7628 vs 1142 us, 2026-12-01), and at fewer rows per
+expert the conversion's share only grows. Those configs compute the layer without quantizing activations (the W4A16
+reference, closer to the model than W4A8's); the report's path per token bucket says which ran. The two are not
+mixed in one tier: the tuner's agreement check (1/16 of the output's scale) could not tell FP8 rounding (up to
+~2^-4 of it) from a wrong result.
 
 Decode is weight-bandwidth bound: useful bytes = the packed weights (and scales) of the experts actually touched.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -252,7 +260,8 @@ def prepare(spec: MXFP4MoESpec, hidden, topk_ids, topk_weights, w13_blocks, w13_
 
 
 def _tier(spec: MXFP4MoESpec, bucket: int) -> tuple[set[int], set[int]]:
-    """(BLOCK_M values, WORKSPACE values) worth trying for `bucket` tokens (W4A8 has the workspace path only)."""
+    """(BLOCK_M values, WORKSPACE values) worth trying for `bucket` tokens. W4A8's FP8 configs are all workspace
+    ones; at decode sizes its tier is W4A16's online one instead (module docstring)."""
     rows = rows_per_expert(spec, bucket)
     if rows <= DECODE_MAX_ROWS_PER_EXPERT:
         block_ms, paths = {16}, {0}
@@ -260,7 +269,9 @@ def _tier(spec: MXFP4MoESpec, bucket: int) -> tuple[set[int], set[int]]:
         block_ms, paths = {32, 64}, {0}
     else:
         block_ms, paths = {64, 128}, {0, 1}
-    return block_ms, {1} if spec.fp8_activations else paths
+    if spec.fp8_activations:  # the FP8 configs are the workspace ones; decode sizes run W4A16 online
+        paths = {0} if rows < WORKSPACE_MIN_ROWS_PER_EXPERT else {1}
+    return block_ms, paths
 
 
 def _uses_workspace(config: KernelConfig) -> bool:
@@ -379,11 +390,17 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
     3.6), 8 warps on them split the accumulators over two MMA layouts converted into each other at every step,
     and ran 2-3x slower on the H200 (docs/results/mxfp4_moe_h200.md); 128-row blocks take 4 and 8.
     """
-    if spec.fp8_activations:  # W4A8: the workspace path, one scale group per step (see the module docstring)
-        return [KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=block_m, BLOCK_N=block_n,
-                                  BLOCK_K=FP8_GROUP, WORKSPACE=1, SPLIT_K=1, FP8=1)
-                for block_m in (16, 32, 64, 128) for block_n in (64, 128)
-                for warps in ((4,) if block_m <= 64 else (4, 8)) for stages in (2, 3, 4)]
+    if spec.fp8_activations:
+        # W4A8: the workspace path, one scale group per step (see the module docstring); where FP8 is native, the
+        # W4A16 online configs for decode sizes too (on other profiles nothing: the op has no kernel there).
+        fp8 = [KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=block_m, BLOCK_N=block_n,
+                                 BLOCK_K=FP8_GROUP, WORKSPACE=1, SPLIT_K=1, FP8=1)
+               for block_m in (16, 32, 64, 128) for block_n in (64, 128)
+               for warps in ((4,) if block_m <= 64 else (4, 8)) for stages in (2, 3, 4)]
+        if not profile.supports_dtype(torch.float8_e4m3fn):
+            return fp8
+        w4a16 = triton_configs(dataclasses.replace(spec, fp8_activations=False), profile)
+        return fp8 + [c for c in w4a16 if not _uses_workspace(c) and c["BLOCK_M"] <= 64]
     configs = []
     for block_m, block_n, block_k, warps, stages, use_workspace, split_k in (
             [(16, n, k, w, 2, 0, split) for n in (32, 64, 128) for k in (128, 256) for w in (1, 2, 4, 8)
@@ -610,11 +627,8 @@ def _dequantize_experts(kernels, blocks, scales, plan: Routing, ws, n: int, k: i
 
 TILELANG_FACTORY_NAME = "build"
 _TILELANG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# bf16 terms that hold an activation exactly (the TileLang kernels multiply bf16 x bf16 only). fp32 needs three; it
-# takes four (the fourth is what three leave, zero for fp32 numbers in bf16's range): TileLang 0.1.15's GEMMs over
-# the 48-row stacked tile that three terms make gave wrong products on the H200 (2026-12-01, every element of both
-# GEMMs, tools/diagnose_mxfp4_moe_numerics.py), while its 16-, 32- and 64-row tiles were right.
-_ACTIVATION_TERMS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 4}
+# bf16 terms that hold an activation exactly (the TileLang kernels multiply bf16 x bf16 only).
+_ACTIVATION_TERMS = {torch.bfloat16: 1, torch.float16: 2}
 _TILELANG_ACTIVATIONS = {
     "silu_glu": ["return gate / (1.0 + T.exp(-gate)) * up"],
     "gptoss_clamped_glu": [
@@ -626,13 +640,18 @@ _TILELANG_ACTIVATIONS = {
 
 
 def tilelang_supports(spec: MXFP4MoESpec) -> bool:
-    """TileLang has the W4A16 online path only: W4A8 is Triton's."""
-    return not spec.fp8_activations
+    """TileLang has the W4A16 online path for bf16 and fp16 activations; W4A8 and fp32 activations are Triton's.
+
+    fp32 activations (three stacked bf16 terms, or four) gave wrong products in both GEMMs on the H200 (2026-12-01,
+    TileLang 0.1.15, tools/diagnose_mxfp4_moe_numerics.py: every output element, with the bf16 and fp16 cases of
+    the same run exact); the CUDA TileLang emits for them reads consistently, and the cause is not found yet."""
+    return not spec.fp8_activations and spec.hidden_dtype in _ACTIVATION_TERMS
 
 
 def tilelang_source(spec: MXFP4MoESpec, profile: DeviceProfile) -> str:
     if not tilelang_supports(spec):
-        raise ValueError("mxfp4_moe: no TileLang kernel for W4A8 (dzc.mxfp4_moe_w4a8); use codegen='triton'")
+        raise ValueError(f"mxfp4_moe: no TileLang kernel for {spec.describe()} (W4A8 and fp32 activations are "
+                         "Triton's); use codegen='triton'")
     if spec.activation not in ACTIVATIONS:
         raise ValueError(f"mxfp4_moe: no kernel for activation {spec.activation!r}")
     fields = _template_fields(spec, profile)

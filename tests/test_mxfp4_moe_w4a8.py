@@ -210,8 +210,10 @@ def test_w4a8_layer_matches_reference(name, changes, config, seed, tmp_path):
     - gate/up: the kernels' act against the reference's, within a rounding of act's dtype plus the GEMM's
       summation (fp32 order on a CPU; FP8 tensor cores sum each 128-column step with fewer bits, 2026-12-01 on
       the H200: 6e-5 of the act's scale);
-    - down: the layer's output against the reference's down GEMM and combine fed the kernels' act, within 2^-12
-      of the sum of the absolute products (the tensor cores' summation) plus one rounding of the output. An act
+    - down: the layer's output against the reference's down GEMM and combine fed the kernels' act, within 2^-8
+      of the sum of the absolute products plus one rounding of the output: Hopper's FP8 tensor cores keep about
+      14 bits while they sum (DeepSeek-V3's report), and one output of 5920 missed a 2^-12 bound by 4x on the
+      H200 (2026-12-01). A wrong operand, scale or column moves outputs by the whole magnitude. An act
       one ulp from the reference's may quantize to the neighbouring E4M3 value: judged against the reference's
       act, that moves outputs by a few E4M3 steps of a product, which no fixed tolerance tells from a wrong
       kernel (the first GPU run failed a 2^-14 bound that way).
@@ -237,7 +239,7 @@ def test_w4a8_layer_matches_reference(name, changes, config, seed, tmp_path):
     top_k = args[1].shape[1]
     order = torch.argsort(sorted_pairs.long().cpu())  # pair outputs back in pair order, then summed per token
     expected = pair_out[order].reshape(-1, top_k, spec.hidden).sum(1)
-    bound = 2**-12 * magnitude[order].reshape(-1, top_k, spec.hidden).sum(1) + ulp * expected.abs() + 1e-30
+    bound = 2**-8 * magnitude[order].reshape(-1, top_k, spec.hidden).sum(1) + ulp * expected.abs() + 1e-30
     error = (out.float().cpu() - expected).abs()
     assert (error <= bound).all(), f"down: {error.max().item():.3g} past its bound at {(error > bound).sum()} outputs"
     w4a16 = mxfp4_moe_reference(*args).float().cpu()
@@ -255,11 +257,14 @@ def test_fp8_configs_only_where_e4m3_is_native():
     for name, target in TARGETS.items():
         legal, illegal = legal_configs(mxfp4_moe, "triton", spec, target.profile)
         if target.profile.supports_dtype(torch.float8_e4m3fn):
-            assert legal and all(c["FP8"] == 1 and c["WORKSPACE"] == 1 and c["BLOCK_K"] == FP8_GROUP
-                                 for c in legal), name
-            for bucket in (1, 64, 8192):
+            fp8 = [c for c in legal if dict(c.params).get("FP8", 0)]
+            assert fp8 and all(c["WORKSPACE"] == 1 and c["BLOCK_K"] == FP8_GROUP for c in fp8), name
+            # Decode sizes (gpt-oss-120b: 1 and 64 tokens are under 128 rows per expert) run W4A16 online,
+            # prefill (8192 tokens: 256 rows per expert) W4A8 only.
+            for bucket, path, flag in ((1, "online", 0), (64, "online", 0), (8192, "W4A8", 1)):
                 tier, default = mxfp4_moe.configs_for_bucket(spec, target.profile, bucket, legal, legal[0])
-                assert default in tier and mxfp4_moe.describe_config(default).startswith("W4A8"), (name, bucket)
+                assert default in tier and mxfp4_moe.describe_config(default).startswith(path), (name, bucket)
+                assert all(dict(c.params).get("FP8", 0) == flag for c in tier), (name, bucket)
         else:
             assert not legal and illegal, f"{name} has no native E4M3 and must get no W4A8 config"
         assert not legal_configs(mxfp4_moe, "tilelang", spec, target.profile)[0], "W4A8 is Triton-only"
@@ -334,11 +339,16 @@ def test_option_rewrites_the_fused_layer_into_w4a8(tmp_path, seed):
     assert after == before.replace("# built by fuse_mxfp4_experts", "# built by quantize_moe_activations").replace(
         "dzc.mxfp4_moe.default(", "dzc.mxfp4_moe_w4a8.default("), "only the op changes"
     assert "dzc.mxfp4_moe_w4a8.default(" in after and "dzc.mxfp4_moe.default(" not in after
-    [kernel] = compiled.report.kernels
-    assert kernel.op == "mxfp4_moe_w4a8" and kernel.codegen == "triton"
-    assert all(entry["path"].startswith("W4A8") for entry in kernel.tuned.values()), kernel.tuned
     expected = model(x).float()
     assert (out.float() - expected).abs().max() <= 2**-3 * expected.abs().max(), "W4A8 strays from the layer"
+    # 256 tokens over 4 experts, top-2: 128 rows per expert, a prefill size (W4A8); 5 tokens decode (W4A16 online).
+    prefill = torch.randn(256, 64, device=DEVICE).bfloat16()
+    expected = model(prefill).float()
+    assert (compiled(prefill).float() - expected).abs().max() <= 2**-3 * expected.abs().max()
+    [kernel] = compiled.report.kernels
+    assert kernel.op == "mxfp4_moe_w4a8" and kernel.codegen == "triton"
+    paths = {bucket: entry["path"] for bucket, entry in kernel.tuned.items()}
+    assert len(paths) == 2 and sorted(p.split()[0] for p in paths.values()) == ["W4A8", "online"], paths
     # Off by default: the same model keeps the W4A16 op.
     default = dzc.compile(model, "cuda", dataclasses.replace(options, moe_fp8_activations=False))
     default(x)

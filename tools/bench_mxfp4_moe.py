@@ -234,8 +234,9 @@ class DzcKernels:
 
 def time_configs(kernels: "DzcKernels", bucket: int, musa_legal: bool, how_many: int, op_args, expected, errors,
                  label: str) -> tuple[float, float, KernelConfig | None]:
-    """The cost model's default, then the tier's candidates, each checked against `expected` (appended to
-    `errors`) and timed: (default seconds, best seconds, best config)."""
+    """The cost model's default, then the tier's candidates, each checked against `expected(config)` (a reference
+    output and its relative tolerance; the errors are appended to `errors`) and timed: (default seconds, best
+    seconds, best config)."""
     default_s = tuned_s = float("inf")
     tuned_config = None
     for role, config in kernels.configs(bucket, musa_legal, how_many):
@@ -246,7 +247,7 @@ def time_configs(kernels: "DzcKernels", bucket: int, musa_legal: bool, how_many:
                 raise
             print(f"skipped {config}: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
             continue
-        errors.append(check(f"dzc {kernels.codegen} {config}", result, expected))
+        errors.append(check(f"dzc {kernels.codegen} {config}", result, *expected(config)))
         seconds = graph_time(lambda c=config: kernels.run(c, op_args))
         print(f"  {label} {role} {config}: {seconds * 1e6:.1f} µs", file=sys.stderr)
         if role == "default":
@@ -260,12 +261,20 @@ def plain_time(fn) -> float:
     return triton.testing.do_bench(fn, warmup=3, rep=30, return_mode="median") * 1e-3
 
 
-def check(name: str, actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """bf16 tolerance: a rounding of the activation and of the output (2^-7 relative) against the output's scale;
-    returns the error relative to that scale."""
+W4A16_TOLERANCE = 2**-7  # bf16: a rounding of the activation and of the output, against the output's scale
+# W4A8: besides those, an activation one bf16 ulp from the reference's can quantize to the neighbouring E4M3 value
+# (2^-4 of it); over 2880-wide rows a few such flips moved outputs by up to 8.6e-3 of the scale on the H200
+# (gpt-oss-120b, 2048 tokens, 2026-12-01). tests/test_mxfp4_moe_w4a8.py judges each GEMM exactly; this is the gross
+# check a timing run needs.
+W4A8_TOLERANCE = 2**-6
+
+
+def check(name: str, actual: torch.Tensor, expected: torch.Tensor, relative: float = W4A16_TOLERANCE) -> float:
+    """The largest error against the output's scale must stay under `relative` of it; returns that error
+    relative to the scale."""
     scale = expected.float().abs().max().item()
     error = (actual.float() - expected.float()).abs().max().item()
-    if actual.isnan().any() or error > 2**-7 * scale + 1e-6:
+    if actual.isnan().any() or error > relative * scale + 1e-6:
         raise AssertionError(f"{name}: max error {error:.3g} vs output scale {scale:.3g}")
     return error / max(scale, 1e-30)
 
@@ -284,7 +293,8 @@ def main():
     parser.add_argument("--memory-layers", type=int, default=2,
                         help="stacked layers in the memory measurement (0: skip it)")
     parser.add_argument("--w4a8", action="store_true",
-                        help="also time the W4A8 op (dzc.mxfp4_moe_w4a8: FP8 activations, workspace path)")
+                        help="also time the W4A8 op (dzc.mxfp4_moe_w4a8: FP8 activations on the workspace path at "
+                             "prefill sizes, W4A16 online at decode sizes)")
     parser.add_argument("--memory-only", action="store_true", help="only the memory measurement (no timings)")
     parser.add_argument("--out", help="write the markdown report here too")
     args = parser.parse_args()
@@ -312,7 +322,7 @@ def main():
             Path(args.out).write_text("\n".join(lines) + "\n")
         return
     header = ("| model | routing | T | experts touched | path (tuned) | dzc default µs | dzc tuned µs | TB/s | % of 4.8 "
-              "| TFLOP/s | tilelang µs | W4A8 µs | W4A8 TFLOP/s | eager µs | compile µs | grouped_mm µs | vs eager "
+              "| TFLOP/s | tilelang µs | W4A8 op µs | W4A8 op path | W4A8 TFLOP/s | eager µs | compile µs | grouped_mm µs | vs eager "
               "| vs compile | vs grouped_mm | rel. err |")
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     print("\n".join(lines), flush=True)
@@ -337,13 +347,19 @@ def main():
                 tuned_config = None
                 if "triton" in kernels:
                     default_s, tuned_s, tuned_config = time_configs(
-                        kernels["triton"], bucket, args.musa_legal, how_many, op_args, expected, errors,
-                        f"{model} T={tokens}")
-                w4a8_s = float("nan")
+                        kernels["triton"], bucket, args.musa_legal, how_many, op_args,
+                        lambda config: (expected, W4A16_TOLERANCE), errors, f"{model} T={tokens}")
+                w4a8_s, w4a8_path = float("nan"), "-"
                 if w4a8_kernels is not None:
-                    _, w4a8_s, _ = time_configs(w4a8_kernels, bucket, False, how_many, op_args,
-                                                mxfp4_moe_w4a8_reference(*op_args), errors,
-                                                f"{model} T={tokens} W4A8")
+                    # The W4A8 op runs W4A16 online configs at decode sizes (targets/mxfp4_moe.py): each config
+                    # is checked against its own path's reference.
+                    w4a8_expected = mxfp4_moe_w4a8_reference(*op_args)
+                    _, w4a8_s, w4a8_config = time_configs(
+                        w4a8_kernels, bucket, False, how_many, op_args,
+                        lambda config: ((w4a8_expected, W4A8_TOLERANCE) if config["WORKSPACE"] and
+                                        dict(config.params).get("FP8", 0) else (expected, W4A16_TOLERANCE)),
+                        errors, f"{model} T={tokens} W4A8")
+                    w4a8_path = family.describe_config(w4a8_config).split(" (")[0] if w4a8_config else "-"
                 tilelang_s = float("nan")
                 if "tilelang" in kernels and bucket <= 64:
                     tl_kernels = kernels["tilelang"]
@@ -367,7 +383,7 @@ def main():
                        f"{family.describe_config(tuned_config).split(' (')[0] if tuned_config else '-'} | "
                        f"{default_s * 1e6:.1f} | {tuned_s * 1e6:.1f} | {bandwidth / 1e12:.2f} | "
                        f"{100 * bandwidth / PEAK_BYTES_PER_S:.0f}% | {family.flops(spec, tokens) / tuned_s / 1e12:.1f} | "
-                       f"{tilelang_s * 1e6:.1f} | {w4a8_s * 1e6:.1f} | "
+                       f"{tilelang_s * 1e6:.1f} | {w4a8_s * 1e6:.1f} | {w4a8_path} | "
                        f"{family.flops(spec, tokens) / w4a8_s / 1e12:.1f} | "
                        f"{eager_s * 1e6:.1f} | {compile_s * 1e6:.1f} | {grouped_s * 1e6:.1f} | "
                        f"{eager_s / tuned_s:.1f}x | {compile_s / tuned_s:.1f}x | {grouped_s / tuned_s:.2f}x | "

@@ -11,6 +11,9 @@
 # Diagnosis of the MoE kernels that are wrong on the GPU (issue 15), each GEMM on its own:
 #   (carry .whl-gpu1)          bash tools/gpu_campaign.sh moe-diag-1   # W4A8 diagnosis + its tests
 #   (carry .whl-gpu2)          bash tools/gpu_campaign.sh moe-diag-2   # TileLang W4A16 diagnosis
+# Session 8 (issues 15, 16):
+#   (carry .whl-gpu1)          bash tools/gpu_campaign.sh s8-1   # MoE and CUDA-graph GPU tests; W4A8 op timings
+#   (carry .whl-gpu2)          bash tools/gpu_campaign.sh s8-2   # TileLang MoE GPU tests; the op fuzzer, both codegens
 # With little device time left, one call without TileLang instead:
 #   bash tools/gpu_campaign.sh triton   # GPU tests of the Triton paths of the newest work; end-to-end and norm benches
 # Everything lands under $OUT (logs, result tables).
@@ -82,6 +85,22 @@ moe-diag-1)
 moe-diag-2)
   TAIL=60 part diag_tilelang 400 python3 tools/diagnose_mxfp4_moe_numerics.py --codegen tilelang \
     --cases float32-T1 silu --configs 2 --workdir "$OUT/tl"
+  ;;
+s8-1)
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+  TAIL=15 part gpu_tests_moe 240 python3 -m pytest -q -p no:logging -rf -k "not tilelang" \
+    tests/test_mxfp4_moe_w4a8.py tests/test_mxfp4_moe_kernels.py
+  TAIL=15 part gpu_tests_cuda_graphs 200 python3 -m pytest -q -p no:logging -rf tests/test_cuda_graphs.py \
+    tests/test_reinplace_cache_writes.py tests/test_multimodal_model.py -m gpu
+  TAIL=30 part bench_mxfp4_moe_w4a8 200 python3 tools/bench_mxfp4_moe.py --quick --w4a8 --memory-layers 0 \
+    --out "$OUT/mxfp4_moe_w4a8_h200.md"
+  ;;
+s8-2)
+  TAIL=15 part gpu_tests_moe 420 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_kernels.py \
+    tests/test_mxfp4_moe_w4a8.py
+  [ -f tools/fuzz.py ] && TAIL=30 part fuzz 240 python3 tools/fuzz.py --out "$OUT/fuzz_h200.md"
   ;;
 triton)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
