@@ -7,6 +7,7 @@ order or set gets its own list here.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,9 +85,16 @@ def run_pipeline(graph: torch.fx.Graph, target: Target, options: CompileOptions 
     for graph_pass in passes:
         if graph_pass.__name__ in disabled:
             continue
-        result = graph_pass(graph)
-        if verify:
-            ir.verify(result.graph)
+        try:
+            result = graph_pass(graph)
+            if verify:
+                ir.verify(result.graph)
+        except Exception as error:
+            # A pass that fails (a structure it did not expect) costs a fusion, not the compile: the graph goes on
+            # as it was (passes never mutate their input), and the report and a warning say why.
+            why = f"the pass failed ({type(error).__name__}: {error}); the graph is left as it was"
+            warnings.warn(f"dzc: {graph_pass.__name__}: {why}", RuntimeWarning, stacklevel=2)
+            result = PassResult(graph_pass.__name__, graph, refusals=[("graph", why)])
         graph = result.graph
         stages.append(Stage(result.name, ir.print_graph(graph, f"built by {result.name}"), result))
     return graph, stages

@@ -10,6 +10,7 @@ from conftest import assert_add_rms_norm_matches_eager
 from torch import nn
 
 import dzc
+import dzc.pipeline
 from dzc.models.decoder import AddRMSNorm
 from dzc.models.vision import TINY_MOONVIT, build_vision_encoder, pack_images
 
@@ -108,3 +109,22 @@ def test_each_compiled_model_has_its_own_kernels(tmp_path, seed):
     assert sorted(mine.tuned) == sorted(theirs.tuned) == [8, 64]
     assert all(entry["how"] != "untuned default" for entry in mine.tuned.values()), mine.tuned
     assert all(entry["how"] == "untuned default" for entry in theirs.tuned.values()), theirs.tuned
+
+
+def test_a_pass_that_fails_costs_its_fusion_not_the_compile(options, seed, monkeypatch):
+    torch._dynamo.reset()
+
+    def fuse_residual_norm(graph):
+        raise IndexError("a structure the matcher did not expect")
+
+    monkeypatch.setattr(dzc.pipeline, "fuse_residual_norm", fuse_residual_norm)
+    model = AddRMSNorm(64)
+    compiled = dzc.compile(model, "cuda", options)
+    x, residual = torch.randn(5, 64), torch.randn(5, 64)
+    with pytest.warns(RuntimeWarning, match="fuse_residual_norm: the pass failed .IndexError"):
+        y, h = compiled(x, residual)
+    expected_y, expected_h = model(x, residual)
+    torch.testing.assert_close(y, expected_y)
+    torch.testing.assert_close(h, expected_h)
+    [(site, why)] = compiled.report.refusals["fuse_residual_norm"]
+    assert "a structure the matcher did not expect" in why and not compiled.report.fired()

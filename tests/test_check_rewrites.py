@@ -168,3 +168,22 @@ def test_tolerances_pass_rounding_and_catch_wrong_values(dtype, seed):
     indices = torch.randint(0, 9, (5, 4))
     assert "elements differ" in _difference([indices], [indices.flip(0)], True)[0]
     assert _difference([indices], [indices.flip(0)], False)[0] is None  # top-k ties may order them otherwise
+
+
+@pytest.mark.gpu
+def test_a_wrong_rewrite_is_dropped_with_the_inductor_fallback(tmp_path, seed, monkeypatch):
+    """On a GPU the rest of the graph goes to Inductor: the graph rebuilt without the pass at fault is compiled by
+    Inductor at the first call (under the capture's tracing context), and keeps its symbolic token count."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(dzc.pipeline, "fuse_residual_norm", _wrong_eps(dzc.pipeline.fuse_residual_norm))
+    model = AddRMSNorm(64).cuda()
+    options = dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False, cuda_graph_max_tokens=0)
+    compiled = dzc.compile(model, "cuda", options)
+    with pytest.warns(RuntimeWarning, match="dropped the rewrites of fuse_residual_norm"):
+        first = compiled(*(t.cuda() for t in _inputs()))
+    assert first[0].is_cuda
+    for tokens in (7, 300, 9):
+        x, residual = (t.cuda() for t in _inputs(tokens))
+        _assert_matches_eager(model, compiled(x, residual), x, residual)
+    report = compiled.report
+    assert report.compiles == 1 and report.graphs[0].fallback == "inductor" and report.fired() == {}
