@@ -60,8 +60,8 @@ class CompileOptions:
     # rewritten one on the same inputs (inputs the graph writes, such as a KV cache, are copied for the rewritten
     # run, so the caller's are written once), compare the outputs, and where they differ beyond rounding, drop
     # the pass responsible for that graph (warned, recorded in the report with the error found). The first call
-    # returns the captured graph's results. Costs one extra run per graph, once (and a copy of the inputs it
-    # writes, two while looking for the pass at fault). None = $DZC_CHECK_REWRITES (on unless set to 0).
+    # returns the captured graph's results. Costs one extra run per graph, once, and for that call two copies of
+    # the inputs the graph writes (a KV cache). None = $DZC_CHECK_REWRITES (on unless set to 0).
     check_rewrites: bool | None = None
 
     def resolved_cache_dir(self) -> str:
