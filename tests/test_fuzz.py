@@ -1,0 +1,69 @@
+"""tools/fuzz.py in CI: the --quick run (tiny shapes, Triton through the interpreter on CPU) finds no mismatch and
+no crash on a fresh seed, and its table lists every op that has kernels (a new op cannot be skipped silently);
+its comparison tells wrong answers from right ones."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from dzc.targets import KERNEL_FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fuzz_module():
+    spec = importlib.util.spec_from_file_location("dzc_fuzz_tool", ROOT / "tools" / "fuzz.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _table_rows(markdown: str) -> dict[tuple[str, str], dict[str, int]]:
+    rows = {}
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 9 and cells[2].isdigit():
+            rows[(cells[0], cells[1])] = dict(zip(("cases", "match", "fallback", "clear-error", "mismatch", "crash"),
+                                                  map(int, cells[2:8])))
+    return rows
+
+
+def test_quick_fuzz_finds_no_mismatch_or_crash(tmp_path, seed):
+    out = tmp_path / "fuzz.md"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz.py"), "--quick", "--seed", str(seed),
+                           "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    markdown = out.read_text()
+    rows = _table_rows(markdown)
+    assert {op for op, _ in rows} == set(KERNEL_FAMILIES), markdown
+    for (op, codegen), counts in rows.items():
+        assert counts["cases"] > 0, f"{op}/{codegen} ran no case:\n{markdown}"
+        assert counts["mismatch"] == 0 and counts["crash"] == 0, markdown
+    # Most cases must test a kernel: a generator whose cases all fall back would test nothing.
+    for op in KERNEL_FAMILIES:
+        counts = rows[(op, "triton")]
+        assert counts["match"] >= counts["cases"] // 2, f"{op}: too few cases ran a kernel\n{markdown}"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_compare_tells_wrong_answers_from_right_ones():
+    fuzz = _fuzz_module()
+    expected = torch.tensor([1.0, float("nan"), -float("inf"), 2.0])
+    assert fuzz.compare(expected.clone(), expected, [(1e-3, 0.0)]) is None
+    assert fuzz.compare(expected + torch.tensor([5e-4, 0, 0, 0]), expected, [(1e-3, 0.0)]) is None
+    for wrong in ([1.0, 0.0, -float("inf"), 2.0],            # a number where the reference is NaN
+                  [1.0, float("nan"), float("inf"), 2.0],     # the wrong infinity
+                  [float("nan"), float("nan"), -float("inf"), 2.0],  # an unwritten (poisoned) element
+                  [1.0, float("nan"), -float("inf"), 2.01]):  # past the tolerance
+        assert fuzz.compare(torch.tensor(wrong), expected, [(1e-3, 0.0)]) is not None, wrong
+    indices = torch.tensor([[0, 3, -1]], dtype=torch.int32)
+    assert fuzz.compare(indices.clone(), indices, [(0.0, 0.0)]) is None
+    assert fuzz.compare(torch.tensor([[0, 4, -1]], dtype=torch.int32), indices, [(0.0, 0.0)]) is not None
+    assert fuzz.compare(indices.to(torch.int64), indices, [(0.0, 0.0)]) is not None
+
+
+def test_every_op_with_kernels_has_a_generator():
+    assert set(_fuzz_module().GENERATORS) == set(KERNEL_FAMILIES)

@@ -1,0 +1,1000 @@
+"""Op fuzzer: every dzc op with kernels, every code generator that runs here, on seeded random cases.
+
+    python tools/fuzz.py --quick                          # CI size: tiny shapes, Triton through the interpreter
+    python tools/fuzz.py --out fuzz_h200.md               # on a GPU: larger shapes, Triton and TileLang
+    python tools/fuzz.py --ops dsa_topk --codegens triton --seed 7 --only 3   # replay one case
+
+For each op in targets.KERNEL_FAMILIES and each of its code generators (Triton: interpreter on CPU, compiled on
+CUDA; TileLang: GPU only), cases are drawn from a seed: shapes with edge sizes (0 and 1, primes, just above and
+below tile sizes, empty segments, the largest the mode allows), the dtypes the op takes, inputs as offset,
+row-padded or transposed views into buffers whose other elements are NaN (or a harmless integer), and edge
+values (inf/NaN inputs and scales, constant rows, all-masked rows, top-k larger than the context, duplicate and
+out-of-range indices). Each case goes through dzc's own lowering (the fake checks, the family's spec and
+legality: the path dzc.compile takes), then the family's prepare and launch with outputs poisoned (NaN, or -2
+for indices), on the default config for the call's token bucket or a random legal one, and is compared with the
+op's plain-torch reference under dtype-aware tolerances. Outcomes:
+  match        the kernel's outputs equal the reference's within tolerance (NaN and inf where it has them);
+  fallback     the family refuses the instance at compile time (a head dim no kernel takes, no legal config):
+               dzc runs the op's reference there, which is right, but no kernel was tested;
+  clear-error  a ValueError (or NoLegalConfig) for an input outside the op's domain; the same for an input
+               inside it is a crash;
+  mismatch     a wrong answer, or a silent answer for input outside the domain that is not the documented
+               behaviour (listed with its seed and a one-line repro command);
+  crash        any other exception (or, on a GPU, a fault that kills the worker process).
+Out-of-domain cases state the behaviour the op documents for them (varlen_attention: an understated max_seqlen
+is never trusted; mxfp4_moe: expert ids outside [0, E) give NaN rows, since checking needs a host sync).
+
+On a GPU the cases run in a worker process: a fault (illegal address) kills the CUDA context, so the parent
+records the case as a crash and restarts the worker at the next one. Exit status 1 when any case mismatched
+or crashed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import dzc  # noqa: F401  (registers the ops; picks Triton's interpreter when there is no GPU)
+from dzc import mxfp4
+from dzc.lowering import PREFERRED_CODEGENS, Execution, NoLegalConfig, dzc_op_name, lower_graph
+from dzc.ops import OPS
+from dzc.options import CompileOptions
+from dzc.targets import INTERPRETER, KERNEL_FAMILIES, resolve_target
+from dzc.targets.launch import legal_configs
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+FLOATS = (BF16, FP16, FP32)
+OUTCOMES = ("match", "fallback", "clear-error", "mismatch", "crash")
+# Exit status of a worker whose CUDA context is gone (the parent restarts it at the next case).
+_DEVICE_LOST = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The largest sizes a mode draws (edge sizes around tiles are drawn below these)."""
+
+    norm_rows: int
+    norm_hidden: int
+    attn_tokens: int  # varlen_attention: tokens of one pack
+    attn_segment: int
+    attn_heads: int
+    moe_tokens: int
+    moe_dim: int  # H and I (multiples of 32)
+    moe_experts: int
+    dsa_seq: int  # longest sequence of the DSA caches
+    dsa_queries: int
+    dsa_heads: int
+    topk_width: int
+    topk_rows: int
+    topk_k: int
+
+
+QUICK = Sizes(norm_rows=9, norm_hidden=300, attn_tokens=80, attn_segment=66, attn_heads=2, moe_tokens=5,
+              moe_dim=64, moe_experts=4, dsa_seq=66, dsa_queries=5, dsa_heads=4, topk_width=300, topk_rows=5,
+              topk_k=40)
+LARGE = Sizes(norm_rows=4099, norm_hidden=16500, attn_tokens=9000, attn_segment=4100, attn_heads=16,
+              moe_tokens=600, moe_dim=2880, moe_experts=64, dsa_seq=9000, dsa_queries=300, dsa_heads=64,
+              topk_width=70000, topk_rows=600, topk_k=2100)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Drawing sizes, tensors and views
+
+
+_PRIMES = (2, 3, 5, 7, 11, 13, 17, 31, 37, 61, 67, 97, 127, 131, 251, 257, 509, 521, 1021, 1031, 2039, 2053, 4093,
+           4099, 8191, 8209, 16381, 16411, 65521, 65537)
+
+
+def edge_size(rng: random.Random, upper: int, lower: int = 1, multiple: int = 1) -> int:
+    """A size in [lower, upper] (a multiple of `multiple`): 1, the largest, a prime, a power of two or one
+    either side of it (tile edges), or uniform."""
+    def fit(n: int) -> int:
+        n = max(lower, min(upper, n))
+        n = n // multiple * multiple
+        return max(n, -(-lower // multiple) * multiple)
+    kind = rng.random()
+    if kind < 0.12:
+        return fit(lower)
+    if kind < 0.22:
+        return fit(upper)
+    if kind < 0.45:
+        return fit(rng.choice([p for p in _PRIMES if lower <= p <= upper] or [upper]))
+    if kind < 0.75:
+        powers = [1 << b for b in range(1, 18) if lower <= (1 << b) <= upper + 1]
+        if powers:
+            return fit(rng.choice(powers) + rng.choice((-1, 0, 1)) * multiple)
+    return fit(rng.randint(lower, upper))
+
+
+def edge_count(rng: random.Random, upper: int) -> int:
+    """Like edge_size, but 0 (an empty input) is drawn too."""
+    return 0 if rng.random() < 0.08 else edge_size(rng, upper)
+
+
+def randn(g: torch.Generator, *shape, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=g) * scale
+
+
+def place(t: torch.Tensor, rng: random.Random, device, fill,
+          kinds=("dense", "offset", "padded", "strided", "permuted")):
+    """t on `device` as drawn: dense, or an offset / row-padded / strided / transposed view into a larger buffer whose
+    other elements are `fill` (NaN for floats: a kernel that reads past the view shows it)."""
+    kind = rng.choice(kinds)
+    if t.dim() == 0 or t.numel() == 0 or (kind == "permuted" and t.dim() < 2):
+        kind = "dense"
+    if kind == "dense":
+        return t.to(device)
+    if kind == "offset":
+        offset = rng.choice((1, 4, 8, 13)) if t.dtype != torch.uint8 else rng.choice((4, 8, 16))
+        buffer = torch.full((t.numel() + offset + 5,), fill, dtype=t.dtype, device=device)
+        buffer[offset:offset + t.numel()] = t.reshape(-1).to(device)
+        return buffer[offset:offset + t.numel()].view(t.shape)
+    if kind == "padded":
+        pad = rng.choice((1, 3, 8)) if t.dtype != torch.uint8 else rng.choice((4, 8))
+        buffer = torch.full((*t.shape[:-1], t.shape[-1] + pad), fill, dtype=t.dtype, device=device)
+        buffer[..., :t.shape[-1]] = t.to(device)
+        return buffer[..., :t.shape[-1]]
+    if kind == "strided":  # every other element of the last dim
+        buffer = torch.full((*t.shape[:-1], 2 * t.shape[-1]), fill, dtype=t.dtype, device=device)
+        buffer[..., ::2] = t.to(device)
+        return buffer[..., ::2]
+    return t.transpose(-1, -2).contiguous().to(device).transpose(-1, -2)  # last dim not unit-stride
+
+
+def sprinkle(t: torch.Tensor, rng: random.Random, g: torch.Generator, values=(float("nan"), float("inf"),
+                                                                               -float("inf")), count: int = 2):
+    """t with a few elements replaced by special values (in place on a CPU tensor; returns it)."""
+    if t.numel():
+        flat = t.view(-1)
+        for _ in range(count):
+            flat[int(torch.randint(0, flat.numel(), (1,), generator=g))] = rng.choice(values)
+    return t
+
+
+def short(dtype) -> str:
+    return str(dtype).removeprefix("torch.") if dtype is not None else "none"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Cases
+
+
+@dataclasses.dataclass
+class Case:
+    """One call of an op. `domain` is empty for arguments inside the op's domain, else why they are not; then
+    `documented` (if the op documents what its kernels do there) gives the outputs the kernel must return."""
+
+    args: tuple
+    what: str
+    domain: str = ""
+    documented: Callable[[tuple, str], object] | None = None  # (args, the op whose reference applies)
+    pick_config: float = 0.0  # a uniform draw: < 0.5 the bucket's default config, else a random legal one
+
+
+def _norm_common(rng, g, size: Sizes, device, op: str) -> tuple[Case, dict]:
+    hidden = edge_size(rng, size.norm_hidden)
+    tokens = edge_count(rng, size.norm_rows)
+    dtype = rng.choice(FLOATS)
+    sum_dtype = rng.choice((dtype, dtype, FP32))
+    out_dtype = rng.choice((dtype, dtype, sum_dtype))
+    lead = (tokens,) if rng.random() < 0.7 else (rng.choice((1, 2)), tokens)
+    scale = rng.choice((1.0, 1.0, 1e-3, 40.0))
+    offset = rng.choice((0.0, 0.0, 3.0))  # a large mean: the variance must not cancel
+    x = randn(g, *lead, hidden, scale=scale) + offset
+    residual = randn(g, *lead, hidden, scale=scale)
+    notes = []
+    if rng.random() < 0.12:
+        sprinkle(x, rng, g)
+        notes.append("inf/nan in x")
+    if rng.random() < 0.1 and tokens:
+        x.view(-1, hidden)[0] = 0.5
+        residual.view(-1, hidden)[0] = 0.25
+        notes.append("constant row")
+    weight = None
+    if rng.random() < 0.8:
+        weight = (1.0 + 0.1 * randn(g, hidden)).to(rng.choice((dtype, FP32)))
+    eps = rng.choice((1e-6, 1e-5, 0.1))
+    fill = float("nan")
+    args = dict(x=place(x.to(dtype), rng, device, fill), residual=place(residual.to(sum_dtype), rng, device, fill),
+                weight=None if weight is None else place(weight, rng, device, fill, ("dense", "offset")),
+                eps=eps, dtype=dtype, sum_dtype=sum_dtype, out_dtype=out_dtype)
+    what = (f"{op} x={short(dtype)}{list(args['x'].shape)} res={short(sum_dtype)} y={short(out_dtype)} "
+            f"w={short(None if weight is None else weight.dtype)} eps={eps}{' ' + ', '.join(notes) if notes else ''}")
+    return Case((), what), args
+
+
+def gen_add_rms_norm(rng, g, size, device) -> Case:
+    case, a = _norm_common(rng, g, size, device, "add_rms_norm")
+    sum_in_fp32 = rng.random() < 0.3
+    cast_before_weight = rng.random() < 0.5
+    compute_dtype = FP32 if rng.random() < 0.8 else a["dtype"]
+    divide_by_rms = rng.random() < 0.2
+    case.args = (a["x"], a["residual"], a["weight"], a["eps"], sum_in_fp32, cast_before_weight, a["out_dtype"],
+                 a["sum_dtype"], compute_dtype, divide_by_rms)
+    case.what += f" fp32sum={sum_in_fp32} cast={cast_before_weight} compute={short(compute_dtype)} div={divide_by_rms}"
+    return case
+
+
+def gen_add_layer_norm(rng, g, size, device) -> Case:
+    case, a = _norm_common(rng, g, size, device, "add_layer_norm")
+    hidden = a["x"].shape[-1]
+    bias = None
+    if rng.random() < 0.7:
+        bias = place((0.1 * randn(g, hidden)).to(rng.choice((a["dtype"], FP32))), rng, device, float("nan"),
+                     ("dense", "offset"))
+    sum_in_fp32 = rng.random() < 0.3
+    case.args = (a["x"], a["residual"], a["weight"], bias, a["eps"], sum_in_fp32, a["out_dtype"], a["sum_dtype"])
+    case.what += f" bias={short(None if bias is None else bias.dtype)} fp32sum={sum_in_fp32}"
+    return case
+
+
+def gen_varlen_attention(rng, g, size, device) -> Case:
+    dtype = rng.choice(FLOATS)
+    rope = rng.random() < 0.5
+    head_dim = rng.choice((16, 32, 64, 72, 80, 128, 256) + ((17, 31, 97) if not rope else (18, 34, 98)))
+    if rng.random() < 0.05:
+        head_dim = rng.choice((8, 264)) if rope else rng.choice((7, 264))  # outside the kernels' 16..256
+    heads = edge_size(rng, size.attn_heads)
+    lengths, total = [], 0
+    for _ in range(rng.randint(1, 6)):
+        n = edge_count(rng, size.attn_segment)
+        if total + n > size.attn_tokens:
+            break
+        lengths.append(n)
+        total += n
+    lengths = lengths or [0]
+    qkv = randn(g, total, 3, heads, head_dim, scale=rng.choice((1.0, 1.0, 4.0)))
+    notes = []
+    if rng.random() < 0.1 and total:
+        qkv[:, 0] = sprinkle(qkv[:, 0].contiguous(), rng, g, values=(float("nan"),), count=1)
+        notes.append("nan in q")
+    qkv = qkv.to(dtype)
+    layout = rng.choice(("dense", "qkv", "permuted"))
+    if layout == "qkv":  # slices of one fused projection: token stride 3 * heads * head_dim
+        buffer = qkv.to(device)
+        q, k, v = buffer[:, 0], buffer[:, 1], buffer[:, 2]
+    else:
+        q, k, v = (place(qkv[:, i].contiguous(), rng, device, float("nan"),
+                         ("dense", "offset", "permuted") if layout == "permuted" else ("dense", "offset"))
+                   for i in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    cu_seqlens = place(cu, rng, device, 0, ("dense", "offset", "strided"))
+    longest = max(lengths)
+    max_seqlen = longest + rng.choice((0, 0, 0, 5))  # overstated is allowed
+    cos = sin = None
+    if rope:
+        rope_dtype = rng.choice(FLOATS)
+        angles = torch.rand(total, head_dim // 2, generator=g) * 40
+        angles = torch.cat([angles, angles], dim=-1)
+        cos, sin = (place(t.to(rope_dtype), rng, device, float("nan"), ("dense", "offset", "padded"))
+                    for t in (angles.cos(), angles.sin()))
+        notes.append(f"rope={short(rope_dtype)}")
+    sm_scale = rng.choice((head_dim ** -0.5, head_dim ** -0.5, 0.0, 2.0))
+    case = Case((q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin),
+                f"varlen_attention {short(dtype)} heads={heads} d={head_dim} lengths={lengths} layout={layout} "
+                f"max_seqlen={max_seqlen} sm_scale={sm_scale:.3g}{' ' + ', '.join(notes) if notes else ''}")
+    if longest > 1 and rng.random() < 0.1:
+        # Understated max_seqlen: the reference refuses; kernels never trust it for coverage (documented).
+        understated = rng.randint(1, longest - 1)
+        case.args = case.args[:4] + (understated,) + case.args[5:]
+        case.domain = f"max_seqlen={understated} < the longest segment {longest}"
+        case.documented = lambda args, op, true=max_seqlen: OPS[op][1](*args[:4], true, *args[5:])
+        case.what += f" (understated max_seqlen {understated})"
+    return case
+
+
+def _moe_weights(g, experts, n, k, scale_edges: bool, rng):
+    w = randn(g, experts, n, k) * torch.exp2(torch.randint(-4, 2, (experts, n, 1), generator=g).float())
+    blocks, scales = mxfp4.quantize(w * k ** -0.5)
+    if scale_edges:  # the decode's saturation: 2^126, 2^127 (inf past E2M1's 6 * 2^127) and NaN (0xFF)
+        flat = scales.view(-1)
+        for _ in range(3):
+            flat[int(torch.randint(0, flat.numel(), (1,), generator=g))] = rng.choice((0xFD, 0xFE, 0xFF, 0))
+    return blocks, scales
+
+
+def gen_moe(rng, g, size, device, op: str) -> Case:
+    hidden = edge_size(rng, size.moe_dim, lower=32, multiple=32)
+    inter = edge_size(rng, size.moe_dim, lower=32, multiple=32)
+    experts = edge_size(rng, size.moe_experts)
+    top_k = rng.randint(1, min(experts, 4))
+    tokens = edge_count(rng, size.moe_tokens)
+    dtype = rng.choice(FLOATS)
+    activation = rng.choice(("silu_glu", "gptoss_clamped_glu"))
+    interleaved = rng.random() < 0.5
+    scale_edges = rng.random() < 0.15
+    w13_blocks, w13_scales = _moe_weights(g, experts, 2 * inter, hidden, scale_edges, rng)
+    w2_blocks, w2_scales = _moe_weights(g, experts, hidden, inter, False, rng)
+    logits = randn(g, tokens, experts)
+    if rng.random() < 0.3:
+        logits[:, 0] += 12.0  # one expert takes nearly every token
+    top_logits, ids = logits.topk(top_k, dim=-1)
+    notes = ["scale bytes 0xFD/0xFE/0xFF/0"] if scale_edges else []
+    if rng.random() < 0.1 and top_k > 1 and tokens:
+        ids[:, 1] = ids[:, 0]  # duplicate experts in one token's slots
+        notes.append("duplicate ids")
+    weights_dtype = rng.choice((FP32, FP32, dtype))
+    topk_weights = torch.softmax(top_logits, dim=-1).to(weights_dtype)
+    bias = rng.random() < 0.6
+    w13_bias = (randn(g, experts, 2 * inter)).to(dtype) if bias else None
+    w2_bias = (randn(g, experts, hidden)).to(dtype) if bias else None
+    ids_dtype = rng.choice((torch.int32, torch.int64))
+    x = randn(g, tokens, hidden, scale=rng.choice((1.0, 1.0, 30.0)))
+    fill = float("nan")
+    args = (place(x.to(dtype), rng, device, fill), place(ids.to(ids_dtype), rng, device, 0, ("dense", "offset", "strided")),
+            place(topk_weights, rng, device, fill, ("dense", "offset", "permuted")),
+            w13_blocks.to(device), w13_scales.to(device), None if w13_bias is None else w13_bias.to(device),
+            w2_blocks.to(device), w2_scales.to(device), None if w2_bias is None else w2_bias.to(device),
+            activation, interleaved, 1.702, 7.0)
+    case = Case(args, f"{op} {short(dtype)} T={tokens} H={hidden} I={inter} E={experts} top_k={top_k} "
+                      f"{activation} interleaved={interleaved} bias={bias} ids={short(ids_dtype)} "
+                      f"weights={short(weights_dtype)}{' ' + ', '.join(notes) if notes else ''}")
+    if tokens and rng.random() < 0.08:
+        bad = ids.clone()
+        bad[0, 0] = rng.choice((experts, experts + 7, -1))
+        case.args = (args[0], bad.to(ids_dtype).to(device)) + args[2:]
+        case.domain = f"expert id {int(bad[0, 0])} outside [0, {experts})"
+        case.documented = lambda a, op: _moe_documented(op, a)
+        case.what += f" (expert id {int(bad[0, 0])} out of range)"
+    return case
+
+
+def _moe_documented(op: str, args: tuple) -> torch.Tensor:
+    """mxfp4_moe's kernels for expert ids outside [0, E) (targets/mxfp4_moe_routing.py): NaN rows for the tokens
+    that have one; the other tokens as the reference computes them."""
+    ids = args[1]
+    experts = args[4].shape[0]
+    bad_rows = ((ids < 0) | (ids >= experts)).any(dim=1)
+    good = ~bad_rows
+    expected = torch.full_like(args[0], float("nan"), memory_format=torch.contiguous_format)
+    if good.any():
+        expected[good] = OPS[op][1](args[0][good], ids[good], args[2][good], *args[3:])
+    return expected
+
+
+def _paging(rng, g, seq_lens, page_size, device):
+    """A block table handing out pages in a shuffled order, -1 past each sequence's pages, plus spare pages."""
+    needed = [-(-n // page_size) for n in seq_lens]
+    pages = sum(needed) + rng.randint(0, 2)
+    order = torch.randperm(max(pages, 1), generator=g).tolist()
+    table = torch.full((len(seq_lens), max(max(needed), 1) + rng.choice((0, 0, 1))), -1, dtype=torch.int32)
+    taken = 0
+    for b, n in enumerate(needed):
+        table[b, :n] = torch.tensor(order[taken:taken + n], dtype=torch.int32)
+        taken += n
+    return table, max(pages, 1)
+
+
+def _sequences(rng, size: Sizes):
+    batch = rng.randint(1, 4)
+    seq_lens = [edge_count(rng, size.dsa_seq) for _ in range(batch)]
+    page_size = rng.choice((1, 7, 16, 16, 64))
+    return seq_lens, page_size
+
+
+def _queries(rng, g, seq_lens, size: Sizes):
+    """(query_seq, query_pos): decode rows at the end of a sequence, prefill chunks, and rows of empty sequences."""
+    seqs, positions = [], []
+    for b, n in enumerate(seq_lens):
+        count = min(rng.choice((1, 1, 2, 5)), max(n, 1))
+        for pos in range(n - count, n):
+            seqs.append(b)
+            positions.append(max(pos, 0))
+    while len(seqs) > size.dsa_queries:
+        drop = rng.randrange(len(seqs))
+        seqs.pop(drop)
+        positions.pop(drop)
+    return torch.tensor(seqs, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32)
+
+
+def gen_dsa_indexer(rng, g, size, device) -> Case:
+    from dzc import kv_cache
+    seq_lens, page_size = _sequences(rng, size)
+    heads = edge_size(rng, size.dsa_heads)
+    fp8 = rng.random() < 0.4
+    head_dim = rng.choice((32, 64, 128)) if fp8 else rng.choice((16, 32, 64, 72, 128))
+    dtype = rng.choice(FLOATS)
+    q_dtype = rng.choice((torch.float8_e4m3fn, dtype)) if fp8 else dtype
+    table, pages = _paging(rng, g, seq_lens, page_size, device)
+    query_seq, query_pos = _queries(rng, g, seq_lens, size)
+    rows = query_seq.shape[0]
+    keys = randn(g, pages * page_size, head_dim)
+    if fp8:
+        cache = torch.randint(0, 256, (pages, kv_cache.fp8_index_page_bytes(page_size, head_dim)), generator=g,
+                              dtype=torch.uint8)
+        kv_cache.write_index_keys(cache, torch.arange(pages * page_size), keys)
+    else:
+        cache = keys.view(pages, page_size, head_dim).to(dtype)
+    q = randn(g, rows, heads, head_dim, scale=8.0 if q_dtype == torch.float8_e4m3fn else 1.0).to(q_dtype)
+    weights = randn(g, rows, heads)
+    longest = max(seq_lens)
+    max_context = max(1, longest + rng.choice((0, 0, -3, 9)))
+    cache_kinds = ("dense", "offset", "padded") if fp8 else ("dense", "offset", "padded", "permuted")
+    args = (place(q, rng, device, float("nan") if not fp8 else 0.0, ("dense", "offset")),
+            place(weights, rng, device, float("nan"), ("dense", "offset", "permuted")),
+            place(cache, rng, device, float("nan") if not fp8 else 0xFF, cache_kinds),
+            place(table, rng, device, 0, ("dense", "offset", "permuted")),
+            place(torch.tensor(seq_lens, dtype=torch.int32), rng, device, 0, ("dense", "offset", "strided")),
+            place(query_seq, rng, device, 0, ("dense", "offset", "strided")),
+            place(query_pos, rng, device, 0, ("dense", "offset", "strided")), max_context)
+    return Case(args, f"dsa_indexer q={short(q_dtype)} cache={'fp8' if fp8 else short(dtype)} heads={heads} "
+                      f"d={head_dim} seq_lens={seq_lens} page={page_size} rows={rows} max_context={max_context}")
+
+
+def gen_dsa_topk(rng, g, size, device) -> Case:
+    rows = edge_count(rng, size.topk_rows)
+    width = edge_size(rng, size.topk_width)
+    k = edge_size(rng, size.topk_k) if rng.random() < 0.8 else width + rng.randint(1, 9)  # k > context
+    kind = rng.choice(("distinct", "ties", "ties", "constant"))
+    if kind == "distinct":
+        logits = randn(g, rows, width)
+    elif kind == "ties":
+        logits = torch.randint(-3, 4, (rows, width), generator=g).float()
+    else:
+        logits = torch.full((rows, width), 1.5)
+    notes = []
+    if rng.random() < 0.5:
+        logits[torch.rand(rows, width, generator=g) < 0.1] = -float("inf")
+    if rng.random() < 0.15 and rows:
+        logits[0] = -float("inf")  # an all-masked row
+        notes.append("all -inf row")
+    if rng.random() < 0.1:
+        sprinkle(logits, rng, g, values=(float("inf"), -0.0, 0.0))
+        notes.append("+inf/signed zeros")
+    lengths = torch.tensor([rng.choice((width, width, rng.randint(0, width), 0, width + 5, -3)) for _ in range(rows)],
+                           dtype=torch.int32)
+    args = (place(logits, rng, device, float("nan")), place(lengths, rng, device, 0, ("dense", "offset", "strided")), k)
+    case = Case(args, f"dsa_topk rows={rows} width={width} k={k} {kind} lengths={lengths.tolist()[:6]}"
+                      f"{' ' + ', '.join(notes) if notes else ''}")
+    if rng.random() < 0.05:
+        case.args = args[:2] + (rng.choice((0, -1)),)
+        case.domain = f"k={case.args[2]} < 1"
+        case.what += f" (k={case.args[2]})"
+    return case
+
+
+def gen_sparse_attention(rng, g, size, device) -> Case:
+    seq_lens, page_size = _sequences(rng, size)
+    dtype = rng.choice(FLOATS)
+    if rng.random() < 0.6:  # MLA / MQA: one latent KV head, V = K[..., :d_v] or a separate v_cache
+        heads = edge_size(rng, size.dsa_heads)
+        kv_heads = 1
+        d_main = rng.choice((16, 32, 64) if size is QUICK else (64, 128, 512))
+        d_qk = d_main + rng.choice((0, 16, 64 if d_main >= 64 else 16))
+        d_v = rng.choice((d_main, d_main, 16))
+        separate_v = rng.random() < 0.3
+    else:  # MHA
+        heads = edge_size(rng, min(size.dsa_heads, 8))
+        kv_heads = heads
+        d_qk = rng.choice((16, 32, 64))
+        d_v = rng.choice((16, d_qk))
+        separate_v = rng.random() < 0.7
+    table, pages = _paging(rng, g, seq_lens, page_size, device)
+    query_seq, query_pos = _queries(rng, g, seq_lens, size)
+    if size is not QUICK and rng.random() < 0.2:  # more than DECODE_MAX_ROWS rows: the prefill kernel
+        query_seq = query_seq.repeat(300 // max(len(query_seq), 1) + 1)
+        query_pos = query_pos.repeat(300 // max(len(query_pos), 1) + 1)
+    rows = query_seq.shape[0]
+    k_cache = randn(g, pages, page_size, kv_heads, d_qk).to(dtype)
+    v_cache = randn(g, pages, page_size, kv_heads, d_v).to(dtype) if separate_v else None
+    topk = edge_size(rng, 33 if size is QUICK else 2048)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    indices = torch.full((rows, topk), -1, dtype=torch.int32)
+    notes = []
+    for t in range(rows):
+        visible = int(query_pos[t]) + 1
+        chosen = torch.randperm(visible, generator=g)[:topk]
+        indices[t, :chosen.numel()] = chosen.int()
+        if rng.random() < 0.3:  # invalid entries: -1, other negatives, at or past the sequence's length
+            n = seq_lens[int(query_seq[t])]
+            for _ in range(rng.randint(1, 3)):
+                indices[t, rng.randrange(topk)] = rng.choice((-1, -7, n, n + 1000, 2**31 - 1))
+        if rng.random() < 0.1:
+            indices[t] = -1  # no valid index: the row is 0
+    if rng.random() < 0.2 and topk > 1 and rows:
+        indices[:, 1] = indices[:, 0]  # duplicates count twice in the softmax
+        notes.append("duplicate indices")
+    sm_scale = rng.choice((d_qk ** -0.5, d_qk ** -0.5, 1.0))
+    fill = float("nan")
+    args = (place(randn(g, rows, heads, d_qk).to(dtype), rng, device, fill, ("dense", "offset", "permuted")),
+            place(k_cache, rng, device, fill, ("dense", "offset", "padded")),
+            None if v_cache is None else place(v_cache, rng, device, fill, ("dense", "offset", "padded")),
+            place(table, rng, device, 0, ("dense", "offset", "permuted")),
+            place(seq_lens_t, rng, device, 0, ("dense", "offset", "strided")),
+            place(query_seq, rng, device, 0, ("dense", "offset", "strided")),
+            place(indices, rng, device, -1, ("dense", "offset", "padded", "permuted")), sm_scale, d_v)
+    return Case(args, f"sparse_attention {short(dtype)} heads={heads} kv_heads={kv_heads} d_qk={d_qk} d_v={d_v} "
+                      f"v={'cache' if separate_v else 'K'} seq_lens={seq_lens} page={page_size} rows={rows} "
+                      f"topk={topk}{' ' + ', '.join(notes) if notes else ''}")
+
+
+GENERATORS: dict[str, Callable] = {
+    "add_rms_norm": gen_add_rms_norm,
+    "add_layer_norm": gen_add_layer_norm,
+    "varlen_attention": gen_varlen_attention,
+    "mxfp4_moe": lambda rng, g, size, device: gen_moe(rng, g, size, device, "mxfp4_moe"),
+    "mxfp4_moe_w4a8": lambda rng, g, size, device: gen_moe(rng, g, size, device, "mxfp4_moe_w4a8"),
+    "dsa_indexer": gen_dsa_indexer,
+    "dsa_topk": gen_dsa_topk,
+    "sparse_attention": gen_sparse_attention,
+}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Comparison with the reference
+
+
+def _eps(dtype) -> float:
+    return torch.finfo(dtype).eps
+
+
+def _finite_amax(t: torch.Tensor | None) -> float:
+    if t is None or t.numel() == 0:
+        return 0.0
+    t = t.float()
+    finite = t[t.isfinite()]
+    return float(finite.abs().max()) if finite.numel() else 0.0
+
+
+def tolerance(op: str, args: tuple, expected, config) -> list[tuple]:
+    """(atol, rtol) per output of `op` for these arguments (atol a number or a tensor of the output's shape): a
+    few roundings of the output dtype at the scale the op's error grows with (the interpreter truncates where a
+    GPU rounds)."""
+    outputs = expected if isinstance(expected, tuple) else (expected,)
+    if op in ("add_rms_norm", "add_layer_norm"):
+        y, h = outputs
+        # y: a few roundings of y's and the compute dtype each, at the normalised value's scale times the weight;
+        # LayerNorm subtracts the mean, so a rounding of h's magnitude is amplified by 1/std (a large mean).
+        # h: one rounding of the sum.
+        weight = args[2]
+        w = _finite_amax(weight) if weight is not None else 1.0
+        compute = args[8] if op == "add_rms_norm" else FP32
+        unit = max(_eps(y.dtype), _eps(compute), _eps(h.dtype) if op == "add_rms_norm" and args[5] else 0)
+        scale = 1.0
+        if op == "add_layer_norm" and h.numel():
+            total = (args[0].float() + args[1].float()).reshape(-1, h.shape[-1]).cpu()
+            rstd = torch.rsqrt(total.var(dim=-1, correction=0) + args[4])
+            scale = max(_finite_amax(total.abs().amax(dim=-1) * rstd), 1.0)
+        return [(4 * unit * w * scale, 4 * unit), (0.0, _eps(h.dtype))]
+    if op in ("varlen_attention", "sparse_attention"):
+        # A convex combination of V rows: errors in units of the output dtype at V's largest magnitude (the
+        # probabilities enter the second product rounded to the 16-bit dtype).
+        out = outputs[0]
+        v = args[2] if op == "varlen_attention" else (args[2] if args[2] is not None else args[1])
+        factor = 32 if out.dtype == FP32 else 4
+        allowed = factor * _eps(out.dtype)
+        if op == "varlen_attention":
+            allowed += 2 * _score_error(args)
+        return [(allowed * max(_finite_amax(v), 1e-6), 0.0)]
+    if op == "mxfp4_moe":
+        relative = {BF16: 2**-7, FP16: 2**-10, FP32: 1e-5}[outputs[0].dtype]
+        return [(relative * max(_finite_amax(outputs[0]), 1e-6), relative)]
+    if op == "mxfp4_moe_w4a8":
+        if not config or not dict(config.params).get("FP8"):  # decode sizes run W4A16 (its reference)
+            return tolerance("mxfp4_moe", args, expected, config)
+        # An activation an ulp from the reference's may quantize to the neighbouring E4M3 value (or its group to
+        # the neighbouring scale): each product moves by at most one E4M3 step, 2^-3 of itself.
+        ulp = {BF16: 2**-7, FP16: 2**-10, FP32: 2**-23}[outputs[0].dtype]
+        magnitude = _w4a8_magnitude(args).cpu()
+        return [(2**-3 * magnitude.nan_to_num(float("inf")) + 1e-30, ulp)]
+    if op == "dsa_indexer":
+        # Relative to the sum of absolute products (FP8 tensor cores accumulate with fewer bits than fp32).
+        q, weights = args[0].float(), args[1].float()
+        bound = (weights.abs().amax() * q.abs().amax() * q.shape[2] * q.shape[1]).item() if q.numel() else 0.0
+        keys_scale = 8.0  # |keys| < ~5 for randn keys; fp8 keys are quantized from them
+        return [(2**-10 * bound * keys_scale + 1e-6, 0.0)]
+    return [(0.0, 0.0)]  # dsa_topk: indices, exact
+
+
+def _score_error(args: tuple) -> float:
+    """varlen_attention: the largest change of a score the kernel may make, sm_scale * u * sum_d |q_d| |k_d| over
+    the pairs of a segment, with u = 2 sqrt(head_dim) fp32 epsilons (another summation order), plus, with RoPE,
+    2 epsilons of q's dtype (the rotated q and k rounding the other way: a GPU's fused multiply-add, or the
+    interpreter's truncating casts). A probability moves by at most about twice that."""
+    from dzc.ops.varlen_attention import apply_vision_rotary
+    q, k, _, cu_seqlens, _, sm_scale, cos, sin = args
+    u = 2 * math.sqrt(q.shape[-1]) * _eps(FP32)
+    if cos is not None:
+        q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
+        u += 2 * _eps(args[0].dtype)
+    q, k = q.float().abs(), k.float().abs()
+    bounds = cu_seqlens.tolist()
+    largest = 0.0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            largest = max(largest, _finite_amax(torch.einsum("shd,thd->hst", q[start:end], k[start:end])))
+    return abs(sm_scale) * u * largest
+
+
+def _w4a8_magnitude(args: tuple) -> torch.Tensor:
+    """Per output element of dzc.mxfp4_moe_w4a8: the sum of the absolute products of its down GEMM (the
+    reference's E4M3 operands and scales) times |topk weight|, plus |bias|: the scale of a rounding flip."""
+    from dzc.ops.mxfp4_moe import _fp8_matmul, glu_activation, mxfp4_to_e4m3, quantize_e4m3_groups
+    hidden, ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias = args[:9]
+    activation, interleaved, alpha, limit = args[9:13]
+    ids = ids.long()
+    x = hidden.float()
+    magnitude = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for e in ids.unique().tolist():
+        tokens, slots = torch.where(ids == e)
+        gate_up = _fp8_matmul(*quantize_e4m3_groups(x[tokens]), *mxfp4_to_e4m3(w13_blocks[e], w13_scales[e]))
+        if w13_bias is not None:
+            gate_up = gate_up + w13_bias[e].float()
+        act = glu_activation(gate_up, activation, interleaved, alpha, limit).to(hidden.dtype).float()
+        a_values, a_scales = quantize_e4m3_groups(act)
+        w_values, w_scales = mxfp4_to_e4m3(w2_blocks[e], w2_scales[e])
+        y = _fp8_matmul(a_values.abs(), a_scales, w_values.abs(), w_scales)
+        if w2_bias is not None:
+            y = y + w2_bias[e].float().abs()
+        magnitude.index_add_(0, tokens, y * topk_weights[tokens, slots, None].float().abs())
+    return magnitude
+
+
+def compare(actual, expected, tolerances: list[tuple[float, float]]) -> str | None:
+    """Why `actual` differs from `expected` (None if it does not): shapes, dtypes, integers exactly, floats where
+    the reference is NaN or ±inf exactly there, elsewhere within (atol, rtol)."""
+    actual = actual if isinstance(actual, tuple) else (actual,)
+    expected = expected if isinstance(expected, tuple) else (expected,)
+    if len(actual) != len(expected):
+        return f"{len(actual)} outputs, the reference has {len(expected)}"
+    for index, (a, e, (atol, rtol)) in enumerate(zip(actual, expected, tolerances)):
+        if a.shape != e.shape or a.dtype != e.dtype:
+            return f"output {index}: {a.dtype} {tuple(a.shape)}, reference {e.dtype} {tuple(e.shape)}"
+        a, e = a.cpu(), e.cpu()
+        if not e.is_floating_point():
+            differ = a != e
+            if differ.any():
+                where = differ.nonzero()[0].tolist()
+                return (f"output {index}: {int(differ.sum())} of {e.numel()} elements differ, first at {where}: "
+                        f"{a[tuple(where)].item()} vs {e[tuple(where)].item()}")
+            continue
+        a32, e32 = a.float(), e.float()
+        nan_differs = a32.isnan() != e32.isnan()
+        inf_differs = (a32.isinf() | e32.isinf()) & (a32 != e32) & ~e32.isnan()
+        if (nan_differs | inf_differs).any():
+            where = (nan_differs | inf_differs).nonzero()[0].tolist()
+            return (f"output {index}: NaN/inf pattern differs at {int((nan_differs | inf_differs).sum())} elements, "
+                    f"first {where}: {a32[tuple(where)].item()} vs reference {e32[tuple(where)].item()}")
+        finite = e32.isfinite()
+        error = (a32 - e32).abs().where(finite, 0.0)
+        allowed = atol + rtol * e32.abs().where(finite, 0.0)
+        excess = error - allowed
+        if (excess > 0).any():
+            where = excess.argmax()
+            return (f"output {index} ({e.dtype}): {int((excess > 0).sum())} of {e.numel()} elements past the "
+                    f"tolerance (rtol={rtol:.3g}); worst: error {error.view(-1)[where]:.4g}, allowed "
+                    f"{allowed.view(-1)[where]:.4g} (at {a32.view(-1)[where]:.6g} vs {e32.view(-1)[where]:.6g})")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Running a case
+
+
+@dataclasses.dataclass
+class Outcome:
+    op: str
+    codegen: str
+    index: int
+    outcome: str
+    what: str
+    why: str = ""
+    config: str = ""
+    seconds: float = 0.0
+
+
+class Runner:
+    """Lowers and launches cases of one target on one device; kernels are loaded once per generated source."""
+
+    def __init__(self, target_name: str, device: torch.device, cache_dir: str):
+        self.target = resolve_target(target_name)
+        self.device = device
+        self.execution = Execution(self.target.runtime if device.type == "cuda" else INTERPRETER)
+        self.cache_dir = cache_dir
+        self._compiled: dict[tuple[str, str], object] = {}
+
+    def _lower(self, op: str, codegen: str, args: tuple):
+        """dzc's lowering of one call: trace with fake tensors (the op's checks), then the family's spec, codegen
+        and legality; (spec, source path). ValueError / NoLegalConfig from the lowering: the family refuses."""
+        graph_module = make_fx(lambda *a: OPS[op][0](*a), tracing_mode="fake")(*args)
+        options = CompileOptions(codegen=codegen, autotune=False, cache_dir=self.cache_dir)
+        [record] = lower_graph(graph_module.graph, self.target, options, self.execution, self.device)
+        [node] = [n for n in graph_module.graph.nodes if dzc_op_name(n) == op]
+        return KERNEL_FAMILIES[op].spec_from_node(node), Path(record.source_path)
+
+    def _kernel(self, op: str, codegen: str, spec, path: Path):
+        key = (codegen, str(path))
+        if key not in self._compiled:
+            self._compiled[key] = self.target.codegens[codegen].load(KERNEL_FAMILIES[op], path, spec,
+                                                                     self.target.profile)
+        return self._compiled[key]
+
+    def _config(self, op: str, codegen: str, spec, work: int, draw: float, rng: random.Random):
+        family = KERNEL_FAMILIES[op]
+        configs, _ = legal_configs(family, codegen, spec, self.target.profile)
+        default = getattr(family, f"{codegen}_default_config")(spec, self.target.profile)
+        narrow = getattr(family, "configs_for_bucket", None)
+        if narrow is not None:
+            configs, default = narrow(spec, self.target.profile, family.token_bucket(work), configs, default)
+        return default if draw < 0.5 or not configs else rng.choice(configs)
+
+    def run(self, op: str, codegen: str, case: Case, rng: random.Random) -> tuple[str, str, str]:
+        """(outcome, why, config) of one case."""
+        family = KERNEL_FAMILIES[op]
+        try:
+            spec, path = self._lower(op, codegen, case.args)
+        except (ValueError, NoLegalConfig) as err:
+            message = f"{type(err).__name__}: {err}".splitlines()[0][:300]
+            if case.domain:
+                return "clear-error", message, ""
+            return "fallback", message, ""
+        except Exception as err:
+            if case.domain and isinstance(_root(err), ValueError):
+                return "clear-error", f"{type(_root(err)).__name__}: {_root(err)}".splitlines()[0][:300], ""
+            return "crash", _describe_exception(err, "lowering"), ""
+        compiled = self._kernel(op, codegen, spec, path)
+        config = ""
+        try:
+            inputs, outputs, work, results = family.prepare(spec, *case.args)
+            for output in outputs:  # poisoned: an element the kernel does not write shows
+                output.fill_(float("nan") if output.is_floating_point() else -2)
+            if work:
+                config = self._config(op, codegen, spec, work, case.pick_config, rng)
+                getattr(family, f"{codegen}_launch")(compiled, config, *inputs, *outputs)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except ValueError as err:
+            if case.domain:
+                return "clear-error", f"ValueError: {err}".splitlines()[0][:300], str(config)
+            return "crash", _describe_exception(err, "a ValueError for input inside the op's domain"), str(config)
+        except Exception as err:
+            return "crash", _describe_exception(err, "launch"), str(config)
+        if op == "mxfp4_moe_w4a8" and config and not dict(config.params).get("FP8"):
+            # Documented (targets/mxfp4_moe.py): at decode sizes the W4A8 op runs W4A16's online kernels.
+            op = "mxfp4_moe"
+        if case.domain:
+            if case.documented is None:
+                return "mismatch", f"a silent answer for input outside the domain ({case.domain})", str(config)
+            expected = case.documented(case.args, op)
+        else:
+            try:
+                expected = OPS[op][1](*case.args)
+            except Exception as err:
+                return "crash", _describe_exception(err, "the reference, on input inside the domain"), str(config)
+        why = compare(results, expected, tolerance(op, case.args, expected, config))
+        return ("mismatch", why, str(config)) if why else ("match", "", str(config))
+
+
+def _root(err: BaseException) -> BaseException:
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
+
+
+def _describe_exception(err: BaseException, where: str) -> str:
+    root = _root(err)
+    frames = traceback.extract_tb(root.__traceback__)
+    place_ = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    return f"{where}: {type(root).__name__}: {root}".splitlines()[0][:300] + place_
+
+
+def _device_lost(text: str) -> bool:
+    return any(s in text for s in ("illegal memory access", "CUDA error", "unspecified launch failure",
+                                   "misaligned address", "device-side assert"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The run
+
+
+def codegens_for(op: str, device: torch.device) -> list[str]:
+    """The op's code generators that run where we are: Triton everywhere, TileLang on a GPU only."""
+    family = KERNEL_FAMILIES[op]
+    names = [name for name in PREFERRED_CODEGENS[op] if hasattr(family, f"{name}_source")]
+    return sorted(name for name in names if name == "triton" or device.type == "cuda")
+
+
+def case_rng(seed: int, op: str, codegen: str, index: int) -> tuple[random.Random, torch.Generator]:
+    key = f"{seed}:{op}:{codegen}:{index}"
+    digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+    return random.Random(digest), torch.Generator().manual_seed(digest & (2**62 - 1))
+
+
+def run_cases(plan: list[tuple[str, str, int]], args, device: torch.device, cache_dir: str,
+              emit: Callable[[Outcome], None], started: Callable[[tuple[str, str, int]], None] = lambda item: None):
+    runner = Runner(args.target, device, cache_dir)
+    size = QUICK if args.quick else LARGE
+    for item in plan:
+        op, codegen, index = item
+        started(item)
+        rng, g = case_rng(args.seed, op, codegen, index)
+        start = time.perf_counter()
+        try:
+            case = GENERATORS[op](rng, g, size, device)
+            case.pick_config = rng.random()
+        except Exception as err:
+            emit(Outcome(op, codegen, index, "crash", "case generation", _describe_exception(err, "the fuzzer")))
+            continue
+        outcome, why, config = runner.run(op, codegen, case, rng)
+        what = case.what + layouts(op, case.args)
+        emit(Outcome(op, codegen, index, outcome, what, why, config, round(time.perf_counter() - start, 3)))
+        if outcome == "crash" and device.type == "cuda" and _device_lost(why):
+            sys.stdout.flush()
+            os._exit(_DEVICE_LOST)
+
+
+def layouts(op: str, args: tuple) -> str:
+    """The tensor arguments that are not plain dense tensors: name, strides, storage offset."""
+    names = [argument.name for argument in OPS[op][0]._schema.arguments]
+    views = [f"{name} strides {tuple(a.stride())} offset {a.storage_offset()}" for name, a in zip(names, args)
+             if isinstance(a, torch.Tensor) and a.numel() and (not a.is_contiguous() or a.storage_offset())]
+    return f" [views: {'; '.join(views)}]" if views else ""
+
+
+def repro(args, outcome: Outcome) -> str:
+    mode = " --quick" if args.quick else ""
+    return (f"python tools/fuzz.py{mode} --ops {outcome.op} --codegens {outcome.codegen} --seed {args.seed} "
+            f"--only {outcome.index}")
+
+
+def make_plan(args, device: torch.device) -> list[tuple[str, str, int]]:
+    plan = []
+    for op in args.ops:
+        for codegen in codegens_for(op, device):
+            if args.codegens and codegen not in args.codegens:
+                continue
+            indices = [args.only] if args.only is not None else range(args.cases)
+            plan += [(op, codegen, i) for i in indices]
+    return plan
+
+
+def run_isolated(plan, args, device, cache_dir, emit) -> None:
+    """Cases in worker processes: a worker that dies (a GPU fault) costs its current case, recorded as a crash;
+    the next worker starts at the case after it."""
+    remaining = list(plan)
+    while remaining:
+        with tempfile.TemporaryDirectory() as scratch:
+            plan_path, log_path = Path(scratch) / "plan.json", Path(scratch) / "log.jsonl"
+            plan_path.write_text(json.dumps(remaining))
+            command = [sys.executable, __file__, "--worker", str(plan_path), "--log", str(log_path),
+                       "--seed", str(args.seed), "--target", args.target, "--cache-dir", cache_dir]
+            command += ["--quick"] if args.quick else []
+            proc = subprocess.run(command, capture_output=True, text=True)
+            done, in_flight = 0, None
+            for line in log_path.read_text().splitlines() if log_path.exists() else []:
+                entry = json.loads(line)
+                if "started" in entry:
+                    in_flight = tuple(entry["started"])
+                else:
+                    emit(Outcome(**entry))
+                    done += 1
+                    in_flight = None
+            remaining = remaining[done:]
+            if proc.returncode == 0 or not remaining:
+                break
+            if in_flight is not None and remaining and tuple(remaining[0]) == in_flight:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+                emit(Outcome(*in_flight, "crash", "(the worker died)",
+                             f"worker process died (exit status {proc.returncode}): {tail[0][:300]}"))
+                remaining = remaining[1:]
+            elif proc.returncode != 0 and in_flight is None:
+                raise RuntimeError(f"fuzz worker failed before any case: {proc.stderr[-2000:]}")
+
+
+def table(results: list[Outcome], ops: list[str], device: torch.device, args) -> str:
+    lines = ["| op | codegen | cases | match | fallback | clear-error | mismatch | crash | seconds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for op in ops:
+        codegens = [c for c in codegens_for(op, device) if not args.codegens or c in args.codegens]
+        if not codegens:
+            lines.append(f"| {op} | (none runs here) | 0 | 0 | 0 | 0 | 0 | 0 | 0 |")
+        for codegen in codegens:
+            mine = [r for r in results if r.op == op and r.codegen == codegen]
+            counts = [sum(r.outcome == name for r in mine) for name in OUTCOMES]
+            seconds = sum(r.seconds for r in mine)
+            lines.append(f"| {op} | {codegen} | {len(mine)} | " + " | ".join(str(c) for c in counts)
+                         + f" | {seconds:.1f} |")
+    return "\n".join(lines)
+
+
+def report(results: list[Outcome], args, device: torch.device, seconds: float) -> str:
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+             else "CPU (Triton interpreter; TileLang needs a GPU)")
+    text = [f"# dzc op fuzzer: {'--quick' if args.quick else 'large'} mode, seed {args.seed}", "",
+            f"{where}; target {args.target}; torch {torch.__version__}; {len(results)} cases in {seconds:.0f} s", "",
+            table(results, args.ops, device, args), ""]
+    bad = [r for r in results if r.outcome in ("mismatch", "crash")]
+    if bad:
+        text += ["## Mismatches and crashes", ""]
+        for r in bad:
+            text += [f"- **{r.outcome}** {r.op}/{r.codegen} case {r.index}: {r.what}",
+                     f"  - {r.why}" + (f" (config {r.config})" if r.config else ""),
+                     f"  - repro: `{repro(args, r)}`"]
+        text.append("")
+    fallbacks = sorted({(r.op, r.codegen, r.why) for r in results if r.outcome == "fallback"})
+    if fallbacks:
+        text += ["## Instances the kernels refuse (dzc runs the reference there)", ""]
+        text += [f"- {op}/{codegen}: {why}" for op, codegen, why in fallbacks[:30]]
+        text.append("")
+    return "\n".join(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="CI size: tiny shapes (about a minute on 2 CPU cores)")
+    parser.add_argument("--ops", nargs="+", choices=sorted(KERNEL_FAMILIES), default=sorted(KERNEL_FAMILIES))
+    parser.add_argument("--codegens", nargs="+", choices=("triton", "tilelang"),
+                        help="default: every code generator that runs here")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cases", type=int, help="cases per op and codegen (default: 8 quick, 40 large)")
+    parser.add_argument("--only", type=int, help="run only this case index (a repro)")
+    parser.add_argument("--target", default="cuda", help="the profile kernels are generated for (default cuda)")
+    parser.add_argument("--out", help="write the table and the failures as markdown")
+    parser.add_argument("--cache-dir", help="generated kernels (default: a fresh temp dir)")
+    parser.add_argument("--in-process", action="store_true", help="on a GPU too, no worker process")
+    parser.add_argument("--isolate", action="store_true", help="on a CPU too, cases in worker processes")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--log", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    # NaN and inf inputs are drawn on purpose: numpy's (the interpreter's) and torch's warnings about them are noise.
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+    warnings.filterwarnings("ignore", message=".*degrees of freedom.*")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="dzc-fuzz-")
+
+    if args.worker:
+        plan = [tuple(item) for item in json.loads(Path(args.worker).read_text())]
+        with open(args.log, "a") as log:
+            def write(entry):
+                log.write(json.dumps(entry) + "\n")
+                log.flush()
+            run_cases(plan, args, device, cache_dir, lambda r: write(dataclasses.asdict(r)),
+                      started=lambda item: write({"started": list(item)}))
+        return 0
+
+    args.cases = args.cases if args.cases is not None else (8 if args.quick else 40)
+    plan = make_plan(args, device)
+    results: list[Outcome] = []
+
+    def emit(result: Outcome) -> None:
+        results.append(result)
+        mark = {"match": ".", "fallback": "f", "clear-error": "e"}.get(result.outcome)
+        if mark is None or args.only is not None:
+            print(f"\n{result.outcome.upper()} {result.op}/{result.codegen} case {result.index}: {result.what}\n"
+                  f"  {result.why}{f' (config {result.config})' if result.config else ''}\n  repro: "
+                  f"{repro(args, result)}", flush=True)
+        else:
+            print(mark, end="", flush=True)
+
+    start = time.perf_counter()
+    if args.isolate or (device.type == "cuda" and not args.in_process):
+        run_isolated(plan, args, device, cache_dir, emit)
+    else:
+        run_cases(plan, args, device, cache_dir, emit)
+    seconds = time.perf_counter() - start
+    print()
+    text = report(results, args, device, seconds)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 1 if any(r.outcome in ("mismatch", "crash") for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
