@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _fuzz_module():
     spec = importlib.util.spec_from_file_location("dzc_fuzz_tool", ROOT / "tools" / "fuzz.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
