@@ -10,14 +10,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import traceback
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch._prims_common
 import torch.utils._pytree as pytree
+from torch._dynamo.utils import counters as dynamo_counters
 
 _KERNELS: dict[str, Callable] = {}
 
@@ -287,41 +290,65 @@ def _observing_writes():
 
 @dataclass
 class Signature:
-    """What the first call of a graph key showed: `refused` (why such calls never replay), `in_place` (the direct
-    inputs used at their own address: written by the call, sharing storage, or not dense)."""
+    """What the calls of a graph key run as they are showed: `refused` (why such calls never replay), `in_place`
+    (the direct inputs used at their own address: written by the call, sharing storage, or not dense), `written`
+    (indices into inputs + state of the tensors with version counters the call writes: a replay bumps them, as
+    the call itself does), `warm` (a call ran without compiling anything: every compiled graph it reaches has run
+    its own code, so the next call may be captured)."""
 
     refused: str | None = None
     in_place: frozenset = frozenset()
+    written: tuple = ()
+    warm: bool = False
     graphs: int = 0  # captured so far (one per address of the in-place inputs)
+
+    def merge(self, later: "Signature") -> "Signature":
+        """This key's signature after another call run as it is showed `later`."""
+        return Signature(self.refused or later.refused, self.in_place | later.in_place,
+                         tuple(sorted(set(self.written) | set(later.written))), later.warm, self.graphs)
+
+
+def _compiles() -> int:
+    """Frames Dynamo has tried to compile in this process: a call during which it moves compiled something."""
+    return dynamo_counters["frames"]["total"]
 
 
 def observe(fn: Callable, args: tuple, kwargs: dict, call: FlatCall):
-    """Run the call as it is (the first call of its graph key: it compiles and tunes what it meets, side effects
-    happen once) and work out its Signature: which direct inputs it writes, from the compiled graphs' input
-    mutations (AOTAutograd), version counters where tensors have them, and a comparison of the small inference
-    tensors (writes by eager code between graph breaks); whether it changed its argument objects' Python state."""
-    inputs = call.inputs
-    versions = [None if a.is_inference() else a._version for a in inputs]
+    """Run the call as it is (a key's calls until one is warm: they compile and tune what they meet, their side
+    effects happen once) and work out its Signature: which direct inputs it writes, from the compiled graphs'
+    input mutations (AOTAutograd), version counters where tensors have them, and a comparison of the small
+    inference tensors (writes by eager code between graph breaks); whether it changed its argument objects'
+    Python state; whether it compiled anything.
+
+    Warm matters because a compiled graph's first call is not its steady state: dzc's rewrite check runs the
+    graph as captured instead of the compiled code, and Inductor's first run picks among its kernel configs by
+    timing them (a host sync). Either inside a capture invalidates it."""
+    inputs, tensors = call.inputs, call.inputs + call.state
+    versions = [None if a.is_inference() else a._version for a in tensors]
     compared = {i: a.clone() for i, a in enumerate(inputs)
                 if versions[i] is None and a.numel() * a.element_size() <= _COMPARED_BYTES}
     metadata = [(a.shape, a.stride(), a.storage_offset()) for a in inputs]
     before = [_snapshot(obj) for obj in call.objects]
+    compiles = _compiles()
     with _observing_writes() as written:
         result = fn(*args, **kwargs)
+    warm = _compiles() == compiles
     written_storages = {t.untyped_storage().data_ptr() for t in written if isinstance(t, torch.Tensor)}
-    storages = [a.untyped_storage().data_ptr() for a in inputs + call.state]
+    storages = [a.untyped_storage().data_ptr() for a in tensors]
+    moved = [versions[i] is not None and a._version != versions[i] for i, a in enumerate(tensors)]
     in_place = set()
     for i, a in enumerate(inputs):
-        if (storages[i] in written_storages or storages.count(storages[i]) > 1 or not _dense(a)
-                or (versions[i] is not None and a._version != versions[i])
+        if (storages[i] in written_storages or storages.count(storages[i]) > 1 or not _dense(a) or moved[i]
                 or (versions[i] is None and (i not in compared or not _same(compared[i], a)))):
             in_place.add(i)
+    bumped = tuple(i for i, a in enumerate(tensors)
+                   if versions[i] is not None and (moved[i] or storages[i] in written_storages))
     if metadata != [(a.shape, a.stride(), a.storage_offset()) for a in inputs]:
         return result, Signature("the call changes an argument's shape or strides (a replay would not)")
     if before != [_snapshot(obj) for obj in call.objects]:
         return result, Signature("the call changes its argument objects' Python state, e.g. replaces a cache's "
                                  "tensors (a replay would not)")
-    return result, Signature(None, frozenset(in_place))
+    return result, Signature(None, frozenset(in_place), bumped, warm)
 
 
 def _dense(a: torch.Tensor) -> bool:
@@ -342,16 +369,23 @@ class CudaGraphRunner:
     are frozen once a key has been captured (in-place updates of their tensors are seen; reassigned parameters are
     not: call `reset()` or compile again).
 
-    Per graph key (flatten_call, graph_key): the first call runs as it is (observe: it compiles, tunes, and shows
-    what the call writes; its side effects, buffer updates included, happen once); the next is captured (the
-    capture runs no kernel) and replayed; later ones replay. Each call's work runs exactly once. Direct tensor
-    inputs are copied into the graph's own buffers at every replay, unless the call writes them (or they share
-    storage, or are not dense): those are used at their own address, which becomes part of the key (at most
-    MAX_GRAPHS_PER_SIGNATURE addresses). Tensors held by argument objects (caches) are always used at their own
-    address. Outputs are cloned out unless `reuse_outputs`, where the returned tensors are the graph's buffers and
-    the next replay of that key overwrites them (a decode loop that consumes each step's output first). A
-    `block_table` argument is padded to a power-of-two page count (pad_block_table). Calls that cannot be keyed
-    (`bypassed` says why), that change their argument objects' Python state, or with more tokens run `fn`.
+    Per graph key (flatten_call, graph_key): calls run as they are (observe: they compile, tune, and show what the
+    call writes; their side effects, buffer updates included, happen once) until one compiled nothing (warm: see
+    observe); the next is captured (the capture runs no kernel) and replayed; later ones replay. Each call's work
+    runs exactly once. Direct tensor inputs are copied into the graph's own buffers at every replay, unless the
+    call writes them (or they share storage, or are not dense): those are used at their own address, which becomes
+    part of the key (at most MAX_GRAPHS_PER_SIGNATURE addresses). Tensors held by argument objects (caches) are
+    always used at their own address. A replay bumps the version counters of the tensors the call writes, as the
+    call does. Outputs are cloned out unless `reuse_outputs`: then every call that replays (the captured call and
+    later ones) returns the graph's buffers, which the next replay of that key overwrites (a decode loop that
+    consumes each step's output first); calls run as they are return their own tensors. A `block_table`
+    argument is padded to a power-of-two page count (pad_block_table). Calls that cannot be keyed (`bypassed` says
+    why), that change their argument objects' Python state, or with more tokens run `fn`.
+
+    A capture that fails (the call waits on the GPU, uses a stream or generator the capture does not follow, or
+    Dynamo compiles during it) leaves CUDA as it was (capture ended, allocator and stream restored, the CUDA RNG
+    out of capture mode: see _abandon_capture); the key is refused with the error, and such calls run `fn`.
+    `describe()` lists the keys, their state and the refusals.
     """
 
     MAX_GRAPHS = 32  # graphs kept; the least recently used is dropped beyond that
@@ -366,10 +400,21 @@ class CudaGraphRunner:
         self.graphs: OrderedDict[tuple, _CapturedGraph] = OrderedDict()
         self.bypassed: collections.Counter[str] = collections.Counter()
         self.pool = None
+        self.capture_streams: dict = {}  # per device: one stream for every capture into the shared pool
 
     def reset(self) -> None:
         self.signatures.clear()
         self.graphs.clear()
+
+    def describe(self) -> str:
+        """One line per key: warm or not, its graphs, in-place inputs, and why it is refused; then the bypasses."""
+        lines = [f"{len(self.graphs)} graphs, {len(self.signatures)} keys"]
+        for n, signature in enumerate(self.signatures.values()):
+            state = f"refused: {signature.refused}" if signature.refused else (
+                f"{signature.graphs} graphs" if signature.warm else "not warm yet")
+            lines.append(f"  key {n}: {state}; in place: {sorted(signature.in_place)}")
+        lines += [f"  bypassed {count}x: {reason}" for reason, count in self.bypassed.items()]
+        return "\n".join(lines)
 
     def __call__(self, *args, **kwargs):
         padded_args, padded_kwargs = self._pad_block_table(args, kwargs)
@@ -380,13 +425,17 @@ class CudaGraphRunner:
         if call_tokens(call.inputs) > self.max_tokens:
             return self.fn(*args, **kwargs)
         # On another device the runner has nothing to do; checked before asking CUDA about capture, which a
-        # CPU-only torch cannot answer.
-        if any(t.device.type != "cuda" for t in call.inputs + call.state) or torch.cuda.is_current_stream_capturing():
+        # CPU-only torch cannot answer. Inside another capture (a compiled model called by one being captured)
+        # the call is part of that capture.
+        tensors = call.inputs + call.state
+        if not tensors or any(t.device.type != "cuda" for t in tensors) or torch.cuda.is_current_stream_capturing():
             return self.fn(*args, **kwargs)
         key = graph_key(call)
         signature = self.signatures.get(key)
-        if signature is None:
-            result, self.signatures[key] = observe(self.fn, padded_args, padded_kwargs, call)
+        if signature is None or (not signature.warm and not signature.refused):
+            result, observed = observe(self.fn, padded_args, padded_kwargs, call)
+            self.signatures[key] = observed if signature is None else signature.merge(observed)
+            self.signatures.move_to_end(key)
             if len(self.signatures) > 4 * self.MAX_GRAPHS:
                 self.signatures.popitem(last=False)
             return result
@@ -409,7 +458,7 @@ class CudaGraphRunner:
                 self.graphs.popitem(last=False)
         else:
             self.graphs.move_to_end(full_key)
-        return graph.replay(call.inputs, self.reuse_outputs)
+        return graph.replay(tensors, self.reuse_outputs)
 
     def _pad_block_table(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         position = self.block_table_position
@@ -426,45 +475,141 @@ class CudaGraphRunner:
         return self.fn(*args, **kwargs)
 
     def _capture(self, call: FlatCall, args, kwargs, signature: Signature) -> "_CapturedGraph | None":
-        """Capture the call on the graph's own copies of its copied inputs; None when it cannot be captured (it
-        waits on the GPU for a value, e.g. a data-dependent size), so that such calls run `fn`."""
+        """Capture the call on the graph's own copies of its copied inputs; None (the key refused, the reason
+        recorded and warned once) when it cannot be captured, so that such calls run `fn`."""
+        device = call.inputs[0].device if call.inputs else call.state[0].device
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         static = [a if i in signature.in_place else _own_copy(a) for i, a in enumerate(call.inputs)]
         static_args, static_kwargs = call.rebuild(args, kwargs, static)
         graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self.fn(*static_args, **static_kwargs)
-        except RuntimeError as error:  # the call syncs with the host (.item(), data-dependent sizes)
-            signature.refused = f"capture failed ({error})"
+        compiles = _compiles()
+        failure = None
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream()
+            if device not in self.capture_streams:
+                self.capture_streams[device] = torch.cuda.Stream(device)
+            capture_stream = self.capture_streams[device]
+            try:
+                # thread_local, as Inductor's CUDA-graph trees capture: CUDA calls other threads make (a compile
+                # worker, a data loader) do not invalidate this capture; this thread's unsafe calls still do.
+                with torch.cuda.graph(graph, pool=self.pool, stream=capture_stream,
+                                      capture_error_mode="thread_local"):
+                    outputs = self.fn(*static_args, **static_kwargs)
+            except BaseException as error:  # any failure: CUDA is left as it was, the call runs as it is
+                failure = _capture_error(error)
+                rng_lost = _abandon_capture(graph, self.pool, capture_stream, stream, device)
+                if not isinstance(error, Exception):
+                    raise
+                if rng_lost:
+                    failure += "; the CUDA RNG could not be taken out of capture mode (random ops on it will fail)"
+        if failure is None and _compiles() != compiles:
+            # Compiled while capturing: the new graph's first call ran inside the capture (see observe).
+            failure = ("Dynamo compiled during the capture (a guard the graph key does not cover failed): "
+                       "calls of this key do not run the same graphs")
+        if failure is not None:
+            signature.refused = f"capture failed: {failure}"
             warnings.warn(f"dzc: calls of this signature run without a CUDA graph: {signature.refused}",
                           stacklevel=3)
             return None
         copied = [(i, s) for i, s in enumerate(static) if i not in signature.in_place]
-        return _CapturedGraph(graph, copied, outputs)
+        return _CapturedGraph(graph, copied, outputs, signature.written)
+
+
+# Graphs whose capture failed. Kept alive: the allocators may still hold a filter that points at the graph (torch
+# ends a capture's allocation routing only after a successful cudaStreamEndCapture).
+_ABANDONED: list = []
+
+
+def _capture_error(error: BaseException) -> str:
+    """What went wrong in a capture: the error raised inside it (torch.cuda.graph's exit, ending the invalidated
+    capture, raises its own error over it), with the innermost frame where it was raised."""
+    errors = [error]
+    while errors[-1].__context__ is not None and len(errors) < 4:
+        errors.append(errors[-1].__context__)
+    first = errors[-1]  # the one raised first
+    text = (str(first).strip().splitlines() or [""])[0]
+    frames = traceback.extract_tb(first.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    described = f"{type(first).__name__}: {text}{where}"
+    if first is not error:
+        described += f"; ending the capture: {(str(error).strip().splitlines() or [''])[0]}"
+    return described
+
+
+def _abandon_capture(graph, pool, capture_stream, stream, device) -> bool:
+    """Leave CUDA as it was before a capture that failed at any point; True if the CUDA RNG is still unusable.
+
+    torch.cuda.graph's exit raises when cudaStreamEndCapture fails (an invalidated capture) before it undoes the
+    rest: the allocator keeps routing to the graph's pool, the current stream stays the capture stream, and the
+    CUDA generator stays in capture mode (every later random op raises "Offset increment outside graph capture
+    encountered unexpectedly", seen on the H200). Each step is undone here, those already undone are skipped."""
+    with torch.cuda.stream(capture_stream):
+        if torch.cuda.is_current_stream_capturing():  # failed before the capture's end was reached
+            with contextlib.suppress(RuntimeError):
+                graph.capture_end()
+    try:
+        graph.pool()  # raises unless the capture ended successfully (then torch has undone its own state)
+    except RuntimeError:
+        _ABANDONED.append(graph)
+    torch.cuda.set_stream(stream)
+    with contextlib.suppress(RuntimeError):  # raises where capture_end got that far
+        torch._C._cuda_endAllocateToPool(device.index, pool)
+    if _rng_usable(device):
+        return False
+    # The generator leaves capture mode at the end of a successful capture: one that captures nothing.
+    with warnings.catch_warnings(), contextlib.suppress(RuntimeError):
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty"
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), capture_error_mode="thread_local"):
+            pass
+    if _rng_usable(device):
+        return False
+    # Failing that, a copy of the generator's state (seed and offset), not in capture mode, replaces it.
+    generator = torch.cuda.default_generators[device.index]
+    generator.graphsafe_set_state(generator.clone_state())
+    return not _rng_usable(device)
+
+
+def _rng_usable(device) -> bool:
+    """Whether the device's default generator can draw outside a capture (its state restored after the probe)."""
+    generator = torch.cuda.default_generators[device.index]
+    state = generator.get_state()
+    try:
+        torch.empty(1, device=device).uniform_()
+    except RuntimeError:
+        return False
+    finally:
+        generator.set_state(state)
+    return True
 
 
 def _own_copy(a: torch.Tensor) -> torch.Tensor:
-    """A buffer with a's strides and inference flag (Dynamo's guards check both), holding a's values."""
+    """A buffer holding a's values with a's strides, inference flag (Dynamo's guards check both) and address modulo
+    16 bytes (Triton specialises kernels on 16-byte alignment: another one would compile inside the capture)."""
+    skew = a.storage_offset() * a.element_size() % 16 // a.element_size()
     with torch.inference_mode(a.is_inference()):
-        buffer = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device)
-    return buffer.copy_(a)
+        storage = torch.empty(skew + torch._prims_common.compute_required_storage_length(a.shape, a.stride(), 0),
+                              dtype=a.dtype, device=a.device)
+        return storage.as_strided(a.shape, a.stride(), skew).copy_(a)
 
 
 class _CapturedGraph:
-    def __init__(self, graph, copied: list, outputs):
+    def __init__(self, graph, copied: list, outputs, written: tuple):
         self.graph = graph
         self.positions = [i for i, _ in copied]
         self.buffers = [buffer for _, buffer in copied]
+        self.written = written
         self.flat_outputs, self.output_spec = pytree.tree_flatten(outputs)
 
-    def replay(self, inputs: list, reuse_outputs: bool):
+    def replay(self, tensors: list, reuse_outputs: bool):
+        """tensors: the call's direct inputs, then its state (FlatCall's order)."""
         # Copied at every replay: a same tensor may hold new values without a version counter telling
         # (inference tensors, or a buffer another graph's replay wrote).
         if self.buffers:
-            torch._foreach_copy_(self.buffers, [inputs[i] for i in self.positions])
+            torch._foreach_copy_(self.buffers, [tensors[i] for i in self.positions])
         self.graph.replay()
+        if self.written:
+            torch.autograd.graph.increment_version([tensors[i] for i in self.written])
         if reuse_outputs:
             flat = self.flat_outputs
         else:

@@ -1,7 +1,9 @@
 """The CUDA-graph runner's decisions, on the CPU: how a call's arguments are flattened (keywords, containers, cache
-objects), its tokens, its graph key, block-table buckets, and what the first call of a key shows (the arguments it
-writes, from AOTAutograd's input mutations; Python state it changes; side effects happening once), under
-torch.inference_mode too. Capture and replay themselves are in test_cuda_graphs.py (GPU)."""
+objects), its tokens, its graph key, block-table buckets, and what the calls of a key run as they are show (the
+arguments it writes, from AOTAutograd's input mutations; the version counters a replay bumps; Python state it
+changes; whether it compiled, so that the next call may be captured; side effects happening once), under
+torch.inference_mode too; how a failed capture's error is described. Capture and replay themselves are in
+test_cuda_graphs.py (GPU)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import torch
 
 import dzc
 from dzc.kv_cache import DSACacheConfig, PagedKVCache
-from dzc.runtime import (CudaGraphRunner, Unkeyable, block_table_position, call_tokens, flatten_call, graph_key,
-                         observe, pad_block_table, page_bucket)
+from dzc.runtime import (CudaGraphRunner, Signature, Unkeyable, _capture_error, block_table_position, call_tokens,
+                         flatten_call, graph_key, observe, pad_block_table, page_bucket)
 from models.dsa import DSAAttention, TINY_DSA
 
 Pair = collections.namedtuple("Pair", "first second")
@@ -161,10 +163,24 @@ def test_first_call_finds_the_arguments_written_and_runs_once(tmp_path, inferenc
         torch.testing.assert_close(result, x * 2 + state.sum())
         assert signature.refused is None and signature.in_place == {1}
         assert int(model.calls) == 1
-        # A later key (other shapes) compiles again: again one call, again the written input found.
+        # It compiled: not warm (the graph's first call ran the rewrite check, not the compiled code). The next
+        # call of the key compiles nothing: warm, so the one after it may be captured.
+        assert not signature.warm
+        # A replay bumps what the call bumps: the written input's counter (inference tensors have none).
+        assert signature.written == (() if inference else (1,))
+        _, again = observe(compiled._run_compiled, args, {}, flatten_call(args, {}))
+        assert again.warm and again.in_place == {1} and int(model.calls) == 2
+        merged = signature.merge(again)
+        assert merged.warm and merged.in_place == {1} and merged.refused is None
+        # A later key (another token count, which the first compile made dynamic): again one call, again the
+        # written input found; nothing compiled, so it is warm at once.
         args = (_randn(2, 8), _randn(2, 8, seed=1), torch.ones(()))
         _, signature = observe(compiled._run_compiled, args, {}, flatten_call(args, {}))
-        assert signature.in_place == {1} and int(model.calls) == 2
+        assert signature.in_place == {1} and int(model.calls) == 3 and signature.warm
+        # Another dtype compiles again: not warm.
+        args = (_randn(2, 8).double(), _randn(2, 8, seed=1).double(), torch.ones((), dtype=torch.float64))
+        _, signature = observe(compiled._run_compiled, args, {}, flatten_call(args, {}))
+        assert signature.in_place == {1} and int(model.calls) == 4 and not signature.warm
 
 
 def test_first_call_finds_writes_made_outside_compiled_graphs(tmp_path):
@@ -198,6 +214,50 @@ def test_a_cache_object_written_in_place_is_state_not_a_refusal(tmp_path):
         _, signature = observe(_compiled(WriteCacheObject(), tmp_path)._run_compiled, (x, slots, cache), {}, call)
     assert signature.refused is None and signature.in_place == frozenset()
     assert call.state == [cache.k] and torch.equal(cache.k[slots], x)
+    # The cache's tensor was made outside inference mode: the write moves its version counter, which a replay
+    # bumps too (index 2: after x and slots). A cache made under inference mode has none.
+    assert signature.written == (2,)
+    with torch.inference_mode():
+        cache = CacheObject()
+        call = flatten_call((x, slots, cache), {})
+        _, signature = observe(_compiled(WriteCacheObject(), tmp_path)._run_compiled, (x, slots, cache), {}, call)
+    assert signature.written == () and signature.in_place == frozenset() and torch.equal(cache.k[slots], x)
+
+
+def test_merged_signatures_keep_every_write_and_refusal():
+    first = Signature(None, frozenset({0}), (0,), warm=False)
+    later = Signature("the call changes an argument's shape or strides", frozenset({2}), (3,), warm=True)
+    merged = first.merge(later)
+    assert merged.refused == later.refused and merged.in_place == {0, 2} and merged.written == (0, 3)
+
+
+def _ending(error_inside):
+    """What torch.cuda.graph's exit does when the capture was invalidated: capture_end raises over the error."""
+    try:
+        error_inside()
+    finally:
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+
+def _sync_inside_capture():
+    raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore lines")
+
+
+def test_a_failed_capture_is_described_by_the_error_raised_inside_it():
+    """The error that ended an invalidated capture says only that; the refusal names the one raised first, and
+    where (seen on the H200: the refusal only said "operation failed due to a previous error during capture")."""
+    with pytest.raises(RuntimeError) as caught:
+        _ending(_sync_inside_capture)
+    described = _capture_error(caught.value)
+    assert described.startswith("RuntimeError: CUDA error: operation not permitted when stream is capturing (at "
+                                "test_runtime_cuda_graph_decisions.py:"), described
+    assert "in _sync_inside_capture); ending the capture: CUDA error: operation failed due to a previous" in described
+    assert "more lines" not in described
+    # A capture that ended without an error inside it (a failure at its end only): that error alone.
+    with pytest.raises(RuntimeError) as caught:
+        _ending(lambda: None)
+    assert _capture_error(caught.value).startswith("RuntimeError: CUDA error: operation failed due to a previous")
+    assert "ending the capture" not in _capture_error(caught.value)
 
 
 def test_runner_leaves_cpu_calls_to_the_compiled_model(tmp_path):
