@@ -10,6 +10,8 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
+import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,6 +136,36 @@ def _reference_record(op: str, profile: str, spec: str, why: str) -> KernelRecor
                         uses=0)
 
 
+_FALLBACK_KERNEL_DIR: list[Path] = []  # this process's own, made when a cache directory cannot be written
+
+
+def write_kernel_source(kernel_dir: Path, name: str, source: str) -> tuple[Path, str]:
+    """Write `source` as kernel_dir/name unless it is there already; returns its path and, when the cache
+    directory could not be written (read-only, disk full), a note saying so: the source then goes to a directory
+    of this process's own, so the compile still succeeds (it is only not cached for other processes)."""
+    path = kernel_dir / name
+    try:
+        if path.exists() and path.read_text() == source:
+            return path, ""
+        kernel_dir.mkdir(parents=True, exist_ok=True)
+        # Write then rename: a process compiling the same kernel at once never imports a half-written file.
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            partial.write_text(source)
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+        return path, ""
+    except OSError as err:
+        if not _FALLBACK_KERNEL_DIR:
+            _FALLBACK_KERNEL_DIR.append(Path(tempfile.mkdtemp(prefix="dzc-kernels-")))
+        fallback = _FALLBACK_KERNEL_DIR[0] / name
+        fallback.write_text(source)
+        note = f"cache directory {kernel_dir} not writable ({type(err).__name__}: {err}); source in {fallback}"
+        warnings.warn(f"dzc: {note}", RuntimeWarning, stacklevel=3)
+        return fallback, note
+
+
 def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, execution: Execution,
                 device: torch.device | None, table: KernelTable | None = None) -> list[KernelRecord]:
     """Bind every dzc op node in `graph` (in place) to a generated kernel; returns the report entries of the
@@ -147,7 +179,6 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
     table = table if table is not None else KernelTable()
     cache = Path(options.resolved_cache_dir())
     kernel_dir = cache / "kernels"
-    kernel_dir.mkdir(parents=True, exist_ok=True)
     database = open_database(cache, options.tuning_db)
     added: dict[str, KernelRecord] = {}
     for node in graph.nodes:
@@ -195,18 +226,14 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
             continue
         kernel_id = table.kernel_id(name, where)
         node.update_kwarg("kernel_id", kernel_id)
-        path = kernel_dir / f"{name.replace('.', '_')}.py"
-        if not path.exists() or path.read_text() != source:
-            # Write then rename: a process compiling the same kernel at once never imports a half-written file.
-            partial = path.with_suffix(f".{os.getpid()}.tmp")
-            partial.write_text(source)
-            os.replace(partial, path)
+        path, cache_note = write_kernel_source(kernel_dir, f"{name.replace('.', '_')}.py", source)
         reason = execution.not_runnable_reason
         if not reason and codegen_name == "tilelang" and not execution.runtime.runs_tilelang:
             reason = "TileLang kernels need a GPU (TileLang has no CPU interpreter); use codegen='triton' here"
         record = KernelRecord(kernel_id, op, codegen_name, target.profile.name, spec.describe(), str(path),
                               execution.describe() if not reason or execution.runtime is None
-                              else f"not runnable here: {reason}", len(legal) + illegal, illegal)
+                              else f"not runnable here: {reason}", len(legal) + illegal, illegal,
+                              notes=[cache_note] if cache_note else [])
         if reason:
             kernel = NotRunnable(kernel_id, reason)
         else:

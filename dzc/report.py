@@ -147,8 +147,12 @@ class CompileReport:
                              f"{tuned['tuning_seconds']:.2f} s, {tuned['failed_configs']} failed)"
                              + (f"; path: {tuned['path']}" if "path" in tuned else "")
                              + (f"; runs external {tuned['external']}" if tuned.get("external") else ""))
+                for config, why in tuned.get("failures", {}).items():
+                    lines.append(f"        skipped {config}: {why}")
             if k.external_candidates:
                 lines.append(f"      external candidates offered: {', '.join(k.external_candidates)}")
+            for note in k.notes:
+                lines.append(f"      note: {note}")
         return "\n".join(lines)
 
     def to_json_text(self) -> str:

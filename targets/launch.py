@@ -42,6 +42,8 @@ class KernelRecord:
     # Other libraries' kernels for the op (targets/external_kernels.py) timed next to the configs; a bucket's
     # entry names the one that won ("external"), which then runs instead of the generated kernel.
     external_candidates: list[str] = field(default_factory=list)
+    # What went wrong around this kernel and was worked around (a cache directory that could not be written).
+    notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -153,6 +155,7 @@ class GeneratedKernel:
             entry = {"config": str(config), "from_cache": result.from_cache,
                      "tuning_seconds": round(time.perf_counter() - start, 3),
                      "failed_configs": len(result.failures) - len(external_failures),
+                     "failures": {name: why for name, why in result.failures.items() if name not in external_failures},
                      "how": result.how}
             if self._externals:  # why a vendor kernel was skipped is what its owner needs to know
                 entry["external_failures"] = external_failures
