@@ -88,8 +88,9 @@ class Sizes:
 QUICK = Sizes(norm_rows=9, norm_hidden=300, attn_tokens=80, attn_segment=66, attn_heads=2, moe_tokens=5,
               moe_dim=64, moe_experts=4, dsa_seq=66, dsa_queries=5, dsa_heads=4, topk_width=300, topk_rows=5,
               topk_k=40)
-LARGE = Sizes(norm_rows=4099, norm_hidden=16500, attn_tokens=9000, attn_segment=4100, attn_heads=16,
-              moe_tokens=600, moe_dim=2880, moe_experts=64, dsa_seq=9000, dsa_queries=300, dsa_heads=64,
+# Inputs are drawn on the host: sizes keep a case's tensors to about 100 MB (MoE weights are E x 3 x H x I).
+LARGE = Sizes(norm_rows=4099, norm_hidden=16500, attn_tokens=4500, attn_segment=4100, attn_heads=8,
+              moe_tokens=600, moe_dim=1056, moe_experts=16, dsa_seq=9000, dsa_queries=300, dsa_heads=64,
               topk_width=70000, topk_rows=600, topk_k=2100)
 
 
@@ -184,15 +185,15 @@ class Case:
     what: str
     domain: str = ""
     documented: Callable[[tuple, str], object] | None = None  # (args, the op whose reference applies)
-    pick_config: float = 0.0  # a uniform draw: < 0.5 the bucket's default config, else a random legal one
+    random_config: bool = False  # a random legal config instead of the default for the call's token bucket
 
 
-def _norm_common(rng, g, size: Sizes, device, op: str) -> tuple[Case, dict]:
-    hidden = edge_size(rng, size.norm_hidden)
+def _norm_common(rng, srng, g, size: Sizes, device, op: str) -> tuple[Case, dict]:
+    hidden = edge_size(srng, size.norm_hidden)
     tokens = edge_count(rng, size.norm_rows)
-    dtype = rng.choice(FLOATS)
-    sum_dtype = rng.choice((dtype, dtype, FP32))
-    out_dtype = rng.choice((dtype, dtype, sum_dtype))
+    dtype = srng.choice(FLOATS)
+    sum_dtype = srng.choice((dtype, dtype, FP32))
+    out_dtype = srng.choice((dtype, dtype, sum_dtype))
     lead = (tokens,) if rng.random() < 0.7 else (rng.choice((1, 2)), tokens)
     scale = rng.choice((1.0, 1.0, 1e-3, 40.0))
     offset = rng.choice((0.0, 0.0, 3.0))  # a large mean: the variance must not cancel
@@ -207,8 +208,8 @@ def _norm_common(rng, g, size: Sizes, device, op: str) -> tuple[Case, dict]:
         residual.view(-1, hidden)[0] = 0.25
         notes.append("constant row")
     weight = None
-    if rng.random() < 0.8:
-        weight = (1.0 + 0.1 * randn(g, hidden)).to(rng.choice((dtype, FP32)))
+    if srng.random() < 0.8:
+        weight = (1.0 + 0.1 * randn(g, hidden)).to(srng.choice((dtype, FP32)))
     eps = rng.choice((1e-6, 1e-5, 0.1))
     fill = float("nan")
     args = dict(x=place(x.to(dtype), rng, device, fill), residual=place(residual.to(sum_dtype), rng, device, fill),
@@ -219,37 +220,37 @@ def _norm_common(rng, g, size: Sizes, device, op: str) -> tuple[Case, dict]:
     return Case((), what), args
 
 
-def gen_add_rms_norm(rng, g, size, device) -> Case:
-    case, a = _norm_common(rng, g, size, device, "add_rms_norm")
-    sum_in_fp32 = rng.random() < 0.3
-    cast_before_weight = rng.random() < 0.5
-    compute_dtype = FP32 if rng.random() < 0.8 else a["dtype"]
-    divide_by_rms = rng.random() < 0.2
+def gen_add_rms_norm(rng, srng, g, size, device) -> Case:
+    case, a = _norm_common(rng, srng, g, size, device, "add_rms_norm")
+    sum_in_fp32 = srng.random() < 0.3
+    cast_before_weight = srng.random() < 0.5
+    compute_dtype = FP32 if srng.random() < 0.8 else a["dtype"]
+    divide_by_rms = srng.random() < 0.2
     case.args = (a["x"], a["residual"], a["weight"], a["eps"], sum_in_fp32, cast_before_weight, a["out_dtype"],
                  a["sum_dtype"], compute_dtype, divide_by_rms)
     case.what += f" fp32sum={sum_in_fp32} cast={cast_before_weight} compute={short(compute_dtype)} div={divide_by_rms}"
     return case
 
 
-def gen_add_layer_norm(rng, g, size, device) -> Case:
-    case, a = _norm_common(rng, g, size, device, "add_layer_norm")
+def gen_add_layer_norm(rng, srng, g, size, device) -> Case:
+    case, a = _norm_common(rng, srng, g, size, device, "add_layer_norm")
     hidden = a["x"].shape[-1]
     bias = None
-    if rng.random() < 0.7:
-        bias = place((0.1 * randn(g, hidden)).to(rng.choice((a["dtype"], FP32))), rng, device, float("nan"),
+    if srng.random() < 0.7:
+        bias = place((0.1 * randn(g, hidden)).to(srng.choice((a["dtype"], FP32))), rng, device, float("nan"),
                      ("dense", "offset"))
-    sum_in_fp32 = rng.random() < 0.3
+    sum_in_fp32 = srng.random() < 0.3
     case.args = (a["x"], a["residual"], a["weight"], bias, a["eps"], sum_in_fp32, a["out_dtype"], a["sum_dtype"])
     case.what += f" bias={short(None if bias is None else bias.dtype)} fp32sum={sum_in_fp32}"
     return case
 
 
-def gen_varlen_attention(rng, g, size, device) -> Case:
-    dtype = rng.choice(FLOATS)
-    rope = rng.random() < 0.5
-    head_dim = rng.choice((16, 32, 64, 72, 80, 128, 256) + ((17, 31, 97) if not rope else (18, 34, 98)))
-    if rng.random() < 0.05:
-        head_dim = rng.choice((8, 264)) if rope else rng.choice((7, 264))  # outside the kernels' 16..256
+def gen_varlen_attention(rng, srng, g, size, device) -> Case:
+    dtype = srng.choice(FLOATS)
+    rope = srng.random() < 0.5
+    head_dim = srng.choice((16, 32, 64, 72, 80, 128, 256) + ((17, 31, 97) if not rope else (18, 34, 98)))
+    if srng.random() < 0.05:
+        head_dim = srng.choice((8, 264)) if rope else srng.choice((7, 264))  # outside the kernels' 16..256
     heads = edge_size(rng, size.attn_heads)
     lengths, total = [], 0
     for _ in range(rng.randint(1, 6)):
@@ -279,7 +280,7 @@ def gen_varlen_attention(rng, g, size, device) -> Case:
     max_seqlen = longest + rng.choice((0, 0, 0, 5))  # overstated is allowed
     cos = sin = None
     if rope:
-        rope_dtype = rng.choice(FLOATS)
+        rope_dtype = srng.choice(FLOATS)
         angles = torch.rand(total, head_dim // 2, generator=g) * 40
         angles = torch.cat([angles, angles], dim=-1)
         cos, sin = (place(t.to(rope_dtype), rng, device, float("nan"), ("dense", "offset", "padded"))
@@ -309,15 +310,15 @@ def _moe_weights(g, experts, n, k, scale_edges: bool, rng):
     return blocks, scales
 
 
-def gen_moe(rng, g, size, device, op: str) -> Case:
-    hidden = edge_size(rng, size.moe_dim, lower=32, multiple=32)
-    inter = edge_size(rng, size.moe_dim, lower=32, multiple=32)
-    experts = edge_size(rng, size.moe_experts)
-    top_k = rng.randint(1, min(experts, 4))
+def gen_moe(rng, srng, g, size, device, op: str) -> Case:
+    hidden = edge_size(srng, size.moe_dim, lower=32, multiple=32)
+    inter = edge_size(srng, size.moe_dim, lower=32, multiple=32)
+    experts = edge_size(srng, size.moe_experts)
+    top_k = srng.randint(1, min(experts, 4))
     tokens = edge_count(rng, size.moe_tokens)
-    dtype = rng.choice(FLOATS)
-    activation = rng.choice(("silu_glu", "gptoss_clamped_glu"))
-    interleaved = rng.random() < 0.5
+    dtype = srng.choice(FLOATS)
+    activation = srng.choice(("silu_glu", "gptoss_clamped_glu"))
+    interleaved = srng.random() < 0.5
     scale_edges = rng.random() < 0.15
     w13_blocks, w13_scales = _moe_weights(g, experts, 2 * inter, hidden, scale_edges, rng)
     w2_blocks, w2_scales = _moe_weights(g, experts, hidden, inter, False, rng)
@@ -329,9 +330,9 @@ def gen_moe(rng, g, size, device, op: str) -> Case:
     if rng.random() < 0.1 and top_k > 1 and tokens:
         ids[:, 1] = ids[:, 0]  # duplicate experts in one token's slots
         notes.append("duplicate ids")
-    weights_dtype = rng.choice((FP32, FP32, dtype))
+    weights_dtype = srng.choice((FP32, FP32, dtype))
     topk_weights = torch.softmax(top_logits, dim=-1).to(weights_dtype)
-    bias = rng.random() < 0.6
+    bias = srng.random() < 0.6
     w13_bias = (randn(g, experts, 2 * inter)).to(dtype) if bias else None
     w2_bias = (randn(g, experts, hidden)).to(dtype) if bias else None
     ids_dtype = rng.choice((torch.int32, torch.int64))
@@ -403,14 +404,14 @@ def _queries(rng, g, seq_lens, size: Sizes):
     return torch.tensor(seqs, dtype=torch.int32), torch.tensor(positions, dtype=torch.int32)
 
 
-def gen_dsa_indexer(rng, g, size, device) -> Case:
+def gen_dsa_indexer(rng, srng, g, size, device) -> Case:
     from dzc import kv_cache
     seq_lens, page_size = _sequences(rng, size)
-    heads = edge_size(rng, size.dsa_heads)
-    fp8 = rng.random() < 0.4
-    head_dim = rng.choice((32, 64, 128)) if fp8 else rng.choice((16, 32, 64, 72, 128))
-    dtype = rng.choice(FLOATS)
-    q_dtype = rng.choice((torch.float8_e4m3fn, dtype)) if fp8 else dtype
+    heads = edge_size(srng, size.dsa_heads)
+    fp8 = srng.random() < 0.4
+    head_dim = srng.choice((32, 64, 128)) if fp8 else srng.choice((16, 32, 64, 72, 128))
+    dtype = srng.choice(FLOATS)
+    q_dtype = srng.choice((torch.float8_e4m3fn, dtype)) if fp8 else dtype
     table, pages = _paging(rng, g, seq_lens, page_size, device)
     query_seq, query_pos = _queries(rng, g, seq_lens, size)
     rows = query_seq.shape[0]
@@ -437,7 +438,7 @@ def gen_dsa_indexer(rng, g, size, device) -> Case:
                       f"d={head_dim} seq_lens={seq_lens} page={page_size} rows={rows} max_context={max_context}")
 
 
-def gen_dsa_topk(rng, g, size, device) -> Case:
+def gen_dsa_topk(rng, srng, g, size, device) -> Case:
     rows = edge_count(rng, size.topk_rows)
     width = edge_size(rng, size.topk_width)
     k = edge_size(rng, size.topk_k) if rng.random() < 0.8 else width + rng.randint(1, 9)  # k > context
@@ -469,22 +470,22 @@ def gen_dsa_topk(rng, g, size, device) -> Case:
     return case
 
 
-def gen_sparse_attention(rng, g, size, device) -> Case:
+def gen_sparse_attention(rng, srng, g, size, device) -> Case:
     seq_lens, page_size = _sequences(rng, size)
-    dtype = rng.choice(FLOATS)
-    if rng.random() < 0.6:  # MLA / MQA: one latent KV head, V = K[..., :d_v] or a separate v_cache
-        heads = edge_size(rng, size.dsa_heads)
+    dtype = srng.choice(FLOATS)
+    if srng.random() < 0.6:  # MLA / MQA: one latent KV head, V = K[..., :d_v] or a separate v_cache
+        heads = edge_size(srng, size.dsa_heads)
         kv_heads = 1
-        d_main = rng.choice((16, 32, 64) if size is QUICK else (64, 128, 512))
-        d_qk = d_main + rng.choice((0, 16, 64 if d_main >= 64 else 16))
-        d_v = rng.choice((d_main, d_main, 16))
-        separate_v = rng.random() < 0.3
+        d_main = srng.choice((16, 32, 64) if size is QUICK else (64, 128, 512))
+        d_qk = d_main + srng.choice((0, 16, 64 if d_main >= 64 else 16))
+        d_v = srng.choice((d_main, d_main, 16))
+        separate_v = srng.random() < 0.3
     else:  # MHA
-        heads = edge_size(rng, min(size.dsa_heads, 8))
+        heads = edge_size(srng, min(size.dsa_heads, 8))
         kv_heads = heads
-        d_qk = rng.choice((16, 32, 64))
-        d_v = rng.choice((16, d_qk))
-        separate_v = rng.random() < 0.7
+        d_qk = srng.choice((16, 32, 64))
+        d_v = srng.choice((16, d_qk))
+        separate_v = srng.random() < 0.7
     table, pages = _paging(rng, g, seq_lens, page_size, device)
     query_seq, query_pos = _queries(rng, g, seq_lens, size)
     if size is not QUICK and rng.random() < 0.2:  # more than DECODE_MAX_ROWS rows: the prefill kernel
@@ -528,8 +529,8 @@ GENERATORS: dict[str, Callable] = {
     "add_rms_norm": gen_add_rms_norm,
     "add_layer_norm": gen_add_layer_norm,
     "varlen_attention": gen_varlen_attention,
-    "mxfp4_moe": lambda rng, g, size, device: gen_moe(rng, g, size, device, "mxfp4_moe"),
-    "mxfp4_moe_w4a8": lambda rng, g, size, device: gen_moe(rng, g, size, device, "mxfp4_moe_w4a8"),
+    "mxfp4_moe": lambda rng, srng, g, size, device: gen_moe(rng, srng, g, size, device, "mxfp4_moe"),
+    "mxfp4_moe_w4a8": lambda rng, srng, g, size, device: gen_moe(rng, srng, g, size, device, "mxfp4_moe_w4a8"),
     "dsa_indexer": gen_dsa_indexer,
     "dsa_topk": gen_dsa_topk,
     "sparse_attention": gen_sparse_attention,
@@ -725,14 +726,14 @@ class Runner:
                                                                      self.target.profile)
         return self._compiled[key]
 
-    def _config(self, op: str, codegen: str, spec, work: int, draw: float, rng: random.Random):
+    def _config(self, op: str, codegen: str, spec, work: int, random_config: bool, rng: random.Random):
         family = KERNEL_FAMILIES[op]
         configs, _ = legal_configs(family, codegen, spec, self.target.profile)
         default = getattr(family, f"{codegen}_default_config")(spec, self.target.profile)
         narrow = getattr(family, "configs_for_bucket", None)
         if narrow is not None:
             configs, default = narrow(spec, self.target.profile, family.token_bucket(work), configs, default)
-        return default if draw < 0.5 or not configs else rng.choice(configs)
+        return rng.choice(configs) if random_config and configs else default
 
     def run(self, op: str, codegen: str, case: Case, rng: random.Random) -> tuple[str, str, str]:
         """(outcome, why, config) of one case."""
@@ -755,7 +756,7 @@ class Runner:
             for output in outputs:  # poisoned: an element the kernel does not write shows
                 output.fill_(float("nan") if output.is_floating_point() else -2)
             if work:
-                config = self._config(op, codegen, spec, work, case.pick_config, rng)
+                config = self._config(op, codegen, spec, work, case.random_config, rng)
                 getattr(family, f"{codegen}_launch")(compiled, config, *inputs, *outputs)
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
@@ -810,10 +811,24 @@ def codegens_for(op: str, device: torch.device) -> list[str]:
     return sorted(name for name in names if name == "triton" or device.type == "cuda")
 
 
-def case_rng(seed: int, op: str, codegen: str, index: int) -> tuple[random.Random, torch.Generator]:
-    key = f"{seed}:{op}:{codegen}:{index}"
-    digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
-    return random.Random(digest), torch.Generator().manual_seed(digest & (2**62 - 1))
+# Large mode on a GPU: what a kernel is specialised on (its spec: dtypes, head dims, hidden size, ...) is drawn from
+# this many variants per op and codegen, everything else per case: each spec and config is a compile (seconds for
+# Triton, tens of seconds for TileLang), and the run has to fit a few minutes. Quick mode draws a spec per case.
+SPEC_VARIANTS = {"triton": 6, "tilelang": 2}
+# The share of cases on a random legal config instead of the bucket's default, per codegen (large mode).
+RANDOM_CONFIG_SHARE = {"triton": 0.5, "tilelang": 0.15}
+
+
+def _draw(key: str) -> int:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little")
+
+
+def case_rng(seed: int, op: str, codegen: str, index: int, quick: bool):
+    """(rng for the case, rng for its spec, torch generator for its tensors), all from the seed and the case."""
+    variant = index if quick else index % SPEC_VARIANTS[codegen]
+    digest = _draw(f"{seed}:{op}:{codegen}:{index}")
+    return (random.Random(digest), random.Random(_draw(f"{seed}:{op}:{codegen}:spec{variant}")),
+            torch.Generator().manual_seed(digest & (2**62 - 1)))
 
 
 def run_cases(plan: list[tuple[str, str, int]], args, device: torch.device, cache_dir: str,
@@ -823,11 +838,11 @@ def run_cases(plan: list[tuple[str, str, int]], args, device: torch.device, cach
     for item in plan:
         op, codegen, index = item
         started(item)
-        rng, g = case_rng(args.seed, op, codegen, index)
+        rng, srng, g = case_rng(args.seed, op, codegen, index, args.quick)
         start = time.perf_counter()
         try:
-            case = GENERATORS[op](rng, g, size, device)
-            case.pick_config = rng.random()
+            case = GENERATORS[op](rng, srng, g, size, device)
+            case.random_config = rng.random() < (0.5 if args.quick else RANDOM_CONFIG_SHARE[codegen])
         except Exception as err:
             emit(Outcome(op, codegen, index, "crash", "case generation", _describe_exception(err, "the fuzzer")))
             continue
@@ -913,10 +928,11 @@ def table(results: list[Outcome], ops: list[str], device: torch.device, args) ->
     return "\n".join(lines)
 
 
-def report(results: list[Outcome], args, device: torch.device, seconds: float) -> str:
+def report(results: list[Outcome], args, device: torch.device, seconds: float, partial: bool = False) -> str:
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else "CPU (Triton interpreter; TileLang needs a GPU)")
-    text = [f"# dzc op fuzzer: {'--quick' if args.quick else 'large'} mode, seed {args.seed}", "",
+    text = [f"# dzc op fuzzer: {'--quick' if args.quick else 'large'} mode, seed {args.seed}"
+            + (" (partial: still running or stopped)" if partial else ""), "",
             f"{where}; target {args.target}; torch {torch.__version__}; {len(results)} cases in {seconds:.0f} s", "",
             table(results, args.ops, device, args), ""]
     bad = [r for r in results if r.outcome in ("mismatch", "crash")]
@@ -942,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--codegens", nargs="+", choices=("triton", "tilelang"),
                         help="default: every code generator that runs here")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--cases", type=int, help="cases per op and codegen (default: 8 quick, 40 large)")
+    parser.add_argument("--cases", type=int, help="cases per op and codegen (default: 8 quick, 32 large)")
     parser.add_argument("--only", type=int, help="run only this case index (a repro)")
     parser.add_argument("--target", default="cuda", help="the profile kernels are generated for (default cuda)")
     parser.add_argument("--out", help="write the table and the failures as markdown")
@@ -968,12 +984,17 @@ def main(argv: list[str] | None = None) -> int:
                       started=lambda item: write({"started": list(item)}))
         return 0
 
-    args.cases = args.cases if args.cases is not None else (8 if args.quick else 40)
+    args.cases = args.cases if args.cases is not None else (8 if args.quick else 32)
     plan = make_plan(args, device)
     results: list[Outcome] = []
 
+    start = time.perf_counter()
+
     def emit(result: Outcome) -> None:
         results.append(result)
+        if args.out and (len(results) % 10 == 0 or result.outcome in ("mismatch", "crash")):
+            # Kept current, so that a run stopped by a time limit still leaves its table.
+            Path(args.out).write_text(report(results, args, device, time.perf_counter() - start, partial=True) + "\n")
         mark = {"match": ".", "fallback": "f", "clear-error": "e"}.get(result.outcome)
         if mark is None or args.only is not None:
             print(f"\n{result.outcome.upper()} {result.op}/{result.codegen} case {result.index}: {result.what}\n"
@@ -982,7 +1003,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(mark, end="", flush=True)
 
-    start = time.perf_counter()
     if args.isolate or (device.type == "cuda" and not args.in_process):
         run_isolated(plan, args, device, cache_dir, emit)
     else:
