@@ -908,7 +908,7 @@ def run_isolated(plan, args, device, cache_dir, emit) -> None:
                 emit(Outcome(*in_flight, "crash", "(the worker died)",
                              f"worker process died (exit status {proc.returncode}): {tail[0][:300]}"))
                 remaining = remaining[1:]
-            elif proc.returncode != 0 and in_flight is None:
+            elif done == 0:  # died before its first case: restarting would not help
                 raise RuntimeError(f"fuzz worker failed before any case: {proc.stderr[-2000:]}")
 
 
