@@ -293,19 +293,26 @@ class Signature:
     """What the calls of a graph key run as they are showed: `refused` (why such calls never replay), `in_place`
     (the direct inputs used at their own address: written by the call, sharing storage, or not dense), `written`
     (indices into inputs + state of the tensors with version counters the call writes: a replay bumps them, as
-    the call itself does), `warm` (a call ran without compiling anything: every compiled graph it reaches has run
-    its own code, so the next call may be captured)."""
+    the call itself does), `warm` (the last call ran without compiling anything: every compiled graph it reached
+    had run its own code; the next call may be captured if nothing compiled since `warm_at`, a _compiles() count)."""
 
     refused: str | None = None
     in_place: frozenset = frozenset()
     written: tuple = ()
     warm: bool = False
+    warm_at: int = -1
     graphs: int = 0  # captured so far (one per address of the in-place inputs)
 
     def merge(self, later: "Signature") -> "Signature":
         """This key's signature after another call run as it is showed `later`."""
         return Signature(self.refused or later.refused, self.in_place | later.in_place,
-                         tuple(sorted(set(self.written) | set(later.written))), later.warm, self.graphs)
+                         tuple(sorted(set(self.written) | set(later.written))), later.warm, later.warm_at,
+                         self.graphs)
+
+    def capturable(self) -> bool:
+        """Warm, and no graph compiled since (one compiled by another call may be what this key's calls reach next,
+        its own code not yet run)."""
+        return self.warm and self.warm_at == _compiles()
 
 
 def _compiles() -> int:
@@ -333,6 +340,7 @@ def observe(fn: Callable, args: tuple, kwargs: dict, call: FlatCall):
     with _observing_writes() as written:
         result = fn(*args, **kwargs)
     warm = _compiles() == compiles
+    warm_at = compiles if warm else -1
     written_storages = {t.untyped_storage().data_ptr() for t in written if isinstance(t, torch.Tensor)}
     storages = [a.untyped_storage().data_ptr() for a in tensors]
     moved = [versions[i] is not None and a._version != versions[i] for i, a in enumerate(tensors)]
@@ -348,7 +356,7 @@ def observe(fn: Callable, args: tuple, kwargs: dict, call: FlatCall):
     if before != [_snapshot(obj) for obj in call.objects]:
         return result, Signature("the call changes its argument objects' Python state, e.g. replaces a cache's "
                                  "tensors (a replay would not)")
-    return result, Signature(None, frozenset(in_place), bumped, warm)
+    return result, Signature(None, frozenset(in_place), bumped, warm, warm_at)
 
 
 def _dense(a: torch.Tensor) -> bool:
@@ -371,16 +379,17 @@ class CudaGraphRunner:
 
     Per graph key (flatten_call, graph_key): calls run as they are (observe: they compile, tune, and show what the
     call writes; their side effects, buffer updates included, happen once) until one compiled nothing (warm: see
-    observe); the next is captured (the capture runs no kernel) and replayed; later ones replay. Each call's work
-    runs exactly once. Direct tensor inputs are copied into the graph's own buffers at every replay, unless the
-    call writes them (or they share storage, or are not dense): those are used at their own address, which becomes
-    part of the key (at most MAX_GRAPHS_PER_SIGNATURE addresses). Tensors held by argument objects (caches) are
-    always used at their own address. A replay bumps the version counters of the tensors the call writes, as the
-    call does. Outputs are cloned out unless `reuse_outputs`: then every call that replays (the captured call and
-    later ones) returns the graph's buffers, which the next replay of that key overwrites (a decode loop that
-    consumes each step's output first); calls run as they are return their own tensors. A `block_table`
-    argument is padded to a power-of-two page count (pad_block_table). Calls that cannot be keyed (`bypassed` says
-    why), that change their argument objects' Python state, or with more tokens run `fn`.
+    observe); the next is captured (the capture runs no kernel) and replayed, unless a graph was compiled since
+    (then it runs as it is again); later ones replay. Each call's work runs exactly once. Direct tensor inputs
+    are copied into the graph's own buffers at every replay, unless the call writes them (or they share storage,
+    or are not dense): those are used at their own address, which becomes part of the key (at most
+    MAX_GRAPHS_PER_SIGNATURE addresses). Tensors held by argument objects (caches) are always used at their own
+    address. A replay bumps the version counters of the tensors the call writes, as the call does. Outputs are
+    cloned out unless `reuse_outputs`: then every call that replays (the captured call and later ones) returns the
+    graph's buffers, which the next replay of that key overwrites (a decode loop that consumes each step's output
+    first); calls run as they are return their own tensors. A `block_table` argument is padded to a power-of-two
+    page count (pad_block_table). Calls that cannot be keyed (`bypassed` says why), that change their argument
+    objects' Python state, or with more tokens run `fn`.
 
     A capture that fails (the call waits on the GPU, uses a stream or generator the capture does not follow, or
     Dynamo compiles during it) leaves CUDA as it was (capture ended, allocator and stream restored, the CUDA RNG
@@ -410,8 +419,9 @@ class CudaGraphRunner:
         """One line per key: warm or not, its graphs, in-place inputs, and why it is refused; then the bypasses."""
         lines = [f"{len(self.graphs)} graphs, {len(self.signatures)} keys"]
         for n, signature in enumerate(self.signatures.values()):
-            state = f"refused: {signature.refused}" if signature.refused else (
-                f"{signature.graphs} graphs" if signature.warm else "not warm yet")
+            warmth = ("warm" if signature.capturable() else "warm before the last compile" if signature.warm
+                      else "not warm yet (its last call compiled)")
+            state = f"refused: {signature.refused}" if signature.refused else f"{signature.graphs} graphs, {warmth}"
             lines.append(f"  key {n}: {state}; in place: {sorted(signature.in_place)}")
         lines += [f"  bypassed {count}x: {reason}" for reason, count in self.bypassed.items()]
         return "\n".join(lines)
@@ -432,19 +442,16 @@ class CudaGraphRunner:
             return self.fn(*args, **kwargs)
         key = graph_key(call)
         signature = self.signatures.get(key)
-        if signature is None or (not signature.warm and not signature.refused):
-            result, observed = observe(self.fn, padded_args, padded_kwargs, call)
-            self.signatures[key] = observed if signature is None else signature.merge(observed)
-            self.signatures.move_to_end(key)
-            if len(self.signatures) > 4 * self.MAX_GRAPHS:
-                self.signatures.popitem(last=False)
-            return result
+        if signature is None or not (signature.refused or signature.warm):
+            return self._observe(key, signature, padded_args, padded_kwargs, call)
         self.signatures.move_to_end(key)
         if signature.refused:
             return self.fn(*args, **kwargs)
         full_key = (key, tuple(call.inputs[i].data_ptr() for i in sorted(signature.in_place)))
         graph = self.graphs.get(full_key)
         if graph is None:
+            if not signature.capturable():  # a graph compiled since: this call may be its first
+                return self._observe(key, signature, padded_args, padded_kwargs, call)
             if signature.graphs >= self.MAX_GRAPHS_PER_SIGNATURE:
                 signature.refused = (f"the arguments it writes came at {signature.graphs} addresses: each would "
                                      "need its own graph")
@@ -459,6 +466,15 @@ class CudaGraphRunner:
         else:
             self.graphs.move_to_end(full_key)
         return graph.replay(tensors, self.reuse_outputs)
+
+    def _observe(self, key, signature: Signature | None, args, kwargs, call: FlatCall):
+        """Run the call as it is and record what it showed under its key."""
+        result, observed = observe(self.fn, args, kwargs, call)
+        self.signatures[key] = observed if signature is None else signature.merge(observed)
+        self.signatures.move_to_end(key)
+        if len(self.signatures) > 4 * self.MAX_GRAPHS:
+            self.signatures.popitem(last=False)
+        return result
 
     def _pad_block_table(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         position = self.block_table_position

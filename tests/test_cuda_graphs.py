@@ -1,6 +1,8 @@
 """CUDA-graph replay of small calls (dzc.runtime.CudaGraphRunner, above Dynamo): same results as the guarded path,
 inputs copied in, written arguments and cache objects used in place, each call's work (buffer updates included)
-run once, block tables bucketed, outputs owned by the caller; the MoE workspace a graph captured stays its own."""
+run once, block tables bucketed, outputs owned by the caller; the MoE workspace a graph captured stays its own.
+Captures happen only after a call that compiled nothing; one that fails leaves CUDA usable (stream, RNG) and its
+key runs without graphs, the error recorded. Assertion messages carry runner.describe() (keys, refusals)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 
 import dzc
 from dzc.models.decoder import AddRMSNorm, HFRMSNorm
+from dzc.runtime import CudaGraphRunner
 from test_cuda_graph_eligibility import KeepPositive, ScaleByHostValue
 
 pytestmark = pytest.mark.gpu
@@ -55,20 +58,29 @@ def test_replay_matches_guarded_path_and_sees_new_values(seed, tmp_path):
                 x.mul_(-2.0)  # same tensor, new values: inputs are copied in at every replay
             if step == 2:
                 x, r = _inputs(8, 256)  # other tensors, same signature: replayed, copied in
-    assert len(compiled._cuda_graphs.graphs) == 1
+    runner = compiled._cuda_graphs
+    assert len(runner.graphs) == 1, runner.describe()
     first, second = compiled(x, r)[0], compiled(x, r)[0]
     assert first.data_ptr() != second.data_ptr()  # outputs are copies the caller owns
 
 
 def test_reuse_outputs_returns_the_graph_buffers(seed, tmp_path):
+    """With reuse_outputs, every call that replays returns the graph's buffers (the captured call included); calls
+    run as they are return their own tensors: the first (it compiles; the runner sees calls once a graph exists)
+    and the runner's first of the key (it compiled nothing: the next is captured)."""
     model = _model(AddRMSNorm, 256, seed)
     compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), cuda_graph_reuse_outputs=True))
+    runner = compiled._cuda_graphs
     x, r = _inputs(4, 256)
-    compiled(x, r)
-    first = compiled(x, r)[0]
+    before = [compiled(x, r)[0] for _ in range(2)]
+    assert not runner.graphs and before[0].data_ptr() != before[1].data_ptr(), runner.describe()
+    first = compiled(x, r)[0]  # captured, replayed
+    assert len(runner.graphs) == 1, runner.describe()
+    graph_output = next(iter(runner.graphs.values())).flat_outputs[0]
+    assert first.data_ptr() == graph_output.data_ptr()
     x2, r2 = _inputs(4, 256)
     second = compiled(x2, r2)[0]
-    assert first.data_ptr() == second.data_ptr()
+    assert first.data_ptr() == second.data_ptr(), runner.describe()
     with torch.no_grad():
         torch.testing.assert_close(second, model(x2, r2)[0], atol=0.02, rtol=0.02)
 
@@ -89,13 +101,14 @@ def test_a_written_argument_is_replayed_in_place(seed, tmp_path):
             expected_r += x
             torch.testing.assert_close(r, expected_r, atol=0.05, rtol=0.02)
         runner = compiled._cuda_graphs
-        assert len(runner.graphs) == 1 and [s.in_place for s in runner.signatures.values()] == [{1}]
+        assert len(runner.graphs) == 1 and [s.in_place for s in runner.signatures.values()] == [{1}], \
+            runner.describe()
         for _ in range(runner.MAX_GRAPHS_PER_SIGNATURE + 2):  # a new residual each call
             x, r = _inputs(4, 256)
             expected_r = r + x
             torch.testing.assert_close(compiled(x, r), model.norm(expected_r), atol=0.02, rtol=0.02)
             torch.testing.assert_close(r, expected_r, atol=0.05, rtol=0.02)
-        assert "addresses" in next(iter(runner.signatures.values())).refused
+        assert "addresses" in (next(iter(runner.signatures.values())).refused or ""), runner.describe()
 
 
 def test_replays_under_inference_mode_with_keyword_arguments(seed, tmp_path):
@@ -109,7 +122,7 @@ def test_replays_under_inference_mode_with_keyword_arguments(seed, tmp_path):
             x.normal_()  # the same tensor, new values: copied in at every replay
             for a, e in zip(compiled(x, residual=r), model(x, r)):
                 torch.testing.assert_close(a, e, atol=0.02, rtol=0.02)
-    assert len(compiled._cuda_graphs.graphs) == 1
+    assert len(compiled._cuda_graphs.graphs) == 1, compiled._cuda_graphs.describe()
 
 
 class CountSteps(torch.nn.Module):
@@ -125,15 +138,93 @@ class CountSteps(torch.nn.Module):
 
 
 def test_buffers_updated_in_forward_move_once_per_call(tmp_path):
-    """The first call of a key is the warm-up (it runs once, as it is); the capture runs no kernel; every later
-    call is one replay: the buffer counts calls exactly."""
+    """Calls run as they are until one compiled nothing (here the second: the first compiles); the capture runs
+    no kernel; every later call is one replay: the buffer counts calls exactly."""
     model = CountSteps()
     compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), fallback="eager"))
     x = torch.randn(4, 64, device="cuda")
     with torch.inference_mode():
         for step in range(1, 6):
             torch.testing.assert_close(compiled(x), x * step)
-    assert model.steps.item() == 5 and len(compiled._cuda_graphs.graphs) == 1
+    assert model.steps.item() == 5 and len(compiled._cuda_graphs.graphs) == 1, compiled._cuda_graphs.describe()
+
+
+class NormAndSoftmax(torch.nn.Module):
+    """A residual RMSNorm (dzc's rewrite: its graph's first call runs the rewrite check) beside a softmax left to
+    Inductor (whose first run picks among its reduction configs by timing them)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.norm = HFRMSNorm(hidden, 1e-6)
+
+    def forward(self, x, residual):
+        h = x + residual
+        return self.norm(h), h.float().softmax(-1)
+
+
+def test_a_graph_compiled_by_a_call_is_captured_only_after_a_call_that_compiled_nothing(seed, tmp_path):
+    """A key whose first call compiles a new graph (one token: Dynamo specialises size 1): that call ran the
+    rewrite check, not the compiled code. Seen on the H200 (DSA decode steps): capturing the next call ran
+    Inductor's first run inside the capture, which invalidated it. The next call runs as it is, the one after is
+    captured and replayed."""
+    model = _model(NormAndSoftmax, 256, seed)
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path)))
+    runner = compiled._cuda_graphs
+    with torch.inference_mode():
+        compiled(*_inputs(8, 256))  # compiles (the token count dynamic)
+        for step in range(4):
+            x, r = _inputs(1, 256)
+            for a, e in zip(compiled(x, r), model(x, r)):
+                torch.testing.assert_close(a, e, atol=0.02, rtol=0.02)
+            assert len(runner.graphs) == (1 if step >= 2 else 0), f"step {step}: {runner.describe()}"
+    assert not any(s.refused for s in runner.signatures.values()), runner.describe()
+    assert [g.fallback for g in compiled.report.graphs] == ["inductor", "inductor"], compiled.report
+    assert compiled.report.graphs[1].rewrite_check.startswith("passed"), compiled.report
+    torch.randn(8, device="cuda")
+
+
+def _host_read(x):
+    return x * x.sum().item()  # waits on the GPU: a capture cannot
+
+
+def test_a_failed_capture_leaves_cuda_usable_and_its_key_runs_without_graphs(seed):
+    """The capture fails inside (the host waits on the GPU) and so at its end: the refusal names the error raised
+    inside, the current stream and the CUDA RNG are as before (on the H200 the next randn raised "Offset increment
+    outside graph capture encountered unexpectedly"), every call's result is right, and capturing works again."""
+    runner = CudaGraphRunner(_host_read, 64, reuse_outputs=False)
+    stream = torch.cuda.current_stream()
+    for step in range(4):
+        x = torch.randn(4, 64, device="cuda")
+        torch.testing.assert_close(runner(x), x * x.sum().item())
+    (signature,) = runner.signatures.values()
+    assert not runner.graphs and signature.refused, runner.describe()
+    assert signature.refused.startswith("capture failed: ") and "(at " in signature.refused, runner.describe()
+    assert "previous error during capture" not in signature.refused.split(";")[0], runner.describe()
+    assert torch.cuda.current_stream() == stream
+    torch.randn(8, device="cuda")
+    doubled = CudaGraphRunner(lambda x: x * 2, 64, reuse_outputs=False)
+    for _ in range(3):
+        x = torch.randn(4, 64, device="cuda")
+        torch.testing.assert_close(doubled(x), x * 2)
+    assert len(doubled.graphs) == 1, doubled.describe()
+
+
+def test_random_draws_in_a_graph_replay_fresh_numbers(seed):
+    """The default CUDA generator is registered with each capture: every replay draws anew. A generator of the
+    call's own is either followed the same way or refused with its error; CUDA's RNG stays usable either way."""
+    noisy = CudaGraphRunner(lambda x: x + torch.rand_like(x), 64, reuse_outputs=False)
+    x = torch.zeros(4, 64, device="cuda")
+    draws = [noisy(x) for _ in range(4)]
+    assert len(noisy.graphs) == 1, noisy.describe()
+    assert all(bool(((d >= 0) & (d < 1)).all()) for d in draws)
+    assert not torch.equal(draws[2], draws[3])  # the capture's replay, then a replay
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    own = CudaGraphRunner(lambda x: x + torch.rand(x.shape, device=x.device, generator=generator), 64, False)
+    draws = [own(x) for _ in range(4)]
+    assert all(bool(((d >= 0) & (d < 1)).all()) for d in draws) and not torch.equal(draws[2], draws[3])
+    (signature,) = own.signatures.values()
+    assert len(own.graphs) == 1 or "generator" in (signature.refused or ""), own.describe()
+    torch.randn(8, device="cuda")
 
 
 def test_widening_block_table_reuses_power_of_two_graphs(seed, tmp_path):
@@ -158,7 +249,7 @@ def test_widening_block_table_reuses_power_of_two_graphs(seed, tmp_path):
             torch.testing.assert_close(actual, expected, atol=0.02, rtol=0.02)
     runner = graphed._cuda_graphs
     widths = sorted({key[0][1][2][0][1] for key in runner.graphs})  # the block table's [rows, pages]
-    assert widths == [1, 2, 4], widths
+    assert widths == [1, 2, 4], f"{widths}\n{runner.describe()}"
     for mine, theirs in zip(sessions[1].cache.latent + sessions[1].cache.index_keys,
                             sessions[0].cache.latent + sessions[0].cache.index_keys):
         torch.testing.assert_close(mine, theirs, atol=0.02, rtol=0.02)
@@ -196,7 +287,7 @@ def test_large_calls_take_the_guarded_path(seed, tmp_path):
     x, r = _inputs(64, 256)
     compiled(x, r)
     compiled(x, r)
-    assert not compiled._cuda_graphs.graphs
+    assert not compiled._cuda_graphs.graphs and not compiled._cuda_graphs.signatures, compiled._cuda_graphs.describe()
 
 
 def test_a_host_read_kept_on_the_device_replays_with_fresh_values(seed, tmp_path):
@@ -204,7 +295,7 @@ def test_a_host_read_kept_on_the_device_replays_with_fresh_values(seed, tmp_path
     for step in range(3):  # new values each call: a replay that baked in the first call's amax would be wrong
         x = torch.randn(4, 64, device="cuda") * (step + 1)
         torch.testing.assert_close(compiled(x), x * x.abs().amax().item())
-    assert [graph is not None for graph in compiled._cuda_graphs.graphs.values()] == [True]
+    assert len(compiled._cuda_graphs.graphs) == 1, compiled._cuda_graphs.describe()
 
 
 def test_calls_with_host_syncs_run_without_cuda_graphs(seed, tmp_path):
@@ -215,4 +306,4 @@ def test_calls_with_host_syncs_run_without_cuda_graphs(seed, tmp_path):
         x = torch.randn(4, 64, device="cuda")
         torch.testing.assert_close(compiled(x), x[x > 0] * 2)
     assert compiled.report.graphs[0].host_syncs == ["aten.index.Tensor"]
-    assert not compiled._cuda_graphs.graphs
+    assert not compiled._cuda_graphs.graphs and not compiled._cuda_graphs.signatures, compiled._cuda_graphs.describe()

@@ -349,7 +349,7 @@ def _run_layer(options, fp8_index: bool, steps, check_sizes: bool, device: str =
             actual = compiled(*fused.inputs(x, sequences))
             torch.testing.assert_close(actual.float(), expected.float(), atol=4e-2, rtol=4e-2)
             _assert_caches_match(compiled_cache, eager_cache, max_bf16_ulps=2 if device == "cpu" else 4)
-            # The input's version counter moved: CudaGraphRunner never replays a call that writes its inputs.
+            # The input's version counter moved, as for any in-place write (a CUDA-graph replay bumps it too).
             assert all(t._version > v for t, v in
                        zip((*compiled_cache.latent, *compiled_cache.index_keys), versions))
     report = compiled.report
@@ -440,7 +440,10 @@ def test_dsa_layer_on_gpu_writes_the_paged_cache_in_place(options, seed, fp8_ind
                                       device="cuda")
     assert all(graph.fallback == "inductor" for graph in report.graphs), [g.fallback for g in report.graphs]
     assert report.passes["reinplace_cache_writes"] == (6 if fp8_index else 4)
-    assert not any(signature.refused for signature in compiled._cuda_graphs.signatures.values())
+    # Decode steps: the first compiles, the second runs as it is, the third is captured and replayed.
+    runner = compiled._cuda_graphs
+    assert not any(signature.refused for signature in runner.signatures.values()), runner.describe()
+    assert len(runner.graphs) == 1, runner.describe()
 
 
 @pytest.mark.gpu
@@ -459,4 +462,4 @@ def test_cuda_graph_runner_replays_a_cache_write_in_place(options, seed):
         assert torch.equal(cache, expected_cache)
     assert compiled.report.passes["reinplace_cache_writes"] >= 1
     runner = compiled._cuda_graphs
-    assert [s.in_place for s in runner.signatures.values()] == [{0}] and len(runner.graphs) == 1
+    assert [s.in_place for s in runner.signatures.values()] == [{0}] and len(runner.graphs) == 1, runner.describe()
