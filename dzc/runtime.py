@@ -624,8 +624,8 @@ class _CapturedGraph:
         if self.buffers:
             torch._foreach_copy_(self.buffers, [tensors[i] for i in self.positions])
         self.graph.replay()
-        if self.written:
-            torch.autograd.graph.increment_version([tensors[i] for i in self.written])
+        for i in self.written:  # one at a time: older torch takes no list
+            torch.autograd.graph.increment_version(tensors[i])
         if reuse_outputs:
             flat = self.flat_outputs
         else:

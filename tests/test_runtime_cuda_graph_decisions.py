@@ -231,6 +231,14 @@ def test_merged_signatures_keep_every_write_and_refusal():
     later = Signature("the call changes an argument's shape or strides", frozenset({2}), (3,), warm=True)
     merged = first.merge(later)
     assert merged.refused == later.refused and merged.in_place == {0, 2} and merged.written == (0, 3)
+    # What the GPU tests' assertion messages print.
+    runner = CudaGraphRunner(lambda x: x, 16, reuse_outputs=False)
+    runner.signatures.update({"a": first, "b": merged})
+    runner.bypassed["an argument holds a function"] += 2
+    assert runner.describe() == ("0 graphs, 2 keys\n"
+                                 "  key 0: 0 graphs, not warm yet (its last call compiled); in place: [0]\n"
+                                 "  key 1: refused: the call changes an argument's shape or strides; in place: [0, 2]\n"
+                                 "  bypassed 2x: an argument holds a function")
 
 
 def _ending(error_inside):
