@@ -1,0 +1,34 @@
+"""The public model zoo (tools/zoo.py, docs/zoo.md): every row, a transformers model compiled unchanged with
+dzc.compile, compiles and matches eager over three input lengths, in fp32 and bf16. Fusions that do not fire are
+the table's business, not this test's; a row that fails or mismatches is a bug."""
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_spec = importlib.util.spec_from_file_location("zoo", Path(__file__).resolve().parent.parent / "tools" / "zoo.py")
+zoo = sys.modules["zoo"] = importlib.util.module_from_spec(_spec)  # registered: its dataclasses look it up
+_spec.loader.exec_module(zoo)
+
+
+# fp32 (the tight tolerance: any wrong rewrite shows) runs in CI; bf16 doubles the compiles (~3 minutes more on
+# two CPU cores), so it is marked slow: tools/zoo.py runs both for docs/zoo.md.
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
+                                   pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", list(zoo.ZOO))
+def test_zoo_row_compiles_unchanged_and_matches_eager(name, dtype, tmp_path):
+    run = zoo.measure(zoo.ZOO[name], dtype, str(tmp_path / "cache"))
+    assert not run.error, f"{name} ({dtype}) failed: {run.error}"
+    assert not run.eager_runs, f"{name} ({dtype}) ran eagerly, without dzc"
+    assert run.compiles >= 1
+    assert run.matches, (f"{name} ({dtype}): max |dzc - eager| {run.max_error:.3g} of max |eager|, {run.rows_off} of "
+                         f"{run.rows} rows over {zoo.TOLERANCE[dtype]:.0e}")
+    # The report's coverage is there for every graph, with shares in [0, 1].
+    assert 0 <= run.flop_share <= 1 and 0 <= run.byte_share <= 1
