@@ -157,3 +157,13 @@ def test_an_op_that_cannot_be_costed_is_listed_not_raised():
     coverage = graph_coverage(graph)
     assert coverage.fallback_flops == 0 and len(coverage.uncosted) == 1
     assert coverage.uncosted[0].startswith("aten.mm.default")
+
+
+def test_dump_coverage_prints_the_coverage(tmp_path, capsys):
+    from dzc import dump
+
+    assert dump.main(["llama_decoder_fp32", "--coverage", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("dzc coverage: ") and "largest unfused ops" in out and "model: ran" in out
+    assert "near-misses" in out and "attention" in out  # its dense causal attention: no pass claims it
+    assert "==== graph" not in out  # only the coverage, not the stages
