@@ -96,7 +96,8 @@ def test_an_attention_no_pass_claims_is_a_near_miss_saying_so(options, seed):
     assert miss.kind == "attention" and miss.where.startswith("test_coverage.py:")
     assert len(miss.reasons) == 1 and "no pass recorded a reason" in miss.reasons[0]
     # Both matmuls (q k^T and p v) are the largest unfused ops: 2 * B * H * T * T * D each.
-    assert [op.flops for op in compiled.report.coverage.graphs[0].largest_unfused[:2]] == [2 * 2 * 4 * TOKENS**2 * 16] * 2
+    largest = compiled.report.coverage.graphs[0].largest_unfused[:2]
+    assert [op.flops for op in largest] == [2 * 2 * 4 * TOKENS**2 * 16] * 2
 
 
 class DequantizedExpert(torch.nn.Module):
