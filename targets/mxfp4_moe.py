@@ -16,12 +16,11 @@ W4A8 (the dzc.mxfp4_moe_w4a8 op, profiles with native FP8; Triton): the activati
 weights are converted to E4M3 (one scale per 128 columns) once per call, and both GEMMs multiply FP8 tiles (configs
 with FP8=1, workspace path). Online dequant to FP8 is not offered: decoding in the GEMM's inner loop costs the same
 integer work per weight as W4A16's and W4A16 needs no activation quantization, so W4A8 only pays where the weights
-are converted once for many rows (prefill). At decode sizes (fewer than WORKSPACE_MIN_ROWS_PER_EXPERT rows per
-expert) the op's tier is W4A16's online one (FP8=0): converting every activated expert per call made W4A8 6.7x
-slower than W4A16 at 64 tokens of gpt-oss-120b on the H200 (7628 vs 1142 us, 2026-12-01), and at fewer rows per
-expert the conversion's share only grows. Those configs compute the layer without quantizing activations (the W4A16
-reference, closer to the model than W4A8's); the report's path per token bucket says which ran. The two are not
-mixed in one tier: the tuner's agreement check (1/16 of the output's scale) could not tell FP8 rounding (up to
+are converted once for many rows (prefill). At decode sizes the op is W4A16 (dzc.ops.mxfp4_moe.fp8_applies: fewer
+than 128 rows per expert; converting every activated expert per call made W4A8 6.7x slower than W4A16 at 64 tokens
+of gpt-oss-120b on the H200, 7628 vs 1142 us, 2026-12-01): the launch follows the call's token count, and the tier
+of a decode bucket is W4A16's online one (FP8=0); the report's path per token bucket says which ran. The two are
+not mixed in one tier: the tuner's agreement check (1/16 of the output's scale) could not tell FP8 rounding (up to
 ~2^-4 of it) from a wrong result.
 
 Decode is weight-bandwidth bound: useful bytes = the packed weights (and scales) of the experts actually touched.
@@ -38,7 +37,7 @@ from string import Template
 import torch
 
 from dzc import mxfp4
-from dzc.ops.mxfp4_moe import ACTIVATIONS, FP8_GROUP, check_mxfp4_moe_args
+from dzc.ops.mxfp4_moe import ACTIVATIONS, FP8_GROUP, check_mxfp4_moe_args, fp8_applies
 from dzc.targets import mxfp4_moe_routing as routing
 from dzc.targets import triton_codegen
 from dzc.targets.kernel_config import KernelConfig
@@ -243,7 +242,8 @@ def combine(pair_out: torch.Tensor, ids: torch.Tensor, spec, out: torch.Tensor) 
 def prepare(spec: MXFP4MoESpec, hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
             w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit):
     """Op arguments -> (kernel inputs, (out,), token count, out). Inputs are made dense (the kernels index them
-    as contiguous rows); the packed weights and biases of a model already are, so they pass as they are."""
+    as contiguous rows); the packed weights and biases of a model already are, so they pass as they are. The
+    last input says whether the call quantizes its activations (the W4A8 op at prefill sizes, fp8_applies)."""
     got = spec_from_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
                          w2_bias, activation, gate_up_interleaved, spec.fp8_activations)
     if got != spec:
@@ -252,7 +252,8 @@ def prepare(spec: MXFP4MoESpec, hidden, topk_ids, topk_weights, w13_blocks, w13_
              for t in (hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
                        w2_bias)]
     out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
-    return (*dense, float(alpha), float(limit)), (out,), hidden.shape[0], out
+    fp8 = spec.fp8_activations and fp8_applies(hidden.shape[0], spec.top_k, spec.experts)
+    return (*dense, float(alpha), float(limit), fp8), (out,), hidden.shape[0], out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -270,7 +271,7 @@ def _tier(spec: MXFP4MoESpec, bucket: int) -> tuple[set[int], set[int]]:
     else:
         block_ms, paths = {64, 128}, {0, 1}
     if spec.fp8_activations:  # the FP8 configs are the workspace ones; decode sizes run W4A16 online
-        paths = {0} if rows < WORKSPACE_MIN_ROWS_PER_EXPERT else {1}
+        paths = {1} if fp8_applies(bucket, spec.top_k, spec.experts) else {0}
     return block_ms, paths
 
 
@@ -440,9 +441,14 @@ def triton_shared_memory_bytes(spec: MXFP4MoESpec, config: KernelConfig) -> int:
 
 
 def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_weights, w13_blocks, w13_scales,
-                  w13_bias, w2_blocks, w2_scales, w2_bias, alpha, limit, out):
+                  w13_bias, w2_blocks, w2_scales, w2_bias, alpha, limit, fp8, out):
     """Route, run both GEMMs on the config's path, combine into `out` [T, H] (preallocated). Arguments as
-    `prepare` returns them (checked there against the spec the kernels were generated for)."""
+    `prepare` returns them (checked there against the spec the kernels were generated for). `fp8` (the W4A8
+    op's arithmetic for this call's token count) decides between W4A8 and W4A16: a config of the other path
+    gives way to that path's standard tile (_path_config); the tuner's tiers keep that to calls whose token
+    bucket straddles FP8_MIN_ROWS_PER_EXPERT."""
+    if fp8 != _fp8(config):
+        config = _path_config(fp8)
     spec = _LaunchShape.of(hidden, topk_ids, w13_scales)
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     tokens = hidden.shape[0]
@@ -495,6 +501,16 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
         w2_blocks, w2_scales, ws, w2_bias_arg, topk_weights.reshape(-1), pair_out, pair_out, pair_out, pairs,
         **options)
     combine(pair_out, ids, spec, out)
+
+
+def _path_config(fp8: bool) -> KernelConfig:
+    """The tile a W4A8-op launch runs when its config belongs to the other path: the prefill tests' FP8 tile, or
+    the decode tier's W4A16 default; both legal on every profile with native FP8 (4 warps of 32 lanes, under
+    100 KiB of shared memory)."""
+    if fp8:
+        return KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=FP8_GROUP, WORKSPACE=1,
+                                 SPLIT_K=1, FP8=1)
+    return KernelConfig.make(num_warps=4, num_stages=2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0, SPLIT_K=1)
 
 
 def _launch_w4a8(kernels, plan: Routing, options: dict, hidden, topk_weights, w13_blocks, w13_scales, w13_bias,
@@ -724,12 +740,12 @@ def tilelang_kernel_configs(spec: MXFP4MoESpec, config: KernelConfig) -> dict[st
 
 
 def tilelang_launch(compiled, config: KernelConfig, hidden, topk_ids, topk_weights, w13_blocks, w13_scales,
-                    w13_bias, w2_blocks, w2_scales, w2_bias, alpha, limit, out):
+                    w13_bias, w2_blocks, w2_scales, w2_bias, alpha, limit, fp8, out):
     """Route (Triton routing kernels), both TileLang GEMMs with online dequant, combine into `out`.
 
     `compiled` is what tilelang_codegen.load returns; the packed weights are passed as [E, N, K/2] bytes."""
-    if _uses_workspace(config):
-        raise ValueError("the TileLang mxfp4_moe kernels have no workspace path (use codegen='triton')")
+    if _uses_workspace(config) or fp8:
+        raise ValueError("the TileLang mxfp4_moe kernels have no workspace or W4A8 path (use codegen='triton')")
     shape = _LaunchShape.of(hidden, topk_ids, w13_scales)
     pairs = hidden.shape[0] * shape.top_k
     ids = topk_ids.reshape(-1)
@@ -784,7 +800,8 @@ def selftest_cases(profile: DeviceProfile) -> list[tuple[str, Callable[[torch.de
     """Named small cases, each building the op's arguments (without kernel_id) from fresh random inputs.
 
     Shapes are tiny multiples of 32 with H != I != a power of two where it matters (K tails); token counts cover
-    decode (1), a few rows per expert (5) and several row blocks with one dominant expert (37, skewed)."""
+    decode (1), a few rows per expert (5), several row blocks with one dominant expert (37, skewed) and a prefill
+    size (128 rows per expert, where the W4A8 op quantizes)."""
     dtypes = [d for d in (torch.bfloat16, torch.float16, torch.float32) if profile.supports_dtype(d)]
     cases = []
 
@@ -799,4 +816,6 @@ def selftest_cases(profile: DeviceProfile) -> list[tuple[str, Callable[[torch.de
          activation="silu_glu", interleaved=False, bias=False, skew=3.0)
     case("gptoss-T37-skewed-bf16-weights", tokens=37, hidden=96, inter=64, experts=5, top_k=2, skew=3.0,
          weights_dtype=torch.bfloat16)
+    # 128 rows per expert: the W4A8 op quantizes here (dzc.ops.mxfp4_moe.fp8_applies), below it is W4A16.
+    case("gptoss-T128-prefill-rows", tokens=128, hidden=64, inter=64, experts=2, top_k=2)
     return cases

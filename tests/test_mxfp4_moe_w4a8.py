@@ -88,11 +88,27 @@ def test_weights_convert_exactly_where_the_block_spread_allows(seed):
 
 
 def test_w4a8_reference_is_close_to_w4a16_but_not_equal(seed):
-    args = _random_args(seed, dtype=torch.float32)
+    args = _random_args(seed, dtype=torch.float32, tokens=128, experts=2)  # 128 rows per expert: FP8 applies
     w4a16, w4a8 = mxfp4_moe_reference(*args), mxfp4_moe_w4a8_reference(*args)
     scale = w4a16.abs().max()
     assert (w4a8 - w4a16).abs().max() <= 2**-3 * scale, "FP8 activations keep 3 mantissa bits"
     assert (w4a8 - w4a16).abs().max() > 2**-12 * scale, "the reference must quantize the activations"
+
+
+def test_decode_sizes_are_w4a16(seed, tmp_path):
+    """Below 128 rows per expert the op is dzc.mxfp4_moe (its reference and its kernels, whichever config the
+    tuner hands the launch): 127 rows per expert in the reference, 9 tokens through an FP8 config."""
+    args = _random_args(seed, dtype=torch.float32, tokens=127, experts=2)
+    torch.testing.assert_close(mxfp4_moe_w4a8_reference(*args), mxfp4_moe_reference(*args), rtol=0, atol=0)
+    args = _random_args(seed)
+    spec = _w4a8_spec(args)
+    inputs, (out,), _, _ = mxfp4_moe.prepare(spec, *args)
+    assert inputs[-1] is False, "9 tokens over 4 experts must not quantize"
+    out.fill_(float("nan"))
+    mxfp4_moe.triton_launch(_kernels(spec, tmp_path), PREFILL, *inputs, out)
+    expected = mxfp4_moe_reference(*args).float()
+    scale = expected.abs().max().item()
+    assert (out.float() - expected).abs().max().item() <= 2**-7 * scale  # bf16: two roundings, as W4A16's tests
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -154,9 +170,11 @@ def test_weight_conversion_kernel_matches_reference_bits(seed, tmp_path):
 # The whole layer
 
 
-W4A8_CASES = [("float32", dict(dtype=torch.float32), DECODE), ("float32-T37-skewed", dict(
-    dtype=torch.float32, tokens=37, skew=3.0), PREFILL), ("bfloat16-silu-nobias", dict(
-        activation="silu_glu", interleaved=False, bias=False), PREFILL)]
+# Prefill sizes (at least 128 rows per expert: FP8 applies), one with a dominant expert.
+W4A8_CASES = [("float32", dict(dtype=torch.float32, tokens=128, experts=2), DECODE),
+              ("float32-T200-skewed", dict(dtype=torch.float32, tokens=200, experts=3, skew=3.0), PREFILL),
+              ("bfloat16-silu-nobias", dict(tokens=128, experts=2, activation="silu_glu", interleaved=False,
+                                            bias=False), PREFILL)]
 
 
 class _FirstArguments:

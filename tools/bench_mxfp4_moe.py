@@ -47,7 +47,7 @@ import triton.testing
 from bench_add_rms_norm import graph_time  # tools/ is on sys.path when run as a script
 from dzc import mxfp4
 from dzc.models.moe import CONFIGS
-from dzc.ops.mxfp4_moe import glu_activation, mxfp4_moe_reference, mxfp4_moe_w4a8_reference
+from dzc.ops.mxfp4_moe import fp8_applies, glu_activation, mxfp4_moe_reference, mxfp4_moe_w4a8_reference
 from dzc.targets import mxfp4_moe as family
 from dzc.targets import tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
@@ -351,13 +351,12 @@ def main():
                         lambda config: (expected, W4A16_TOLERANCE), errors, f"{model} T={tokens}")
                 w4a8_s, w4a8_path = float("nan"), "-"
                 if w4a8_kernels is not None:
-                    # The W4A8 op runs W4A16 online configs at decode sizes (targets/mxfp4_moe.py): each config
-                    # is checked against its own path's reference.
+                    # The W4A8 op is W4A16 at decode sizes (dzc.ops.mxfp4_moe.fp8_applies), its reference too.
+                    fp8 = fp8_applies(tokens, spec.top_k, spec.experts)
                     w4a8_expected = mxfp4_moe_w4a8_reference(*op_args)
                     _, w4a8_s, w4a8_config = time_configs(
                         w4a8_kernels, bucket, False, how_many, op_args,
-                        lambda config: ((w4a8_expected, W4A8_TOLERANCE) if config["WORKSPACE"] and
-                                        dict(config.params).get("FP8", 0) else (expected, W4A16_TOLERANCE)),
+                        lambda config: (w4a8_expected, W4A8_TOLERANCE if fp8 else W4A16_TOLERANCE),
                         errors, f"{model} T={tokens} W4A8")
                     w4a8_path = family.describe_config(w4a8_config).split(" (")[0] if w4a8_config else "-"
                 tilelang_s = float("nan")

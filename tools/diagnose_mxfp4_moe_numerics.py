@@ -119,10 +119,11 @@ def diagnose_w4a8(device, seed: int, workdir: Path, dry_run: bool) -> None:
     from dzc.targets import triton_codegen
     from dzc.targets.kernel_config import KernelConfig
 
-    cases = [("float32 T9", dict(tokens=9, hidden=160, inter=96, experts=4, top_k=2, dtype=torch.float32),
+    # Prefill sizes: the op quantizes from 128 rows per expert on (dzc.ops.mxfp4_moe.fp8_applies).
+    cases = [("float32 T128", dict(tokens=128, hidden=160, inter=96, experts=2, top_k=2, dtype=torch.float32),
               KernelConfig.make(4, 2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)),
-             ("float32 T37 skewed", dict(tokens=37, hidden=160, inter=96, experts=4, top_k=2, dtype=torch.float32,
-                                         skew=3.0),
+             ("float32 T200 skewed", dict(tokens=200, hidden=160, inter=96, experts=3, top_k=2,
+                                          dtype=torch.float32, skew=3.0),
               KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)),
              ("bf16 gpt-oss-like T256", dict(tokens=256, hidden=2880, inter=2880, experts=8, top_k=4),
               KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1))]

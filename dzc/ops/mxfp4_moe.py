@@ -9,7 +9,10 @@ activation's output is rounded to hidden's dtype before the down GEMM (kernels f
 dtype); the sum over the k slots is fp32, cast to hidden's dtype once.
 
 dzc.mxfp4_moe_w4a8 is the same layer with both GEMMs multiplying FP8 (E4M3) operands (W4A8), for profiles with
-native FP8; its rounding points on top of the above:
+native FP8, on calls with at least FP8_MIN_ROWS_PER_EXPERT (token, slot) rows per expert on average (prefill);
+below that (decode) it is dzc.mxfp4_moe itself: there the weights are the bytes, converting them per call made W4A8
+6.7x slower than W4A16 at 64 tokens of gpt-oss-120b on the H200 (2026-12-01), and W4A16 is the closer of the two
+to the model. Its rounding points where FP8 applies, on top of the above:
     activations (hidden, and the activation output after its rounding to hidden's dtype) are quantized in groups
         of FP8_GROUP consecutive columns per row (the last group of a row may be shorter): one power-of-two scale
         2^k per group, the smallest with amax <= 448 * 2^k and k >= -126 (1 for an all-zero group, NaN if amax
@@ -130,6 +133,14 @@ def _reference_layer(matmul, hidden, topk_ids, topk_weights, w13_blocks, w13_sca
 # W4A8
 
 FP8_GROUP = 128  # columns per activation scale and per weight block scale (the reduction step of the FP8 GEMMs)
+# Average rows per expert from which dzc.mxfp4_moe_w4a8 multiplies FP8 operands: where W4A16's kernels switch from
+# decoding weights in the GEMM to converting them once per call (targets/mxfp4_moe.py), as W4A8 always must.
+FP8_MIN_ROWS_PER_EXPERT = 128
+
+
+def fp8_applies(tokens: int, top_k: int, experts: int) -> bool:
+    """Whether dzc.mxfp4_moe_w4a8 quantizes a call of `tokens` tokens (module docstring)."""
+    return tokens * top_k >= FP8_MIN_ROWS_PER_EXPERT * experts
 
 
 def _columns_in_groups(x: torch.Tensor) -> torch.Tensor:
@@ -186,9 +197,12 @@ def _fp8_weight_matmul(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tens
 def mxfp4_moe_w4a8_reference(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
                              w2_scales, w2_bias, activation: str, gate_up_interleaved: bool, alpha: float,
                              limit: float) -> torch.Tensor:
-    """The meaning of dzc.mxfp4_moe_w4a8, in plain torch (one expert at a time)."""
-    return _reference_layer(_fp8_weight_matmul, hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias,
-                            w2_blocks, w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit)
+    """The meaning of dzc.mxfp4_moe_w4a8, in plain torch (one expert at a time): W4A8 where fp8_applies, else
+    dzc.mxfp4_moe's."""
+    fp8 = fp8_applies(hidden.shape[0], topk_ids.shape[1], w13_blocks.shape[0])
+    return _reference_layer(_fp8_weight_matmul if fp8 else _dequantized_matmul, hidden, topk_ids, topk_weights,
+                            w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias, activation,
+                            gate_up_interleaved, alpha, limit)
 
 
 def _check_expert_ids(ids: torch.Tensor, experts: int) -> None:
