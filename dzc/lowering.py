@@ -80,7 +80,7 @@ def choose_codegen(op: str, options: CompileOptions, execution: Execution, spec=
         if spec is not None and profile is not None and not legal_configs(family, name, spec, profile)[0]:
             continue
         if name == "triton" or execution.runtime is None or (
-                execution.runtime.runs_tilelang and tilelang_codegen.installed()):
+                execution.runtime.runs_tilelang and tilelang_codegen.import_problem() is None):
             return name
     return "triton"
 

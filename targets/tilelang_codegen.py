@@ -12,6 +12,7 @@ the functions that need it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -70,14 +71,27 @@ def installed() -> bool:
     return importlib.util.find_spec("tilelang") is not None
 
 
+@functools.cache
+def import_problem() -> str | None:
+    """Why the installed TileLang cannot be used, or None: not installed, or its import fails (a native library
+    it loads missing: the H200 machine without the z3 wheel raised OSError for libz3.so). Imports TileLang once."""
+    if not installed():
+        return "tilelang is not installed"
+    try:
+        import tilelang  # noqa: F401
+    except (ImportError, OSError) as err:
+        return f"tilelang does not import: {type(err).__name__}: {err}"
+    return None
+
+
 def installed_target_kinds() -> set[str]:
     """Target kinds the installed TileLang can lower to.
 
     TileLang 0.1.15 keeps them in its backend registry (tilelang.backend); older releases, and tilelang_musa
-    (forked from one), list them in tilelang.utils.target.SUPPORTED_TARGETS. Either may be missing; without
-    TileLang installed there are none.
+    (forked from one), list them in tilelang.utils.target.SUPPORTED_TARGETS. Either may be missing; without a
+    TileLang that imports there are none.
     """
-    if not installed():
+    if import_problem() is not None:
         return set()
     import tilelang
 
