@@ -1,4 +1,4 @@
-"""fuse_sparse_attention: DSA as dense masked attention  =>  dzc.dsa_indexer + dzc.dsa_topk + dzc.sparse_attention
+"""fuse_sparse_attention: DSA as dense masked attention  =>  dzc.dsa_indexer + aten.topk + dzc.sparse_attention
 
 Upstream DSA code (DeepSeek's reference, HF transformers' DeepseekV32) scores every key with the lightning
 indexer, takes the top-k, scatters them into a mask over the whole context and runs dense attention under it:
@@ -23,7 +23,8 @@ After:
 
     %logits = dzc.dsa_indexer(%q_index, %weights * scale, %index_keys, %block_table, %seq_lens, %query_seq,
                               %query_pos, T)                             # [B*S, T]: the only [queries x T] tensor
-    %idx    = dzc.dsa_topk(%logits, %query_pos + 1, k)                   # [B*S, k]
+    %top    = aten.topk(%logits, k)[1]                                   # the model's own k and op
+    %idx    = %top.masked_fill(%top > %query_pos, -1)                    # [B*S, k] int32
     %o      = dzc.sparse_attention(%q, %k_cache, %v_cache or None, %block_table, %seq_lens, %query_seq, %idx,
                                    scale, Dv)                             # [B*S, H, Dv], viewed back as %o
 
@@ -34,8 +35,18 @@ otherwise (HF's DynamicCache) the dense [B, T, ...] keys are a cache of B pages 
 arange(B)[:, None]. V that is a prefix of K's last dim (MLA's latent) becomes v_cache=None, d_v.
 Positions: the causal mask must be `key_position <= query_position` with key positions arange(T); the query
 positions it compares with become query_pos, and seq_lens = T (keys past a sequence's end are later positions,
-so causality hides them). The top-k width is the model's k (`min(k, T)` of upstream code becomes k: dsa_topk pads
-with -1 where fewer keys are visible, the same selection).
+so causality hides them).
+Selection: the model's top-k op, k and device, over logits that order the keys as the model's scores do (-inf
+where the causal mask hides a key, as its finfo.min/-inf ties them below every visible one). Where scores tie at
+the k-th place, torch.topk keeps its own choice (on the CPU not the smaller position; ReLU scores a key that every
+index head rates <= 0 exactly 0, so tiny models tie often): another top-k (dzc.dsa_topk) would pick other keys.
+A hidden key it takes when fewer than k are visible is hidden in the model's mask too: it becomes -1.
+
+Conditions checked on the graph (else a refusal with the reason): the indexer is [B*S, Hi, Di] x [B, T, Di] ReLU
+scores summed over Hi with a positive scale inside the ReLU; its mask is exactly causal (arange(T) along the last
+dim against one query position per row); the top-k is over the last dim, largest, of those [B, S, T] scores; the
+attention is [B, H, S, D] x [B, 1 or H, T, D] scores, softmax over T, times [B, 1 or H, T, Dv]; its mask is
+exactly causal (the same query positions) + a scatter of this top-k's indices.
 
 Refusals (recorded with the reason, graph untouched at that site): a mask that is not exactly causal + top-k (a
 padding mask, a sliding window), top-k indices or the sparse mask or the scores with another use, an indexer
@@ -109,6 +120,19 @@ def _same(a, b) -> bool:
     return a is b or statically_known_true(a == b)
 
 
+def _shape_is(node, *dims) -> bool:
+    """node's value has exactly these sizes (ints or SymInts; None: any)."""
+    shape = fake_value(node).shape
+    return len(shape) == len(dims) and all(d is None or _same(s, d) for s, d in zip(shape, dims))
+
+
+def _numel(node):
+    numel = 1
+    for size in fake_value(node).shape:
+        numel = numel * size
+    return numel
+
+
 def _is_whole_slice(node) -> bool:
     """x[..., 0:end] with end past the dim's size: the same values (HF slices its masks to the key length)."""
     if not is_call(node, aten.slice.Tensor) or len(node.args) < 4:
@@ -138,7 +162,8 @@ def _topk_indices(node):
 
 
 def _causal(keys, queries):
-    """('causal', q) when keys is arange(T) broadcast along the last dim."""
+    """('causal', q) when keys is arange(T) broadcast along the last dim and queries is constant along it."""
+    operand = keys
     keys = _strip(keys, _SHAPE_ONLY)
     while _is_whole_slice(keys):  # HF's [..., kv_offset:] with offset 0
         keys = _strip(keys.args[0], _SHAPE_ONLY)
@@ -146,6 +171,10 @@ def _causal(keys, queries):
         keys = keys.args[0]
     if not (is_call(keys, prims.iota.default) and keys.kwargs.get("start", 0) == 0 and keys.kwargs.get("step", 1) == 1):
         raise _NotAMask("the causal comparison is not against key positions arange(T)")
+    if not (isinstance(queries, torch.fx.Node) and fake_value(queries).dim() >= 1 and fake_value(operand).dim() >= 1
+            and _same(fake_value(queries).shape[-1], 1)
+            and _same(fake_value(operand).shape[-1], fake_value(keys).shape[0])):
+        raise _NotAMask("the causal comparison does not run the key positions along the last dim")
     return [("causal", queries)]
 
 
@@ -385,6 +414,18 @@ def _match_indexer(logits) -> _Indexer:
     if is_call(source, prims.convert_element_type.default) and fake_value(source.args[0]).dtype in (torch.bfloat16,
                                                                                           torch.float16):
         q = source.args[0]  # the upcast of HF's q.float() happens inside the op
+    # What the rewrite reads is what the matmuls compute: rows N = B*S in (b, s) order, Hi heads of Di reduced
+    # over Di, the head sum reduced over Hi, one key of Di per position of the T the top-k ranks.
+    batch, context, head_dim = fake_value(keys).shape
+    rows, heads = fake_value(weights).shape[0], fake_value(weights).shape[-1]
+    if not (_shape_is(weights, rows, 1, heads) and _shape_is(relu_operand, rows, heads, context)
+            and _shape_is(inner[0], rows, heads, head_dim) and _shape_is(k_operand, rows, head_dim, context)
+            and fake_value(logits).dim() == 3 and _shape_is(logits, batch, None, context)
+            and _same(rows, batch * fake_value(logits).shape[1])
+            and _same(fake_value(q).shape[-2], heads) and _same(fake_value(q).shape[-1], head_dim)
+            and _same(_numel(q), rows * heads * head_dim)):
+        raise Refusal("the indexer matmuls are not [B*S, Hi, Di] queries against [B, T, Di] keys summed over the "
+                      "Hi heads into [B, S, T]")
     paged = _paged_source(keys)
     key_dtype = fake_value(paged[0] if paged is not None else keys).dtype
     if key_dtype != torch.uint8 and key_dtype != fake_value(q).dtype:
@@ -406,21 +447,32 @@ class _Attention:
     terms: list
 
 
+def _reduces_last_dim(node) -> bool:
+    """node = amax/sum(x, dims, keepdim=True) over x's last dim only."""
+    rank = fake_value(node.args[0]).dim()
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return dims is not None and [d % rank for d in dims] == [rank - 1] and keepdim
+
+
 def _softmax_output(masked):
-    """masked -> the softmax probabilities node (amax/sub/exp/sum/div decomposition), else None."""
+    """masked -> the probabilities node of softmax over its last dim (the keys): exp(x - amax(x)) / sum(exp(..)),
+    both reductions over the last dim (amax/sub/exp/sum/div decomposition), else None."""
     start = masked
     users = list(start.users)
     if len(users) == 1 and is_call(users[0], prims.convert_element_type.default):
         start = users[0]
-    amax = next((u for u in start.users if is_call(u, aten.amax.default)), None)
-    sub = next((u for u in start.users if is_call(u, aten.sub.Tensor) and u.args[1] is amax), None)
+    amax = next((u for u in start.users if is_call(u, aten.amax.default) and _reduces_last_dim(u)), None)
+    sub = next((u for u in start.users if is_call(u, aten.sub.Tensor) and u.args[0] is start and u.args[1] is amax),
+               None)
     if amax is None or sub is None:
         return None
     exp = next(iter(sub.users), None)
     if not is_call(exp, aten.exp.default):
         return None
-    div = next((u for u in exp.users if is_call(u, aten.div.Tensor)), None)
-    return div
+    return next((u for u in exp.users if is_call(u, aten.div.Tensor) and u.args[0] is exp
+                 and is_call(u.args[1], aten.sum.dim_IntList) and u.args[1].args[0] is exp
+                 and _reduces_last_dim(u.args[1])), None)
 
 
 def _probabilities_consumer(probs):
@@ -464,6 +516,19 @@ def _match_attention(masked) -> _Attention:
     if (len(pv.users) != 1 or not is_call(out, aten.view.default, aten._unsafe_view.default)
             or fake_value(out).dim() != 4 or fake_value(v).dim() != 4):
         raise Refusal("the attention output is not [B, H, S, Dv]")
+    # The matmuls reduce over D (scores) and T (output), each query row over its own batch's keys; K and V heads
+    # are 1 (shared, MLA's latent) or H (sparse_attention's two layouts), not broadcast over the batch.
+    batch, heads, queries, head_dim = fake_value(q).shape
+    context, d_v = fake_value(k).shape[2], fake_value(v).shape[3]
+    kv_heads = fake_value(k).shape[1]
+    if not (_shape_is(q_operand, batch * heads, queries, head_dim) and _same(_numel(q), _numel(q_operand))
+            and _shape_is(k_operand, batch * heads, head_dim, context)
+            and _shape_is(k, batch, kv_heads, context, head_dim) and (_same(kv_heads, 1) or _same(kv_heads, heads))
+            and _shape_is(v, batch, kv_heads, context, d_v)
+            and _shape_is(pv.args[0], batch * heads, queries, context) and _shape_is(out, batch, heads, queries, d_v)
+            and _same(fake_value(masked).shape[-2], queries) and _same(fake_value(masked).shape[-1], context)):
+        raise Refusal("the attention is not [B, H, S, D] queries over [B, 1 or H, T, D] keys and values, softmax "
+                      "over T")
     return _Attention(q, k, v, scale * q_scale * k_scale, out, masked, terms)
 
 
@@ -511,16 +576,6 @@ def _is_prefix(v, k) -> bool:
     if not is_call(v, aten.slice.Tensor) or v.args[0] is not k or v.args[2] != 0:
         return False
     return v.args[1] % fake_value(k).dim() == fake_value(k).dim() - 1
-
-
-def _topk_width(topk) -> int | torch.fx.Node:
-    """The k of upstream's topk(min(k, T)): the constant k (dsa_topk pads with -1 where fewer are visible)."""
-    k = topk.args[1]
-    if is_call(k, torch.sym_min) or (isinstance(k, torch.fx.Node) and getattr(k.target, "__name__", "") == "sym_min"):
-        constants = [a for a in k.args if isinstance(a, int)]
-        if constants:
-            return constants[0]
-    return k
 
 
 def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention):
@@ -571,9 +626,16 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
         weights = build(aten.mul.Tensor, weights, indexer.weight_scale)
     logits = build(dzc.dsa_indexer.default, index_q, weights, index_cache, index_table, seq_lens, query_seq,
                    query_pos, context)
-    visible = build(aten.minimum.default, build(aten.add.Tensor, query_pos, 1),
-                    build(aten.index.Tensor, seq_lens, [query_seq]))
-    indices = build(dzc.dsa_topk.default, logits, visible, _topk_width(topk))
+    # The selection is the model's own top-k (same k, same device) over the fused logits. Where scores tie at the
+    # k-th place (ReLU makes a key scored <= 0 by every index head exactly 0), torch.topk's choice is its own
+    # (on the CPU a partial sort's, not the smaller position): only the same op over the same order of values
+    # picks the same keys. The logits order keys as the model's scores do, and the keys the causal mask hides
+    # are -inf here, tied below every visible key as finfo.min is there. A hidden key it takes (fewer visible
+    # keys than k) is hidden by the model's mask too: it becomes -1, which sparse_attention skips.
+    ranked = build(operator.getitem, build(aten.topk.default, logits, topk.args[1]), 1)
+    hidden = build(aten.gt.Tensor, ranked, build(aten.unsqueeze.default, query_pos, 1))
+    indices = build(prims.convert_element_type.default, build(aten.masked_fill.Scalar, ranked, hidden, -1),
+                    torch.int32)
 
     # Attention: [B, H, S, D] -> [B*S, H, D]; keys [B, Hkv, T, D] -> cache [pages, page, Hkv, D].
     q = build(aten.reshape.default, build(aten.permute.default, q4, [0, 2, 1, 3]), [-1, heads, build.size(q4, 3)])
@@ -641,6 +703,14 @@ def _match(topk):
     if [kind for kind, _ in index_terms] != ["causal"]:
         raise Refusal("the indexer mask is not exactly causal")
     indexer = _match_indexer(logits)
+    # The top-k ranks the T keys of each query row: the masked logits are the [B, S, T] scores, not a broadcast
+    # of them; the causal mask's query positions are one per query row ([S] shared, or [B, S]).
+    batch, queries, _ = fake_value(logits).shape
+    positions = fake_value(_query_positions(index_terms, "indexer"))
+    if not (_shape_is(topk.args[0], *fake_value(logits).shape) and positions.dim() >= 2
+            and _same(positions.shape[-2], queries) and _same(positions.shape[-1], 1)
+            and (_same(positions.numel(), queries) or _same(positions.numel(), batch * queries))):
+        raise Refusal("the top-k does not rank the [B, S, T] indexer scores with one query position per row")
 
     # The attention: the add (or where) of the mask into scores that feeds a softmax.
     masked = None
@@ -691,7 +761,7 @@ def _check_private(masked) -> None:
 
 
 def fuse_sparse_attention(graph: torch.fx.Graph) -> PassResult:
-    """Rewrite every DSA top-k masked attention into dsa_indexer + dsa_topk + sparse_attention."""
+    """Rewrite every DSA top-k masked attention into dsa_indexer + top-k + sparse_attention."""
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
     for topk in [n for n in graph.nodes if is_call(n, aten.topk.default)]:

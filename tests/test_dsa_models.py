@@ -1,4 +1,4 @@
-"""DSA end to end: the ops' references, the reference layer over the paged cache, HF DeepseekV32 — fused by
+"""DSA end to end: the ops' references, the reference layer over the paged cache, HF DeepseekV32 and GlmMoeDsa — fused by
 fuse_sparse_attention, matching eager over a prefill and decode steps, no recompile as the context grows.
 
 Compiled-with-kernels tests use dzc.compile (Triton kernels through the interpreter); the rest run the pass
@@ -131,7 +131,9 @@ def _context_sized(graph):
     found = []
     for node in graph.nodes:
         value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and any(not isinstance(d, int) and "*" in str(d) for d in value.shape):
+        # min(k, context) (the top-k width upstream writes) is bounded by k, not context-sized.
+        if isinstance(value, torch.Tensor) and any(not isinstance(d, int) and "*" in str(d)
+                                                   and not str(d).startswith("Min(") for d in value.shape):
             found.append((str(node.target), tuple(str(d) for d in value.shape)))
     return found
 
@@ -229,7 +231,8 @@ def _compiled_decode(options, device: str, fp8_index: bool):
     report = compiled.report
     assert report.passes["fuse_sparse_attention"] == 1
     assert report.compiles == 1 and report.recompiles == 0, "the growing context recompiled"
-    assert {k.op for k in report.kernels} >= {"dsa_indexer", "dsa_topk", "sparse_attention"}
+    # The selection stays the model's torch.topk (its tie-break); the indexer and the attention are dzc kernels.
+    assert {k.op for k in report.kernels} >= {"dsa_indexer", "sparse_attention"}
     return report
 
 
