@@ -251,3 +251,21 @@ def build_hf_deepseek_v32(seq: int = 6, batch: int = 2, attn_implementation: str
     model = DeepseekV32ForCausalLM(tiny_hf_deepseek_v32_config(attn_implementation)).eval()
     tokens = torch.randint(0, model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
     return model, (tokens,)
+
+
+def build_hf_glm_moe_dsa(seq: int = 6, batch: int = 2, attn_implementation: str = "eager", seed: int = 0):
+    """(transformers GlmMoeDsaForCausalLM with seeded random weights, (input_ids,)): DeepseekV32's DSA with an
+    interleaved-RoPE indexer and the top-k put into the causal mask with masked_fill(finfo.min). 2 index heads, so
+    that indexer scores tie at exactly 0 (every head's ReLU zero) and top-k tie-breaking is exercised."""
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM  # noqa: PLC0415
+
+    config = GlmMoeDsaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        v_head_dim=8, qk_nope_head_dim=8, index_topk=4, index_head_dim=16, index_n_heads=2, first_k_dense_replace=1,
+        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=128,
+        attn_implementation=attn_implementation)
+    torch.manual_seed(seed)
+    model = GlmMoeDsaForCausalLM(config).eval()
+    tokens = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return model, (tokens,)

@@ -11,7 +11,7 @@ from torch._inductor.decomposition import select_decomp_table
 
 import dzc
 from dzc.kv_cache import PagedKVCache, quantize_index_keys
-from dzc.models.dsa import TINY_DSA, DSASession, build_dsa_attention, build_hf_deepseek_v32
+from dzc.models.dsa import TINY_DSA, DSASession, build_dsa_attention, build_hf_deepseek_v32, build_hf_glm_moe_dsa
 from dzc.ops.dsa import dsa_indexer_reference, dsa_topk_reference, sparse_attention_reference
 from dzc.pipeline import run_pipeline
 from dzc.targets import resolve_target
@@ -207,6 +207,29 @@ def test_hf_deepseek_v32_sdpa_fuses_and_matches_eager():
     for graph, graph_stages in stages:
         result = next(s.result for s in graph_stages if s.name == "fuse_sparse_attention")
         assert [where.split(" ")[0] for where in result.rewrites] == ["sdpa_attention.py:182"], result.refusals
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_hf_glm_moe_dsa_fuses_and_matches_eager_at_topk_ties(attn_implementation):
+    """Issue 16: GlmMoeDsa (interleaved-RoPE indexer, top-k masked_fill'ed into the finfo.min causal mask) with 2
+    index heads, whose scores tie at 0 at the k-th place on the first decode steps: torch.topk's choice there is
+    its own, and the fused graph must make the same one. Prefill, then decode steps with a DynamicCache."""
+    transformers = pytest.importorskip("transformers")
+    model, (tokens,) = build_hf_glm_moe_dsa(attn_implementation=attn_implementation)
+    stages = []
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=_pipeline_backend(stages))
+    eager_cache = transformers.DynamicCache(config=model.config)
+    fused_cache = transformers.DynamicCache(config=model.config)
+    with torch.no_grad():
+        for step in range(5):
+            expected = model(tokens, cache=eager_cache, use_cache=True).logits
+            actual = compiled(tokens, cache=fused_cache, use_cache=True).logits
+            torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5, msg=f"step {step}")
+            tokens = expected[:, -1:].argmax(-1)
+    for graph, graph_stages in stages:
+        result = next(s.result for s in graph_stages if s.name == "fuse_sparse_attention")
+        assert len(result.rewrites) == 1, result.refusals
 
 
 # ---------------------------------------------------------------------------------------------------------------
