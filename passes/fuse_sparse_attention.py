@@ -24,7 +24,7 @@ After:
     %logits = dzc.dsa_indexer(%q_index, %weights * scale, %index_keys, %block_table, %seq_lens, %query_seq,
                               %query_pos, T)                             # [B*S, T]: the only [queries x T] tensor
     %top    = aten.topk(%logits, k)[1]                                   # the model's own k and op
-    %idx    = %top.masked_fill(%top > %query_pos, -1)                    # [B*S, k] int32
+    %idx    = where(%top > %query_pos, -1, %top)                         # [B*S, k] int32
     %o      = dzc.sparse_attention(%q, %k_cache, %v_cache or None, %block_table, %seq_lens, %query_seq, %idx,
                                    scale, Dv)                             # [B*S, H, Dv], viewed back as %o
 
@@ -634,7 +634,10 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
     # keys than k) is hidden by the model's mask too: it becomes -1, which sparse_attention skips.
     ranked = build(operator.getitem, build(aten.topk.default, logits, topk.args[1]), 1)
     hidden = build(aten.gt.Tensor, ranked, build(aten.unsqueeze.default, query_pos, 1))
-    indices = build(prims.convert_element_type.default, build(aten.masked_fill.Scalar, ranked, hidden, -1),
+    # where(hidden, -1, ranked), as AOTAutograd decomposes masked_fill: the graph goes to Inductor after the
+    # passes, and Inductor refuses ops it decomposes (aten.masked_fill.Scalar failed there on the H200).
+    minus_one = build(aten.scalar_tensor.default, -1, dtype=fake_value(ranked).dtype, device=fake_value(ranked).device)
+    indices = build(prims.convert_element_type.default, build(aten.where.self, hidden, minus_one, ranked),
                     torch.int32)
 
     # Attention: [B, H, S, D] -> [B*S, H, D]; keys [B, Hkv, T, D] -> cache [pages, page, Hkv, D].

@@ -125,15 +125,16 @@ graph(%a0: f32[2, 12, 24], %a1: i64[2, 3], %a2: bf16[2, 3, 8, 16], %a3: bf16[2, 
   %21 = %20[1]  # i64[6, 4]
   %22 = aten.unsqueeze.default(%9, 1)  # i32[6, 1]
   %23 = aten.gt.Tensor(%21, %22)  # bool[6, 4]
-  %24 = aten.masked_fill.Scalar(%21, %23, -1)  # i64[6, 4]
-  %25 = prims.convert_element_type.default(%24, i32)  # i32[6, 4]
-  %26 = aten.permute.default(%a5, [0, 2, 1, 3])  # f32[2, 3, 2, 24]
-  %27 = aten.reshape.default(%26, [-1, 2, 24])  # f32[6, 2, 24]
-  %28 = aten.permute.default(%4, [0, 2, 1, 3])  # f32[2, 12, 1, 24]
-  %29 = dzc.sparse_attention.default(%27, %28, None, %15, %16, %14, %25, 0.125, 8)  # f32[6, 2, 8]
-  %30 = aten.view.default(%29, [2, 3, 2, 8])  # f32[2, 3, 2, 8]
-  %31 = aten.permute.default(%30, [0, 2, 1, 3])  # f32[2, 2, 3, 8]
-  return (%31,)
+  %24 = aten.scalar_tensor.default(-1, device='cpu', dtype=i64)  # i64[]
+  %25 = aten.where.self(%23, %24, %21)  # i64[6, 4]
+  %26 = prims.convert_element_type.default(%25, i32)  # i32[6, 4]
+  %27 = aten.permute.default(%a5, [0, 2, 1, 3])  # f32[2, 3, 2, 24]
+  %28 = aten.reshape.default(%27, [-1, 2, 24])  # f32[6, 2, 24]
+  %29 = aten.permute.default(%4, [0, 2, 1, 3])  # f32[2, 12, 1, 24]
+  %30 = dzc.sparse_attention.default(%28, %29, None, %15, %16, %14, %26, 0.125, 8)  # f32[6, 2, 8]
+  %31 = aten.view.default(%30, [2, 3, 2, 8])  # f32[2, 3, 2, 8]
+  %32 = aten.permute.default(%31, [0, 2, 1, 3])  # f32[2, 2, 3, 8]
+  return (%32,)
 """, after
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
