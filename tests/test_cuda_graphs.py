@@ -232,7 +232,7 @@ def test_widening_block_table_reuses_power_of_two_graphs(seed, tmp_path):
     replays) while the block table widens from 1 to 3 pages: graphs for 1, 2 and 4 pages only (the table padded
     with page 0), every step as the same compiled layer without graphs gives, the caches equal too."""
     from dzc.kv_cache import PagedKVCache
-    from models.dsa import TINY_DSA, DSASession, build_dsa_attention
+    from dzc.models.dsa import TINY_DSA, DSASession, build_dsa_attention
 
     model = build_dsa_attention(seed=seed).cuda()
     options = dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False)

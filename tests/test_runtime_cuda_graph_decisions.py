@@ -16,7 +16,7 @@ import dzc
 from dzc.kv_cache import DSACacheConfig, PagedKVCache
 from dzc.runtime import (CudaGraphRunner, Signature, Unkeyable, _capture_error, block_table_position, call_tokens,
                          flatten_call, graph_key, observe, pad_block_table, page_bucket)
-from models.dsa import DSAAttention, TINY_DSA
+from dzc.models.dsa import DSAAttention, TINY_DSA
 
 Pair = collections.namedtuple("Pair", "first second")
 
