@@ -53,8 +53,8 @@ class CompileOptions:
     # MXFP4 MoE layers multiply FP8 (E4M3) activations (W4A8: dzc.mxfp4_moe_w4a8, whose rounding dzc/ops/
     # mxfp4_moe.py defines) instead of the activations' own dtype (W4A16). It changes the numerics, so it is opt-in;
     # on profiles without native FP8 (sm_80, mp_22) the rewrite refuses and the report says so. Triton, on the
-    # workspace path at every token count: it is for prefill; a decode step with it moves ~4x the weight bytes of
-    # W4A16's online path, so leave it off where decode dominates.
+    # workspace path, from 128 rows per expert on (prefill); decode-sized calls run W4A16 online, which moves a
+    # quarter of the bytes (dzc.ops.mxfp4_moe.fp8_applies).
     moe_fp8_activations: bool = False
     # Check the rewrites on each graph's first call: run the graph as captured (before any pass) beside the
     # rewritten one on the same inputs (inputs the graph writes, such as a KV cache, are copied for the rewritten
