@@ -38,8 +38,8 @@ def build_pipeline(target: Target, options: CompileOptions = CompileOptions()) -
         # Residual add + RMSNorm -> dzc.add_rms_norm. Next: it only needs the canonical ATen ops, and later
         # fusions (attention, MoE) consume the normalised activations it produces.
         fuse_residual_norm,
-        # DSA top-k masked dense attention -> dzc.dsa_indexer + dsa_topk + sparse_attention. Independent of the
-        # norm fusion; it must see the dense attention's bmm/softmax before any attention fusion claims it.
+        # DSA top-k masked dense attention -> dzc.dsa_indexer + the model's top-k + sparse_attention. Independent
+        # of the norm fusion; it must see the dense attention's bmm/softmax before any attention fusion claims it.
         fuse_sparse_attention,
         # Attention over packed images (per-image split/cat loop, block-diagonal cu_seqlens mask, windows) ->
         # dzc.varlen_attention, with HF's vision RoPE folded in. After fuse_sparse_attention, which must see dense
