@@ -30,6 +30,7 @@ from dzc.targets.add_rms_norm import (
     triton_default_config,
     triton_shared_memory_bytes,
 )
+from dzc.targets import tilelang_codegen
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.profiles import DeviceProfile
 
@@ -208,17 +209,21 @@ def tilelang_source(spec: AddLayerNormSpec, profile: DeviceProfile) -> str:
     return Template((TEMPLATES / "add_layer_norm.tilelang.py.tmpl").read_text()).substitute(fields)
 
 
+def tilelang_launch_arguments(x, residual, weight, bias, eps, y, h) -> tilelang_codegen.LaunchArguments:
+    """What tilelang_launch calls the kernel with: x, residual, the weight and bias where the kernel was generated
+    with them, y, h, eps. The kernel is compiled for dense rows (row stride = hidden) at 16-byte-aligned bases and
+    vectorises on both, so other inputs (strided or offset views) are copied, and such outputs are computed into
+    temporaries that are copied back after the launch."""
+    return tilelang_codegen.launch_arguments((x, residual, weight, bias), (y, h), (float(eps),))
+
+
 def tilelang_launch(compiled, config: KernelConfig, x, residual, weight, bias, eps, y, h):
     """Launch on 2-D views [tokens, hidden]; y and h are preallocated outputs.
 
-    `compiled` is what tilelang_codegen.load returns (one compiled kernel per config). The kernel is
-    specialised on dense rows (row stride = hidden, which lets TileLang prove 16-byte alignment and vectorise),
-    so strided inputs are copied here; outputs must already be dense. The weight and bias are passed only
-    where the kernel was generated with them."""
-    if not (y.is_contiguous() and h.is_contiguous()):
-        raise ValueError("TileLang add_layer_norm writes dense [tokens, hidden] outputs; got strided y or h")
-    affine = [p.contiguous() for p in (weight, bias) if p is not None]
-    compiled.kernel_for(config)(x.contiguous(), residual.contiguous(), *affine, y, h, float(eps))
+    `compiled` is what tilelang_codegen.load returns (one compiled kernel per config)."""
+    arguments = tilelang_launch_arguments(x, residual, weight, bias, eps, y, h)
+    compiled.kernel_for(config)(*arguments.arguments)
+    arguments.finish()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from string import Template
 
 import torch
 
+from dzc.targets import tilelang_codegen
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.legality import config_problems
 from dzc.targets.profiles import DeviceProfile
@@ -353,18 +354,21 @@ def tilelang_shared_memory_bytes(spec: AddRmsNormSpec, config: KernelConfig) -> 
     return 4 * config["THREADS"]
 
 
+def tilelang_launch_arguments(x, residual, weight, eps, y, h) -> tilelang_codegen.LaunchArguments:
+    """What tilelang_launch calls the kernel with: x, residual, the weight where the kernel was generated with one,
+    y, h, eps. The kernel is compiled for dense rows (row stride = hidden) at 16-byte-aligned bases and vectorises
+    on both, so other inputs (strided or offset views) are copied, and such outputs are computed into temporaries
+    that are copied back after the launch."""
+    return tilelang_codegen.launch_arguments((x, residual, weight), (y, h), (float(eps),))
+
+
 def tilelang_launch(compiled, config: KernelConfig, x, residual, weight, eps, y, h):
     """Launch on 2-D views [tokens, hidden]; y and h are preallocated outputs.
 
-    `compiled` is what tilelang_codegen.load returns (one compiled kernel per config). The kernel is
-    specialised on dense rows (row stride = hidden, which lets TileLang prove 16-byte alignment and vectorise),
-    so strided inputs are copied here; outputs must already be dense.
-    """
-    if not (y.is_contiguous() and h.is_contiguous()):
-        raise ValueError("TileLang add_rms_norm writes dense [tokens, hidden] outputs; got strided y or h")
-    kernel = compiled.kernel_for(config)
-    weight = [weight.contiguous()] if weight is not None else []  # the kernel takes it only where it has one
-    kernel(x.contiguous(), residual.contiguous(), *weight, y, h, float(eps))
+    `compiled` is what tilelang_codegen.load returns (one compiled kernel per config)."""
+    arguments = tilelang_launch_arguments(x, residual, weight, eps, y, h)
+    compiled.kernel_for(config)(*arguments.arguments)
+    arguments.finish()
 
 
 # ---------------------------------------------------------------------------------------------------------

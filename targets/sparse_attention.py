@@ -25,7 +25,7 @@ from string import Template
 import torch
 
 from dzc.ops import dsa as dsa_ops
-from dzc.targets import dsa_cases, triton_codegen
+from dzc.targets import dsa_cases, tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.legality import config_problems
 from dzc.targets.profiles import DeviceProfile
@@ -391,22 +391,33 @@ def tilelang_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig
     return block_h * spec.d_qk * item + config["NUM_STAGES"] * gathered + block_h * block_n * item
 
 
+def tilelang_launch_arguments(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, scale_log2, out, lse
+                              ) -> tilelang_codegen.LaunchArguments:
+    """What tilelang_launch calls the attention kernel with: the seven inputs, out (the splits' fp32 partials when
+    it splits), lse, scale_log2. The kernel is compiled for dense tensors at 16-byte-aligned bases and vectorises
+    on both, so other inputs are copied (a dense cache, as dzc's paged cache is, passes as it is; one cache serving
+    as keys and values is copied once), and such an output is computed into a temporary that is copied back."""
+    return tilelang_codegen.launch_arguments((q, k_cache, v_cache, block_table, seq_lens, query_seq, indices),
+                                             (out, lse), (scale_log2,))
+
+
 def tilelang_launch(compiled, config: KernelConfig, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices,
                     scale_log2, spec, out):
-    """`compiled` is tilelang_codegen's KernelsByConfig. TileLang kernels take dense tensors: strided arguments
-    are copied (a dense cache, as dzc's paged cache is, passes as it is)."""
-    dense = [t.contiguous() for t in (q, k_cache, v_cache, block_table, seq_lens, query_seq, indices)]
-    if not out.is_contiguous():
-        raise ValueError("TileLang sparse_attention writes a dense [tokens, heads, d_v] output")
+    """`compiled` is tilelang_codegen's KernelsByConfig (see tilelang_launch_arguments)."""
     rows = q.shape[0]
     splits = config["SPLITS"]
     kernel = compiled.kernel_for(config)
+    inputs = (q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, scale_log2)
     if splits == 0:
         no_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
-        kernel(*dense, out, no_lse, scale_log2)
+        arguments = tilelang_launch_arguments(*inputs, out, no_lse)
+        kernel(*arguments.arguments)
+        arguments.finish()
         return
     partial = torch.empty(splits, rows, spec.heads, spec.d_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, rows, spec.heads, dtype=torch.float32, device=q.device)
-    kernel(*dense, partial, lse, scale_log2)
+    kernel(*tilelang_launch_arguments(*inputs, partial, lse).arguments)  # fresh partials: nothing to copy back
     combine = KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), PART=1)
-    compiled.kernel_for(combine)(partial, lse, out)
+    arguments = tilelang_codegen.launch_arguments((partial, lse), (out,))
+    compiled.kernel_for(combine)(*arguments.arguments)
+    arguments.finish()

@@ -18,7 +18,11 @@ import importlib.metadata
 import importlib.util
 import shutil
 import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from dzc.targets.generated_module import import_generated
 from dzc.targets.kernel_config import KernelConfig
@@ -208,6 +212,60 @@ class KernelsByConfig:
             kernel = compile_for_device(self.path, self.factory_name, config, self.profile)
             self._kernels[config] = kernel
         return kernel
+
+
+# TileLang compiles a kernel for buffers with the dense strides its prim_func declares and 16-byte-aligned base
+# pointers (it vectorises into 16-byte loads and stores: uint4 / float4 in the CUDA source). Unlike Triton it
+# neither checks nor specialises on either at launch: a misaligned base faults ('misaligned address'), a strided
+# one is read at the wrong elements. So every tensor a TileLang kernel gets goes through launch_arguments.
+ALIGNMENT = 16
+
+
+def aligned_dense(tensor: torch.Tensor) -> bool:
+    """Whether a TileLang kernel can take `tensor` as it is: dense, with a 16-byte-aligned base pointer. (An offset
+    view is contiguous, so .contiguous() alone returns it unchanged and misaligned.)"""
+    return tensor.is_contiguous() and tensor.data_ptr() % ALIGNMENT == 0
+
+
+# Fresh allocations are aligned (torch's allocators align to at least 64 bytes).
+def _input_for_kernel(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if aligned_dense(tensor) else tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _output_for_kernel(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if aligned_dense(tensor) else torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+
+
+@dataclass
+class LaunchArguments:
+    """What a TileLang kernel is called with (`arguments`), and the outputs that were computed into aligned dense
+    temporaries: `finish()` copies each into the output it stands for, after the launch."""
+
+    arguments: tuple
+    write_back: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    def finish(self) -> None:
+        for temporary, output in self.write_back:
+            output.copy_(temporary)
+
+
+def launch_arguments(inputs: Sequence, outputs: Sequence[torch.Tensor], scalars: Sequence = ()) -> LaunchArguments:
+    """A TileLang kernel's arguments (inputs, outputs, scalars, in that order): inputs that are not dense and
+    16-byte aligned are copied into fresh dense tensors, and such outputs are replaced by fresh dense temporaries
+    that finish() copies back. None inputs (parameters a kernel was generated without) are left out. One input
+    passed twice (a cache serving as keys and values) is copied once."""
+    copies: dict[int, torch.Tensor] = {}
+    kernel_inputs = []
+    for tensor in inputs:
+        if tensor is None:
+            continue
+        if id(tensor) not in copies:
+            copies[id(tensor)] = _input_for_kernel(tensor)
+        kernel_inputs.append(copies[id(tensor)])
+    kernel_outputs = [_output_for_kernel(output) for output in outputs]
+    write_back = tuple((temporary, output) for temporary, output in zip(kernel_outputs, outputs)
+                       if temporary is not output)
+    return LaunchArguments((*kernel_inputs, *kernel_outputs, *scalars), write_back)
 
 
 def load(family, path: Path, spec, profile: DeviceProfile) -> KernelsByConfig:

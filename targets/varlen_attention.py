@@ -28,6 +28,7 @@ from string import Template
 
 import torch
 
+from dzc.targets import tilelang_codegen
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.legality import config_problems
 from dzc.targets.profiles import DeviceProfile
@@ -452,15 +453,21 @@ def tilelang_shared_memory_bytes(spec: VarlenAttentionSpec, config: KernelConfig
     return (config["BLOCK_M"] + 2 * stages * config["BLOCK_N"]) * width * item + 4 * config["THREADS"]
 
 
+def tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, out
+                              ) -> tilelang_codegen.LaunchArguments:
+    """What tilelang_launch calls the kernel with: q, k, v, cu_seqlens, cos and sin where the kernel has rotary
+    embedding, out, max_seqlen, sm_scale. The kernel is compiled for dense [tokens, heads, head_dim] tensors at
+    16-byte-aligned bases and vectorises on both, so other inputs (the token-strided slices of a fused qkv
+    projection, offset views) are copied, and such an output is computed into a temporary that is copied back."""
+    # The grid's width comes from max_seqlen; the kernel strides over longer segments, so it only has to be >= 1.
+    return tilelang_codegen.launch_arguments((q, k, v, cu_seqlens, cos, sin), (out,),
+                                             (max(int(max_seqlen), 1), float(sm_scale)))
+
+
 def tilelang_launch(compiled, config: KernelConfig, q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, out):
-    """Launch on dense [tokens, heads, head_dim] tensors (the kernel indexes them densely, which lets TileLang
-    prove 16-byte alignment); strided ones are copied here, the output must be dense."""
-    if not out.is_contiguous():
-        raise ValueError("TileLang varlen_attention writes a dense [tokens, heads, head_dim] output")
+    """Launch on [tokens, heads, head_dim] tensors (see tilelang_launch_arguments)."""
     if q.shape[0] == 0 or q.shape[1] == 0 or cu_seqlens.shape[0] < 2:
         return
-    kernel = compiled.kernel_for(config)
-    rope = (cos.contiguous(), sin.contiguous()) if cos is not None else ()
-    # The grid's width comes from max_seqlen; the kernel strides over longer segments, so it only has to be >= 1.
-    kernel(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, *rope, out, max(int(max_seqlen), 1),
-           float(sm_scale))
+    arguments = tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, out)
+    compiled.kernel_for(config)(*arguments.arguments)
+    arguments.finish()
