@@ -14,6 +14,12 @@
 # Session 8 (issues 15, 16):
 #   (carry .whl-gpu1)          bash tools/gpu_campaign.sh s8-1   # MoE and CUDA-graph GPU tests; W4A8 op timings
 #   (carry .whl-gpu2)          bash tools/gpu_campaign.sh s8-2   # TileLang MoE GPU tests; the op fuzzer, both codegens
+#   (carry .whl-gpu1)          bash tools/gpu_campaign.sh s8-3   # after the fixes: CUDA-graph, MoE, norm GPU tests; fuzz (Triton)
+#   (carry .whl-gpu2)          bash tools/gpu_campaign.sh s8-4   # TileLang MoE GPU test; fuzz (TileLang)
+# Next session (what session 8 left unrun on the GPU):
+#   (carry .whl-gpu1)          bash tools/gpu_campaign.sh next-1   # GPU tests of the session-8 work (Triton paths)
+#   (carry .whl-gpu2)          bash tools/gpu_campaign.sh next-2   # TileLang GPU tests; the fuzzer, Triton then TileLang
+#                              bash tools/gpu_campaign.sh next-3   # W4A8 at prefill sizes; the model zoo on the GPU
 # With little device time left, one call without TileLang instead:
 #   bash tools/gpu_campaign.sh triton   # GPU tests of the Triton paths of the newest work; end-to-end and norm benches
 # Everything lands under $OUT (logs, result tables).
@@ -101,6 +107,37 @@ s8-2)
   TAIL=15 part gpu_tests_moe 420 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_kernels.py \
     tests/test_mxfp4_moe_w4a8.py
   [ -f tools/fuzz.py ] && TAIL=30 part fuzz 240 python3 tools/fuzz.py --out "$OUT/fuzz_h200.md"
+  ;;
+s8-3)
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=25 part gpu_tests_cuda_graphs 150 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_cuda_graphs.py \
+    tests/test_reinplace_cache_writes.py tests/test_multimodal_model.py tests/test_check_rewrites.py
+  TAIL=8 part gpu_tests_moe_norm 100 python3 -m pytest -q -p no:logging -rf -k "not tilelang" -x \
+    tests/test_mxfp4_moe_w4a8.py tests/test_add_rms_norm_kernels.py
+  TAIL=30 part fuzz_triton 60 python3 tools/fuzz.py --codegens triton --cases 6 --out "$OUT/fuzz_h200_triton.md"
+  ;;
+s8-4)
+  TAIL=8 part gpu_tests_tilelang_moe 170 python3 -m pytest -q -p no:logging -rf \
+    tests/test_mxfp4_moe_kernels.py::test_tilelang_on_gpu_every_selftest_case
+  TAIL=30 part fuzz_tilelang 60 python3 tools/fuzz.py --codegens tilelang --cases 4 --out "$OUT/fuzz_h200_tilelang.md"
+  ;;
+next-1)
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=25 part gpu_tests_runtime 240 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_cuda_graphs.py \
+    tests/test_reinplace_cache_writes.py tests/test_multimodal_model.py tests/test_check_rewrites.py \
+    tests/test_capture.py tests/test_dsa_models.py
+  TAIL=15 part gpu_tests_kernels 300 python3 -m pytest -q -p no:logging -rf -k "not tilelang" \
+    tests/test_add_rms_norm_kernels.py tests/test_fuse_residual_norm.py tests/test_mxfp4_moe_kernels.py \
+    tests/test_mxfp4_moe_w4a8.py tests/test_dsa_kernels.py tests/test_tilelang_launch_alignment.py
+  ;;
+next-2)
+  TAIL=15 part gpu_tests_tilelang 300 python3 -m pytest -q -p no:logging -rf -m gpu -k tilelang tests/
+  TAIL=30 part fuzz_triton 280 python3 tools/fuzz.py --codegens triton --out "$OUT/fuzz_h200_triton.md"
+  ;;
+next-3)
+  TAIL=30 part fuzz_tilelang 300 python3 tools/fuzz.py --codegens tilelang --out "$OUT/fuzz_h200_tilelang.md"
+  TAIL=30 part bench_w4a8_prefill 240 python3 tools/bench_mxfp4_moe.py --w4a8 --models gpt-oss-120b \
+    --tokens 4096 8192 --routing uniform --codegens triton --memory-layers 0 --out "$OUT/mxfp4_moe_w4a8_prefill.md"
   ;;
 triton)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
