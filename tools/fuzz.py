@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import hashlib
 import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -879,10 +881,42 @@ def make_plan(args, device: torch.device) -> list[tuple[str, str, int]]:
     return plan
 
 
+def _exit_status(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def _output_tail(proc: subprocess.CompletedProcess, lines: int = 20) -> str:
+    """The last lines of a worker's stderr and stdout, for the report of its death."""
+    parts = []
+    for name, text in (("stderr", proc.stderr), ("stdout", proc.stdout)):
+        tail = (text or "").strip().splitlines()[-lines:]
+        parts.append(f"--- worker {name} (last {len(tail)} lines) ---\n" + "\n".join(tail) if tail
+                     else f"--- worker {name}: empty ---")
+    return "\n".join(parts)
+
+
+def _last_words(proc: subprocess.CompletedProcess) -> str:
+    """One line of why a worker died: faulthandler's 'Fatal Python error' line, else its output's last line."""
+    lines = (proc.stderr or proc.stdout or "").strip().splitlines()
+    fatal = [line for line in lines if line.startswith("Fatal Python error")]
+    return (fatal or lines or ["no output"])[-1]
+
+
+# A worker that dies before its first case is started again this many times (its predecessor's dead CUDA
+# context may still be being torn down), then the run stops: the failure is not in a case.
+_STARTUP_RETRIES = 2
+
+
 def run_isolated(plan, args, device, cache_dir, emit) -> None:
     """Cases in worker processes: a worker that dies (a GPU fault) costs its current case, recorded as a crash;
-    the next worker starts at the case after it."""
+    the next worker starts at the case after it. A dead worker's exit status and output tail are printed."""
     remaining = list(plan)
+    startup_failures = 0
     while remaining:
         with tempfile.TemporaryDirectory() as scratch:
             plan_path, log_path = Path(scratch) / "plan.json", Path(scratch) / "log.jsonl"
@@ -890,26 +924,39 @@ def run_isolated(plan, args, device, cache_dir, emit) -> None:
             command = [sys.executable, __file__, "--worker", str(plan_path), "--log", str(log_path),
                        "--seed", str(args.seed), "--target", args.target, "--cache-dir", cache_dir]
             command += ["--quick"] if args.quick else []
-            proc = subprocess.run(command, capture_output=True, text=True)
+            # Decoded leniently: a dying process can leave partial UTF-8 behind.
+            proc = subprocess.run(command, capture_output=True, encoding="utf-8", errors="replace")
             done, in_flight = 0, None
             for line in log_path.read_text().splitlines() if log_path.exists() else []:
-                entry = json.loads(line)
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by the worker's death
+                    continue
                 if "started" in entry:
                     in_flight = tuple(entry["started"])
                 else:
                     emit(Outcome(**entry))
                     done += 1
                     in_flight = None
-            remaining = remaining[done:]
-            if proc.returncode == 0 or not remaining:
-                break
-            if in_flight is not None and remaining and tuple(remaining[0]) == in_flight:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-                emit(Outcome(*in_flight, "crash", "(the worker died)",
-                             f"worker process died (exit status {proc.returncode}): {tail[0][:300]}"))
-                remaining = remaining[1:]
-            elif done == 0:  # died before its first case: restarting would not help
-                raise RuntimeError(f"fuzz worker failed before any case: {proc.stderr[-2000:]}")
+        remaining = remaining[done:]
+        if proc.returncode == 0 or not remaining:
+            break
+        status = _exit_status(proc.returncode)
+        if proc.returncode != _DEVICE_LOST or in_flight is not None:  # not a fault the worker recorded itself
+            print(f"\nfuzz worker died ({status}) after {done} case(s)\n{_output_tail(proc)}", file=sys.stderr,
+                  flush=True)
+        if in_flight is not None and tuple(remaining[0]) == in_flight:
+            emit(Outcome(*in_flight, "crash", "(the worker died)",
+                         f"worker process died ({status}): {_last_words(proc)[:300]}"))
+            remaining = remaining[1:]
+            startup_failures = 0
+        elif done == 0:  # died before its first case
+            startup_failures += 1
+            if startup_failures > _STARTUP_RETRIES:
+                raise RuntimeError(f"fuzz worker failed before any case {startup_failures} times in a row "
+                                   f"({status})\n{_output_tail(proc)}")
+        else:
+            startup_failures = 0
 
 
 def table(results: list[Outcome], ops: list[str], device: torch.device, args) -> str:
@@ -975,6 +1022,7 @@ def main(argv: list[str] | None = None) -> int:
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="dzc-fuzz-")
 
     if args.worker:
+        faulthandler.enable()  # a hard crash (SIGSEGV, SIGABRT) still leaves a Python traceback on stderr
         plan = [tuple(item) for item in json.loads(Path(args.worker).read_text())]
         with open(args.log, "a") as log:
             def write(entry):
