@@ -11,7 +11,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
 
-from dzc import autotune, config, runtime
+from dzc import autotune, config, hf_attention, runtime
 from dzc.capture import DzcBackend
 from dzc.options import CompileOptions
 from dzc.targets import resolve_target
@@ -88,6 +88,10 @@ class CompiledModel:
         # a capture off which the process has on need the patch around every call.
         self._dynamo_settings = _process_wide_dynamo_settings(options)
         self._capture_retried = False
+        # transformers models: dzc's attention implementation, selected for as long as options.hf_attention says
+        self.hf_attention = hf_attention.take_over(model, options.hf_attention, self)
+        self._attention_scope = (self.hf_attention if self.hf_attention and options.hf_attention == "calls"
+                                 else contextlib.nullcontext())
         self._cuda_graphs = None
         if options.cuda_graph_max_tokens > 0 and self.backend.target.profile.torch_device_type == "cuda":
             self._cuda_graphs = runtime.CudaGraphRunner(self._run_compiled, options.cuda_graph_max_tokens,
@@ -105,9 +109,10 @@ class CompiledModel:
     def __call__(self, *args, **kwargs):
         try:
             graphs = self.backend.report.graphs
-            if self._cuda_graphs is not None and graphs and not any(g.host_syncs for g in graphs):
-                return self._cuda_graphs(*args, **kwargs)
-            return self._run_compiled(*args, **kwargs)
+            with self._attention_scope:
+                if self._cuda_graphs is not None and graphs and not any(g.host_syncs for g in graphs):
+                    return self._cuda_graphs(*args, **kwargs)
+                return self._run_compiled(*args, **kwargs)
         except runtime.NotRunnableError as err:
             # Raised by the first kernel, ~18 frames deep in Dynamo and AOTAutograd; those frames say nothing
             # about why (no device for the target, or the inputs on another device), the message does.

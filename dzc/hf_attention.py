@@ -1,72 +1,223 @@
-"""HF transformers vision towers entered through their attention interface: one graph for any pack of images.
+"""dzc's attention implementation for transformers models, selected by dzc.compile: packed (varlen) attention
+becomes dzc.varlen_attention with no graph pattern; everything else computes what the model's own implementation
+does.
 
-transformers' Qwen-VL-style vision towers take a varlen path when the configured attention implementation is a
-flash one: they hand `cu_seqlens` and `max_seqlen` to the attention function instead of splitting q, k, v per
-image in a Python loop (which Dynamo unrolls: one graph per image count). dzc registers such a function,
-`dzc_flash_varlen`, that calls dzc.varlen_attention; the RoPE HF applies before it is folded into the op by
-fuse_vision_attention.
+transformers models call `ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, attention_mask,
+scaling=..., dropout=..., ...)`. When dzc.compile is handed a `PreTrainedModel` (or a module holding one), it
+registers `dzc_flash_sdpa` and `dzc_flash_eager` (`AttentionInterface.register`) and selects, on every config the
+model's modules use (text and vision sub-configs), the one whose base is that config's implementation, "sdpa" or
+"eager" (a user's flash, flex or own implementation is left alone). `CompileOptions.hf_attention` says how long
+the selection lasts.
 
-What depends on the images' sizes and count — cu_seqlens, rotary positions, window order — transformers computes
-with Python loops over `grid_thw.tolist()`; its `vision_utils` helpers take them precomputed instead (the
-`kwargs` of the tower's forward). `qwen2_5_vl_vision_inputs` computes them outside the compiled graph, so the
-graph sees only tensors with dynamic sizes:
-
-    visual = model.visual  (or Qwen2_5_VisionTransformerPretrainedModel(config))
-    use_dzc_attention(visual)
-    compiled = dzc.compile(visual, "cuda")
-    out = compiled(pixel_values, grid_thw, **qwen2_5_vl_vision_inputs(visual.config, grid_thw))
-
-See docs/vision.md for what this path and the graph rewrite each cover.
+"flash" in the name is what makes Qwen-VL-style vision towers take their packed path: one attention call over
+the pack with `cu_seq_lens_q` and `max_length_q`, instead of splitting q, k, v per image in a Python loop
+(which Dynamo unrolls: one graph per image count). That call is `dzc.varlen_attention`. Every other call goes to
+the base implementation with the same arguments, and the name's mask function is the base's (sdpa's bool mask,
+eager's additive one), so text models compute exactly what they did. Packed calls the op does not express
+(causal, dropout, softcap, grouped heads, other q and k segments) run the base implementation per segment, which
+is what the model's own non-flash path does; a packed call with a mask, a sliding window, sinks or a position bias
+over the whole pack has no per-segment form and is an error, never a guess.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
+from dataclasses import dataclass, field
+
 import torch
 
-ATTENTION_NAME = "dzc_flash_varlen"  # "flash" in the name is what makes HF models take their cu_seqlens path
+# Names of dzc's implementations, by the implementation they stand in for.
+NAMES = {"sdpa": "dzc_flash_sdpa", "eager": "dzc_flash_eager"}
+
+_VARLEN_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# attention module class -> the eager_attention_forward of the file that defines it (each modeling file has its
+# own: sinks, softcap, ...). Filled when a model is taken over, read under Dynamo.
+_EAGER_FUNCTIONS: dict[type, object] = {}
 
 
-def varlen_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                             cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None,
-                             is_causal=None, **kwargs):
-    """An HF attention function (AttentionInterface): query/key/value [1, heads, tokens, head_dim] packed, with
-    cu_seq_lens_q; returns ([1, tokens, heads, head_dim], None) as HF's flash functions do."""
-    if cu_seq_lens_q is None:
-        raise ValueError(f"{ATTENTION_NAME} is dzc's attention for packed (varlen) vision attention; "
-                         f"{type(module).__name__} called it without cu_seq_lens_q")
-    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q:
-        raise ValueError(f"{ATTENTION_NAME}: q and k must share cu_seqlens (self-attention over one pack)")
-    if attention_mask is not None or is_causal or dropout:
-        raise ValueError(f"{ATTENTION_NAME}: only non-causal attention without mask or dropout (vision encoders)")
+def varlen_refusal(query, key, value, attention_mask, kwargs) -> str | None:
+    """Why a packed call (cu_seq_lens_q given) is not plain non-causal attention inside each segment, which is
+    all dzc.varlen_attention computes; None when it is."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_k is not None and cu_k is not cu_q:
+        return "q and k have their own cu_seqlens"
+    if attention_mask is not None:
+        return "an attention mask on top of the segments"
+    if kwargs.get("is_causal"):
+        return "causal attention"
+    if kwargs.get("dropout"):  # sdpa applies a dropout it is given even in eval mode
+        return "dropout"
+    for name in ("s_aux", "sliding_window", "softcap", "position_bias"):
+        if kwargs.get(name) is not None:
+            return name
     if query.dim() != 4 or query.shape[0] != 1:
-        raise ValueError(f"{ATTENTION_NAME}: expected one packed sequence [1, heads, tokens, head_dim], got "
-                         f"{tuple(query.shape)}")
-    max_seqlen = max_length_q
-    if isinstance(max_seqlen, torch.Tensor):  # precomputed by qwen2_5_vl_vision_inputs: read inside the graph
+        return f"not one packed sequence [1, heads, tokens, head_dim]: {tuple(query.shape)}"
+    if key.shape != query.shape or value.shape != query.shape:
+        return "k or v shaped unlike q (grouped heads)"
+    if query.dtype not in _VARLEN_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        return f"dtype {query.dtype}"
+    return None
+
+
+def varlen_attention_forward(module, query, key, value, cu_seqlens, max_seqlen, scaling):
+    """query/key/value [1, heads, tokens, head_dim] packed, segments by cu_seqlens -> [1, tokens, heads, head_dim]
+    (the layout HF attention functions return)."""
+    if isinstance(max_seqlen, torch.Tensor):  # a 0-d tensor (qwen2_5_vl_vision_inputs): read inside the graph
         max_seqlen = max_seqlen.item()
     if max_seqlen is None:
-        max_seqlen = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max().item()
+        max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max().item()
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, head_dim]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.dzc.varlen_attention(q, k, v, cu_seq_lens_q, max_seqlen, scale, None, None)
+    out = torch.ops.dzc.varlen_attention(q, k, v, cu_seqlens.to(torch.int32), max_seqlen, scale, None, None)
     return out.unsqueeze(0), None
 
 
-def use_dzc_attention(model) -> None:
-    """Make `model` (an HF vision tower) call dzc's varlen attention function."""
-    from transformers import AttentionInterface  # noqa: PLC0415 (transformers is optional for dzc)
+def _base_function(base: str, module):
+    if base == "sdpa":
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
 
-    AttentionInterface.register(ATTENTION_NAME, varlen_attention_forward)
-    # Set directly: PreTrainedModel.set_attn_implementation would look for a flash kernel on the Hub.
-    model.config._attn_implementation = ATTENTION_NAME
+        return ALL_ATTENTION_FUNCTIONS["sdpa"]
+    function = _EAGER_FUNCTIONS.get(type(module))
+    if function is None:
+        raise ValueError(f"dzc's attention (eager base): no eager_attention_forward found for "
+                         f"{type(module).__qualname__} in {type(module).__module__}")
+    return function
+
+
+def _per_segment(base, module, query, key, value, kwargs):
+    """The model's own non-flash path for a pack: the base implementation once per segment (segment i of q with
+    segment i of k and v, as flash's varlen functions pair them), concatenated."""
+    cu_q = kwargs["cu_seq_lens_q"]
+    cu_k = kwargs.get("cu_seq_lens_k")
+    cu_k = cu_q if cu_k is None else cu_k
+    q_pieces = torch.split(query, (cu_q[1:] - cu_q[:-1]).tolist(), dim=2)
+    k_lengths = (cu_k[1:] - cu_k[:-1]).tolist()
+    kv_pieces = zip(torch.split(key, k_lengths, dim=2), torch.split(value, k_lengths, dim=2))
+    function = _base_function(base, module)
+    rest = {name: value for name, value in kwargs.items()
+            if name not in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    pieces = [function(module, q, k, v, None, **rest)[0] for q, (k, v) in zip(q_pieces, kv_pieces)]
+    return torch.cat(pieces, dim=1), None
+
+
+# Packed-call arguments that apply to the whole pack: the base implementations, called per segment, cannot take
+# them (sdpa ignores sliding_window and s_aux, leaving them to the mask and to eager).
+_WHOLE_PACK_ARGUMENTS = ("sliding_window", "s_aux", "position_bias")
+
+
+def _implementation(base: str):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if kwargs.get("cu_seq_lens_q") is None:
+            return _base_function(base, module)(module, query, key, value, attention_mask, **kwargs)
+        reason = varlen_refusal(query, key, value, attention_mask, kwargs)
+        if reason is None:
+            return varlen_attention_forward(module, query, key, value, kwargs["cu_seq_lens_q"],
+                                            kwargs.get("max_length_q"), kwargs.get("scaling"))
+        if attention_mask is not None or any(kwargs.get(name) is not None for name in _WHOLE_PACK_ARGUMENTS):
+            raise ValueError(f"dzc's attention: {type(module).__qualname__} made a packed call ({reason}) that "
+                             f"neither dzc.varlen_attention nor {base} per segment computes; compile it with "
+                             "CompileOptions(hf_attention='off')")
+        return _per_segment(base, module, query, key, value, kwargs)
+
+    attention.__name__ = attention.__qualname__ = f"dzc_attention_{base}"
+    return attention
+
+
+def register() -> None:
+    """Register dzc's implementations, and as their mask functions those of their bases."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface  # noqa: PLC0415
+    from transformers.modeling_utils import AttentionInterface  # noqa: PLC0415
+
+    for base, name in NAMES.items():
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, _implementation(base))
+            AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+
+
+@dataclass
+class Selection:
+    """Which configs of a model dzc's attention was selected on, and what each had before."""
+    configs: list = field(default_factory=list)  # (config, the user's implementation)
+    left: list[str] = field(default_factory=list)  # "ConfigClass: why it was left alone"
+
+    def select(self) -> None:
+        for config, original in self.configs:
+            config._attn_implementation = {"": NAMES[original]}  # the "" key: this config only, not its sub-configs
+
+    def restore(self) -> None:
+        for config, original in self.configs:
+            config._attn_implementation = {"": original}
+
+    def __enter__(self):
+        self.select()
+
+    def __exit__(self, *exc):
+        self.restore()
+
+    def __str__(self) -> str:
+        taken = ", ".join(f"{type(c).__name__} ({o} -> {NAMES[o]})" for c, o in self.configs) or "none"
+        return f"dzc attention on: {taken}" + "".join(f"; left alone: {why}" for why in self.left)
+
+
+def _model_configs(model: torch.nn.Module) -> list:
+    """The distinct transformers configs the model's modules hold, in module order."""
+    from transformers import PretrainedConfig  # noqa: PLC0415
+
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig):
+            configs.setdefault(id(config), config)
+    return list(configs.values())
+
+
+def take_over(model, mode: str, owner) -> Selection | None:
+    """Select dzc's attention on every config `model` uses, if it is or holds a transformers PreTrainedModel.
+
+    mode "compiled": selected now, the user's implementations put back when `owner` (the CompiledModel) is
+    garbage-collected; "calls": the caller enters the returned Selection around each compiled call; "off": nothing.
+    """
+    transformers = sys.modules.get("transformers")  # not imported: the model cannot be a PreTrainedModel
+    if mode == "off" or transformers is None or not isinstance(model, torch.nn.Module):
+        return None
+    if not any(isinstance(m, transformers.PreTrainedModel) for m in model.modules()):
+        return None
+    register()
+    selection = Selection()
+    for config in _model_configs(model):
+        current = config._attn_implementation
+        if current in NAMES.values():
+            continue  # already dzc's (use_dzc_attention, or another dzc.compile of the same model)
+        if current not in NAMES:
+            selection.left.append(f"{type(config).__name__}: attn_implementation {current!r} is the user's "
+                                  "choice (dzc stands in only for 'sdpa' and 'eager')")
+            continue
+        selection.configs.append((config, current))
+    for module in model.modules():
+        function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if function is not None:
+            _EAGER_FUNCTIONS[type(module)] = function
+    if mode == "compiled":
+        selection.select()
+        weakref.finalize(owner, selection.restore)
+    return selection
+
+
+def use_dzc_attention(model) -> None:
+    """Select dzc's attention on `model` by hand (dzc.compile does it for transformers models): for a model
+    compiled with torch.compile(backend=dzc.backend(...)) instead."""
+    take_over(model, "compiled", model)
 
 
 def qwen2_5_vl_vision_inputs(config, grid_thw: torch.Tensor) -> dict[str, torch.Tensor]:
     """The size-dependent inputs of a Qwen2.5-VL vision tower, computed eagerly by transformers' own helpers.
 
-    max_seqlen and max_window_seqlen are 0-d tensors, read with .item() inside the graph: as Python ints they
-    would be specialised on (a recompile per value); computed inside the graph from cu_seqlens they would make
-    Dynamo specialise on one image (a slice of one element).
+    Optional: passed as the tower's kwargs, they replace the helpers' Python loops over `grid_thw.tolist()` in the
+    graph (docs/vision.md: what that changes). max_seqlen and max_window_seqlen are 0-d tensors, read with
+    .item() inside the graph: as Python ints they would be specialised on (a recompile per value); computed inside
+    the graph from cu_seqlens they would make Dynamo specialise on one image (a slice of one element).
     """
     from transformers import vision_utils  # noqa: PLC0415
 

@@ -9,6 +9,7 @@ from dzc import config
 
 Codegen = Literal["auto", "triton", "tilelang"]
 Fallback = Literal["auto", "inductor", "eager"]
+HfAttention = Literal["compiled", "calls", "off"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,13 @@ class CompileOptions:
     # returns the captured graph's results. Costs one extra run per graph, once, and for that call two copies of
     # the inputs the graph writes (a KV cache). None = $DZC_CHECK_REWRITES (on unless set to 0).
     check_rewrites: bool | None = None
+    # transformers models (a PreTrainedModel, or a module holding one): dzc selects its attention implementation
+    # (dzc/hf_attention.py: packed vision attention as dzc.varlen_attention, everything else as the model's own
+    # 'sdpa' or 'eager') on every config of the model set to one of those. "compiled": selected while the
+    # CompiledModel lives (the model called directly runs it too), the user's setting put back when the
+    # CompiledModel is garbage-collected; "calls": selected during each compiled call only, the user's setting put
+    # back after it (a few attribute writes per call); "off": the model's attention as configured.
+    hf_attention: HfAttention = "compiled"
 
     def resolved_cache_dir(self) -> str:
         return self.cache_dir or config.CACHE_DIR.get()
@@ -77,5 +85,7 @@ class CompileOptions:
             raise ValueError(f"codegen must be 'auto', 'triton' or 'tilelang', not {self.codegen!r}")
         if self.fallback not in ("auto", "inductor", "eager"):
             raise ValueError(f"fallback must be 'auto', 'inductor' or 'eager', not {self.fallback!r}")
+        if self.hf_attention not in ("compiled", "calls", "off"):
+            raise ValueError(f"hf_attention must be 'compiled', 'calls' or 'off', not {self.hf_attention!r}")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_tokens must be >= 0")
