@@ -39,7 +39,7 @@ import torch
 from dzc import mxfp4
 from dzc.ops.mxfp4_moe import ACTIVATIONS, FP8_GROUP, check_mxfp4_moe_args, fp8_applies
 from dzc.targets import mxfp4_moe_routing as routing
-from dzc.targets import triton_codegen
+from dzc.targets import tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.legality import config_problems
 from dzc.targets.profiles import DeviceProfile
@@ -754,12 +754,18 @@ def tilelang_launch(compiled, config: KernelConfig, hidden, topk_ids, topk_weigh
     pair_out = torch.empty(pairs, shape.hidden, dtype=torch.float32, device=hidden.device)
     schedule = (plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end)
     gate_up_config, down_config = tilelang_kernel_configs(None, config).values()
-    compiled.kernel_for(gate_up_config)(
-        hidden, *schedule, w13_blocks.flatten(2), w13_scales,
-        _bias_or_zeros(w13_bias, shape.experts, 2 * shape.inter, hidden.device), act, float(alpha), float(limit))
-    compiled.kernel_for(down_config)(
-        act, *schedule, w2_blocks.flatten(2), w2_scales,
-        _bias_or_zeros(w2_bias, shape.experts, shape.hidden, hidden.device), topk_weights.reshape(-1), pair_out)
+    # TileLang compiles for dense tensors at 16-byte-aligned bases (its loads are vectorised): offset or strided
+    # views are copied first (act and pair_out are fresh, so they pass as they are).
+    gate_up = tilelang_codegen.launch_arguments(
+        (hidden, *schedule, w13_blocks.flatten(2), w13_scales,
+         _bias_or_zeros(w13_bias, shape.experts, 2 * shape.inter, hidden.device)), (act,), (float(alpha), float(limit)))
+    compiled.kernel_for(gate_up_config)(*gate_up.arguments)
+    gate_up.finish()
+    down = tilelang_codegen.launch_arguments(
+        (act, *schedule, w2_blocks.flatten(2), w2_scales,
+         _bias_or_zeros(w2_bias, shape.experts, shape.hidden, hidden.device), topk_weights.reshape(-1)), (pair_out,))
+    compiled.kernel_for(down_config)(*down.arguments)
+    down.finish()
     combine(pair_out, ids, shape, out)
 
 
