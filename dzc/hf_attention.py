@@ -142,13 +142,15 @@ class Selection:
     configs: list = field(default_factory=list)  # (config, the user's implementation)
     left: list[str] = field(default_factory=list)  # "ConfigClass: why it was left alone"
 
+    # The attribute behind the config's _attn_implementation property: its setter would also write the value it
+    # is given into the sub-configs, whose bases may differ.
     def select(self) -> None:
         for config, original in self.configs:
-            config._attn_implementation = {"": NAMES[original]}  # the "" key: this config only, not its sub-configs
+            config._attn_implementation_internal = NAMES[original]
 
     def restore(self) -> None:
         for config, original in self.configs:
-            config._attn_implementation = {"": original}
+            config._attn_implementation_internal = original
 
     def __enter__(self):
         self.select()
