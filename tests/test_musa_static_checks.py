@@ -47,7 +47,11 @@ def test_every_kernel_is_legal_on_musa_profiles(family_name, profile_name, tmp_p
                 with pytest.raises(NoLegalConfig, match=profile_name):
                     lower_op(family_name, args, target, options, Execution(None, "static check"))
                 continue
-            record, spec = lower_op(family_name, args, target, options, Execution(None, "static check"))
+            try:
+                record, spec = lower_op(family_name, args, target, options, Execution(None, "static check"))
+            except NoLegalConfig:  # a codegen with no kernel for the spec says so: TileLang's MoE, fp32 activations
+                assert (family_name, codegen, args[0].dtype) == ("mxfp4_moe", "tilelang", torch.float32), case
+                continue
             source = Path(record.source_path).read_text()
             assert static_check.kernel_problems(family, codegen, spec, target.profile, source) == [], (codegen, case)
 
