@@ -21,6 +21,8 @@ over the whole pack has no per-segment form and is an error, never a guess.
 
 from __future__ import annotations
 
+import inspect
+import re
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -175,6 +177,30 @@ def _model_configs(model: torch.nn.Module) -> list:
     return list(configs.values())
 
 
+# A modeling file that compares the implementation's name itself (DeepseekV32: `_attn_implementation in ("eager",
+# "sdpa")` decides whether the top-k mask is applied, or handed to the attention function as `indices`) would take
+# another path under dzc's name, which no check can vouch for. `is_flash_attention_requested`, the packed-sequence
+# convention dzc's names opt into, is not such a comparison.
+_NAME_COMPARISON = re.compile(r"_attn_implementation\s*(==|!=|\bin\b|\bnot\s+in\b)|\bin\s+[\w.]*_attn_implementation\b")
+
+
+def _name_comparison(model: torch.nn.Module, config) -> str | None:
+    """'file:line' of the first comparison of the attention implementation's name in the modeling code of the
+    modules that hold `config`, or None."""
+    for module in model.modules():
+        if getattr(module, "config", None) is not config:
+            continue
+        source_module = sys.modules.get(type(module).__module__)
+        try:
+            lines, _ = inspect.getsourcelines(source_module)
+        except (OSError, TypeError):
+            continue
+        for number, line in enumerate(lines, 1):
+            if _NAME_COMPARISON.search(line.split("#")[0]):
+                return f"{source_module.__name__}:{number}"
+    return None
+
+
 def take_over(model, mode: str, owner) -> Selection | None:
     """Select dzc's attention on every config `model` uses, if it is or holds a transformers PreTrainedModel.
 
@@ -195,6 +221,12 @@ def take_over(model, mode: str, owner) -> Selection | None:
         if current not in NAMES:
             selection.left.append(f"{type(config).__name__}: attn_implementation {current!r} is the user's "
                                   "choice (dzc stands in only for 'sdpa' and 'eager')")
+            continue
+        compared = _name_comparison(model, config)
+        if compared is not None:
+            selection.left.append(f"{type(config).__name__}: its modeling code branches on the attention "
+                                  f"implementation's name ({compared}); under another name it could compute "
+                                  "something else")
             continue
         selection.configs.append((config, current))
     for module in model.modules():

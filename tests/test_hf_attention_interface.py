@@ -163,3 +163,21 @@ def test_packed_calls_op_per_segment_or_refusal(dtype, seed):
 
     with pytest.raises(ValueError, match="sliding_window"):
         function(_Attention(), query, key, value, None, sliding_window=4, **packed)
+
+
+def test_a_model_that_branches_on_the_implementation_name_is_left_alone(options):
+    """HF DeepseekV32 applies its top-k mask only when `_attn_implementation in ("eager", "sdpa")`; under
+    another name it hands the indices to the attention function instead, which would compute dense attention.
+    dzc leaves such a config alone (saying where the code compares the name), and its sparse fusion fires."""
+    from dzc.models.dsa import build_hf_deepseek_v32
+
+    model, (tokens,) = build_hf_deepseek_v32(attn_implementation="eager")
+    compiled = dzc.compile(model, "cuda", options)
+    with torch.no_grad():
+        actual, expected = compiled(tokens).logits, model(tokens).logits
+    assert model.config._attn_implementation == "eager"
+    assert not compiled.hf_attention.configs
+    [left] = compiled.hf_attention.left
+    assert "DeepseekV32Config" in left and "modeling_deepseek_v32" in left, left
+    assert compiled.report.passes["fuse_sparse_attention"] == 1
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
