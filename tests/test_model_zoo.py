@@ -18,11 +18,15 @@ zoo = sys.modules["zoo"] = importlib.util.module_from_spec(_spec)  # registered:
 _spec.loader.exec_module(zoo)
 
 
-# fp32 (the tight tolerance: any wrong rewrite shows) runs in CI; bf16 doubles the compiles (~3 minutes more on
-# two CPU cores), so it is marked slow: tools/zoo.py runs both for docs/zoo.md.
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"),
-                                   pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("name", list(zoo.ZOO))
+# Every row in fp32 (the tight tolerance: any wrong rewrite shows). bf16 doubles the compiles (over 3 minutes on
+# two CPU cores): CI takes the rows whose bf16 numerics differ in kind (a dense decoder, an MoE router's top-k, the
+# DSA indexer's top-k, the packed vision attention); tools/zoo.py runs every row in both for docs/zoo.md.
+BF16_ROWS = ("Llama", "Qwen3-MoE", "DeepseekV32", "Qwen2-VL vision")
+ROWS = ([pytest.param(name, torch.float32, id=f"{name}-fp32") for name in zoo.ZOO]
+        + [pytest.param(name, torch.bfloat16, id=f"{name}-bf16", marks=pytest.mark.slow) for name in BF16_ROWS])
+
+
+@pytest.mark.parametrize("name, dtype", ROWS)
 def test_zoo_row_compiles_unchanged_and_matches_eager(name, dtype, tmp_path):
     run = zoo.measure(zoo.ZOO[name], dtype, str(tmp_path / "cache"))
     assert not run.error, f"{name} ({dtype}) failed: {run.error}"
