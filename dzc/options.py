@@ -62,7 +62,8 @@ class CompileOptions:
     # run, so the caller's are written once), compare the outputs, and where they differ beyond rounding, drop
     # the pass responsible for that graph (warned, recorded in the report with the error found). The first call
     # returns the captured graph's results. Costs one extra run per graph, once, and for that call two copies of
-    # the inputs the graph writes (a KV cache). None = $DZC_CHECK_REWRITES (on unless set to 0).
+    # the inputs the graph writes (a KV cache); where those would take over a quarter of the memory free on their
+    # device, the graph runs unchecked and the report says so. None = $DZC_CHECK_REWRITES (on unless set to 0).
     check_rewrites: bool | None = None
     # transformers models (a PreTrainedModel, or a module holding one): dzc selects its attention implementation
     # (dzc/hf_attention.py: packed vision attention as dzc.varlen_attention, everything else as the model's own

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import dzc
+import dzc.capture
 import dzc.pipeline
 from dzc import config
 from dzc.capture import _difference
@@ -115,6 +116,27 @@ def test_only_the_pass_at_fault_is_dropped_and_written_inputs_get_one_update(opt
     expected = model(x, residual, expected_cache, torch.tensor([1, 0, 3]), expected_steps)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache, expected_cache) and steps.item() == 2
+
+
+def test_a_graph_writing_inputs_too_large_to_copy_is_not_checked(options, seed, monkeypatch):
+    """The check copies the inputs a graph writes twice; a KV cache at long context can be most of the device's
+    memory. Where two copies would take over a quarter of what is free, the graph runs unchecked, and the report
+    says why (here the host reports 8 KiB available: the 16 x 64 fp32 cache needs 2 x 4 KiB plus the counter)."""
+    torch._dynamo.reset()
+    page = 4096
+    monkeypatch.setattr(dzc.capture.os, "sysconf", lambda name: 2 if name == "SC_AVPHYS_PAGES" else page)
+    model = _NormThenCacheWrite()
+    compiled = dzc.compile(model, "cuda", options)
+    x, residual = _inputs(tokens=3)
+    cache, slots, steps = torch.randn(16, 64), torch.tensor([5, 2, 9]), torch.zeros((), dtype=torch.int64)
+    expected_cache, expected_steps = cache.clone(), steps.clone()
+    expected = model(x, residual, expected_cache, slots, expected_steps)
+    actual = compiled(x, residual, cache, slots, steps)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, expected_cache) and steps.item() == 1
+    [graph] = compiled.report.graphs
+    assert graph.rewrite_check.startswith("skipped: the inputs the graph writes") and "too large" in \
+        graph.rewrite_check, graph.rewrite_check
 
 
 class _NoisyNorm(AddRMSNorm):
