@@ -445,10 +445,10 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     """Route, run both GEMMs on the config's path, combine into `out` [T, H] (preallocated). Arguments as
     `prepare` returns them (checked there against the spec the kernels were generated for). `fp8` (the W4A8
     op's arithmetic for this call's token count) decides between W4A8 and W4A16: a config of the other path
-    gives way to that path's standard tile (_path_config); the tuner's tiers keep that to calls whose token
+    gives way to that path's standard tile (_PATH_CONFIGS); the tuner's tiers keep that to calls whose token
     bucket straddles FP8_MIN_ROWS_PER_EXPERT."""
     if fp8 != _fp8(config):
-        config = _path_config(fp8)
+        config = _PATH_CONFIGS[fp8]
     spec = _LaunchShape.of(hidden, topk_ids, w13_scales)
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     tokens = hidden.shape[0]
@@ -503,14 +503,14 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     combine(pair_out, ids, spec, out)
 
 
-def _path_config(fp8: bool) -> KernelConfig:
-    """The tile a W4A8-op launch runs when its config belongs to the other path: the prefill tests' FP8 tile, or
-    the decode tier's W4A16 default; both legal on every profile with native FP8 (4 warps of 32 lanes, under
-    100 KiB of shared memory)."""
-    if fp8:
-        return KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=FP8_GROUP, WORKSPACE=1,
-                                 SPLIT_K=1, FP8=1)
-    return KernelConfig.make(num_warps=4, num_stages=2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0, SPLIT_K=1)
+# The tile a W4A8-op launch runs when its config belongs to the other path (by FP8): the prefill tests' FP8 tile, or
+# the decode tier's W4A16 default; both legal on every profile with native FP8 (4 warps of 32 lanes, under 100 KiB
+# of shared memory).
+_PATH_CONFIGS = {
+    True: KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=FP8_GROUP, WORKSPACE=1,
+                            SPLIT_K=1, FP8=1),
+    False: KernelConfig.make(num_warps=4, num_stages=2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0, SPLIT_K=1),
+}
 
 
 def _launch_w4a8(kernels, plan: Routing, options: dict, hidden, topk_weights, w13_blocks, w13_scales, w13_bias,

@@ -92,15 +92,21 @@ class _NormThenCacheWrite(nn.Module):
         return y + cache.sum(0), steps * 2
 
 
+def _cache_call(model):
+    """A call's inputs for _NormThenCacheWrite, the caches' copies for eager, and eager's outputs on them."""
+    x, residual = _inputs(tokens=3)
+    cache, slots, steps = torch.randn(16, 64), torch.tensor([5, 2, 9]), torch.zeros((), dtype=torch.int64)
+    expected_cache, expected_steps = cache.clone(), steps.clone()
+    expected = model(x, residual, expected_cache, slots, expected_steps)
+    return x, residual, cache, slots, steps, expected_cache, expected_steps, expected
+
+
 def test_only_the_pass_at_fault_is_dropped_and_written_inputs_get_one_update(options, seed, monkeypatch):
     torch._dynamo.reset()
     monkeypatch.setattr(dzc.pipeline, "fuse_residual_norm", _wrong_eps(dzc.pipeline.fuse_residual_norm))
     model = _NormThenCacheWrite()
     compiled = dzc.compile(model, "cuda", options)
-    x, residual = _inputs(tokens=3)
-    cache, slots, steps = torch.randn(16, 64), torch.tensor([5, 2, 9]), torch.zeros((), dtype=torch.int64)
-    expected_cache, expected_steps = cache.clone(), steps.clone()
-    expected = model(x, residual, expected_cache, slots, expected_steps)
+    x, residual, cache, slots, steps, expected_cache, expected_steps, expected = _cache_call(model)
     with pytest.warns(RuntimeWarning, match="dropped the rewrites of fuse_residual_norm"):
         actual = compiled(x, residual, cache, slots, steps)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
@@ -127,10 +133,7 @@ def test_a_graph_writing_inputs_too_large_to_copy_is_not_checked(options, seed, 
     monkeypatch.setattr(dzc.capture.os, "sysconf", lambda name: 2 if name == "SC_AVPHYS_PAGES" else page)
     model = _NormThenCacheWrite()
     compiled = dzc.compile(model, "cuda", options)
-    x, residual = _inputs(tokens=3)
-    cache, slots, steps = torch.randn(16, 64), torch.tensor([5, 2, 9]), torch.zeros((), dtype=torch.int64)
-    expected_cache, expected_steps = cache.clone(), steps.clone()
-    expected = model(x, residual, expected_cache, slots, expected_steps)
+    x, residual, cache, slots, steps, expected_cache, expected_steps, expected = _cache_call(model)
     actual = compiled(x, residual, cache, slots, steps)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache, expected_cache) and steps.item() == 1

@@ -17,7 +17,7 @@ from conftest import run_ahead_of_time_script
 import dzc
 from dzc import mxfp4
 from dzc.models.moe import CONFIGS, build_moe
-from dzc.ops.mxfp4_moe import (FP8_GROUP, _fp8_matmul, glu_activation, mxfp4_moe_reference,
+from dzc.ops.mxfp4_moe import (FP8_GROUP, _fp8_matmul, _fp8_weight_matmul, glu_activation, mxfp4_moe_reference,
                                mxfp4_moe_w4a8_reference, mxfp4_to_e4m3, quantize_e4m3_groups)
 from dzc.targets import TARGETS, mxfp4_moe, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
@@ -207,8 +207,7 @@ def _routed_reference(args, sorted_pairs, act=None):
     for e in experts.unique().tolist():
         rows = (experts == e).nonzero().squeeze(1)
         if own_act:
-            gate_up = _fp8_matmul(*quantize_e4m3_groups(x[rows]), *mxfp4_to_e4m3(w13_blocks[e].cpu(),
-                                                                                 w13_scales[e].cpu()))
+            gate_up = _fp8_weight_matmul(x[rows], w13_blocks[e].cpu(), w13_scales[e].cpu())
             if w13_bias is not None:
                 gate_up = gate_up + w13_bias[e].float().cpu()
             act[rows] = glu_activation(gate_up, activation, interleaved, alpha, limit).to(hidden.dtype).float()

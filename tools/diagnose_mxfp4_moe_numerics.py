@@ -19,18 +19,21 @@ show as what they are.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from dzc import mxfp4
-from dzc.ops.mxfp4_moe import (glu_activation, mxfp4_moe_reference, mxfp4_moe_w4a8_reference, mxfp4_to_e4m3,
-                               quantize_e4m3_groups, _fp8_matmul)
+from dzc.ops.mxfp4_moe import (_dequantized_matmul, _fp8_weight_matmul, glu_activation, mxfp4_moe_reference,
+                               mxfp4_moe_w4a8_reference, quantize_e4m3_groups)
 from dzc.targets import mxfp4_moe as family
 from dzc.targets.profiles import SM_90
+
+
+def _gemm(w4a8: bool):
+    """The op reference's GEMM (rows [R, K] times one MXFP4 weight): W4A8's or W4A16's."""
+    return _fp8_weight_matmul if w4a8 else _dequantized_matmul
 
 
 def reference_act(args, sorted_pairs: torch.Tensor, w4a8: bool) -> torch.Tensor:
@@ -45,10 +48,7 @@ def reference_act(args, sorted_pairs: torch.Tensor, w4a8: bool) -> torch.Tensor:
     for e in experts.unique().tolist():
         rows = (experts == e).nonzero().squeeze(1)
         a = x[tokens[rows]]
-        if w4a8:
-            gate_up = _fp8_matmul(*quantize_e4m3_groups(a), *mxfp4_to_e4m3(w13_blocks[e].cpu(), w13_scales[e].cpu()))
-        else:
-            gate_up = a @ mxfp4.dequantize(w13_blocks[e].cpu(), w13_scales[e].cpu(), torch.float32).T
+        gate_up = _gemm(w4a8)(a, w13_blocks[e].cpu(), w13_scales[e].cpu())
         if w13_bias is not None:
             gate_up = gate_up + w13_bias[e].float().cpu()
         act[rows] = glu_activation(gate_up, activation, interleaved, alpha, limit).to(hidden.dtype).float()
@@ -58,21 +58,16 @@ def reference_act(args, sorted_pairs: torch.Tensor, w4a8: bool) -> torch.Tensor:
 def reference_down(args, sorted_pairs: torch.Tensor, act: torch.Tensor, w4a8: bool) -> torch.Tensor:
     """pair_out [P, H] (fp32, indexed by pair) of the down GEMM on `act` (routing order), weighted, with bias."""
     (hidden, topk_ids, topk_weights, _, _, _, w2_blocks, w2_scales, w2_bias) = args[:9]
-    top_k = topk_ids.shape[1]
     pairs = sorted_pairs.long().cpu()
     experts = topk_ids.reshape(-1).long().cpu()[pairs]
     out = torch.empty(len(pairs), hidden.shape[1])
     for e in experts.unique().tolist():
         rows = (experts == e).nonzero().squeeze(1)
         a = act[rows]
-        if w4a8:
-            y = _fp8_matmul(*quantize_e4m3_groups(a), *mxfp4_to_e4m3(w2_blocks[e].cpu(), w2_scales[e].cpu()))
-        else:
-            y = a @ mxfp4.dequantize(w2_blocks[e].cpu(), w2_scales[e].cpu(), torch.float32).T
+        y = _gemm(w4a8)(a, w2_blocks[e].cpu(), w2_scales[e].cpu())
         if w2_bias is not None:
             y = y + w2_bias[e].float().cpu()
         out[pairs[rows]] = y * topk_weights.reshape(-1).float().cpu()[pairs[rows], None]
-    del top_k
     return out
 
 
