@@ -87,7 +87,6 @@ class CompiledModel:
         # the process then capture those ops too instead of breaking their graphs there. Only options that turn
         # a capture off which the process has on need the patch around every call.
         self._dynamo_settings = _process_wide_dynamo_settings(options)
-        self._capture_retried = False
         # transformers models: dzc's attention implementation, selected for as long as options.hf_attention says
         self.hf_attention = hf_attention.take_over(model, options.hf_attention, self)
         self._attention_scope = (self.hf_attention if self.hf_attention and options.hf_attention == "calls"
@@ -152,11 +151,10 @@ class CompiledModel:
         on, turn them off for this model, as torch.compile has them, and say so: the call is then retried, and
         .item(), .tolist() and ops with data-dependent output shapes break the graph instead of failing it.
         Whether to retry: once, where a capture was tried during the call and failed with its own error."""
-        if (self._capture_retried or not self.backend.frames_tried_since(frames_tried)
+        if (self.backend.report.capture_retries or not self.backend.frames_tried_since(frames_tried)
                 or not isinstance(error, _CAPTURE_FAILURES)
                 or not (self.options.capture_scalar_outputs or self.options.capture_dynamic_output_shapes)):
             return False
-        self._capture_retried = True
         first_line = (str(error).strip().splitlines() or [""])[0]
         message = (f"the capture failed with capture_scalar_outputs and capture_dynamic_output_shape_ops on "
                    f"({type(error).__name__}: {first_line}); retried without them, accepting graph breaks at "

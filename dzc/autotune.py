@@ -159,10 +159,26 @@ def open_shipped(tuning_db: str | None) -> ShippedTuningDatabase | None:
     if not path:
         return None
     try:
-        return ShippedTuningDatabase(path)
+        return _read_shipped(Path(path))
     except TuningDatabaseError as err:
         raise TuningDatabaseError(f"{err} (named by {'CompileOptions.tuning_db' if tuning_db else 'DZC_TUNING_DB'})"
                                   ) from None
+
+
+_SHIPPED: dict[tuple, "ShippedTuningDatabase"] = {}
+
+
+def _read_shipped(path: Path) -> "ShippedTuningDatabase":
+    """The file parsed once per version of it (lowering opens the database for every graph, and the rewrite
+    check's rebuilds again): it is read-only, so a changed mtime or size is the only reason to read it anew."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return ShippedTuningDatabase(path)  # which says what is wrong with the path
+    key = (str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+    if key not in _SHIPPED:
+        _SHIPPED[key] = ShippedTuningDatabase(path)
+    return _SHIPPED[key]
 
 
 def open_database(cache_dir: str | os.PathLike, tuning_db: str | None) -> TuningDatabase:

@@ -187,10 +187,10 @@ _NAME_COMPARISON = re.compile(r"_attn_implementation\s*(==|!=|\bin\b|\bnot\s+in\
 def _name_comparison(model: torch.nn.Module, config) -> str | None:
     """'file:line' of the first comparison of the attention implementation's name in the modeling code of the
     modules that hold `config`, or None."""
-    for module in model.modules():
-        if getattr(module, "config", None) is not config:
-            continue
-        source_module = sys.modules.get(type(module).__module__)
+    names = dict.fromkeys(type(module).__module__ for module in model.modules()
+                          if getattr(module, "config", None) is config)  # each modeling file read once
+    for name in names:
+        source_module = sys.modules.get(name)
         try:
             lines, _ = inspect.getsourcelines(source_module)
         except (OSError, TypeError):

@@ -81,12 +81,20 @@ def dedupe_cast(match: Match):
     cast, x = match["cast"], match["x"]
     if not isinstance(x, torch.fx.Node):
         return None
-    order = {n: i for i, n in enumerate(cast.graph.nodes)}
-    earlier = [u for u in x.users if u is not cast and order[u] < order[cast] and cast_dtype(u) == cast_dtype(cast)
-               and u.target is cast.target and u.kwargs == cast.kwargs]
+    alike = [u for u in x.users if u is not cast and cast_dtype(u) == cast_dtype(cast) and u.target is cast.target
+             and u.kwargs == cast.kwargs]
+    if not alike:  # the common case: no other cast of x, and no need to number the graph's nodes
+        return None
+    order = _positions(cast.graph)
+    earlier = [u for u in alike if order[u] < order[cast]]
     if not earlier or not _replaceable(cast):
         return None
     return _replace(cast, min(earlier, key=order.__getitem__))
+
+
+def _positions(graph: torch.fx.Graph) -> dict:
+    """Each node's position in the graph (which of two nodes comes first)."""
+    return {n: i for i, n in enumerate(graph.nodes)}
 
 
 _PROMOTING_OPS = (aten.mul.Tensor, aten.add.Tensor, aten.sub.Tensor, aten.div.Tensor)
@@ -99,13 +107,17 @@ def reuse_upcast(match: Match):
     with var over `h.float()`)."""
     node = match.root
     result = dtype_of(node)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    order = None  # numbered only where an operand has an upcast to choose among
     new_args = list(node.args)
     for i, operand in enumerate(node.args[:2]):
         source = dtype_of(operand)
         if source is None or source == result or not widens_exactly(source, result):
             continue
-        upcasts = [u for u in operand.users if cast_dtype(u) == result and order[u] < order[node]]
+        upcasts = [u for u in operand.users if cast_dtype(u) == result]
+        if not upcasts:
+            continue
+        order = order or _positions(node.graph)
+        upcasts = [u for u in upcasts if order[u] < order[node]]
         if upcasts:
             new_args[i] = min(upcasts, key=order.__getitem__)
     if new_args == list(node.args):

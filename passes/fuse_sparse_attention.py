@@ -66,6 +66,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
+from dzc.passes.patterns import is_last_dim
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -124,13 +125,6 @@ def _shape_is(node, *dims) -> bool:
     """node's value has exactly these sizes (ints or SymInts; None: any)."""
     shape = fake_value(node).shape
     return len(shape) == len(dims) and all(d is None or _same(s, d) for s, d in zip(shape, dims))
-
-
-def _numel(node):
-    numel = 1
-    for size in fake_value(node).shape:
-        numel = numel * size
-    return numel
 
 
 def _is_whole_slice(node) -> bool:
@@ -423,7 +417,7 @@ def _match_indexer(logits) -> _Indexer:
             and fake_value(logits).dim() == 3 and _shape_is(logits, batch, None, context)
             and _same(rows, batch * fake_value(logits).shape[1])
             and _same(fake_value(q).shape[-2], heads) and _same(fake_value(q).shape[-1], head_dim)
-            and _same(_numel(q), rows * heads * head_dim)):
+            and _same(fake_value(q).numel(), rows * heads * head_dim)):
         raise Refusal("the indexer matmuls are not [B*S, Hi, Di] queries against [B, T, Di] keys summed over the "
                       "Hi heads into [B, S, T]")
     paged = _paged_source(keys)
@@ -452,7 +446,7 @@ def _reduces_last_dim(node) -> bool:
     rank = fake_value(node.args[0]).dim()
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-    return dims is not None and [d % rank for d in dims] == [rank - 1] and keepdim
+    return dims is not None and is_last_dim(dims, rank) and keepdim
 
 
 def _softmax_output(masked):
@@ -521,7 +515,8 @@ def _match_attention(masked) -> _Attention:
     batch, heads, queries, head_dim = fake_value(q).shape
     context, d_v = fake_value(k).shape[2], fake_value(v).shape[3]
     kv_heads = fake_value(k).shape[1]
-    if not (_shape_is(q_operand, batch * heads, queries, head_dim) and _same(_numel(q), _numel(q_operand))
+    if not (_shape_is(q_operand, batch * heads, queries, head_dim)
+            and _same(fake_value(q).numel(), fake_value(q_operand).numel())
             and _shape_is(k_operand, batch * heads, head_dim, context)
             and _shape_is(k, batch, kv_heads, context, head_dim) and (_same(kv_heads, 1) or _same(kv_heads, heads))
             and _shape_is(v, batch, kv_heads, context, d_v)

@@ -58,6 +58,7 @@ from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 from torch.fx.operator_schemas import normalize_function
 
 from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
+from dzc.passes.patterns import remove_dead
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -744,20 +745,8 @@ def _rewrite(graph, packed: _Packed) -> torch.fx.Node:
         if not node.users:
             graph.erase_node(node)
     # The model's own re-layouts of q, k, v (which the op no longer reads) and the mask, once nothing uses them.
-    _erase_dead(graph, set(packed.leftovers) | {packed.q, packed.k, packed.v})
+    remove_dead(set(packed.leftovers) | {packed.q, packed.k, packed.v})
     return fused
-
-
-def _erase_dead(graph, nodes) -> None:
-    """Remove the given nodes once unused (the rotary chains a fold left behind), users first."""
-    changed = True
-    while changed:
-        changed = False
-        for node in reversed(list(graph.nodes)):
-            if node in nodes and not node.users and node.op == "call_function":
-                graph.erase_node(node)
-                nodes.discard(node)
-                changed = True
 
 
 def fuse_vision_attention(graph: torch.fx.Graph) -> PassResult:
@@ -792,5 +781,5 @@ def fuse_vision_attention(graph: torch.fx.Graph) -> PassResult:
             continue
         if op in existing:
             result.rewrote(f"{location_of(op)} (rotary folded)")
-        _erase_dead(graph, _region(old_q, set(op.all_input_nodes)) | _region(old_k, set(op.all_input_nodes)))
+        remove_dead(_region(old_q, set(op.all_input_nodes)) | _region(old_k, set(op.all_input_nodes)))
     return result

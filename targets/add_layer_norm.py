@@ -222,8 +222,7 @@ def tilelang_launch(compiled, config: KernelConfig, x, residual, weight, bias, e
 
     `compiled` is what tilelang_codegen.load returns (one compiled kernel per config)."""
     arguments = tilelang_launch_arguments(x, residual, weight, bias, eps, y, h)
-    compiled.kernel_for(config)(*arguments.arguments)
-    arguments.finish()
+    arguments.launch(compiled.kernel_for(config))
 
 
 # ---------------------------------------------------------------------------------------------------------

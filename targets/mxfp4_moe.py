@@ -759,13 +759,11 @@ def tilelang_launch(compiled, config: KernelConfig, hidden, topk_ids, topk_weigh
     gate_up = tilelang_codegen.launch_arguments(
         (hidden, *schedule, w13_blocks.flatten(2), w13_scales,
          _bias_or_zeros(w13_bias, shape.experts, 2 * shape.inter, hidden.device)), (act,), (float(alpha), float(limit)))
-    compiled.kernel_for(gate_up_config)(*gate_up.arguments)
-    gate_up.finish()
+    gate_up.launch(compiled.kernel_for(gate_up_config))
     down = tilelang_codegen.launch_arguments(
         (act, *schedule, w2_blocks.flatten(2), w2_scales,
          _bias_or_zeros(w2_bias, shape.experts, shape.hidden, hidden.device), topk_weights.reshape(-1)), (pair_out,))
-    compiled.kernel_for(down_config)(*down.arguments)
-    down.finish()
+    down.launch(compiled.kernel_for(down_config))
     combine(pair_out, ids, shape, out)
 
 

@@ -411,13 +411,11 @@ def tilelang_launch(compiled, config: KernelConfig, q, k_cache, v_cache, block_t
     if splits == 0:
         no_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
         arguments = tilelang_launch_arguments(*inputs, out, no_lse)
-        kernel(*arguments.arguments)
-        arguments.finish()
+        arguments.launch(kernel)
         return
     partial = torch.empty(splits, rows, spec.heads, spec.d_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, rows, spec.heads, dtype=torch.float32, device=q.device)
     kernel(*tilelang_launch_arguments(*inputs, partial, lse).arguments)  # fresh partials: nothing to copy back
     combine = KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), PART=1)
     arguments = tilelang_codegen.launch_arguments((partial, lse), (out,))
-    compiled.kernel_for(combine)(*arguments.arguments)
-    arguments.finish()
+    arguments.launch(compiled.kernel_for(combine))

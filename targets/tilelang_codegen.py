@@ -248,6 +248,11 @@ class LaunchArguments:
         for temporary, output in self.write_back:
             output.copy_(temporary)
 
+    def launch(self, kernel) -> None:
+        """Call `kernel` with the arguments, then copy the temporaries back."""
+        kernel(*self.arguments)
+        self.finish()
+
 
 def launch_arguments(inputs: Sequence, outputs: Sequence[torch.Tensor], scalars: Sequence = ()) -> LaunchArguments:
     """A TileLang kernel's arguments (inputs, outputs, scalars, in that order): inputs that are not dense and

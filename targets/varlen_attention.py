@@ -469,5 +469,4 @@ def tilelang_launch(compiled, config: KernelConfig, q, k, v, cu_seqlens, max_seq
     if q.shape[0] == 0 or q.shape[1] == 0 or cu_seqlens.shape[0] < 2:
         return
     arguments = tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, out)
-    compiled.kernel_for(config)(*arguments.arguments)
-    arguments.finish()
+    arguments.launch(compiled.kernel_for(config))
