@@ -20,6 +20,9 @@
 #   (carry .whl-gpu1)          bash tools/gpu_campaign.sh next-1   # GPU tests of the session-8 work (Triton paths)
 #   (carry .whl-gpu2)          bash tools/gpu_campaign.sh next-2   # TileLang GPU tests; the fuzzer, Triton then TileLang
 #                              bash tools/gpu_campaign.sh next-3   # W4A8 at prefill sizes; the model zoo on the GPU
+# Session 9: the parts of next-1/next-2 that ran out of time (the GPU half only: -m gpu), in two short calls:
+#   (carry .whl-gpu1)          bash tools/gpu_campaign.sh s9-1   # runtime + kernel GPU tests (Triton), fuzz smoke
+#   (carry .whl-gpu2)          bash tools/gpu_campaign.sh s9-2   # TileLang alignment tests + the add_layer_norm repro
 # With little device time left, one call without TileLang instead:
 #   bash tools/gpu_campaign.sh triton   # GPU tests of the Triton paths of the newest work; end-to-end and norm benches
 # Everything lands under $OUT (logs, result tables).
@@ -37,7 +40,8 @@ fi
 part() {  # part NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
   echo "=== $name"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  # SIGINT first: pytest then still prints which tests failed and why; a part that ignores it is killed 20 s later.
+  timeout -s INT -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "    exit $? ($name)"; tail -n "${TAIL:-6}" "$OUT/$name.log"
 }
 case $step in
@@ -138,6 +142,22 @@ next-3)
   TAIL=30 part fuzz_tilelang 300 python3 tools/fuzz.py --codegens tilelang --out "$OUT/fuzz_h200_tilelang.md"
   TAIL=30 part bench_w4a8_prefill 240 python3 tools/bench_mxfp4_moe.py --w4a8 --models gpt-oss-120b \
     --tokens 4096 8192 --routing uniform --codegens triton --memory-layers 0 --out "$OUT/mxfp4_moe_w4a8_prefill.md"
+  ;;
+s9-1)
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=15 part gpu_tests_runtime 120 python3 -m pytest -q -p no:logging -rf -m gpu --durations=8 \
+    tests/test_reinplace_cache_writes.py tests/test_check_rewrites.py tests/test_capture.py
+  TAIL=15 part gpu_tests_kernels 200 python3 -m pytest -q -p no:logging -rf -m gpu -k "not tilelang" --durations=8 \
+    tests/test_add_rms_norm_kernels.py tests/test_fuse_residual_norm.py tests/test_mxfp4_moe_kernels.py \
+    tests/test_mxfp4_moe_w4a8.py tests/test_dsa_kernels.py tests/test_tilelang_launch_alignment.py
+  TAIL=30 part fuzz_triton_smoke 90 python3 tools/fuzz.py --codegens triton --cases 4 \
+    --out "$OUT/fuzz_h200_triton_smoke.md"
+  ;;
+s9-2)
+  TAIL=15 part gpu_tests_tilelang_alignment 150 python3 -m pytest -q -p no:logging -rf -m gpu --durations=8 \
+    tests/test_tilelang_launch_alignment.py
+  TAIL=30 part fuzz_repro_add_layer_norm 90 python3 tools/fuzz.py --ops add_layer_norm --codegens tilelang \
+    --seed 0 --only 5
   ;;
 triton)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2

@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
-# Set up, then run the test suite (CPU-only; GPU tests are skipped without a CUDA device).
+# Set up, then run the test suite. On a CPU machine: the CPU suite (GPU tests are skipped). On a GPU machine: the
+# CPU suite with CUDA hidden (Triton's interpreter is chosen per process, at import), then the GPU tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
-.venv/bin/python -m pytest -q -p no:logging "$@"
+if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  CUDA_VISIBLE_DEVICES= .venv/bin/python -m pytest -q -p no:logging "$@"
+  .venv/bin/python -m pytest -q -p no:logging -m gpu "$@"
+else
+  .venv/bin/python -m pytest -q -p no:logging "$@"
+fi
