@@ -912,6 +912,36 @@ def _last_words(proc: subprocess.CompletedProcess) -> str:
 _STARTUP_RETRIES = 2
 
 
+def _run_worker(command: list[str], log_path: Path, scratch: str, on_entry) -> subprocess.CompletedProcess:
+    """One worker process; each line it logs is passed to `on_entry` as it appears, so that a run stopped by a time
+    limit still reports the cases done so far. The worker is killed if the parent is interrupted."""
+    out_path, err_path = Path(scratch) / "stdout", Path(scratch) / "stderr"
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(command, stdout=out, stderr=err)
+        pending = ""
+        try:
+            with open(log_path, "a+") as log:
+                log.seek(0)
+                while True:
+                    finished = proc.poll() is not None
+                    pending += log.read()
+                    *lines, pending = pending.split("\n")  # a line still being written waits for its end
+                    for line in lines:
+                        on_entry(line)
+                    if finished:
+                        break
+                    time.sleep(0.2)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if pending:
+        on_entry(pending)  # the worker died mid-line: judged (and dropped) by the caller
+    # Decoded leniently: a dying process can leave partial UTF-8 behind.
+    text = [path.read_bytes().decode("utf-8", errors="replace") for path in (out_path, err_path)]
+    return subprocess.CompletedProcess(command, proc.returncode, *text)
+
+
 def run_isolated(plan, args, device, cache_dir, emit) -> None:
     """Cases in worker processes: a worker that dies (a GPU fault) costs its current case, recorded as a crash;
     the next worker starts at the case after it. A dead worker's exit status and output tail are printed."""
@@ -924,20 +954,22 @@ def run_isolated(plan, args, device, cache_dir, emit) -> None:
             command = [sys.executable, __file__, "--worker", str(plan_path), "--log", str(log_path),
                        "--seed", str(args.seed), "--target", args.target, "--cache-dir", cache_dir]
             command += ["--quick"] if args.quick else []
-            # Decoded leniently: a dying process can leave partial UTF-8 behind.
-            proc = subprocess.run(command, capture_output=True, encoding="utf-8", errors="replace")
             done, in_flight = 0, None
-            for line in log_path.read_text().splitlines() if log_path.exists() else []:
+
+            def on_entry(line: str) -> None:
+                nonlocal done, in_flight
                 try:
                     entry = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short by the worker's death
-                    continue
+                    return
                 if "started" in entry:
                     in_flight = tuple(entry["started"])
                 else:
                     emit(Outcome(**entry))
                     done += 1
                     in_flight = None
+
+            proc = _run_worker(command, log_path, scratch, on_entry)
         remaining = remaining[done:]
         if proc.returncode == 0 or not remaining:
             break
@@ -1051,17 +1083,21 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(mark, end="", flush=True)
 
-    if args.isolate or (device.type == "cuda" and not args.in_process):
-        run_isolated(plan, args, device, cache_dir, emit)
-    else:
-        run_cases(plan, args, device, cache_dir, emit)
+    interrupted = False
+    try:
+        if args.isolate or (device.type == "cuda" and not args.in_process):
+            run_isolated(plan, args, device, cache_dir, emit)
+        else:
+            run_cases(plan, args, device, cache_dir, emit)
+    except KeyboardInterrupt:  # a time limit (SIGINT): the cases done so far still make a table
+        interrupted = True
     seconds = time.perf_counter() - start
     print()
-    text = report(results, args, device, seconds)
+    text = report(results, args, device, seconds, partial=interrupted)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
-    return 1 if any(r.outcome in ("mismatch", "crash") for r in results) else 0
+    return 1 if interrupted or any(r.outcome in ("mismatch", "crash") for r in results) else 0
 
 
 if __name__ == "__main__":
