@@ -92,6 +92,7 @@ class CompiledModel:
         self._attention_scope = (self.hf_attention if self.hf_attention and options.hf_attention == "calls"
                                  else contextlib.nullcontext())
         self._cuda_graphs = None
+        self._replayable_at = (0, False)  # (graphs compiled, whether the runner takes calls)
         if options.cuda_graph_max_tokens > 0 and self.backend.target.profile.torch_device_type == "cuda":
             self._cuda_graphs = runtime.CudaGraphRunner(self._run_compiled, options.cuda_graph_max_tokens,
                                                         reuse_outputs=options.cuda_graph_reuse_outputs, model=model)
@@ -107,15 +108,22 @@ class CompiledModel:
 
     def __call__(self, *args, **kwargs):
         try:
-            graphs = self.backend.report.graphs
             with self._attention_scope:
-                if self._cuda_graphs is not None and graphs and not any(g.host_syncs for g in graphs):
+                if self._cuda_graphs is not None and self._replayable():
                     return self._cuda_graphs(*args, **kwargs)
                 return self._run_compiled(*args, **kwargs)
         except runtime.NotRunnableError as err:
             # Raised by the first kernel, ~18 frames deep in Dynamo and AOTAutograd; those frames say nothing
             # about why (no device for the target, or the inputs on another device), the message does.
             raise runtime.NotRunnableError(str(err)) from None
+
+    def _replayable(self) -> bool:
+        """Whether calls go through the CUDA-graph runner: graphs were compiled, none with host syncs. Read again
+        only when the number of graphs changed (a graph's record settles during the call that compiled it)."""
+        graphs = self.backend.report.graphs
+        if len(graphs) != self._replayable_at[0]:
+            self._replayable_at = (len(graphs), bool(graphs) and not any(g.host_syncs for g in graphs))
+        return self._replayable_at[1]
 
     def _run_compiled(self, *args, **kwargs):
         if self.options.dynamic_tokens and not self.backend.report.graphs:

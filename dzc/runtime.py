@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import time
 import traceback
 import warnings
 from collections import OrderedDict
@@ -98,6 +99,15 @@ def flatten_call(args: tuple, kwargs: dict) -> FlatCall:
     """Flatten a call's arguments (raises Unkeyable). Builtin containers by hand (pytree's generic flatten costs
     ~20 µs a call, as much as the replay saves), other registered pytree nodes (named tuples, model outputs)
     through torch.utils._pytree, objects (caches) by their attributes."""
+    if not kwargs:
+        for value in args:
+            if not isinstance(value, torch.Tensor):
+                break
+        else:  # tensors only, the usual call: the structure _flatten gives, without walking it
+            structure = _TENSORS_ONLY.get(len(args))
+            if structure is None:
+                structure = _TENSORS_ONLY[len(args)] = ((tuple, len(args)), *[_TENSOR] * len(args), (dict, ()))
+            return FlatCall(structure, list(args), [], [])
     call = FlatCall([], [], [], [])
     _flatten(args, call)
     _flatten(kwargs, call)
@@ -132,6 +142,7 @@ def _flatten(value, call: FlatCall) -> None:
 
 
 _TENSOR = "tensor"
+_TENSORS_ONLY: dict[int, tuple] = {}  # argument count -> structure of a call passing only tensors, positionally
 
 
 def _pytree_node(value) -> bool:
@@ -220,11 +231,13 @@ def graph_key(call: FlatCall) -> tuple:
     """What a captured graph is specialised on: the structure and values, each direct input's shape, strides,
     dtype, device and inference flag, each state tensor's too and its address (a graph reads and writes state in
     place), which tensors share storage (Dynamo compiles aliased inputs apart), and inference mode."""
+    # Built on every call that may replay: _meta inlined (a function call per tensor costs as much as its fields).
     tensors = call.inputs + call.state
     storages = [t.untyped_storage().data_ptr() for t in tensors]
     aliasing = tuple(storages.index(s) for s in storages) if len(set(storages)) < len(storages) else ()
-    return (call.structure, tuple(_meta(a) for a in call.inputs),
-            tuple((_meta(s), s.data_ptr()) for s in call.state), aliasing, torch.is_inference_mode_enabled())
+    inputs = tuple([(a.shape, a.stride(), a.dtype, a.device, a.is_inference(), a.requires_grad) for a in call.inputs])
+    return (call.structure, inputs, tuple((_meta(s), s.data_ptr()) for s in call.state), aliasing,
+            torch.is_inference_mode_enabled())
 
 
 def page_bucket(width: int) -> int:
@@ -294,7 +307,8 @@ class Signature:
     (the direct inputs used at their own address: written by the call, sharing storage, or not dense), `written`
     (indices into inputs + state of the tensors with version counters the call writes: a replay bumps them, as
     the call itself does), `warm` (the last call ran without compiling anything: every compiled graph it reached
-    had run its own code; the next call may be captured if nothing compiled since `warm_at`, a _compiles() count)."""
+    had run its own code; the next call may be captured if nothing compiled since `warm_at`, a _compiles() count),
+    `host_s` (host seconds of the last warm call run as it is), `tokens` (call_tokens of the key's calls)."""
 
     refused: str | None = None
     in_place: frozenset = frozenset()
@@ -302,12 +316,21 @@ class Signature:
     warm: bool = False
     warm_at: int = -1
     graphs: int = 0  # captured so far (one per address of the in-place inputs)
+    host_s: float | None = None
+    tokens: int = 0
+    # Keys above the runner's max_tokens replay only where it pays: GPU seconds of timed replays (copies included)
+    # until `pays` is decided against host_s (CudaGraphRunner._judge).
+    replay_s: tuple = ()
+    pays: bool | None = None
+    copy_outputs: bool = False  # a replay found the outputs it lent still held: later replays copy them out
+    pending: tuple | None = None  # CUDA events around a timed replay not read yet
 
     def merge(self, later: "Signature") -> "Signature":
         """This key's signature after another call run as it is showed `later`."""
         return Signature(self.refused or later.refused, self.in_place | later.in_place,
                          tuple(sorted(set(self.written) | set(later.written))), later.warm, later.warm_at,
-                         self.graphs)
+                         self.graphs, later.host_s if later.host_s is not None else self.host_s, self.tokens,
+                         self.replay_s, self.pays, self.copy_outputs, self.pending)
 
     def capturable(self) -> bool:
         """Warm, and no graph compiled since (one compiled by another call may be what this key's calls reach next,
@@ -338,7 +361,9 @@ def observe(fn: Callable, args: tuple, kwargs: dict, call: FlatCall):
     before = [_snapshot(obj) for obj in call.objects]
     compiles = _compiles()
     with _observing_writes() as written:
+        started = time.perf_counter()
         result = fn(*args, **kwargs)
+        host_s = time.perf_counter() - started
     warm = _compiles() == compiles
     warm_at = compiles if warm else -1
     written_storages = {t.untyped_storage().data_ptr() for t in written if isinstance(t, torch.Tensor)}
@@ -356,7 +381,7 @@ def observe(fn: Callable, args: tuple, kwargs: dict, call: FlatCall):
     if before != [_snapshot(obj) for obj in call.objects]:
         return result, Signature("the call changes its argument objects' Python state, e.g. replaces a cache's "
                                  "tensors (a replay would not)")
-    return result, Signature(None, frozenset(in_place), bumped, warm, warm_at)
+    return result, Signature(None, frozenset(in_place), bumped, warm, warm_at, host_s=host_s if warm else None)
 
 
 def _dense(a: torch.Tensor) -> bool:
@@ -369,7 +394,8 @@ def _same(before: torch.Tensor, after: torch.Tensor) -> bool:
 
 
 class CudaGraphRunner:
-    """Replays one CUDA graph per graph key for calls with few tokens, above Dynamo (dzc.compile's wrapper).
+    """Replays one CUDA graph per graph key, above Dynamo (dzc.compile's wrapper): always for calls with at most
+    `max_tokens` tokens, and for repeated keys with more tokens where a replay measurably pays.
 
     Small calls are bound by host time: Dynamo's guards, AOTAutograd's wrappers and one launch per kernel cost far
     more than the GPU work. A replay costs one graph launch. It skips the guards, so the contract (the one serving
@@ -384,12 +410,23 @@ class CudaGraphRunner:
     are copied into the graph's own buffers at every replay, unless the call writes them (or they share storage,
     or are not dense): those are used at their own address, which becomes part of the key (at most
     MAX_GRAPHS_PER_SIGNATURE addresses). Tensors held by argument objects (caches) are always used at their own
-    address. A replay bumps the version counters of the tensors the call writes, as the call does. Outputs are
-    cloned out unless `reuse_outputs`: then every call that replays (the captured call and later ones) returns the
-    graph's buffers, which the next replay of that key overwrites (a decode loop that consumes each step's output
-    first); calls run as they are return their own tensors. A `block_table` argument is padded to a power-of-two
-    page count (pad_block_table). Calls that cannot be keyed (`bypassed` says why), that change their argument
-    objects' Python state, or with more tokens run `fn`.
+    address. A replay bumps the version counters of the tensors the call writes, as the call does.
+
+    Outputs: with `reuse_outputs`, every call that replays (the captured call and later ones) returns the graph's
+    buffers, which the next replay of that key overwrites (a decode loop that consumes each step's output first);
+    calls run as they are return their own tensors. Otherwise the caller owns what it gets: a replay lends aliases
+    of the graph's buffers (no copy), and replays again only once nothing holds them (the buffers' storage use
+    counts are back to the graph's own: no alias, view or storage of them is left); a loop that holds one step's
+    output while making the next call gets the key a second graph (`twin`), and if both are held the call runs as
+    it is and the key's later replays copy their outputs out (one copy kernel for all outputs).
+
+    Calls with more than `max_tokens` tokens: a key is observed from its second call on (prefill of ever new
+    lengths costs only the key), captured as above, and its first replays are timed on the GPU (copies included);
+    the key keeps replaying only if that GPU time is below the host time of its warm call run as it is (the call
+    was host-bound), otherwise its graphs are dropped and it runs as it is (`describe()` says so). At most
+    MAX_LARGE_GRAPHS such keys hold graphs (their buffers are large); the least recently used is dropped. A
+    `block_table` argument is padded to a power-of-two page count (pad_block_table). Calls that cannot be keyed
+    (`bypassed` says why) or that change their argument objects' Python state run `fn`.
 
     A capture that fails (the call waits on the GPU, uses a stream or generator the capture does not follow, or
     Dynamo compiles during it) leaves CUDA as it was (capture ended, allocator and stream restored, the CUDA RNG
@@ -399,6 +436,8 @@ class CudaGraphRunner:
 
     MAX_GRAPHS = 32  # graphs kept; the least recently used is dropped beyond that
     MAX_GRAPHS_PER_SIGNATURE = 4
+    MAX_LARGE_GRAPHS = 4  # keys above max_tokens holding graphs (each with at most two)
+    TIMED_REPLAYS = 2  # of a key above max_tokens, before deciding whether replaying pays (the fastest counts)
 
     def __init__(self, fn: Callable, max_tokens: int, reuse_outputs: bool, model=None):
         self.fn = fn
@@ -417,11 +456,18 @@ class CudaGraphRunner:
 
     def describe(self) -> str:
         """One line per key: warm or not, its graphs, in-place inputs, and why it is refused; then the bypasses."""
-        lines = [f"{len(self.graphs)} graphs, {len(self.signatures)} keys"]
+        held = sum(graph.bytes() for graph in self.graphs.values())
+        lines = [f"{len(self.graphs)} graphs" + (f" ({held / 2**20:.1f} MiB of buffers)" if held else "")
+                 + f", {len(self.signatures)} keys"]
         for n, signature in enumerate(self.signatures.values()):
             warmth = ("warm" if signature.capturable() else "warm before the last compile" if signature.warm
                       else "not warm yet (its last call compiled)")
             state = f"refused: {signature.refused}" if signature.refused else f"{signature.graphs} graphs, {warmth}"
+            if signature.tokens > self.max_tokens and not signature.refused:
+                state += (f"; {signature.tokens} tokens: " + ("replays pay" if signature.pays else
+                                                                "replays being timed"))
+            if signature.copy_outputs:
+                state += "; outputs copied out (a caller held a replay's outputs)"
             lines.append(f"  key {n}: {state}; in place: {sorted(signature.in_place)}")
         lines += [f"  bypassed {count}x: {reason}" for reason, count in self.bypassed.items()]
         return "\n".join(lines)
@@ -432,22 +478,28 @@ class CudaGraphRunner:
             call = flatten_call(padded_args, padded_kwargs)
         except Unkeyable as reason:
             return self._bypass(str(reason), args, kwargs)
-        if call_tokens(call.inputs) > self.max_tokens:
-            return self.fn(*args, **kwargs)
         # On another device the runner has nothing to do; checked before asking CUDA about capture, which a
         # CPU-only torch cannot answer. Inside another capture (a compiled model called by one being captured)
         # the call is part of that capture.
         tensors = call.inputs + call.state
-        if not tensors or any(t.device.type != "cuda" for t in tensors) or torch.cuda.is_current_stream_capturing():
+        if not tensors or not all(t.is_cuda for t in tensors) or torch.cuda.is_current_stream_capturing():
             return self.fn(*args, **kwargs)
         key = graph_key(call)
         signature = self.signatures.get(key)
-        if signature is None or not (signature.refused or signature.warm):
+        if signature is None:
+            signature = Signature(tokens=call_tokens(call.inputs))
+            if signature.tokens > self.max_tokens:  # observed from the key's second call on
+                self._remember(key, signature)
+                return self.fn(*args, **kwargs)
+            return self._observe(key, signature, padded_args, padded_kwargs, call)
+        if signature.refused:
+            self.signatures.move_to_end(key)
+            return self.fn(*args, **kwargs)
+        if not signature.warm:
             return self._observe(key, signature, padded_args, padded_kwargs, call)
         self.signatures.move_to_end(key)
-        if signature.refused:
-            return self.fn(*args, **kwargs)
-        full_key = (key, tuple(call.inputs[i].data_ptr() for i in sorted(signature.in_place)))
+        full_key = (key, tuple(call.inputs[i].data_ptr() for i in sorted(signature.in_place))
+                    if signature.in_place else ())
         graph = self.graphs.get(full_key)
         if graph is None:
             if not signature.capturable():  # a graph compiled since: this call may be its first
@@ -460,20 +512,75 @@ class CudaGraphRunner:
             if graph is None:
                 return self.fn(*args, **kwargs)
             signature.graphs += 1
-            self.graphs[full_key] = graph
-            if len(self.graphs) > self.MAX_GRAPHS:
-                self.graphs.popitem(last=False)
-        else:
-            self.graphs.move_to_end(full_key)
-        return graph.replay(tensors, self.reuse_outputs)
+            self._keep(full_key, graph, signature)
+            return graph.replay(tensors, self._outputs(signature))  # not timed: a first replay uploads the graph
+        self.graphs.move_to_end(full_key)
+        if signature.pays is None and signature.tokens > self.max_tokens and not self._judge(key, signature):
+            return self.fn(*args, **kwargs)
+        if not graph.idle():  # the outputs it lent last time are still held: a replay would overwrite them
+            twin = graph.twin
+            if twin is None and not signature.copy_outputs and signature.capturable():
+                twin = graph.twin = self._capture(call, padded_args, padded_kwargs, signature)
+                if twin is None:
+                    return self.fn(*args, **kwargs)
+                return twin.replay(tensors, self._outputs(signature))
+            if twin is None or not twin.idle():
+                signature.copy_outputs = True  # the caller keeps more than one call's outputs
+                return self.fn(*args, **kwargs)
+            graph = twin
+        if signature.pays is None and signature.tokens > self.max_tokens and signature.pending is None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = graph.replay(tensors, self._outputs(signature))
+            end.record()
+            signature.pending = (start, end)
+            return result
+        return graph.replay(tensors, self._outputs(signature))
 
-    def _observe(self, key, signature: Signature | None, args, kwargs, call: FlatCall):
-        """Run the call as it is and record what it showed under its key."""
-        result, observed = observe(self.fn, args, kwargs, call)
-        self.signatures[key] = observed if signature is None else signature.merge(observed)
+    def _outputs(self, signature: Signature) -> str:
+        return "reuse" if self.reuse_outputs else "copy" if signature.copy_outputs else "lend"
+
+    def _judge(self, key, signature: Signature) -> bool:
+        """For a key above max_tokens: take a timed replay's GPU time once it is done, and after TIMED_REPLAYS
+        decide whether replaying pays (the fastest replay's GPU time, copies included, below the host time of
+        the warm call run as it is). False when it does not: the key is refused and its graphs dropped."""
+        if signature.pending is not None and signature.pending[1].query():
+            start, end = signature.pending
+            signature.pending = None
+            signature.replay_s += (start.elapsed_time(end) * 1e-3,)
+        if len(signature.replay_s) < self.TIMED_REPLAYS:
+            return True
+        replay_s, host_s = min(signature.replay_s), signature.host_s
+        signature.pays = host_s is not None and replay_s < host_s
+        if not signature.pays:
+            signature.refused = (f"{signature.tokens} tokens (above {self.max_tokens}): a replay takes "
+                                 f"{replay_s * 1e6:.0f} us of GPU time, copies included, the call as it is "
+                                 f"{(host_s or 0) * 1e6:.0f} us of host time: not host-bound, it runs as it is")
+            for full_key in [k for k in self.graphs if k[0] == key]:
+                del self.graphs[full_key]
+        return signature.pays
+
+    def _keep(self, full_key, graph: "_CapturedGraph", signature: Signature) -> None:
+        """Keep a captured graph: MAX_GRAPHS in all, MAX_LARGE_GRAPHS of keys above max_tokens."""
+        graph.large = signature.tokens > self.max_tokens
+        self.graphs[full_key] = graph
+        if graph.large:
+            large = [k for k, g in self.graphs.items() if g.large]
+            if len(large) > self.MAX_LARGE_GRAPHS:
+                del self.graphs[large[0]]
+        if len(self.graphs) > self.MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+
+    def _remember(self, key, signature: Signature) -> None:
+        self.signatures[key] = signature
         self.signatures.move_to_end(key)
         if len(self.signatures) > 4 * self.MAX_GRAPHS:
             self.signatures.popitem(last=False)
+
+    def _observe(self, key, signature: Signature, args, kwargs, call: FlatCall):
+        """Run the call as it is and record what it showed under its key."""
+        result, observed = observe(self.fn, args, kwargs, call)
+        self._remember(key, signature.merge(observed))
         return result
 
     def _pad_block_table(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -609,6 +716,40 @@ def _own_copy(a: torch.Tensor) -> torch.Tensor:
         return storage.as_strided(a.shape, a.stride(), skew).copy_(a)
 
 
+# Storage use counts tell whether anything outside a graph still holds its buffers (Inductor's CUDA-graph trees
+# read them the same way). A tensor's storage counts each TensorImpl on it, plus a constant for its Python storage
+# object once one was made: measured here on one tensor.
+_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+
+
+def _storage_of(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _own_count() -> int:
+    probe = torch.empty(1)  # held while its storage is read
+    return _USE_COUNT(_storage_of(probe)) - 1
+
+
+_OWN_COUNT = _own_count() if _USE_COUNT is not None else None
+
+
+def _lendable(outputs: list, owned: list) -> list | None:
+    """(storage, use count) of each storage the tensors in `outputs` are on, the count being what the graph's own
+    tensors (`owned`: outputs and input buffers) account for; None where anything else holds one of them (an output
+    that is an argument, or a tensor the model keeps): such outputs are never lent."""
+    if _USE_COUNT is None:
+        return None
+    own = collections.Counter(_storage_of(t) for t in {id(t): t for t in owned}.values())
+    watched = []
+    for storage in dict.fromkeys(_storage_of(t) for t in outputs):
+        count = own[storage] + _OWN_COUNT
+        if _USE_COUNT(storage) != count:
+            return None
+        watched.append((storage, count))
+    return watched
+
+
 class _CapturedGraph:
     def __init__(self, graph, copied: list, outputs, written: tuple):
         self.graph = graph
@@ -616,9 +757,27 @@ class _CapturedGraph:
         self.buffers = [buffer for _, buffer in copied]
         self.written = written
         self.flat_outputs, self.output_spec = pytree.tree_flatten(outputs)
+        self.tensor_outputs = [i for i, o in enumerate(self.flat_outputs) if isinstance(o, torch.Tensor)]
+        outs = [self.flat_outputs[i] for i in self.tensor_outputs]
+        self.watched = _lendable(outs, outs + self.buffers)
+        self.lent = False  # whether a replay returned aliases of the outputs
+        self.twin: _CapturedGraph | None = None  # the key's second graph (CudaGraphRunner.__call__)
+        self.large = False  # of a key above the runner's max_tokens
 
-    def replay(self, tensors: list, reuse_outputs: bool):
-        """tensors: the call's direct inputs, then its state (FlatCall's order)."""
+    def bytes(self) -> int:
+        """Bytes of the input copies and outputs this graph (and its twin) hold."""
+        own = {id(t): t for t in self.buffers + [self.flat_outputs[i] for i in self.tensor_outputs]}
+        held = sum(t.untyped_storage().nbytes() for t in own.values())
+        return held + (self.twin.bytes() if self.twin is not None else 0)
+
+    def idle(self) -> bool:
+        """Whether nothing holds the outputs this graph lent (their aliases, views or storages), so that a replay
+        may overwrite them."""
+        return not self.lent or all(_USE_COUNT(storage) == count for storage, count in self.watched)
+
+    def replay(self, tensors: list, outputs: str):
+        """tensors: the call's direct inputs, then its state (FlatCall's order). outputs: "reuse" (the graph's
+        buffers), "lend" (aliases of them: the runner replays again only once they are gone) or "copy"."""
         # Copied at every replay: a same tensor may hold new values without a version counter telling
         # (inference tensors, or a buffer another graph's replay wrote).
         if self.buffers:
@@ -626,8 +785,17 @@ class _CapturedGraph:
         self.graph.replay()
         for i in self.written:  # one at a time: older torch takes no list
             torch.autograd.graph.increment_version(tensors[i])
-        if reuse_outputs:
-            flat = self.flat_outputs
-        else:
-            flat = [o.clone() if isinstance(o, torch.Tensor) else o for o in self.flat_outputs]
+        if outputs == "reuse" or not self.tensor_outputs:
+            return pytree.tree_unflatten(self.flat_outputs, self.output_spec)
+        flat = list(self.flat_outputs)
+        if outputs == "lend" and self.watched is not None:
+            for i in self.tensor_outputs:
+                flat[i] = flat[i].detach()
+            self.lent = True
+        else:  # one copy kernel for every output, into tensors the caller owns
+            sources = [flat[i] for i in self.tensor_outputs]
+            copies = [torch.empty_like(o) for o in sources]
+            torch._foreach_copy_(copies, sources)
+            for i, copy in zip(self.tensor_outputs, copies):
+                flat[i] = copy
         return pytree.tree_unflatten(flat, self.output_spec)

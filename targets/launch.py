@@ -114,6 +114,7 @@ class GeneratedKernel:
         self._externals = external_kernels.candidates_for(record.op, spec, profile)
         record.external_candidates = [candidate.name for candidate in self._externals]
         self._external_by_bucket: dict[int, ExternalCandidate | None] = {}
+        self._by_tokens: dict[int, tuple[KernelConfig, ExternalCandidate | None]] = {}
 
     def _tuning_key(self, bucket: int, device: torch.device) -> dict:
         return {
@@ -172,9 +173,15 @@ class GeneratedKernel:
     def __call__(self, *op_args):
         inputs, outputs, tokens, results = self.family.prepare(self.spec, *op_args)
         if tokens:
-            bucket = self.family.token_bucket(tokens)
-            config = self._config_for(bucket, inputs, outputs, op_args)
-            external = self._external_by_bucket[bucket]
+            # (config, external) per token count, so that a repeated count costs one lookup
+            chosen = self._by_tokens.get(tokens)
+            if chosen is None:
+                if len(self._by_tokens) >= 4096:  # prefill of ever new lengths: bounded
+                    self._by_tokens.clear()
+                bucket = self.family.token_bucket(tokens)
+                config = self._config_for(bucket, inputs, outputs, op_args)
+                chosen = self._by_tokens[tokens] = (config, self._external_by_bucket[bucket])
+            config, external = chosen
             if external is not None:  # another library's kernel beat every config (prepare's outputs go unused)
                 return external.fn(*op_args)
             self._launch(self.compiled, config, *inputs, *outputs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 import triton
 
 from dzc.targets import musa_triton
@@ -77,19 +78,27 @@ def _launchable(fn):
 
 
 class CachedLaunchKernel:
-    """A @triton.jit function whose launches skip the JIT's per-call bookkeeping once a specialization is compiled.
+    """A @triton.jit function whose launches skip the JIT's per-call work once a specialization is compiled.
 
-    `JITFunction.run` costs about 20 µs of host time per launch on Triton 3.6 (device and stream lookups, a
-    string cache key, option parsing, hook and global-value checks): more than the kernel itself for small
-    token counts. This keeps Triton's own binder, so the specialization (dtypes, 16-byte alignment, integers
-    equal to 1) is exactly Triton's, keys the compiled kernel on it, and calls the kernel's launcher directly,
-    as Inductor's launchers do. Used as `kernel[grid](*args, **constexprs_and_options)`, like the function.
-    With launch hooks installed (profilers such as proton), every launch takes the JIT path so they see it.
+    `JITFunction.run` costs about 20 µs of host time per launch on Triton 3.6 (device and stream lookups, its
+    binder specialising every argument, a string cache key, option parsing, hook and global-value checks): more
+    than the kernel itself for small token counts. Here the first launch of each specialization goes through the
+    JIT (it compiles or loads the kernel and launches it), and later ones call the compiled kernel's launcher
+    directly with the arguments, as Inductor's launchers do. A specialization is found by a key of the arguments'
+    cheap facts (fast_key: dtypes, 16-byte alignment, integers equal to 1, multiples of 16, their integer width)
+    that must determine Triton's own specialization: the installed Triton is checked once per process
+    (fast_key_refines, on its specializer); where it specialises on anything else, every launch takes the JIT
+    path, as do launches with arguments of other kinds and, so that profilers (proton) see them, launches while
+    launch hooks are installed. Used as `kernel[grid](*args, **constexprs_and_options)`, like the function.
     """
 
     def __init__(self, fn):
         self.fn = fn
-        self._compiled: dict[tuple, object] = {}
+        # (device, options and constexprs, fast_key(args)) -> (launcher, function, packed metadata, the
+        # arguments after the positional ones, as Triton's binder completed them)
+        self._launchers: dict[tuple, tuple] = {}
+        # Constexpr parameters passed positionally are keyed by value (each value is its own kernel).
+        self._constexprs = tuple(i for i, param in enumerate(fn.params) if param.is_constexpr)
 
     def __getattr__(self, name):  # everything else (warmup, src, ...) is the JIT function's
         return getattr(self.fn, name)
@@ -103,17 +112,77 @@ class CachedLaunchKernel:
             return self.fn[grid](*args, **kwargs)
         driver = triton.runtime.driver.active
         device = driver.get_current_device()
+        key = (device, tuple(kwargs.items()), fast_key(args),
+               tuple([args[i] for i in self._constexprs if i < len(args)]) if self._constexprs else ())
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            return self._first_launch(key, device, grid, args, kwargs)
+        run, function, metadata, rest = launcher
+        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            driver.get_current_stream(device), function, metadata, None, None, None, *args, *rest)
+        return None
+
+    def _first_launch(self, key, device, grid, args, kwargs):
+        """Launch through the JIT (it compiles or loads the kernel) and keep its launcher for `key`'s later calls,
+        where the fast key stands for Triton's specialization here."""
+        kernel = self.fn[grid](*args, **kwargs)
         binder = self.fn.device_caches[device][-1]
-        bound, specialization, _ = binder(*args, **kwargs)
-        key = (device, tuple(specialization), tuple(kwargs.items()))
-        kernel = self._compiled.get(key)
-        if kernel is None:  # first launch of this specialization: the JIT compiles (or loads) and launches it
-            kernel = self._compiled[key] = self.fn[grid](*args, **kwargs)
-            return kernel
-        kernel.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                   driver.get_current_stream(device), kernel.function, kernel.packed_metadata, None, None, None,
-                   *bound.values())
+        if _fast_keys_exact(binder) and all(isinstance(a, _FAST_KINDS) for a in args):
+            bound = tuple(binder(*args, **kwargs)[0].values())
+            self._launchers[key] = (kernel.run, kernel.function, kernel.packed_metadata, bound[len(args):])
         return kernel
+
+
+_FAST_KINDS = (torch.Tensor, int, float, type(None))  # bool is an int
+
+
+def fast_key(args: tuple) -> tuple:
+    """What Triton's specialization of `args` depends on, cheaply: per tensor its dtype and whether its address is
+    a multiple of 16; per integer whether it is 1 or a multiple of 16 and which of i32 / i64 / u64 it fits; per
+    other argument its type."""
+    return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor)
+                  else (a == 1, not a & 15, -0x80000000 <= a <= 0x7FFFFFFF, a >= 1 << 63) if type(a) is int
+                  else type(a) for a in args])
+
+
+def fast_key_refines(specialize) -> bool:
+    """Whether arguments with equal fast_key always get equal specializations from `specialize(arg)` (Triton's own
+    specializer): checked on groups of arguments that fast_key does not tell apart (addresses at every power-of-two
+    offset up to 256 bytes, integers of every alignment and width, floats, booleans). The specializer reads a
+    tensor's address and dtype only, so CPU tensors stand for device ones."""
+    base = torch.empty(1024, dtype=torch.uint8)
+    base = base[(-base.data_ptr()) % 256:]  # 256-byte aligned
+    groups = [[base[o:] for o in (0, 16, 32, 48, 64, 128, 256)], [base[o:] for o in (1, 2, 4, 8, 24, 40)],
+              [16, 32, 48, 64, 4096, -16, 1 << 20], [2, 3, 5, 8, 17, 2881, -1], [1 << 31, (1 << 40) + 16],
+              [(1 << 31) + 1, (1 << 40) + 8], [(1 << 63) + 16, (1 << 64) - 16], [0.5, 1e-6, 1.0, 3.0], [True, False]]
+    for group in groups:
+        keys = {fast_key((a,)) for a in group}
+        assert len(keys) == 1, f"fast_key tells {group} apart"
+        if len({_frozen(specialize(a)) for a in group}) > 1:
+            return False
+    return True
+
+
+def _frozen(value):
+    return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+_EXACT: dict[int, bool] = {}  # id(specializer) -> fast_key_refines on it
+
+
+def _fast_keys_exact(binder) -> bool:
+    """fast_key_refines on the specializer a Triton binder calls (`specialize_impl(backend, arg, is_const,
+    specialize, align)` in Triton 3.6 and 3.9); False for a binder of another form (other Triton versions)."""
+    namespace = getattr(binder, "__globals__", {})
+    specialize, backend = namespace.get("specialize_impl"), namespace.get("backend")
+    if specialize is None or backend is None:
+        return False
+    if id(specialize) not in _EXACT:
+        try:
+            _EXACT[id(specialize)] = fast_key_refines(lambda a: specialize(backend, a, False, True, True))
+        except TypeError:  # a specializer with other parameters
+            _EXACT[id(specialize)] = False
+    return _EXACT[id(specialize)]
 
 
 def _has_calls(hook) -> bool:
