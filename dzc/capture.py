@@ -11,6 +11,7 @@ import itertools
 import operator
 import os
 import re
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower
 from dzc.options import CompileOptions
 from dzc.passes.graph_pass import PassResult, copy_graph
 from dzc.pipeline import run_pipeline
-from dzc.report import CompileReport, GraphRecord
+from dzc.report import CompileReport, CompileTimer, GraphRecord
 from dzc.targets import INTERPRETER, Target, triton_codegen
 from dzc.targets.launch import KernelRecord
 
@@ -113,6 +114,16 @@ def _direct_launches(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _dynamo_seconds() -> float:
+    """Seconds Dynamo has spent so far on the frame it is compiling (it calls the backend when its trace ends),
+    from the metrics context it enters when it starts a frame; 0 where torch has no such context."""
+    context = torch._dynamo.utils.get_metrics_context()
+    start = getattr(context, "_start_time_ns", 0)
+    if not start or not context.in_progress():
+        return 0.0
+    return max(0.0, (time.time_ns() - start) / 1e9)
+
+
 # Dynamo's graph-break type when a frame's cache is full: the frame runs eagerly from then on.
 _RECOMPILE_LIMIT_BREAK = "Dynamo recompile limit exceeded"
 
@@ -171,6 +182,10 @@ class DzcBackend:
         self._unsupported_seen = collections.Counter(dynamo_counters["unimplemented"])
         self._unsupported_total = self._unsupported_seen.total()
         self._frames_compiled: set = set()
+        self._timer = CompileTimer()  # the graph being compiled: its stages' seconds
+        self._aot_start = time.perf_counter()
+        self._call_start = time.perf_counter()  # of the call start_call was last called for
+        self._graphs_before = 0
         # keep_inference_input_mutations: an input the model writes in place (a KV cache) is copied back by a
         # `copy_` at the end of the graph, not by AOTAutograd's runtime wrapper after it, so that the pass
         # reinplace_cache_writes can see the write and make it in place again (and the wrapper still bumps the
@@ -180,6 +195,9 @@ class DzcBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self._graph_break = _graph_break(gm)  # read by _compile_graph, which AOTAutograd calls from here
+        self._timer = CompileTimer()
+        self._aot_start = time.perf_counter()
+        self._timer.add("dynamo", _dynamo_seconds())
         return self._aot(gm, example_inputs)
 
     @staticmethod
@@ -195,6 +213,8 @@ class DzcBackend:
         if unsupported.total() != self._unsupported_total:
             self._unsupported_seen = collections.Counter(unsupported)
             self._unsupported_total = self._unsupported_seen.total()
+        self._call_start = time.perf_counter()
+        self._graphs_before = len(self.report.graphs)
         return dynamo_counters["frames"]["total"]
 
     @staticmethod
@@ -208,6 +228,10 @@ class DzcBackend:
         its cached graphs, and only logs a warning."""
         if dynamo_counters["frames"]["total"] == frames_tried:
             return []  # Dynamo tried no frame: the call ran graphs compiled before
+        new_graphs = self.report.graphs[self._graphs_before:]
+        if new_graphs:  # the call's own time, less the compile stages of its graphs: their first run
+            compiling = sum(sum(g.compile_seconds.values()) for g in new_graphs)
+            self.report.first_run_seconds.append(max(0.0, time.perf_counter() - self._call_start - compiling))
         unsupported = dynamo_counters["unimplemented"]
         new = [reason for reason, n in unsupported.items()
                if reason.startswith(_RECOMPILE_LIMIT_BREAK) and n > self._unsupported_seen[reason]]
@@ -223,6 +247,7 @@ class DzcBackend:
         return runs
 
     def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs):
+        self._timer.add("aot_autograd", time.perf_counter() - self._aot_start)
         written = _written_inputs(gm.graph)  # AOTAutograd's input mutations, before passes touch the graph
         try:
             # The CUDA-graph runner learns from them which arguments a call writes.
@@ -247,8 +272,9 @@ class DzcBackend:
             skip_check = f"the kernels cannot run here ({execution.not_runnable_reason})"
         if not skip_check:
             skip_check = _nondeterminism(captured)
+        timer = self._timer
         build = self._build(gm, example_inputs, execution, device, self.options.disable_passes,
-                            checkable=not skip_check)
+                            checkable=not skip_check, timer=timer)
         for result in build.results:
             self.report.record_pass(result.name, result.rewrites, result.refusals)
         self._commit(build)
@@ -257,6 +283,7 @@ class DzcBackend:
                              [self._graph_break] if self._graph_break else [], "", execution.describe(),
                              execution.not_runnable_reason, {})
         _describe(record, build)
+        record.compile_seconds = timer.seconds
         if build.fired():
             record.rewrite_check = f"skipped: {skip_check}" if skip_check else ""
         self.report.graphs.append(record)
@@ -272,15 +299,19 @@ class DzcBackend:
         return check.call
 
     def _build(self, gm, example_inputs, execution: Execution, device, disabled, checkable: bool,
-               inductor_context=None) -> _Build:
+               inductor_context=None, timer: CompileTimer | None = None) -> _Build:
+        timer = timer or CompileTimer()
         options = dataclasses.replace(self.options, disable_passes=tuple(disabled))
-        graph, stages = run_pipeline(gm.graph, self.target, options)
-        created = lower_graph(graph, self.target, self.options, execution, device, self.kernels)
+        graph, stages = run_pipeline(gm.graph, self.target, options, timer=timer)
+        created = lower_graph(graph, self.target, self.options, execution, device, self.kernels, timer=timer)
         uses = kernel_uses(graph)
         references = [record for record in created if record.codegen == "reference"]
-        stages.append(type(stages[0])("lowered", ir.print_graph(graph, f"lowered for {self.target.name}"), None))
-        coverage = graph_coverage(graph, [(s.name, where, why) for s in stages if s.result is not None
-                                          for where, why in s.result.refusals])
+        with timer.stage("ir text"):
+            stages.append(type(stages[0])("lowered", ir.print_graph(graph, f"lowered for {self.target.name}"),
+                                          None))
+        with timer.stage("coverage"):
+            coverage = graph_coverage(graph, [(s.name, where, why) for s in stages if s.result is not None
+                                              for where, why in s.result.refusals])
         fallback = self.options.fallback
         if fallback == "auto":
             fallback = "inductor" if device is not None and device.type != "cpu" else "eager"
@@ -292,6 +323,13 @@ class DzcBackend:
             # Nothing left for Inductor to fuse: running the graph directly skips the dispatcher hop that an
             # Inductor-compiled graph makes into each dzc op (tens of microseconds a call).
             fallback = "eager (nothing left for inductor)"
+        with timer.stage("fallback compile"):
+            compiled, checked = self._fallback(gm, graph, example_inputs, fallback, checkable, inductor_context)
+        results = [stage.result for stage in stages if stage.result is not None]
+        return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage)
+
+    def _fallback(self, gm, graph, example_inputs, fallback: str, checkable: bool, inductor_context):
+        """(what the lowered graph runs per call, the op-by-op module the rewrite check runs or None)."""
         checked = torch.fx.GraphModule(gm, copy_graph(graph)) if checkable else None
         lowered = torch.fx.GraphModule(gm, graph)
         if fallback == "inductor":
@@ -309,8 +347,7 @@ class DzcBackend:
         else:
             _direct_launches(lowered)
             compiled = lowered.forward  # the generated function itself: no nn.Module call machinery per call
-        results = [stage.result for stage in stages if stage.result is not None]
-        return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage)
+        return compiled, checked
 
     def _commit(self, build: _Build) -> None:
         """Put the kernels `build` runs into the report (those not there yet)."""
@@ -515,6 +552,13 @@ class _RewriteCheck:
         return why
 
     def _first_call(self, *args):
+        start = time.perf_counter()
+        try:
+            return self._check(*args)
+        finally:
+            self.record.compile_seconds["rewrite check"] = time.perf_counter() - start
+
+    def _check(self, *args):
         too_large = _too_large_to_copy([args[i] for i in self.written])
         if too_large:  # a long-context KV cache: the check would need two more of it
             self.record.rewrite_check = f"skipped: {too_large}"

@@ -11,6 +11,7 @@ import collections
 import hashlib
 import os
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch.fx
 from dzc import runtime
 from dzc.autotune import open_database
 from dzc.options import CompileOptions
+from dzc.report import CompileTimer
 from dzc.targets import KERNEL_FAMILIES, Target, tilelang_codegen
 from dzc.targets.device_runtime import DeviceRuntime
 from dzc.targets.launch import GeneratedKernel, KernelRecord, legal_configs
@@ -167,14 +169,29 @@ def write_kernel_source(kernel_dir: Path, name: str, source: str) -> tuple[Path,
 
 
 def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, execution: Execution,
-                device: torch.device | None, table: KernelTable | None = None) -> list[KernelRecord]:
+                device: torch.device | None, table: KernelTable | None = None,
+                timer: CompileTimer | None = None) -> list[KernelRecord]:
     """Bind every dzc op node in `graph` (in place) to a generated kernel; returns the report entries of the
-    kernels this call added to `table` (a compiled model's own; kernels already in it are reused).
+    kernels this call added to `table` (a compiled model's own; kernels already in it are reused). `timer` gets
+    the seconds of "codegen" (rendering and writing sources), "kernel load" (importing them) and "lowering" (the
+    rest: specs, codegen choice, legality).
 
     With a table (dzc.compile), an op instance that no kernel takes (the family rejects its spec: head dim,
     dtype, size; or no config is legal on the profile) runs the op's plain-torch reference, and its record says
     why. Without one (dzc-selftest, kernel tests, which ask for that kernel), it raises.
     """
+    timer = timer or CompileTimer()
+    start = time.perf_counter()
+    inner = sum(timer.seconds.get(name, 0.0) for name in ("codegen", "kernel load"))
+    try:
+        return _lower_graph(graph, target, options, execution, table, timer)
+    finally:
+        inner = sum(timer.seconds.get(name, 0.0) for name in ("codegen", "kernel load")) - inner
+        timer.add("lowering", time.perf_counter() - start - inner)
+
+
+def _lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, execution: Execution,
+                 table: KernelTable | None, timer: CompileTimer) -> list[KernelRecord]:
     fall_back = table is not None
     table = table if table is not None else KernelTable()
     cache = Path(options.resolved_cache_dir())
@@ -204,7 +221,8 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
             if not legal:
                 raise NoLegalConfig(f"dzc: no legal {codegen_name} config for {op} ({spec.describe()}) on "
                                     f"{target.profile.name}")
-            source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
+            with timer.stage("codegen"):
+                source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
         except (ValueError, NoLegalConfig) as rejected:
             if not fall_back:
                 raise
@@ -226,7 +244,8 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
             continue
         kernel_id = table.kernel_id(name, where)
         node.update_kwarg("kernel_id", kernel_id)
-        path, cache_note = write_kernel_source(kernel_dir, f"{name.replace('.', '_')}.py", source)
+        with timer.stage("codegen"):
+            path, cache_note = write_kernel_source(kernel_dir, f"{name.replace('.', '_')}.py", source)
         reason = execution.not_runnable_reason
         if not reason and codegen_name == "tilelang" and not execution.runtime.runs_tilelang:
             reason = "TileLang kernels need a GPU (TileLang has no CPU interpreter); use codegen='triton' here"
@@ -237,11 +256,12 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
         if reason:
             kernel = NotRunnable(kernel_id, reason)
         else:
-            compiled = codegen.load(family, path, spec, target.profile)
-            kernel = GeneratedKernel(family=family, spec=spec, codegen=codegen, profile=target.profile,
-                                     runtime=execution.runtime, compiled=compiled, source_path=path,
-                                     source_hash=digest, record=record, autotune=options.autotune,
-                                     database=database)
+            with timer.stage("kernel load"):
+                compiled = codegen.load(family, path, spec, target.profile)
+                kernel = GeneratedKernel(family=family, spec=spec, codegen=codegen, profile=target.profile,
+                                         runtime=execution.runtime, compiled=compiled, source_path=path,
+                                         source_hash=digest, record=record, autotune=options.autotune,
+                                         database=database)
         runtime.register_kernel(kernel_id, kernel)
         table.records[(name, where)] = record
         added[kernel_id] = record

@@ -23,6 +23,7 @@ from dzc.passes.fuse_vision_attention import fuse_vision_attention
 from dzc.passes.graph_pass import PassResult
 from dzc.passes.quantize_moe_activations import quantize_moe_activations
 from dzc.passes.reinplace_cache_writes import reinplace_cache_writes
+from dzc.report import CompileTimer
 from dzc.targets import Target
 
 GraphPass = Callable[[torch.fx.Graph], PassResult]
@@ -74,21 +75,26 @@ class Stage:
 
 
 def run_pipeline(graph: torch.fx.Graph, target: Target, options: CompileOptions = CompileOptions(),
-                 verify: bool = True) -> tuple[torch.fx.Graph, list[Stage]]:
+                 verify: bool = True, timer: CompileTimer | None = None) -> tuple[torch.fx.Graph, list[Stage]]:
+    """Run the passes over `graph`; `timer` gets each pass's seconds ("pass <name>", its verify included) and the
+    stages' dumps' ("ir text")."""
+    timer = timer or CompileTimer()
     passes = build_pipeline(target, options)
     disabled = options.disable_passes
     names = [p.__name__ for p in passes]
     unknown = set(disabled) - set(names)
     if unknown:
         raise ValueError(f"unknown passes {sorted(unknown)} in disable_passes; passes: {', '.join(names)}")
-    stages = [Stage("capture", ir.print_graph(graph, "captured by Dynamo + AOTAutograd"), None)]
+    with timer.stage("ir text"):
+        stages = [Stage("capture", ir.print_graph(graph, "captured by Dynamo + AOTAutograd"), None)]
     for graph_pass in passes:
         if graph_pass.__name__ in disabled:
             continue
         try:
-            result = graph_pass(graph)
-            if verify:
-                ir.verify(result.graph)
+            with timer.stage(f"pass {graph_pass.__name__}"):
+                result = graph_pass(graph)
+                if verify:
+                    ir.verify(result.graph)
         except Exception as error:
             # A pass that fails (a structure it did not expect) costs a fusion, not the compile: the graph goes on
             # as it was (passes never mutate their input), and the report and a warning say why.
@@ -96,5 +102,6 @@ def run_pipeline(graph: torch.fx.Graph, target: Target, options: CompileOptions 
             warnings.warn(f"dzc: {graph_pass.__name__}: {why}", RuntimeWarning, stacklevel=2)
             result = PassResult(graph_pass.__name__, graph, refusals=[("graph", why)])
         graph = result.graph
-        stages.append(Stage(result.name, ir.print_graph(graph, f"built by {result.name}"), result))
+        with timer.stage("ir text"):
+            stages.append(Stage(result.name, ir.print_graph(graph, f"built by {result.name}"), result))
     return graph, stages

@@ -8,11 +8,48 @@ bucket, and what was left to the fallback.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
-from dzc.coverage import Coverage, GraphCoverage
 from dzc.targets.launch import KernelRecord
+
+if TYPE_CHECKING:  # dzc.coverage imports lowering, which times its stages with CompileTimer from here
+    from dzc.coverage import Coverage, GraphCoverage
+
+
+class CompileTimer:
+    """Seconds spent per compile stage, summed over the stage's pieces, in the order the stages first ran."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(name, time.perf_counter() - start)
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
+
+def format_seconds(seconds: dict[str, float]) -> str:
+    """'12.3 s: dynamo 4.1, aot_autograd 5.2, ...' with each pass under 'pass <name>' grouped as 'passes'."""
+    passes = {name.removeprefix("pass "): s for name, s in seconds.items() if name.startswith("pass ")}
+    parts = []
+    for name, value in seconds.items():
+        if name.startswith("pass "):
+            if name == next(n for n in seconds if n.startswith("pass ")):
+                inner = ", ".join(f"{p} {v:.2f}" for p, v in passes.items())
+                parts.append(f"passes {sum(passes.values()):.2f} ({inner})")
+            continue
+        parts.append(f"{name} {value:.2f}")
+    return f"{sum(seconds.values()):.2f} s: " + ", ".join(parts)
 
 
 @dataclass
@@ -35,6 +72,12 @@ class GraphRecord:
     rewrite_check: str = ""
     # The share of FLOPs and bytes run in dzc kernels, the largest unfused ops, near-misses (dzc/coverage.py).
     coverage: GraphCoverage | None = None
+    # Compile seconds per stage: "dynamo" (tracing the frame), "aot_autograd" (to the ATen graph), "pass <name>",
+    # "ir text" (the stages' dumps), "lowering", "codegen", "kernel load", "compile cache", "fallback compile",
+    # "rewrite check" (the graph's first call under the check: both runs, tuning and kernel builds inside them).
+    compile_seconds: dict[str, float] = field(default_factory=dict)
+    # The warm-compile cache (dzc/compile_cache.py): "hit", "miss" (built and stored), "off", or what went wrong.
+    compile_cache: str = ""
 
 
 @dataclass
@@ -52,6 +95,9 @@ class CompileReport:
     dropped_rewrites: list[dict] = field(default_factory=list)
     # Captures that failed with dzc's capture settings and were retried without them (graph breaks accepted).
     capture_retries: list[str] = field(default_factory=list)
+    # Seconds of the calls that compiled something, less the compile stages of their graphs: the first run of the
+    # new graphs (kernel builds and tuning on first launch, the run itself), one entry per such call.
+    first_run_seconds: list[float] = field(default_factory=list)
 
     @property
     def compiles(self) -> int:
@@ -73,12 +119,29 @@ class CompileReport:
     def coverage(self) -> Coverage:
         """Per graph: how much runs in dzc kernels, the largest ops left to the fallback, and the sites that looked
         like a fusion but were not rewritten, with why."""
+        from dzc.coverage import Coverage  # noqa: PLC0415 (dzc.coverage imports lowering, which imports this)
+
         return Coverage([g.coverage for g in self.graphs if g.coverage is not None])
 
     @property
     def reference_fallbacks(self) -> list[KernelRecord]:
         """Op instances that run their plain-torch reference, no kernel taking them (the record says why)."""
         return [k for k in self.kernels if k.codegen == "reference"]
+
+    def compile_seconds(self) -> dict[str, float]:
+        """Compile seconds per stage summed over every graph, and the first runs of the new graphs."""
+        total: dict[str, float] = {}
+        for graph in self.graphs:
+            for name, seconds in graph.compile_seconds.items():
+                total[name] = total.get(name, 0.0) + seconds
+        if self.first_run_seconds:
+            total["first run"] = sum(self.first_run_seconds)
+        return total
+
+    @property
+    def tuning_seconds(self) -> float:
+        """Seconds spent tuning kernels (inside first runs and rewrite checks), from the kernels' records."""
+        return sum(t["tuning_seconds"] for k in self.kernels for t in k.tuned.values())
 
     def record_pass(self, name: str, rewrites: list[str], refusals: list[tuple[str, str]]) -> None:
         self.passes[name] = self.passes.get(name, 0) + len(rewrites)
@@ -129,6 +192,13 @@ class CompileReport:
                 lines.append(f"    host syncs (calls run without CUDA graphs): {', '.join(graph.host_syncs)}")
             if graph.rewrite_check:
                 lines.append(f"    rewrite check: {graph.rewrite_check}")
+            if graph.compile_seconds:
+                cache = f" (compile cache: {graph.compile_cache})" if graph.compile_cache else ""
+                lines.append(f"    compile time {format_seconds(graph.compile_seconds)}{cache}")
+        if self.graphs:
+            tuning = self.tuning_seconds
+            lines.append(f"  compile time, all graphs: {format_seconds(self.compile_seconds())}"
+                         + (f"; tuning {tuning:.2f} s of it (first runs, rewrite checks)" if tuning else ""))
         lines.append("  passes:")
         for name, count in self.passes.items():
             sites = collections.Counter(self.pass_sites[name])
