@@ -21,6 +21,7 @@ import torch.fx
 
 from dzc import runtime
 from dzc.autotune import open_database
+from dzc.ops import LOWERED_AS_PARTS
 from dzc.options import CompileOptions
 from dzc.report import CompileTimer
 from dzc.targets import KERNEL_FAMILIES, Target, tilelang_codegen
@@ -198,6 +199,11 @@ def _lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions,
     kernel_dir = cache / "kernels"
     database = open_database(cache, options.tuning_db)
     added: dict[str, KernelRecord] = {}
+    # An op no kernel family takes but that has a lowering into parts (all_reduce_add_rms_norm: the backend's
+    # all-reduce, then the add_rms_norm kernel) becomes those parts here; a family for it would take precedence.
+    for node in list(graph.nodes):
+        if dzc_op_name(node) in LOWERED_AS_PARTS and dzc_op_name(node) not in KERNEL_FAMILIES:
+            LOWERED_AS_PARTS[dzc_op_name(node)](node)
     for node in graph.nodes:
         op = dzc_op_name(node)
         if op is None or not _takes_kernel_id(node):

@@ -16,6 +16,7 @@ import torch.fx
 from dzc import ir
 from dzc.options import CompileOptions
 from dzc.passes.canonicalize_graph import canonicalize_graph
+from dzc.passes.fuse_all_reduce_residual_norm import fuse_all_reduce_residual_norm
 from dzc.passes.fuse_mxfp4_experts import fuse_mxfp4_experts
 from dzc.passes.fuse_residual_norm import fuse_residual_norm
 from dzc.passes.fuse_sparse_attention import fuse_sparse_attention
@@ -39,6 +40,10 @@ def build_pipeline(target: Target, options: CompileOptions = CompileOptions()) -
         # Residual add + RMSNorm -> dzc.add_rms_norm. Next: it only needs the canonical ATen ops, and later
         # fusions (attention, MoE) consume the normalised activations it produces.
         fuse_residual_norm,
+        # Tensor parallelism: all-reduce (sum) of a row-parallel projection + dzc.add_rms_norm ->
+        # dzc.all_reduce_add_rms_norm. After fuse_residual_norm, whose add_rms_norm nodes it consumes; lowering
+        # decides per profile how the op runs (the backend's all-reduce + the add_rms_norm kernel today).
+        fuse_all_reduce_residual_norm,
         # DSA top-k masked dense attention -> dzc.dsa_indexer + the model's top-k + sparse_attention. Independent
         # of the norm fusion; it must see the dense attention's bmm/softmax before any attention fusion claims it.
         fuse_sparse_attention,

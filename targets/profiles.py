@@ -40,6 +40,11 @@ class DeviceProfile:
     tilelang_pass_configs: tuple[tuple[str, bool], ...] = ()
     # Extra device-compiler flags for TileLang kernels (mcc's on MUSA).
     tilelang_compile_flags: tuple[str, ...] = ()
+    # Multi-device: the torch.distributed backend this target's collectives run on (dzc has no communication layer
+    # of its own; "" where none is known), and whether peers' buffers can be mapped for a one-shot all-reduce kernel
+    # (torch.distributed._symmetric_memory). Lowering and dzc.distributed read these; passes never do.
+    collective_backend: str = ""  # "nccl" | "mccl" (torch_musa's)
+    symmetric_memory: bool = False
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return str(dtype).removeprefix("torch.") in self.native_dtypes
@@ -88,6 +93,8 @@ SM_90 = DeviceProfile(
     triton_inline_asm=True,
     peak_bandwidth_bytes_per_s=4.8e12,  # H200; H100 SXM is 3.35e12
     notes="H100/H200 (Hopper)",
+    collective_backend="nccl",
+    symmetric_memory=True,  # NVLink peers; multicast (NVLS) is never used
 )
 
 SM_80 = DeviceProfile(
@@ -110,6 +117,8 @@ SM_80 = DeviceProfile(
     triton_inline_asm=True,
     peak_bandwidth_bytes_per_s=2.0e12,  # A100 80GB SXM
     notes="A100 (Ampere)",
+    collective_backend="nccl",
+    symmetric_memory=True,  # NVLink peers; multicast (NVLS) is never used
 )
 
 MP_22 = DeviceProfile(
@@ -134,6 +143,8 @@ MP_22 = DeviceProfile(
     notes="MTT S4000 (QY2)",
     tilelang_pass_configs=_MUSA_TILELANG_PASS_CONFIGS,
     tilelang_compile_flags=_MUSA_TILELANG_COMPILE_FLAGS,
+    collective_backend="mccl",
+    symmetric_memory=False,  # not assumed on MUSA
 )
 
 MP_31 = DeviceProfile(
@@ -158,4 +169,6 @@ MP_31 = DeviceProfile(
     notes="MTT S5000 (PH1)",
     tilelang_pass_configs=_MUSA_TILELANG_PASS_CONFIGS,
     tilelang_compile_flags=_MUSA_TILELANG_COMPILE_FLAGS,
+    collective_backend="mccl",
+    symmetric_memory=False,  # not assumed on MUSA
 )

@@ -14,6 +14,7 @@ import torch
 from dzc.mxfp4 import dequantize as mxfp4_dequantize_reference
 from dzc.ops.add_layer_norm import add_layer_norm_reference
 from dzc.ops.add_rms_norm import add_rms_norm_reference
+from dzc.ops.all_reduce_add_rms_norm import all_reduce_add_rms_norm_reference, lower_as_parts
 from dzc.ops.dsa import dsa_indexer_reference, dsa_topk_reference, sparse_attention_reference
 from dzc.ops.mxfp4_moe import mxfp4_moe_reference, mxfp4_moe_w4a8_reference
 from dzc.ops.varlen_attention import varlen_attention_reference
@@ -33,8 +34,14 @@ OPS = {
     "dsa_indexer": (torch.ops.dzc.dsa_indexer.default, dsa_indexer_reference),
     "dsa_topk": (torch.ops.dzc.dsa_topk.default, dsa_topk_reference),
     "sparse_attention": (torch.ops.dzc.sparse_attention.default, sparse_attention_reference),
+    # Tensor parallelism: the all-reduce ending a row-parallel projection + the residual add + RMSNorm after it.
+    "all_reduce_add_rms_norm": (torch.ops.dzc.all_reduce_add_rms_norm.default, all_reduce_add_rms_norm_reference),
 }
+
+# Ops that lowering turns back into their parts where no kernel family takes them (op name -> node -> None).
+LOWERED_AS_PARTS = {"all_reduce_add_rms_norm": lower_as_parts}
 
 __all__ = ["OPS", "add_rms_norm_reference", "mxfp4_moe_reference", "mxfp4_moe_w4a8_reference",
            "mxfp4_dequantize_reference", "varlen_attention_reference", "add_layer_norm_reference",
-           "dsa_indexer_reference", "dsa_topk_reference", "sparse_attention_reference"]
+           "dsa_indexer_reference", "dsa_topk_reference", "sparse_attention_reference",
+           "all_reduce_add_rms_norm_reference", "LOWERED_AS_PARTS"]
