@@ -25,7 +25,7 @@ from torch._dynamo.utils import counters as dynamo_counters
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from dzc import config, ir, runtime
+from dzc import config, distributed, ir, runtime
 from dzc.coverage import GraphCoverage, graph_coverage
 from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph
 from dzc.options import CompileOptions
@@ -97,7 +97,7 @@ def _dump(stages, compile_id: str) -> None:
     directory = config.DUMP_DIR.get()
     if not directory:
         return
-    path = Path(directory) / compile_id.replace("/", "_")
+    path = Path(directory) / distributed.rank_tag() / compile_id.replace("/", "_")
     path.mkdir(parents=True, exist_ok=True)
     for index, stage in enumerate(stages):
         (path / f"{index:03d}_{stage.name}.txt").write_text(stage.text)
@@ -272,6 +272,9 @@ class DzcBackend:
             skip_check = f"the kernels cannot run here ({execution.not_runnable_reason})"
         if not skip_check:
             skip_check = _nondeterminism(captured)
+        any_rank = None
+        if not skip_check:  # collectives: every rank of the graph's group must run the check's same steps
+            any_rank, skip_check = distributed.rank_agreement(captured, device)
         timer = self._timer
         build = self._build(gm, example_inputs, execution, device, self.options.disable_passes,
                             checkable=not skip_check, timer=timer)
@@ -295,7 +298,7 @@ class DzcBackend:
                 print(stage.text)
         if skip_check or not build.fired():
             return build.run
-        check = _RewriteCheck(self, gm, example_inputs, captured, build, record, execution, device)
+        check = _RewriteCheck(self, gm, example_inputs, captured, build, record, execution, device, any_rank)
         return check.call
 
     def _build(self, gm, example_inputs, execution: Execution, device, disabled, checkable: bool,
@@ -520,6 +523,10 @@ def _too_large_to_copy(tensors) -> str:
             f"({free / 2**30:.1f} GiB free on {device})")
 
 
+_TOO_LARGE_ELSEWHERE = "on another rank, the inputs the graph writes are too large to copy twice"
+_DIFFERS_ELSEWHERE = "the results differ on another rank of the graph's process group"
+
+
 class _RewriteCheck:
     """A graph's first call under CompileOptions.check_rewrites: the rewritten graph (op by op, so that the
     check judges the rewrites, not Inductor) runs on copies of the inputs the graph writes, the graph as captured
@@ -528,8 +535,11 @@ class _RewriteCheck:
     copies, and the graph is rebuilt without the ones that made a difference."""
 
     def __init__(self, backend: DzcBackend, gm, example_inputs, captured, build: _Build, record: GraphRecord,
-                 execution: Execution, device):
+                 execution: Execution, device, any_rank: Callable[[bool], bool]):
         self.backend, self.gm, self.example_inputs = backend, gm, example_inputs
+        # Whether a flag holds on any rank running this graph (the flag itself without collectives): a graph
+        # with collectives runs them at every trial, so every rank must take the same decisions, in step.
+        self.any_rank = any_rank
         self.build, self.record, self.execution, self.device = build, record, execution, device
         self.reference = torch.fx.GraphModule(gm, captured)
         self.written = _written_inputs(captured) | _written_inputs(build.graph)
@@ -560,19 +570,20 @@ class _RewriteCheck:
 
     def _check(self, *args):
         too_large = _too_large_to_copy([args[i] for i in self.written])
-        if too_large:  # a long-context KV cache: the check would need two more of it
-            self.record.rewrite_check = f"skipped: {too_large}"
+        if self.any_rank(bool(too_large)):  # a long-context KV cache: the check would need two more of it
+            self.record.rewrite_check = f"skipped: {too_large or _TOO_LARGE_ELSEWHERE}"
             self.run = self.build.run
             return self.run(*args)
         pristine = {i: args[i].clone() for i in self.written}  # kept for the trials while looking for a pass
         expected_outputs = self.reference(*args)  # the caller's written inputs get the captured graph's update
         expected = [expected_outputs, [args[i] for i in sorted(self.written)]]
         why = self._trial(self.build, args, pristine, expected)
-        if why is None:
+        if not self.any_rank(why is not None):
             self.record.rewrite_check = f"passed ({self._summary})"
             self.run = self.build.run
             return expected_outputs
         backend, record = self.backend, self.record
+        why = why or _DIFFERS_ELSEWHERE
         fired = self.build.fired()
         warnings.warn(f"dzc: graph {record.compile_id}: the rewritten graph's results differ from the graph as "
                       f"captured ({why}); looking for the pass at fault among {', '.join(fired)}", RuntimeWarning,
@@ -586,13 +597,13 @@ class _RewriteCheck:
                                    base | (set(fired) - set(accepted) - {name}), checkable=True,
                                    inductor_context=self.inductor_context)
             why = self._trial(trial, args, pristine, expected)
-            if why is None:
+            if not self.any_rank(why is not None):
                 accepted.append(name)
                 if final is not None:
                     backend._discard(final)
                 final = trial
             else:
-                dropped.append((name, why))
+                dropped.append((name, why or _DIFFERS_ELSEWHERE))
                 backend._discard(trial)
         if final is None:  # every pass that fired was at fault: the graph as captured, lowered
             final = backend._build(self.gm, self.example_inputs, self.execution, self.device,

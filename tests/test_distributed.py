@@ -1,0 +1,187 @@
+"""Tensor and expert parallelism on 2 CPU ranks (gloo): sharded models compiled by dzc on each rank equal the
+single-process eager model, keep their collectives, and get dzc's fusions on both ranks (from each rank's report).
+
+One spawn runs every case (each rank pays Python + torch + dzc start-up once); the tests read what the ranks wrote.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+WORLD = 2
+SEQS = (5, 7)  # two lengths: the second must reuse the first's graph
+TOKENS_PER_RANK = (6, 9)
+
+
+def _max_relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def _summary(compiled, outputs, expected) -> dict:
+    report = compiled.report
+    return {"error": max(_max_relative_error(o, e) for o, e in zip(outputs, expected)),
+            "passes": report.passes, "refusals": {k: [why for _, why in v] for k, v in report.refusals.items()},
+            "graphs": len(report.graphs), "recompiles": sum(g.recompile for g in report.graphs),
+            "breaks": sum(len(g.break_reasons) for g in report.graphs), "retries": report.capture_retries,
+            "checks": [g.rewrite_check for g in report.graphs],
+            "captured": "\n".join(text for g in report.graphs for name, text in g.stages if name == "capture"),
+            "lowered": "\n".join(text for g in report.graphs for name, text in g.stages if name == "lowered")}
+
+
+class _SharedPartial(nn.Module):
+    """A row-parallel partial sum whose all-reduced value has a second use: the fusion must refuse."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(hidden, generator=torch.Generator().manual_seed(3)) * 0.1 + 1)
+
+    def forward(self, partial, residual):
+        import torch.distributed._functional_collectives as funcol
+
+        reduced = funcol.all_reduce(partial, "sum", dist.group.WORLD)
+        h = residual + reduced
+        v = h.float()
+        return self.weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype), reduced * 2
+
+
+def _ranks(rank: int, world: int, out_dir: str) -> None:
+    import dzc
+    from dzc import distributed
+    from dzc.models.moe import build_moe
+    from torch.distributed.device_mesh import init_device_mesh
+
+    options = dzc.CompileOptions(autotune=False)
+    results = {}
+    sizes = dict(hidden=32, heads=2, intermediate=64, layers=1, vocab=64)
+    tokens = [torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(seq)) for seq in SEQS]
+    reference = distributed.build_tp_decoder(**sizes)
+    with torch.no_grad():
+        expected = [reference(t) for t in tokens]
+
+    # TP the standard ways: DTensor's parallel styles, and the same shards written with functional collectives.
+    mesh = init_device_mesh("cpu", (world,))
+    for name, model in (("dtensor", distributed.parallelize(distributed.build_tp_decoder(**sizes), mesh)),
+                        ("functional", distributed.shard_by_hand(distributed.build_tp_decoder(**sizes), rank, world,
+                                                                 dist.group.WORLD))):
+        compiled = dzc.compile(model, target="cuda", options=options)
+        results[name] = _summary(compiled, [compiled(t) for t in tokens], expected)
+
+    # EP: each rank routes its own tokens; experts 0-1 on rank 0, 2-3 on rank 1.
+    block = build_moe("tiny-gptoss")
+    layer = distributed.ExpertParallelMoE(block, rank, world, dist.group.WORLD)
+    compiled = dzc.compile(layer, target="cuda", options=options)
+    outputs, expected = [], []
+    for count in TOKENS_PER_RANK:
+        x = torch.randn(world * count, block.cfg.hidden, generator=torch.Generator().manual_seed(count)).bfloat16()
+        with torch.no_grad():
+            expected.append(block(x)[rank * count:(rank + 1) * count])
+        outputs.append(compiled(x[rank * count:(rank + 1) * count]))
+    results["expert_parallel"] = _summary(compiled, outputs, expected)
+
+    # Refusal: the all-reduced value is used again after the add.
+    partial = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 + rank))
+    residual = torch.randn(4, 32, generator=torch.Generator().manual_seed(20))
+    shared = _SharedPartial(32)
+    compiled = dzc.compile(shared, target="cuda", options=options)
+    results["refusal"] = _summary(compiled, list(compiled(partial, residual)), list(shared.forward(partial, residual)))
+
+    # The rewrite check's agreement over a graph's group: a flag raised on one rank is seen on both; over two
+    # groups there is none.
+    def communicating(*groups):
+        graph = torch.fx.Graph()
+        value = graph.placeholder("x")
+        for group in groups:
+            value = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (value, "sum", group))
+        graph.output(value)
+        return graph
+
+    any_rank, _ = distributed.rank_agreement(communicating(dist.group.WORLD.group_name), "cpu")
+    second = dist.new_group(list(range(world)))
+    none, why = distributed.rank_agreement(communicating(dist.group.WORLD.group_name, second.group_name), "cpu")
+    results["agreement"] = {"flag": any_rank(rank == 1), "no_flag": any_rank(False), "two_groups": [none, why]}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    from dzc import distributed
+
+    out = tmp_path_factory.mktemp("ranks")
+    distributed.spawn_cpu_ranks(_ranks, WORLD, str(out))
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("style", ["dtensor", "functional"])
+def test_tensor_parallel_decoder_matches_single_process_eager(ranks, style):
+    for rank, results in enumerate(ranks):
+        case = results[style]
+        assert case["error"] < 1e-4, (rank, case["error"])
+        # The collectives stay in the graph; one graph for both lengths on each rank.
+        assert "_c10d_functional.all_reduce" in case["captured"] and "_c10d_functional.wait_tensor" in case["captured"]
+        assert (case["graphs"], case["recompiles"], case["breaks"], case["retries"]) == (1, 0, 0, [])
+        # One layer: attention's o and the MLP's down projection end in an all-reduce, each read by a residual add
+        # + RMSNorm: both fused on each rank, lowered as the all-reduce + dzc's add_rms_norm kernel.
+        assert case["passes"]["fuse_residual_norm"] == 2
+        assert case["passes"]["fuse_all_reduce_residual_norm"] == 2, case["refusals"]
+        assert case["lowered"].count("_c10d_functional.all_reduce.default") == 2
+        assert case["lowered"].count("dzc.add_rms_norm.default") == 2
+        # The rewrite check ran the graph twice on both ranks, in step (its collectives matched), and passed.
+        assert [c.split(" ")[0] for c in case["checks"]] == ["passed"], case["checks"]
+
+
+def test_expert_parallel_moe_matches_single_device_layer(ranks):
+    for rank, results in enumerate(ranks):
+        case = results["expert_parallel"]
+        # bf16 output; the fused kernel sums a token's slots in fp32, the reference per expert in bf16.
+        assert case["error"] < 2 ** -6, (rank, case["error"])
+        assert "_c10d_functional.all_to_all_single" in case["captured"]
+        assert (case["breaks"], case["retries"]) == (0, [])
+        # The local experts (a per-expert loop over this rank's experts) fuse into dzc.mxfp4_moe on every graph.
+        assert case["passes"]["fuse_mxfp4_experts"] == case["graphs"] >= 1, case["refusals"]
+        assert "dzc.mxfp4_moe.default" in case["lowered"]
+
+
+def test_all_reduce_with_another_use_is_refused(ranks):
+    for results in ranks:
+        case = results["refusal"]
+        assert case["error"] < 1e-5
+        assert case["passes"]["fuse_residual_norm"] == 1 and case["passes"]["fuse_all_reduce_residual_norm"] == 0
+        assert any("another use" in why for why in case["refusals"]["fuse_all_reduce_residual_norm"])
+
+
+def test_rank_agreement_is_the_same_on_every_rank(ranks):
+    assert [(r["agreement"]["flag"], r["agreement"]["no_flag"]) for r in ranks] == [(True, False)] * WORLD
+    assert all(r["agreement"]["two_groups"][0] is None and "2 process groups" in r["agreement"]["two_groups"][1]
+               for r in ranks)
+
+
+def test_all_reduce_add_rms_norm_reference_is_the_reduce_then_the_add_norm():
+    """In one process (a gloo group of one): the op's reference = the functional all-reduce, then add_rms_norm's
+    reference; the op lowered into parts gives the same."""
+    from dzc import distributed
+    from dzc.ops import add_rms_norm_reference, all_reduce_add_rms_norm_reference
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{distributed.free_port()}", rank=0,
+                                world_size=1)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        x, residual = (torch.randn(5, 32, generator=generator).bfloat16() for _ in range(2))
+        weight = torch.randn(32, generator=generator).bfloat16()
+        args = (weight, 1e-6, False, True, torch.bfloat16, torch.bfloat16, torch.float32, False)
+        group = dist.group.WORLD.group_name
+        y, h = torch.ops.dzc.all_reduce_add_rms_norm(x, residual, *args, group)
+        y_ref, h_ref = add_rms_norm_reference(x, residual, *args)
+        assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
+        assert all(torch.equal(a, b) for a, b in zip(all_reduce_add_rms_norm_reference(x, residual, *args, group),
+                                                     (y, h)))
+    finally:
+        if own_group:
+            dist.destroy_process_group()
