@@ -198,6 +198,11 @@ def build_tp_decoder(dtype: torch.dtype = torch.float32, seed: int = 0, **sizes)
     return model.to(dtype).eval()
 
 
+def tp_decoder_example(batch: int = 2, seq: int = 8):
+    """(TPDecoder in fp32, (token ids,)): what `dzc-dump dzc.distributed:tp_decoder_example --tp 2` shards."""
+    return build_tp_decoder(), (torch.randint(0, 128, (batch, seq), generator=torch.Generator().manual_seed(1)),)
+
+
 def _planned(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """Module name -> style, for the modules the plan's patterns ('layers.*.mlp.down') name."""
     import fnmatch  # noqa: PLC0415

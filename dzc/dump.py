@@ -4,6 +4,7 @@
     dzc-dump llama_decoder --target musa --kernels   # ... and the generated MUSA kernel sources
     dzc-dump pkg.module:factory --after fuse_residual_norm --json
     dzc-dump hf_gpt_oss_mxfp4 --coverage             # what runs in dzc kernels, what was left and why
+    dzc-dump dzc.distributed:tp_decoder_example --tp 2   # each rank's graphs and report, ranks on the CPU (gloo)
 
 MODEL is a name from --list-models or `package.module:factory`, where factory() returns (model, example_inputs).
 A thin front end: it compiles with dzc.compile and prints the report's stages; it has no compiler logic.
@@ -98,6 +99,9 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--cache-dir", help="where generated sources go (default: $DZC_CACHE_DIR)")
     parser.add_argument("--moe-fp8", action="store_true",
                         help="compile MXFP4 MoE layers as W4A8 (CompileOptions.moe_fp8_activations)")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="shard the model's tp_plan over N ranks (processes on this CPU, gloo) with "
+                             "torch.distributed's parallel styles and show each rank's graphs and report")
     parser.add_argument("--list-models", action="store_true")
     args = parser.parse_args(argv)
 
@@ -109,11 +113,56 @@ def _main(argv: list[str] | None) -> int:
         parser.error("MODEL is required (see --list-models)")
 
     find_target(args.target)
+    if args.tp > 1:
+        return _dump_ranks(args)
     model, inputs = load_model(args.model)
+    return _dump(args, model, inputs, parser.error)
+
+
+def _options(args) -> CompileOptions:
     # Dumps show what would run; tuning on the CPU interpreter would only slow them down.
-    options = CompileOptions(codegen=args.codegen, autotune=False, cache_dir=args.cache_dir,
-                             moe_fp8_activations=args.moe_fp8)
-    compiled = dzc.compile(model, target=args.target, options=options)
+    return CompileOptions(codegen=args.codegen, autotune=False, cache_dir=args.cache_dir,
+                          moe_fp8_activations=args.moe_fp8)
+
+
+def _dump_ranks(args) -> int:
+    """--tp N: the model sharded over N gloo ranks on this CPU, each rank's dump printed in rank order."""
+    import tempfile  # noqa: PLC0415
+
+    from dzc import distributed  # noqa: PLC0415
+
+    model, _ = load_model(args.model)
+    if not getattr(model, "tp_plan", None):
+        raise UsageError(f"model {args.model!r} has no tp_plan (module name pattern -> 'colwise' | 'rowwise') to "
+                         f"shard it by; dzc.distributed:tp_decoder_example has one")
+    with tempfile.TemporaryDirectory() as out:
+        distributed.spawn_cpu_ranks(_dump_rank, args.tp, args, out)
+        for rank in range(args.tp):
+            text = (Path(out) / f"rank{rank}.txt").read_text()
+            if not args.json:
+                print(f"######## rank {rank} of {args.tp} ########")
+            print(text, end="")
+    return 0
+
+
+def _dump_rank(rank: int, world: int, args, out: str) -> None:
+    import contextlib  # noqa: PLC0415
+    import io  # noqa: PLC0415
+
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    from dzc import distributed  # noqa: PLC0415
+
+    model, inputs = load_model(args.model)
+    distributed.parallelize(model, init_device_mesh("cpu", (world,)))
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        _dump(args, model, inputs, lambda message: print(f"dzc-dump: error: {message}"))
+    (Path(out) / f"rank{rank}.txt").write_text(text.getvalue())
+
+
+def _dump(args, model, inputs, error: Callable[[str], None]) -> int:
+    compiled = dzc.compile(model, target=args.target, options=_options(args))
     run_note = "ran"
     try:
         compiled(*inputs)
@@ -129,7 +178,7 @@ def _main(argv: list[str] | None) -> int:
     if args.after:
         names = {name for _, name, _ in stages}
         if args.after not in names:
-            parser.error(f"--after {args.after!r}: stages are {', '.join(sorted(names))}")
+            error(f"--after {args.after!r}: stages are {', '.join(sorted(names))}")
         stages = [s for s in stages if s[1] == args.after]
     kernels = {k.kernel_id: Path(k.source_path).read_text() for k in report.kernels} if args.kernels else {}
 
