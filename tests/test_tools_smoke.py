@@ -30,6 +30,8 @@ SMOKE = {
     "diagnose_overhead.py": (["--dry-run", "--hidden", "64"], "dry run: H=64"),
     "diagnose_sparse_attention_configs.py": (["--dry-run"], "| decode | dry run:"),
     "demo.py": (["--dry-run"], "dry run: 2 requests"),
+    # Runs for real: world size 1, gloo, tiny sizes through the interpreter (torchrun adds ranks on GPUs).
+    "bench_distributed.py": (["--quick"], "| all_reduce_add_rms_norm | 64 | 8 |"),
     # Runs for real through the interpreter (the lookup-table decoders need the GPU's inline PTX).
     "diagnose_mxfp4_decode.py": (["--check-only", "--hidden", "64", "--out-features", "32", "--experts", "4",
                                   "--rows", "2", "--variants", "arith+fma", "--block-n", "32", "--block-k", "64",

@@ -1,0 +1,241 @@
+"""Multi-GPU benchmark of dzc's tensor- and expert-parallel paths, one process per GPU (torchrun), in one run:
+
+    torchrun --nproc-per-node 2 tools/bench_distributed.py [--out docs/results/distributed_h200.md]
+    python tools/bench_distributed.py                 # world size 1 on one GPU (the sharded paths, unsharded)
+    python tools/bench_distributed.py --quick         # tiny sizes on the CPU with gloo (smoke test)
+
+(1) all-reduce + residual add + RMSNorm, bf16, hidden 7168, tokens {1, 64, 4096}: dzc (the all-reduce in the
+    graph, fused with the add + norm by fuse_all_reduce_residual_norm) vs torch.distributed's all-reduce then a
+    torch.compile'd add + norm. Goal: dzc >= 1.3x at <= 64 tokens.
+(2) a decoder layer at TP = world vs TP = 1 (rank 0 alone, the whole layer): prefill throughput (tokens/s) and
+    the one-token step time. The layer is dzc.distributed's TPDecoder (dense attention, SwiGLU MLP; one layer,
+    hidden 7168): the DSA + MXFP4 MoE reference layer has no TP sharding yet (issue 17's DSA-under-TP item), so
+    its TP numbers are not measured here. Goals: prefill >= 1.7x, step <= 0.65x at TP = 2.
+(3) the MXFP4 MoE layer (gpt-oss-120b shape) with experts split over the ranks (dzc.distributed's
+    ExpertParallelMoE: all_to_all_single with the router's splits, local experts in dzc.mxfp4_moe) vs the whole
+    layer on one GPU (rank 0 alone), on the same tokens per rank.
+
+Every dzc result is checked against the eager model on the same inputs before it is timed; every compile report
+must show its fusion fired. Times: median of back-to-back calls (host + device), after warm-up, a barrier
+before each batch of calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import time
+
+import dzc  # noqa: F401  (first: it decides Triton's mode)
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+
+from dzc import distributed
+from dzc.models.decoder import HFRMSNorm
+from dzc.models.moe import CONFIGS, build_moe
+from dzc.targets import resolve_target
+
+FULL = dict(hidden=7168, tokens=[1, 64, 4096], layer=dict(hidden=7168, heads=56, intermediate=18432, vocab=1024),
+            prefill=4096, moe="gpt-oss-120b", moe_tokens=[64, 4096], iterations=20)
+QUICK = dict(hidden=64, tokens=[1, 8], layer=dict(hidden=64, heads=4, intermediate=128, vocab=128),
+             prefill=16, moe="tiny-gptoss", moe_tokens=[8], iterations=2)
+
+
+class AllReduceAddNorm(nn.Module):
+    """The end of a row-parallel projection: all-reduce the partial sums, add the residual, HF RMSNorm."""
+
+    def __init__(self, hidden: int, group):
+        super().__init__()
+        self.norm = HFRMSNorm(hidden, 1e-6)
+        with torch.no_grad():
+            self.norm.weight.normal_(1.0, 0.1, generator=torch.Generator().manual_seed(0))
+        self.group = group
+
+    def forward(self, partial, residual):
+        h = residual + funcol.all_reduce(partial, "sum", self.group)
+        return self.norm(h), h
+
+
+def timed(fn, iterations: int, device) -> float:
+    """Median seconds of `iterations` back-to-back calls (after two warm-up calls), every rank in step."""
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(iterations):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def check(name: str, actual, expected, tolerance: float) -> None:
+    error = ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30)).item()
+    if not error <= tolerance:
+        raise SystemExit(f"{name}: dzc differs from eager by {error:.3g} of the largest |value| (> {tolerance})")
+
+
+def fired(compiled, name: str) -> None:
+    if not compiled.report.passes.get(name):
+        raise SystemExit(f"dzc did not fire {name}:\n{compiled.report}")
+
+
+def all_reduce_norm(sizes, options, target, device, group, rank) -> list[str]:
+    rows = []
+    module = AllReduceAddNorm(sizes["hidden"], group).to(device).bfloat16()
+    compiled = dzc.compile(module, target=target, options=options)
+
+    def add_norm(reduced, residual):
+        return module.norm(residual + reduced)
+
+    if device.type == "cuda":  # Inductor's CPU code (--quick) needs a C++ toolchain and minutes here
+        add_norm = torch.compile(add_norm)
+
+    def unfused(partial, residual):
+        reduced = partial.clone()
+        dist.all_reduce(reduced, group=group)
+        return add_norm(reduced, residual)
+
+    for tokens in sizes["tokens"]:
+        generator = torch.Generator(device=device).manual_seed(tokens + rank)
+        partial = torch.randn(tokens, sizes["hidden"], device=device, generator=generator).bfloat16()
+        residual = torch.randn(tokens, sizes["hidden"], device=device,
+                               generator=torch.Generator(device=device).manual_seed(tokens)).bfloat16()
+        with torch.no_grad():
+            check(f"all_reduce_add_rms_norm T={tokens}", compiled(partial, residual)[0], unfused(partial, residual),
+                  2 ** -6)
+            fused_s = timed(lambda: compiled(partial, residual), sizes["iterations"], device)
+            unfused_s = timed(lambda: unfused(partial, residual), sizes["iterations"], device)
+        rows.append(f"| all_reduce_add_rms_norm | {sizes['hidden']} | {tokens} | {fused_s * 1e6:.1f} | "
+                    f"{unfused_s * 1e6:.1f} | {unfused_s / fused_s:.2f}x |")
+    fired(compiled, "fuse_all_reduce_residual_norm")
+    return rows
+
+
+def tp_layer(sizes, options, target, device, mesh, rank, world) -> list[str]:
+    layer = dict(sizes["layer"], layers=1)
+    tokens = {"prefill": torch.randint(0, layer["vocab"], (1, sizes["prefill"]), device=device,
+                                       generator=torch.Generator(device=device).manual_seed(1)),
+              "step": torch.randint(0, layer["vocab"], (1, 1), device=device,
+                                    generator=torch.Generator(device=device).manual_seed(2))}
+    results = {}
+    for tp in sorted({1, world}):
+        model = distributed.build_tp_decoder(torch.bfloat16, **layer).to(device)
+        with torch.no_grad():
+            expected = {name: model(t) for name, t in tokens.items()}
+        if tp > 1:
+            distributed.parallelize(model, mesh)
+        elif rank != 0:
+            dist.barrier()  # TP = 1 runs on rank 0 alone
+            continue
+        compiled = dzc.compile(model, target=target, options=options)
+        with torch.no_grad():
+            for name, t in tokens.items():
+                check(f"TP={tp} {name}", compiled(t), expected[name], 2 ** -4)
+                results[(tp, name)] = _alone_or_together(lambda t=t: compiled(t), sizes, device, tp)
+        if tp > 1:
+            fired(compiled, "fuse_all_reduce_residual_norm")
+        elif world > 1:
+            dist.barrier()
+    if rank != 0:
+        return []
+    prefill = sizes["prefill"]
+    return [f"| TP={tp} | {prefill / results[(tp, 'prefill')]:.0f} | {results[(tp, 'step')] * 1e6:.1f} | "
+            f"{results[(1, 'prefill')] / results[(tp, 'prefill')]:.2f}x | "
+            f"{results[(tp, 'step')] / results[(1, 'step')]:.2f}x |" for tp in sorted({1, world})]
+
+
+def _alone_or_together(fn, sizes, device, tp: int) -> float:
+    """timed(), or on rank 0 alone (no barrier with the others) for the one-GPU baselines."""
+    if tp > 1:
+        return timed(fn, sizes["iterations"], device)
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(sizes["iterations"]):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
+    block = build_moe(sizes["moe"]).to(device)
+    hidden = CONFIGS[sizes["moe"]].hidden
+    rows = []
+    layer = distributed.ExpertParallelMoE(block, rank, world, group).to(device)
+    compiled_ep = dzc.compile(layer, target=target, options=options)
+    compiled_one = dzc.compile(block, target=target, options=options) if rank == 0 else None
+    for tokens in sizes["moe_tokens"]:
+        x = torch.randn(world * tokens, hidden, device=device,
+                        generator=torch.Generator(device=device).manual_seed(tokens)).bfloat16()
+        mine = x[rank * tokens:(rank + 1) * tokens]
+        with torch.no_grad():
+            check(f"EP={world} T={tokens}", compiled_ep(mine), block(x)[rank * tokens:(rank + 1) * tokens], 2 ** -4)
+            ep_s = timed(lambda: compiled_ep(mine), sizes["iterations"], device)
+            one_s = _alone_or_together(lambda: compiled_one(mine), sizes, device, 1) if rank == 0 else 0.0
+        if world > 1:
+            dist.barrier()
+        rows.append(f"| EP={world} | {tokens} | {ep_s * 1e6:.1f} | {one_s * 1e6:.1f} | {one_s / ep_s:.2f}x |")
+    fired(compiled_ep, "fuse_mxfp4_experts")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes on the CPU with gloo (smoke test)")
+    parser.add_argument("--target", default="cuda")
+    parser.add_argument("--out", help="append the tables to this markdown file (rank 0)")
+    args = parser.parse_args()
+
+    sizes = QUICK if args.quick else FULL
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.quick or not torch.cuda.is_available():
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    target = resolve_target(args.target)
+    backend = distributed.backend_for(device, target.profile)
+    if "MASTER_ADDR" not in os.environ:  # python tools/bench_distributed.py: a group of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(distributed.free_port()))
+    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
+
+    mesh = init_device_mesh(device.type, (world,))
+    group = dist.group.WORLD
+    # The CPU interpreter would tune for minutes; on the GPU dzc tunes as users get it.
+    options = dzc.CompileOptions(autotune=not args.quick)
+    tables = ["| op | hidden | tokens | dzc fused (µs) | all-reduce + torch.compile add+norm (µs) | speed-up |",
+              "|---|---|---|---|---|---|", *all_reduce_norm(sizes, options, args.target, device, group, rank), "",
+              "| layer | prefill tokens/s | step (µs) | prefill vs TP=1 | step vs TP=1 |", "|---|---|---|---|---|",
+              *tp_layer(sizes, options, args.target, device, mesh, rank, world), "",
+              "| MoE | tokens per rank | EP layer (µs) | whole layer, one device (µs) | speed-up |",
+              "|---|---|---|---|---|", *ep_layer(sizes, options, args.target, device, group, rank, world)]
+    if rank == 0:
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+        header = (f"## bench_distributed: world {world} ({backend}), {name}, torch {torch.__version__}, "
+                  f"{datetime.date.today()}{' (--quick)' if args.quick else ''}")
+        text = "\n".join([header, "", *tables, ""])
+        print(text)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(text + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
