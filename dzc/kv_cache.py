@@ -7,8 +7,12 @@ step appends one token per sequence, taking a page from the free list when the l
 ever moved or concatenated: a step writes only its new tokens, so the state survives without copying the cache.
 
 Per layer the cache holds:
-- the MLA latent cache: bf16 [pages, 64, 1, 576] (KV latent 512 + RoPE key 64, one "head" shared by all
-  attention heads; FlashMLA's layout). The 656 B/token FP8 latent layout is a later extension.
+- the MLA latent cache (KV latent 512 + RoPE key 64, one "head" shared by all attention heads), in one of two
+  layouts (an option of the cache, `fp8_latent`; granted by `for_profile` only where the profile has e4m3):
+  - BF16: bf16 [pages, 64, 1, 576] (FlashMLA's bf16 layout).
+  - FP8 ("fp8_ds_mla", FlashMLA's FP8 cache): uint8 [pages, 64, 1, 656], per token 512 e4m3 NoPE values, 4 fp32
+    scales (one per 128 values, amax / 448, floored at the smallest normal fp32, as vLLM's writer does), then the
+    64 RoPE values in bf16. Readers dequantize value * scale to the MMA dtype; the RoPE part stays bf16.
 - the lightning indexer's key cache, in one of two layouts chosen by the device profile (`supports_dtype(fp8)`,
   never the vendor):
   - FP8: uint8 [pages, 64 * 132]: per page the 64 x 128 e4m3 values first, then 64 fp32 scales, one per token
@@ -16,8 +20,10 @@ Per layer the cache holds:
     amax / 448 rounded up to a power of two (DeepSeek's `act_quant(..., scale_fmt="ue8m0")`).
   - BF16: bf16 [pages, 64, 128].
 
-The layout functions here (`fp8_index_page_bytes`, `split_fp8_index_pages`, `split_fp8_index_page_bytes`,
-`quantize_index_keys`) are the one definition of the FP8 indexer layout; dzc.ops.dsa reads caches through them.
+The layout functions here are the one definition of the FP8 layouts: `fp8_index_page_bytes`,
+`split_fp8_index_pages`, `split_fp8_index_page_bytes`, `quantize_index_keys` for the indexer keys;
+`fp8_latent_token_bytes`, `fp8_latent_parts`, `quantize_latent`, `dequantize_latent` for the latent. dzc.ops.dsa
+and the kernels read caches through them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ PAGE_SIZE = 64
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_AMAX_FLOOR = 1e-4  # keys whose amax is below this get the scale of this amax (no division by ~0)
 SCALE_BYTES = 4  # one fp32 scale per token
+FP8_LATENT_TILE = 128  # latent NoPE values per fp32 scale (FlashMLA's 1 x 128 tiles)
+ROPE_DTYPE = torch.bfloat16  # the FP8 latent layout keeps the RoPE key in bf16
 
 
 def fp8_index_page_bytes(page_size: int, head_dim: int) -> int:
@@ -81,6 +89,54 @@ def quantize_index_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return values, scales
 
 
+def fp8_latent_token_bytes(kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes of one token of the FP8 latent cache: kv_lora_rank e4m3 values, one fp32 scale per 128 of them, then
+    rope_dim bf16 RoPE values (656 for DeepSeek-V3.2's 512 + 64)."""
+    if kv_lora_rank % FP8_LATENT_TILE:
+        raise ValueError(f"the FP8 latent layout quantizes in tiles of {FP8_LATENT_TILE}: kv_lora_rank "
+                         f"{kv_lora_rank} is not a multiple")
+    return kv_lora_rank + SCALE_BYTES * (kv_lora_rank // FP8_LATENT_TILE) + ROPE_DTYPE.itemsize * rope_dim
+
+
+def fp8_latent_parts(kv_lora_rank: int) -> tuple[int, int]:
+    """(byte offset of the scales, byte offset of the RoPE values) within a token of the FP8 latent layout."""
+    scales = kv_lora_rank
+    return scales, scales + SCALE_BYTES * (kv_lora_rank // FP8_LATENT_TILE)
+
+
+def fp8_latent_rank(token_bytes: int, latent_dim: int) -> int | None:
+    """The kv_lora_rank of an FP8 latent layout with `token_bytes` per token whose dequantized rows are latent_dim
+    wide (the inverse of fp8_latent_token_bytes), else None."""
+    for rank in range(FP8_LATENT_TILE, latent_dim + 1, FP8_LATENT_TILE):
+        if fp8_latent_token_bytes(rank, latent_dim - rank) == token_bytes:
+            return rank
+    return None
+
+
+def quantize_latent(latent: torch.Tensor, kv_lora_rank: int) -> torch.Tensor:
+    """latent [..., kv_lora_rank + rope] -> uint8 [..., fp8_latent_token_bytes]: the NoPE part as e4m3 with one
+    fp32 scale per 128 values (scale = amax / 448, at least the smallest normal fp32: an all-zero tile stores
+    zeros), the RoPE part as bf16. Bytes of one token are contiguous, so a write is one row per token."""
+    nope = latent[..., :kv_lora_rank].float().unflatten(-1, (-1, FP8_LATENT_TILE))
+    scales = (nope.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    values = (nope / scales.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).flatten(-2)
+    rope = latent[..., kv_lora_rank:].to(ROPE_DTYPE).contiguous()
+    return torch.cat((values.view(torch.uint8), scales.contiguous().view(torch.uint8), rope.view(torch.uint8)),
+                     dim=-1)
+
+
+def dequantize_latent(token_bytes: torch.Tensor, kv_lora_rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [..., fp8_latent_token_bytes] -> [..., kv_lora_rank + rope] in `dtype`: value * scale rounded to dtype
+    (what an MMA in dtype multiplies), the bf16 RoPE part converted. The oracle of every FP8 latent reader."""
+    scale_at, rope_at = fp8_latent_parts(kv_lora_rank)
+    token_bytes = token_bytes.contiguous()
+    values = token_bytes[..., :scale_at].view(torch.float8_e4m3fn).float().unflatten(-1, (-1, FP8_LATENT_TILE))
+    scales = token_bytes[..., scale_at:rope_at].contiguous().view(torch.float32)
+    nope = (values * scales.unsqueeze(-1)).flatten(-2).to(dtype)
+    rope = token_bytes[..., rope_at:].contiguous().view(ROPE_DTYPE).to(dtype)
+    return torch.cat((nope, rope), dim=-1)
+
+
 @dataclass(frozen=True)
 class DSACacheConfig:
     """What a layer stores per token; the defaults are DeepSeek-V3.2's."""
@@ -105,19 +161,25 @@ class PagedKVCache:
     """
 
     def __init__(self, config: DSACacheConfig, max_pages: int, batch: int, fp8_index: bool,
-                 device: torch.device | str = "cpu", latent_dtype: torch.dtype = torch.bfloat16):
+                 device: torch.device | str = "cpu", latent_dtype: torch.dtype = torch.bfloat16,
+                 fp8_latent: bool = False):
         if max_pages < 1 or batch < 1:
             raise ValueError(f"a paged cache needs at least one page and one sequence (max_pages={max_pages}, "
                              f"batch={batch})")
         self.config = config
         self.page_size = config.page_size
         self.fp8_index = fp8_index
+        self.fp8_latent = fp8_latent
         self.device = torch.device(device)
         self.free_pages = list(range(max_pages - 1, -1, -1))  # pop() hands out page 0 first
         self.pages: list[list[int]] = [[] for _ in range(batch)]
         self.lengths = [0] * batch
-        self.latent = [torch.zeros(max_pages, self.page_size, 1, config.latent_dim, dtype=latent_dtype,
-                                   device=self.device) for _ in range(config.layers)]
+        if fp8_latent:
+            row, latent_dtype = fp8_latent_token_bytes(config.kv_lora_rank, config.qk_rope_head_dim), torch.uint8
+        else:
+            row = config.latent_dim
+        self.latent = [torch.zeros(max_pages, self.page_size, 1, row, dtype=latent_dtype, device=self.device)
+                       for _ in range(config.layers)]
         if fp8_index:
             shape = (max_pages, fp8_index_page_bytes(self.page_size, config.index_head_dim))
             self.index_keys = [torch.zeros(shape, dtype=torch.uint8, device=self.device)
@@ -129,9 +191,11 @@ class PagedKVCache:
 
     @classmethod
     def for_profile(cls, profile: DeviceProfile, config: DSACacheConfig, max_pages: int, batch: int,
-                    device: torch.device | str = "cpu") -> PagedKVCache:
-        """The indexer keys in FP8 where the profile has e4m3, BF16 elsewhere (mp_22, sm_80)."""
-        return cls(config, max_pages, batch, profile.supports_dtype(torch.float8_e4m3fn), device)
+                    device: torch.device | str = "cpu", fp8_latent: bool = False) -> PagedKVCache:
+        """The indexer keys in FP8 where the profile has e4m3, BF16 elsewhere (mp_22, sm_80); the latent in FP8
+        where asked (`fp8_latent`: it changes numerics) and the profile has e4m3, BF16 otherwise."""
+        fp8 = profile.supports_dtype(torch.float8_e4m3fn)
+        return cls(config, max_pages, batch, fp8, device, fp8_latent=fp8_latent and fp8)
 
     @property
     def batch(self) -> int:
@@ -175,9 +239,8 @@ class PagedKVCache:
         return torch.tensor(self.lengths, dtype=torch.int32, device=self.device)
 
     def write_latent(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
-        """latent [tokens, 576] -> the layer's latent cache at `slots` (in place)."""
-        flat = self.latent[layer].view(-1, self.config.latent_dim)
-        flat[slots] = latent.to(flat.dtype)
+        """latent [tokens, 576] -> the layer's latent cache at `slots` (in place), quantized when FP8."""
+        write_latent(self.latent[layer], slots, latent, self.config.kv_lora_rank)
 
     def write_index_keys(self, layer: int, slots: torch.Tensor, keys: torch.Tensor) -> None:
         """keys [tokens, 128] -> the layer's indexer key cache at `slots` (in place), quantized when FP8."""
@@ -202,6 +265,28 @@ def write_index_keys(cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tenso
         scale_bytes[pages, offsets] = key_scales.view(torch.uint8).view(-1, key_scales.element_size())
     else:
         cache.view(-1, head_dim)[slots] = keys.to(cache.dtype)
+
+
+def write_latent(cache: torch.Tensor, slots: torch.Tensor, latent: torch.Tensor, kv_lora_rank: int) -> None:
+    """Store latent rows [tokens, kv_lora_rank + rope] at physical slots of a latent cache in either layout (in
+    place): the FP8 layout's 656-byte token rows are quantize_latent's, written as bytes through one flat view (a
+    token's bytes are contiguous), as the bf16 rows are. A plain function of tensors, for a model's forward."""
+    flat = cache.view(-1, cache.shape[-1])
+    if cache.dtype == torch.uint8:
+        flat[slots] = quantize_latent(latent, kv_lora_rank)
+    else:
+        flat[slots] = latent.to(flat.dtype)
+
+
+def gather_latent(cache: torch.Tensor, block_table: torch.Tensor, kv_lora_rank: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """Dense latent rows [batch, max_pages * page_size, 1, kv_lora_rank + rope] of every sequence: the FP8 layout
+    dequantized to `dtype` (dequantize_latent), the others as stored. The eager spelling of a paged read
+    (dzc.models.dsa), which fuse_sparse_attention recognises."""
+    rows = cache[block_table.long()]
+    if cache.dtype == torch.uint8:
+        rows = dequantize_latent(rows, kv_lora_rank, dtype)
+    return rows.flatten(1, 2)
 
 
 def gather_index_keys(cache: torch.Tensor, block_table: torch.Tensor, head_dim: int) -> torch.Tensor:

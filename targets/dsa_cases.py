@@ -128,17 +128,28 @@ def topk_args(rows: int, width: int, lengths: list[int], k: int, device, generat
 
 def sparse_attention_args(seq_lens: list[int], per_seq: list[int], heads: int, kv_heads: int, d_qk: int, d_v: int,
                           separate_v: bool, topk: int, page_size: int, device, generator: torch.Generator,
-                          dtype=torch.bfloat16) -> tuple:
+                          dtype=torch.bfloat16, fp8_cache: bool = False) -> tuple:
     """sparse_attention's arguments: q, k_cache, v_cache (None: V = K[..., :d_v]), block_table, seq_lens,
     query_seq, indices, sm_scale, d_v. Indices are distinct causal positions of the row's sequence mixed with
-    invalid ones (−1 and positions ≥ the sequence length); some rows have none valid."""
+    invalid ones (−1 and positions ≥ the sequence length); some rows have none valid. fp8_cache: k_cache is the
+    FP8 latent layout (one KV head, V its first d_v), written by dzc.kv_cache.write_latent; bytes no token owns
+    are random (NaN patterns included)."""
     generator = host_generator(generator)
     paging = random_paging(seq_lens, page_size, device, generator)
     query_seq, query_pos = queries_at(seq_lens, per_seq, device)
     rows = query_seq.shape[0]
     q = torch.randn(rows, heads, d_qk, generator=generator).to(device, dtype)
-    k_cache = scatter_to_pages([torch.randn(n, kv_heads, d_qk, generator=generator).to(device, dtype)
-                                for n in seq_lens], paging)
+    latent = [torch.randn(n, kv_heads, d_qk, generator=generator).to(device, dtype) for n in seq_lens]
+    if fp8_cache:
+        k_cache = torch.randint(0, 256, (paging.pages, page_size, 1, kv_cache.fp8_latent_token_bytes(d_v, d_qk - d_v)),
+                                generator=generator, dtype=torch.uint8).to(device)
+        table = paging.block_table.long()
+        for b, rows_b in enumerate(latent):
+            positions = torch.arange(rows_b.shape[0], device=device)
+            slots = table[b, positions // page_size] * page_size + positions % page_size
+            kv_cache.write_latent(k_cache, slots, rows_b[:, 0], d_v)
+    else:
+        k_cache = scatter_to_pages(latent, paging)
     v_cache = None
     if separate_v:
         v_cache = scatter_to_pages([torch.randn(n, kv_heads, d_v, generator=generator).to(device, dtype)

@@ -149,6 +149,8 @@ def sparse_attention_refusal(spec) -> str | None:
         return f"MATE's flash_mla_sparse_fwd takes bf16 only, not {spec.dtype}"
     if not spec.shared_kv or spec.separate_v:
         return "MATE's flash_mla_sparse_fwd reads one latent KV head with V = K[..., :512] (MLA), not MHA or a v_cache"
+    if spec.fp8_cache:
+        return "MATE's flash_mla_sparse_fwd reads a bf16 latent cache, not the FP8 latent layout"
     if (spec.d_qk, spec.d_v) != (_SPARSE_D_QK, _SPARSE_D_V):
         return (f"MATE's sparse MLA kernel is built for d_qk = {_SPARSE_D_QK} (512 + rope 64), d_v = {_SPARSE_D_V}; "
                 f"got d_qk = {spec.d_qk}, d_v = {spec.d_v}")

@@ -10,6 +10,10 @@ by the number of query rows (the report records which one each token bucket ran)
       programs per head block (split-K); each writes its normalised partial output and log-sum-exp, and a
       second kernel combines them. Workspace: SPLITS × rows × heads × (Dv + 1) fp32, nothing ∝ context.
 MHA (Hkv = H) is supported with per-head gathers (no MMA); it is not the DSA shape.
+FP8 latent cache (dzc.kv_cache's 656 B/token layout, FlashMLA's): the kernels load each gathered row's e4m3 NoPE
+bytes and its fp32 scales (one per 128 values), dequantize value * scale to q's dtype in registers (what
+dzc.kv_cache.dequantize_latent computes, the reference's oracle), load the bf16 RoPE part, then the same MMAs.
+Triton only: the TileLang template has no FP8 reader (no configs for such a spec, so lowering picks Triton).
 
 Tuning bucket: query rows, rounded up to a power of two.
 """
@@ -24,6 +28,7 @@ from string import Template
 
 import torch
 
+from dzc import kv_cache
 from dzc.ops import dsa as dsa_ops
 from dzc.targets import dsa_cases, tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
@@ -47,8 +52,9 @@ class SparseAttentionSpec:
     kv_heads: int  # 1 (MLA/MQA latent) or heads (MHA)
     d_qk: int
     d_v: int
-    dtype: torch.dtype  # q, k_cache, v_cache and out
+    dtype: torch.dtype  # q, k_cache, v_cache and out (FP8 cache: q, out and the dequantized rows)
     separate_v: bool  # v_cache given; otherwise V = K[..., :d_v]
+    fp8_cache: bool = False  # k_cache is the uint8 FP8 latent layout (V = its dequantized NoPE part)
 
     @property
     def shared_kv(self) -> bool:
@@ -56,7 +62,13 @@ class SparseAttentionSpec:
 
     @property
     def dtypes(self) -> tuple[torch.dtype, ...]:
-        return (self.dtype, torch.float32)  # legality checks float dtypes (indices are int32 everywhere)
+        # Legality checks float dtypes (indices are int32 everywhere); the FP8 cache needs e4m3 conversions.
+        return (self.dtype, torch.float32) + ((torch.float8_e4m3fn, kv_cache.ROPE_DTYPE) if self.fp8_cache else ())
+
+    @property
+    def fp8_groups(self) -> int:
+        """fp32 scales per token of the FP8 latent layout (its NoPE part is d_main = d_v values)."""
+        return self.d_main // kv_cache.FP8_LATENT_TILE if self.fp8_cache else 0
 
     @property
     def d_main(self) -> int:
@@ -83,19 +95,26 @@ class SparseAttentionSpec:
 
     def describe(self) -> str:
         values = "v_cache" if self.separate_v else f"K[..., :{self.d_v}]"
+        cache = " cache=fp8 latent (e4m3 + fp32 scale per 128, bf16 rope)" if self.fp8_cache else ""
         return f"heads={self.heads} kv_heads={self.kv_heads} d_qk={self.d_qk} d_v={self.d_v} V={values} " \
-               f"dtype={str(self.dtype).removeprefix('torch.')}"
+               f"dtype={str(self.dtype).removeprefix('torch.')}{cache}"
 
 
 def spec_for(q, k_cache, v_cache, d_v) -> SparseAttentionSpec:
     """The spec of a call (works on fake tensors; the op's checks ran already). The kernels also need the caches
-    in q's dtype."""
+    in q's dtype, or the FP8 latent layout (dequantized to q's dtype), whose NoPE part must be Dqk's power-of-two
+    main part (MLA's 512 of 576: the kernels' first MMA)."""
     heads, d_qk = int(q.shape[1]), int(q.shape[2])  # not the token count: int() would specialise it
+    fp8_cache = dsa_ops.is_fp8_latent_cache(k_cache)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if cache is not None and cache.dtype != q.dtype:
+        if cache is not None and cache.dtype != q.dtype and not fp8_cache:
             raise ValueError(f"sparse_attention kernels read the caches in q's dtype: {name} is {cache.dtype}, "
                              f"q is {q.dtype}")
-    return SparseAttentionSpec(heads, int(k_cache.shape[2]), d_qk, int(d_v), q.dtype, v_cache is not None)
+    spec = SparseAttentionSpec(heads, int(k_cache.shape[2]), d_qk, int(d_v), q.dtype, v_cache is not None, fp8_cache)
+    if fp8_cache and not spec.v_is_k_main:
+        raise ValueError(f"sparse_attention kernels read an FP8 latent cache whose NoPE part is Dqk's power-of-two "
+                         f"main part: d_v={d_v}, d_qk={d_qk}")
+    return spec
 
 
 def spec_from_node(node) -> SparseAttentionSpec:
@@ -166,6 +185,21 @@ def prepare(spec: SparseAttentionSpec, q, k_cache, v_cache, block_table, seq_len
     return inputs, (out,), q.shape[0], out
 
 
+def fp8_cache_views(spec: SparseAttentionSpec, k_cache):
+    """(e4m3 values, fp32 scales, bf16 rope) views of an FP8 latent cache for the kernels' typed loads, each based
+    at its part of token 0 (dzc.kv_cache.fp8_latent_parts), so that a token's byte offset divided by the element
+    size indexes all three; other caches: k_cache three times (never read as such)."""
+    if not spec.fp8_cache:
+        return k_cache, k_cache, k_cache
+    if any(stride % kv_cache.SCALE_BYTES for stride in k_cache.stride()[:3]) or k_cache.stride(3) != 1 \
+            or k_cache.storage_offset() % kv_cache.SCALE_BYTES:
+        raise ValueError("sparse_attention: the FP8 latent cache's tokens must be dense byte rows, 4-byte aligned "
+                         f"(got strides {k_cache.stride()}, offset {k_cache.storage_offset()})")
+    scale_at, rope_at = kv_cache.fp8_latent_parts(spec.d_main)
+    return (k_cache.view(torch.float8_e4m3fn), k_cache[..., scale_at:rope_at].view(torch.float32),
+            k_cache[..., rope_at:].view(kv_cache.ROPE_DTYPE))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Triton
 
@@ -175,7 +209,8 @@ TRITON_KERNEL_NAMES = ("sparse_attention_kernel", "sparse_attention_split_kernel
 def triton_source(spec: SparseAttentionSpec, profile: DeviceProfile) -> str:
     fields = dict(profile=profile.name, heads=spec.heads, kv_heads=spec.kv_heads, d_qk=spec.d_qk,
                   d_qk_main=spec.d_main, d_qk_tail=spec.d_tail, d_v=spec.d_v, dtype=spec.dtype,
-                  value_source="v_cache" if spec.separate_v else f"K[..., :{spec.d_v}]")
+                  value_source="v_cache" if spec.separate_v else f"K[..., :{spec.d_v}]",
+                  cache_layout="FP8 latent (e4m3 + fp32 scale per 128, bf16 rope)" if spec.fp8_cache else "dense")
     return Template((TEMPLATES / "sparse_attention.triton.py.tmpl").read_text()).substitute(fields)
 
 
@@ -183,7 +218,7 @@ def _attend_constexprs(spec: SparseAttentionSpec, config: KernelConfig, mma_in_f
     return dict(HEADS=spec.heads, BLOCK_H=config["BLOCK_H"], SHARED_KV=spec.shared_kv, D_MAIN=spec.d_main,
                 D_TAIL=spec.d_tail, BLOCK_TAIL=spec.block_tail, D_V=spec.d_v, BLOCK_DV=spec.block_dv,
                 V_IS_K_MAIN=spec.v_is_k_main, V_FROM_K=not spec.separate_v, BLOCK_N=config["BLOCK_N"],
-                MMA_IN_FP32=mma_in_fp32,
+                FP8_GROUPS=spec.fp8_groups, MMA_IN_FP32=mma_in_fp32,
                 # fp32 caches multiply in full precision (Triton's default for fp32 operands is TF32).
                 DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32")
 
@@ -236,7 +271,11 @@ def triton_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) 
     if not spec.shared_kv:
         return 4 * block_h * block_n * config.num_warps
     v_tile = 0 if spec.v_is_k_main else block_n * spec.block_dv * item
-    gathered = config.num_stages * (block_n * width * item + v_tile)
+    if spec.fp8_cache:  # staged as loaded (e4m3 bytes, fp32 scales, bf16 rope), then the dequantized K operand
+        loaded = block_n * (spec.d_main + 4 * spec.fp8_groups + spec.block_tail * kv_cache.ROPE_DTYPE.itemsize)
+        gathered = config.num_stages * loaded + block_n * width * item
+    else:
+        gathered = config.num_stages * (block_n * width * item + v_tile)
     operands = block_h * width * item + gathered + block_h * block_n * item
     # The decode kernel's fp32 partial output goes through shared memory on its way to global memory.
     return max(operands, block_h * spec.block_dv * 4)
@@ -248,6 +287,7 @@ def triton_launch(kernels, config: KernelConfig, q, k_cache, v_cache, block_tabl
     rows, topk = indices.shape
     page_size = k_cache.shape[1]
     head_blocks = -(-spec.heads // config["BLOCK_H"])
+    k_values, k_scales, k_rope = fp8_cache_views(spec, k_cache)
     common = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
               k_cache.stride(3), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
               block_table.stride(0), block_table.stride(1), indices.stride(0), indices.stride(1))
@@ -255,8 +295,8 @@ def triton_launch(kernels, config: KernelConfig, q, k_cache, v_cache, block_tabl
     splits = config["SPLITS"]
     if splits == 0:
         kernels["sparse_attention_kernel"][(rows, head_blocks)](
-            q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, out, topk, page_size, scale_log2,
-            *common, out.stride(0), out.stride(1), out.stride(2), **constexprs,
+            q, k_values, k_scales, k_rope, v_cache, block_table, seq_lens, query_seq, indices, out, topk, page_size,
+            scale_log2, *common, out.stride(0), out.stride(1), out.stride(2), **constexprs,
             num_warps=config.num_warps, num_stages=config.num_stages)
         return
     # Decode: each split covers a whole number of BLOCK_N tiles.
@@ -264,8 +304,8 @@ def triton_launch(kernels, config: KernelConfig, q, k_cache, v_cache, block_tabl
     partial = torch.empty(splits, rows, spec.heads, spec.d_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, rows, spec.heads, dtype=torch.float32, device=q.device)
     kernels["sparse_attention_split_kernel"][(rows, head_blocks, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, partial, lse, topk, page_size, scale_log2,
-        per_split, *common, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        q, k_values, k_scales, k_rope, v_cache, block_table, seq_lens, query_seq, indices, partial, lse, topk,
+        page_size, scale_log2, per_split, *common, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         **constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
     kernels["sparse_attention_combine_kernel"][(rows, spec.heads)](
         partial, lse, out, splits, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
@@ -282,8 +322,9 @@ def triton_signatures(spec: SparseAttentionSpec, config: KernelConfig) -> dict[s
     """Kernel name -> (signature, constexprs, num_warps) of every kernel `config` launches, for compiling them
     ahead of time with triton.compile (no GPU needed)."""
     dtype = "*" + _TL_TYPES[spec.dtype]
-    tensors = {"q_ptr": dtype, "k_ptr": dtype, "v_ptr": dtype, "block_table_ptr": "*i32", "seq_lens_ptr": "*i32",
-               "query_seq_ptr": "*i32", "indices_ptr": "*i32"}
+    k_types = ("*fp8e4nv", "*fp32", "*bf16", "*u8") if spec.fp8_cache else (dtype,) * 4
+    tensors = {"q_ptr": dtype, **dict(zip(("k_ptr", "k_scale_ptr", "k_rope_ptr", "v_ptr"), k_types)),
+               "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_seq_ptr": "*i32", "indices_ptr": "*i32"}
     attend = _attend_constexprs(spec, config, mma_in_fp32=False)
     as_constexpr = {name: "constexpr" for name in attend}
     strides = {name: "i32" for name in _STRIDES}
@@ -310,16 +351,21 @@ def selftest_cases(profile: DeviceProfile):
     v_cache; invalid indices and rows with none valid in each."""
     mla = dict(heads=16, kv_heads=1, d_qk=80, d_v=64, separate_v=False)
     mha = dict(heads=4, kv_heads=4, d_qk=64, d_v=64, separate_v=True)
-    return [
+    cases = [
         ("mla-decode", functools.partial(_build_case, seq_lens=[37, 200, 5], per_seq=[1, 2, 1], **mla)),
         ("mla-prefill", functools.partial(_build_case, seq_lens=[300, 200], per_seq=[150, 150], **mla)),
         ("mha-decode", functools.partial(_build_case, seq_lens=[37, 100], per_seq=[2, 1], **mha)),
     ]
+    if profile.supports_dtype(torch.float8_e4m3fn):  # the FP8 latent cache: one 128-value scale tile + 16 rope
+        cases.append(("mla-fp8-decode", functools.partial(
+            _build_case, seq_lens=[37, 200, 5], per_seq=[1, 2, 1], heads=16, kv_heads=1, d_qk=144, d_v=128,
+            separate_v=False, fp8_cache=True)))
+    return cases
 
 
-def _build_case(device, generator, *, seq_lens, per_seq, heads, kv_heads, d_qk, d_v, separate_v):
+def _build_case(device, generator, *, seq_lens, per_seq, heads, kv_heads, d_qk, d_v, separate_v, fp8_cache=False):
     return dsa_cases.sparse_attention_args(seq_lens, per_seq, heads, kv_heads, d_qk, d_v, separate_v, topk=16,
-                                           page_size=16, device=device, generator=generator)
+                                           page_size=16, device=device, generator=generator, fp8_cache=fp8_cache)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -348,8 +394,8 @@ def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[
     and the decode split kernel (SPLITS >= 1); none when a Dqk part or Dv is not whole MMA steps. The fp32
     accumulator [BLOCK_H, Dv] is kept at most 128 values per thread. Already pruned to what is legal on
     `profile`."""
-    if any(d % _TILELANG_MMA_STEP for d in (spec.d_main, spec.d_tail, spec.d_v)):
-        return []
+    if spec.fp8_cache or any(d % _TILELANG_MMA_STEP for d in (spec.d_main, spec.d_tail, spec.d_v)):
+        return []  # no FP8 latent reader in the TileLang template (Triton serves that cache)
     head_blocks = [h for h in (16, 32, 64) if h <= max(16, _pow2_at_least(spec.heads))] if spec.shared_kv else [16]
     configs = []
     # Every TileLang config is a separate compile (tens of seconds): a small space, splits {0 (prefill), 2, 8}.

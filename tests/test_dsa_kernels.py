@@ -18,6 +18,7 @@ import textwrap
 import pytest
 import torch
 
+from dzc import kv_cache
 from dzc.lowering import Execution
 from dzc.ops import OPS
 from dzc.ops.dsa import dsa_indexer_reference, dsa_topk_reference, sparse_attention_reference
@@ -141,11 +142,13 @@ def test_topk_all_equal_row_takes_smallest_positions(tmp_path):
 # sparse_attention
 
 ATTENTION_SHAPES = {
-    # heads, kv_heads, d_qk, d_v, separate v_cache
-    "mla": (16, 1, 80, 64, False),  # latent MQA: V = K[..., :64] (64 + 16 rope, FlashMLA's 512 + 64 in small)
-    "mla-narrow-v": (16, 1, 80, 32, False),  # V = K[..., :32]: a second gather
-    "mqa-v-cache": (4, 1, 48, 32, True),
-    "mha": (4, 4, 64, 64, True),
+    # heads, kv_heads, d_qk, d_v, separate v_cache, FP8 latent cache
+    "mla": (16, 1, 80, 64, False, False),  # latent MQA: V = K[..., :64] (64 + 16 rope, FlashMLA's 512 + 64 in small)
+    "mla-narrow-v": (16, 1, 80, 32, False, False),  # V = K[..., :32]: a second gather
+    "mqa-v-cache": (4, 1, 48, 32, True, False),
+    "mha": (4, 4, 64, 64, True, False),
+    # The FP8 latent layout (e4m3 + a scale per 128 values + bf16 rope): 2 scale tiles + a 16-wide rope.
+    "mla-fp8": (16, 1, 272, 256, False, True),
 }
 
 
@@ -160,19 +163,36 @@ def _attention_configs(spec, uneven_splits):
 
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 def test_sparse_attention_matches_reference(shape, seed, tmp_path):
-    heads, kv_heads, d_qk, d_v, separate_v = ATTENTION_SHAPES[shape]
+    heads, kv_heads, d_qk, d_v, separate_v, fp8_cache = ATTENTION_SHAPES[shape]
     args = dsa_cases.sparse_attention_args([37, 100, 5], [1, 4, 2], heads, kv_heads, d_qk, d_v, separate_v,
-                                           topk=24, page_size=16, device=DEVICE, generator=_generator(seed))
+                                           topk=24, page_size=16, device=DEVICE, generator=_generator(seed),
+                                           fp8_cache=fp8_cache)
     spec = sparse_attention.spec_for(args[0], args[1], args[2], args[8])
+    assert spec.fp8_cache is fp8_cache
     kernels = _load_triton(sparse_attention, spec, tmp_path)
     expected = sparse_attention_reference(*args)
     assert (expected == 0).all(dim=(1, 2)).any(), "the case should have a row with no valid index"
-    for config in _attention_configs(spec, uneven_splits=shape == "mla"):
+    for config in _attention_configs(spec, uneven_splits=shape in ("mla", "mla-fp8")):
         out = _run_triton(sparse_attention, spec, kernels, config, args)
         assert not out.isnan().any(), f"{config}: unwritten output"
         # bf16 output of an fp32 softmax: two bf16 units at unit magnitude.
         torch.testing.assert_close(out.float(), expected.float(), atol=2**-6, rtol=2**-7,
                                    msg=lambda m: f"{config}: {m}")
+
+
+def test_fp8_latent_reference_is_the_bf16_reference_over_dequantized_rows(seed):
+    """The oracle of the FP8 latent cache: the selected rows dequantized (dzc.kv_cache.dequantize_latent), then the
+    bf16 cache's math, exactly; a malformed FP8 cache is refused."""
+    args = dsa_cases.sparse_attention_args([37, 100], [1, 3], 16, 1, 272, 256, False, topk=24, page_size=16,
+                                           device=DEVICE, generator=_generator(seed), fp8_cache=True)
+    dequantized = kv_cache.dequantize_latent(args[1], 256, torch.bfloat16)
+    assert dequantized.shape == (*args[1].shape[:3], 272)
+    expected = sparse_attention_reference(args[0], dequantized, *args[2:])
+    assert torch.equal(sparse_attention_reference(*args), expected)
+    with pytest.raises(ValueError, match="FP8 latent k_cache"):
+        torch.ops.dzc.sparse_attention(*args[:8], 128)  # d_v 128: not this layout's NoPE width
+    with pytest.raises(ValueError, match="FP8 latent k_cache"):
+        torch.ops.dzc.sparse_attention(args[0], args[1], args[1], *args[3:])  # a v_cache beside it
 
 
 def test_prefill_and_decode_buckets_pick_their_kernels():

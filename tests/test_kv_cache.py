@@ -1,4 +1,5 @@
-"""dzc.kv_cache: pages, block tables, ragged batches, appends over many steps, the FP8 indexer key layout."""
+"""dzc.kv_cache: pages, block tables, ragged batches, appends over many steps, the FP8 indexer key and latent
+layouts."""
 
 import ml_dtypes
 import numpy as np
@@ -9,9 +10,14 @@ from dzc.kv_cache import (
     PAGE_SIZE,
     DSACacheConfig,
     PagedKVCache,
+    dequantize_latent,
     fp8_index_page_bytes,
+    fp8_latent_rank,
+    fp8_latent_token_bytes,
     gather_index_keys,
+    gather_latent,
     quantize_index_keys,
+    quantize_latent,
     split_fp8_index_pages,
 )
 from dzc.targets.profiles import MP_22, MP_31, SM_80, SM_90
@@ -126,3 +132,72 @@ def test_the_profile_decides_the_index_layout():
         cache = PagedKVCache.for_profile(profile, TINY, max_pages=1, batch=1)
         assert cache.fp8_index is fp8
         assert cache.index_keys[0].dtype == (torch.uint8 if fp8 else torch.bfloat16)
+
+
+# The FP8 latent layout needs whole 128-value tiles: a latent of 2 tiles + an 8-wide RoPE key.
+TINY_FP8_LATENT = DSACacheConfig(layers=1, kv_lora_rank=256, qk_rope_head_dim=8, index_head_dim=16)
+
+
+def _reference_latent_bytes(latent: np.ndarray, rank: int) -> np.ndarray:
+    """Independent reference of FlashMLA's 656 B/token layout: per token the e4m3 bytes of the NoPE values (scale
+    per 128 = max(amax / 448, smallest normal fp32), value / scale in fp32 as vLLM's writer divides, rounded to e4m3
+    by ml_dtypes), the fp32 scales' bytes, the bf16 RoPE values' bytes (little-endian, as the GPU stores them)."""
+    tiles = latent[:, :rank].reshape(len(latent), -1, 128).astype(np.float32)
+    scales = np.maximum(np.abs(tiles).max(axis=-1) / np.float32(448.0), np.finfo(np.float32).tiny)
+    values = (tiles / scales[..., None]).astype(ml_dtypes.float8_e4m3fn).reshape(len(latent), -1)
+    rope = latent[:, rank:].astype(ml_dtypes.bfloat16)
+    return np.concatenate([values.view(np.uint8), scales.view(np.uint8), rope.view(np.uint8)], axis=1)
+
+
+def test_fp8_latent_quantization_matches_the_reference(seed):
+    assert fp8_latent_token_bytes(512, 64) == 656  # DeepSeek-V3.2 (FlashMLA, vLLM's fp8_ds_mla)
+    assert fp8_latent_rank(656, 576) == 512 and fp8_latent_rank(600, 576) is None
+    rank, rope = TINY_FP8_LATENT.kv_lora_rank, TINY_FP8_LATENT.qk_rope_head_dim
+    latent = torch.randn(40, rank + rope) * torch.logspace(-3, 3, 40)[:, None]
+    latent[3, :128] = 0.0  # an all-zero tile: scale floored, values 0, no NaN
+    latent = latent.bfloat16()
+    packed = quantize_latent(latent, rank)
+    assert packed.dtype == torch.uint8 and packed.shape == (40, fp8_latent_token_bytes(rank, rope))
+    expected = _reference_latent_bytes(latent.float().numpy(), rank)
+    np.testing.assert_array_equal(packed.numpy(), expected)
+    restored = dequantize_latent(packed, rank, torch.bfloat16)
+    assert restored.dtype == torch.bfloat16 and not restored.isnan().any()
+    assert torch.equal(restored[:, rank:], latent[:, rank:])  # RoPE kept in bf16 exactly
+    # e4m3 keeps 3 mantissa bits: half a unit is 2^-4 of the value; small values of a tile lose more (absolute
+    # error at most half the tile's scale times the smallest subnormal step).
+    tile_amax = latent[:, :rank].float().unflatten(-1, (-1, 128)).abs().amax(-1).repeat_interleave(128, dim=-1)
+    error = (restored[:, :rank].float() - latent[:, :rank].float()).abs()
+    assert torch.all(error <= latent[:, :rank].float().abs() * 2**-4 + tile_amax * 2**-9 * 2**-1 + 1e-30)
+
+
+@pytest.mark.parametrize("fp8_latent", [True, False])
+def test_latent_cache_layouts_write_in_place_and_gather(seed, fp8_latent):
+    cache = PagedKVCache(TINY_FP8_LATENT, max_pages=4, batch=2, fp8_index=False, fp8_latent=fp8_latent)
+    rank, dim = TINY_FP8_LATENT.kv_lora_rank, TINY_FP8_LATENT.latent_dim
+    storage = cache.latent[0].data_ptr()
+    slots = cache.reserve([70, 20])
+    latent = torch.randn(len(slots), dim).bfloat16()
+    cache.write_latent(0, slots, latent)
+    assert cache.latent[0].data_ptr() == storage
+    dense = gather_latent(cache.latent[0], cache.block_table, rank, torch.bfloat16)
+    assert dense.shape == (2, 2 * PAGE_SIZE, 1, dim) and dense.dtype == torch.bfloat16
+    got = torch.cat([dense[0, :70, 0], dense[1, :20, 0]])
+    if fp8_latent:
+        assert cache.latent[0].dtype == torch.uint8
+        assert cache.latent[0].shape == (4, PAGE_SIZE, 1, fp8_latent_token_bytes(rank, 8))
+        # Token rows are quantize_latent's bytes, at the slots the block table names.
+        flat = cache.latent[0].view(-1, cache.latent[0].shape[-1])
+        assert torch.equal(flat[slots], quantize_latent(latent, rank))
+        assert torch.equal(got, dequantize_latent(quantize_latent(latent, rank), rank, torch.bfloat16))
+        torch.testing.assert_close(got.float(), latent.float(), rtol=2**-4, atol=2**-5)
+    else:
+        assert cache.latent[0].dtype == torch.bfloat16
+        assert torch.equal(got, latent)
+
+
+def test_the_profile_grants_the_fp8_latent_where_fp8_is_native():
+    for profile, fp8 in ((SM_90, True), (MP_31, True), (SM_80, False), (MP_22, False)):
+        cache = PagedKVCache.for_profile(profile, TINY_FP8_LATENT, max_pages=1, batch=1, fp8_latent=True)
+        assert cache.fp8_latent is fp8
+        assert cache.latent[0].dtype == (torch.uint8 if fp8 else torch.bfloat16)
+        assert not PagedKVCache.for_profile(profile, TINY_FP8_LATENT, max_pages=1, batch=1).fp8_latent

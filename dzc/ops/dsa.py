@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from dzc import runtime
-from dzc.kv_cache import SCALE_BYTES, gather_index_keys
+from dzc.kv_cache import FP8_LATENT_TILE, SCALE_BYTES, dequantize_latent, fp8_latent_token_bytes, gather_index_keys
 
 _QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 _ATTENTION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -74,12 +74,29 @@ def check_dsa_topk_args(logits, lengths, k) -> None:
     _require(k >= 1, "dsa_topk", f"k must be >= 1, got {k}")
 
 
+def is_fp8_latent_cache(k_cache) -> bool:
+    """The FP8 latent layout (dzc.kv_cache: e4m3 NoPE values, fp32 scales per 128, bf16 RoPE per token)."""
+    return k_cache.dtype == torch.uint8
+
+
 def check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v) -> None:
     _require(q.dim() == 3 and q.dtype in _ATTENTION_DTYPES, "sparse_attention",
              f"q must be [queries, heads, d_qk] in bf16/fp16/fp32, got {q.dtype} {list(q.shape)}")
     queries, heads, d_qk = q.shape
-    _require(k_cache.dim() == 4 and k_cache.shape[3] == d_qk and k_cache.shape[2] in (1, heads), "sparse_attention",
-             f"k_cache must be [pages, page_size, 1 or {heads} heads, {d_qk}], got {list(k_cache.shape)}")
+    if is_fp8_latent_cache(k_cache):
+        # V is the dequantized NoPE part: d_v values per token, d_qk - d_v RoPE values.
+        token_bytes = fp8_latent_token_bytes(d_v, d_qk - d_v) if 0 < d_v < d_qk and d_v % FP8_LATENT_TILE == 0 \
+            else None
+        _require(k_cache.dim() == 4 and k_cache.shape[2] == 1 and k_cache.shape[3] == token_bytes
+                 and v_cache is None, "sparse_attention",
+                 f"an FP8 latent k_cache is uint8 [pages, page_size, 1, d_v + 4 * d_v / {FP8_LATENT_TILE} + "
+                 f"2 * (d_qk - d_v)] with V its first d_v (a multiple of {FP8_LATENT_TILE}) and no v_cache; got "
+                 f"{list(k_cache.shape)}, d_qk={d_qk}, d_v={d_v}, v_cache "
+                 f"{'given' if v_cache is not None else 'None'}")
+    else:
+        _require(k_cache.dim() == 4 and k_cache.shape[3] == d_qk and k_cache.shape[2] in (1, heads),
+                 "sparse_attention", f"k_cache must be [pages, page_size, 1 or {heads} heads, {d_qk}] or the uint8 "
+                                     f"FP8 latent layout, got {k_cache.dtype} {list(k_cache.shape)}")
     if v_cache is None:
         _require(d_v <= d_qk, "sparse_attention", f"without v_cache V is K[..., :d_v]; d_v={d_v} > d_qk={d_qk}")
     else:
@@ -134,7 +151,8 @@ def sparse_attention_reference(q, k_cache, v_cache, block_table, seq_lens, query
 
     indices[t] are positions in sequence query_seq[t]; -1 or >= its seq_len is invalid. K rows are read through
     the block table; V = v_cache rows, or K[..., :d_v] when v_cache is None (MLA latent). A row with no valid
-    index is 0. [queries, heads, d_v] in q's dtype."""
+    index is 0. [queries, heads, d_v] in q's dtype. The FP8 latent layout: the selected rows are dequantized to q's
+    dtype (dequantize_latent: what the kernels multiply), then the same math."""
     page_size = k_cache.shape[1]
     sequences = query_seq.long()
     positions = indices.long()
@@ -143,7 +161,8 @@ def sparse_attention_reference(q, k_cache, v_cache, block_table, seq_lens, query
     page_column = (positions // page_size).clamp(max=block_table.shape[1] - 1)
     pages = block_table.long()[sequences[:, None], page_column]  # [T, topk]
     offsets = positions % page_size
-    keys = k_cache[pages, offsets].float()  # [T, topk, Hkv, d_qk]
+    keys = k_cache[pages, offsets]  # [T, topk, Hkv, d_qk] (FP8: [T, topk, 1, token bytes])
+    keys = (dequantize_latent(keys, d_v, q.dtype) if is_fp8_latent_cache(k_cache) else keys).float()
     values = keys[..., :d_v] if v_cache is None else v_cache[pages, offsets].float()
     heads = q.shape[1]
     keys = keys.expand(-1, -1, heads, -1)
