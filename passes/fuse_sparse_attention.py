@@ -51,7 +51,8 @@ exactly causal (the same query positions) + a scatter of this top-k's indices.
 Refusals (recorded with the reason, graph untouched at that site): a mask that is not exactly causal + top-k (a
 padding mask, a sliding window), top-k indices or the sparse mask or the scores with another use, an indexer
 scale that is not a positive constant, a top-k over something other than an indexer score. A dense attention
-without a top-k mask has no topk node and is never looked at.
+without a top-k mask has no topk node and is never looked at; a top-k scattered into a mask that reaches no
+softmax (a group-limited MoE router's expert mask) is not a candidate either: neither is reported.
 
 Ordering: runs on the captured ATen graph, before lowering. It does not depend on fuse_residual_norm.
 """
@@ -398,6 +399,9 @@ def _match_indexer(logits) -> _Indexer:
     k4 = _strip(k_operand)
     if is_call(k4, aten.unsqueeze.default):
         k4 = k4.args[0]
+    if (is_call(k4, prims.convert_element_type.default) and _transposed(k4.args[0]) is not None
+            and fake_value(k4.args[0]).dtype in (torch.bfloat16, torch.float16)):
+        k4 = k4.args[0]  # k.transpose(-1, -2).float(): as k.float() below, the op upcasts the keys itself
     keys = _transposed(k4)
     if keys is None or fake_value(keys).dim() != 3:
         raise Refusal("the indexer keys are not one [B, T, D] key per token")
@@ -688,6 +692,23 @@ def _match(topk):
                 other_uses += 1
     if not scatters:  # a top-k that builds no mask (an MoE router, say) is not a DSA candidate: nothing to report
         return None
+    # The attention: the add (or where) of the mask into scores that feeds a softmax. A top-k mask that reaches no
+    # softmax (a group-limited MoE router's expert mask, say) is not a DSA candidate either.
+    masked = None
+    frontier, seen = [scatters[0]], set()
+    for _ in range(10):
+        following = []
+        for node in frontier:
+            for user in node.users:
+                if user in seen:
+                    continue
+                seen.add(user)
+                if is_call(user, aten.add.Tensor, aten.where.self) and _softmax_output(user) is not None:
+                    masked = masked or user
+                following.append(user)
+        frontier = following
+    if masked is None:
+        return None
     if other_uses:
         raise Refusal("the top-k indices have another use than the sparse mask")
     if len(scatters) != 1:
@@ -710,22 +731,6 @@ def _match(topk):
             and (_same(positions.numel(), queries) or _same(positions.numel(), batch * queries))):
         raise Refusal("the top-k does not rank the [B, S, T] indexer scores with one query position per row")
 
-    # The attention: the add (or where) of the mask into scores that feeds a softmax.
-    masked = None
-    frontier, seen = [scatters[0]], set()
-    for _ in range(10):
-        following = []
-        for node in frontier:
-            for user in node.users:
-                if user in seen:
-                    continue
-                seen.add(user)
-                if is_call(user, aten.add.Tensor, aten.where.self) and _softmax_output(user) is not None:
-                    masked = masked or user
-                following.append(user)
-        frontier = following
-    if masked is None:
-        raise Refusal("the sparse mask does not reach an attention softmax")
     try:
         attention = _match_attention(masked)
     except _NotAMask as why:

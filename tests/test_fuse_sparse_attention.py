@@ -38,14 +38,18 @@ class DenseDSA(nn.Module):
     """The upstream spelling on dense keys: indexer scores, causal mask, top-k, -inf scatter mask merged with the
     causal mask, dense attention with one latent K shared by all heads (V = its first 8 dims)."""
 
-    def __init__(self, spelling="merged"):
+    def __init__(self, spelling="merged", upcast_after_transpose=False):
         super().__init__()
         self.spelling = spelling
+        self.upcast_after_transpose = upcast_after_transpose  # HF DeepseekV32: k.transpose(-1, -2).float()
 
     def forward(self, q_index, k_index, weights, q, kv, positions):
         context = kv.shape[1]
         mask = torch.where(torch.arange(context) <= positions[..., None], 0.0, NEG)  # [B, S, T]
-        scores = F.relu(torch.matmul(q_index.float(), k_index.float().transpose(-1, -2).unsqueeze(1)))
+        queries = q_index.float()
+        keys_t = (k_index.transpose(-1, -2).float() if self.upcast_after_transpose
+                  else k_index.float().transpose(-1, -2))
+        scores = F.relu(torch.matmul(queries, keys_t.unsqueeze(1)))
         logits = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2) + mask
         topk = logits.topk(min(4, context), dim=-1).indices
         if self.spelling == "merged":  # DeepSeek reference: index_mask += mask
@@ -141,7 +145,7 @@ graph(%a0: f32[2, 12, 24], %a1: i64[2, 3], %a2: bf16[2, 3, 8, 16], %a3: bf16[2, 
 
 def test_separate_causal_mask_and_sdpa_spellings_fire_and_match():
     inputs = _inputs(seed=1)
-    for module in (DenseDSA("separate"), SDPADSA()):
+    for module in (DenseDSA("separate"), SDPADSA(), DenseDSA("merged", upcast_after_transpose=True)):
         gm, result, actual, expected = _fuse(module, *inputs)
         assert len(result.rewrites) == 1 and not result.refusals, (module, result.refusals)
         after = ir.print_graph(result.graph)
@@ -185,6 +189,25 @@ def test_dense_causal_attention_without_topk_is_not_touched():
     gm, result, _, _ = _fuse(DenseCausal(), q, k, v)
     assert not result.rewrites and not result.refusals
     assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
+
+
+class GroupLimitedRouter(nn.Module):
+    """An MoE router that scatters a top-k of expert groups into a mask of experts: a top-k building a mask that
+    reaches no attention softmax is not a sparse-attention candidate, so nothing is reported for it."""
+
+    def forward(self, logits):
+        scores = logits.sigmoid()
+        groups = torch.topk(scores.view(-1, 2, 4).topk(2, dim=-1)[0].sum(-1), k=1, dim=-1)[1]
+        group_mask = torch.zeros(scores.shape[0], 2).scatter_(1, groups, 1)
+        allowed = group_mask.unsqueeze(-1).expand(-1, 2, 4).reshape(-1, 8).bool()
+        return torch.topk(scores.masked_fill(~allowed, NEG), k=2, dim=-1)[1]
+
+
+def test_a_top_k_mask_that_reaches_no_softmax_is_not_a_candidate():
+    gm, result, actual, expected = _fuse(GroupLimitedRouter(), torch.randn(5, 8))
+    assert "aten.scatter" in ir.print_graph(gm.graph)
+    assert not result.rewrites and not result.refusals
+    assert torch.equal(actual, expected)
 
 
 def test_refuses_a_mask_with_another_use_and_a_padding_mask():
