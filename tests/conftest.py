@@ -21,16 +21,19 @@ import dzc  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA; the others are the CPU suite: they build CPU tensors for a GPU target, which
-    run through Triton's interpreter, and Triton picks the interpreter once per process, at import. So each half
-    runs in its own process: on a GPU machine tools/test.sh runs the CPU half with CUDA hidden, then the GPU half."""
+    """Tests marked `gpu` need CUDA; `anydevice` ones pick CUDA where present, else the CPU; the others are the CPU
+    suite: they build CPU tensors for a GPU target, which run through Triton's interpreter, and Triton picks the
+    interpreter once per process, at import. So each half runs in its own process: on a GPU machine tools/test.sh
+    runs the CPU suite with CUDA hidden, then the `gpu` and `anydevice` tests."""
     gpu = torch.cuda.is_available()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_cpu = pytest.mark.skip(reason="CPU suite: run it with CUDA hidden (CUDA_VISIBLE_DEVICES=, as tools/test.sh "
                                        "does on a GPU machine)")
     for item in items:
-        if ("gpu" in item.keywords) != gpu:
-            item.add_marker(skip_cpu if gpu else skip_gpu)
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(skip_gpu)
+        elif gpu and "gpu" not in item.keywords and "anydevice" not in item.keywords:
+            item.add_marker(skip_cpu)
 
 
 @pytest.fixture(autouse=True)

@@ -16,6 +16,7 @@ from dzc.targets import resolve_target, triton_codegen
 from dzc.targets.launch import legal_configs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.anydevice  # every test here runs on DEVICE
 SPECS = [
     family.AddRmsNormSpec(hidden, dtype, dtype, weight_dtype, dtype, dtype, sum_in_fp32, cast_before_weight)
     for hidden, dtype, (sum_in_fp32, cast_before_weight, weight_dtype) in itertools.product(

@@ -32,6 +32,7 @@ from dzc.targets.legality import config_problems
 from dzc.targets.profiles import MP_22, MP_31, SM_80, SM_90
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.anydevice  # every test here runs on DEVICE
 FAMILIES = {"dsa_indexer": dsa_indexer, "dsa_topk": dsa_topk, "sparse_attention": sparse_attention}
 
 

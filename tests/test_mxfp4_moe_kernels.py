@@ -22,6 +22,7 @@ from dzc.targets.legality import config_problems
 from dzc.targets.profiles import MP_22, SM_90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.anydevice  # every test here runs on DEVICE
 PROFILES = {name: target.profile for name, target in TARGETS.items()}
 
 ONLINE_DECODE = KernelConfig.make(num_warps=4, num_stages=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, WORKSPACE=0)

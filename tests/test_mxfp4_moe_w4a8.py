@@ -25,6 +25,7 @@ from dzc.targets.launch import legal_configs
 from dzc.targets.profiles import SM_90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.anydevice  # every test here runs on DEVICE
 DECODE = KernelConfig.make(4, 2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)
 PREFILL = KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)
 

@@ -33,6 +33,7 @@ from dzc.targets.profiles import SM_90
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.anydevice  # every test here runs on DEVICE
 # Allowed error in output-dtype epsilons of the segment's largest |v| (see the module docstring).
 MAX_EPSILONS = {FP32: 16.0, FP16: 2.0, BF16: 2.0}
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Set up, then run the test suite. On a CPU machine: the CPU suite (GPU tests are skipped). On a GPU machine: the
-# CPU suite with CUDA hidden (Triton's interpreter is chosen per process, at import), then the GPU tests.
+# CPU suite with CUDA hidden (Triton's interpreter is chosen per process, at import), then the tests marked gpu or
+# anydevice (those pick CUDA where present).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
 if .venv/bin/python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   CUDA_VISIBLE_DEVICES= .venv/bin/python -m pytest -q -p no:logging "$@"
-  .venv/bin/python -m pytest -q -p no:logging -m gpu "$@"
+  .venv/bin/python -m pytest -q -p no:logging -m "gpu or anydevice" "$@"
 else
   .venv/bin/python -m pytest -q -p no:logging "$@"
 fi
