@@ -25,12 +25,12 @@ from torch._dynamo.utils import counters as dynamo_counters
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from dzc import config, distributed, ir, runtime
+from dzc import compile_cache, config, distributed, ir, runtime
 from dzc.coverage import GraphCoverage, graph_coverage
 from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph
 from dzc.options import CompileOptions
 from dzc.passes.graph_pass import PassResult, copy_graph
-from dzc.pipeline import run_pipeline
+from dzc.pipeline import Stage, build_pipeline, run_pipeline
 from dzc.report import CompileReport, CompileTimer, GraphRecord
 from dzc.targets import INTERPRETER, Target, triton_codegen
 from dzc.targets.launch import KernelRecord
@@ -157,6 +157,7 @@ class _Build:
     run: Callable  # what the compiled graph runs per call
     checkable: torch.fx.GraphModule | None  # the lowered graph run op by op (no Inductor), for the rewrite check
     coverage: GraphCoverage  # of the lowered graph, costed before the fallback compiles it (dzc/coverage.py)
+    compile_cache: str = ""  # the warm-compile cache: "hit", "miss", "off", or what went wrong
 
     def fired(self) -> list[str]:
         return [result.name for result in self.results if result.rewrites]
@@ -305,7 +306,8 @@ class DzcBackend:
                inductor_context=None, timer: CompileTimer | None = None) -> _Build:
         timer = timer or CompileTimer()
         options = dataclasses.replace(self.options, disable_passes=tuple(disabled))
-        graph, stages = run_pipeline(gm.graph, self.target, options, timer=timer)
+        cached = _CachedPasses(self.target, options, gm, example_inputs, timer)
+        graph, stages = cached.passes()
         created = lower_graph(graph, self.target, self.options, execution, device, self.kernels, timer=timer)
         uses = kernel_uses(graph)
         references = [record for record in created if record.codegen == "reference"]
@@ -327,9 +329,12 @@ class DzcBackend:
             # Inductor-compiled graph makes into each dzc op (tens of microseconds a call).
             fallback = "eager (nothing left for inductor)"
         with timer.stage("fallback compile"):
+            cached.before_fallback()
             compiled, checked = self._fallback(gm, graph, example_inputs, fallback, checkable, inductor_context)
+        with timer.stage("compile cache"):
+            cached.store(fallback == "inductor")
         results = [stage.result for stage in stages if stage.result is not None]
-        return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage)
+        return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, cached.state)
 
     def _fallback(self, gm, graph, example_inputs, fallback: str, checkable: bool, inductor_context):
         """(what the lowered graph runs per call, the op-by-op module the rewrite check runs or None)."""
@@ -365,6 +370,64 @@ class DzcBackend:
         self.report.kernels = [k for k in self.report.kernels if not any(k is g for g in gone)]
 
 
+class _CachedPasses:
+    """The passes of one build, through the warm-compile cache (dzc/compile_cache.py): on a hit, the rewritten
+    graph and its stages come from the cache directory; on a miss the passes run, and their result is stored
+    once the fallback has compiled (with torch's cache artifacts, where Inductor made some)."""
+
+    def __init__(self, target: Target, options: CompileOptions, gm, example_inputs, timer: CompileTimer):
+        self.target, self.options, self.gm, self.timer = target, options, gm, timer
+        self.example_inputs = example_inputs
+        self.state = "off"
+        self.entry: compile_cache.Entry | None = None
+        self._pending: tuple | None = None  # (key, parts, pickled graph, stages) to store after the fallback
+        if not compile_cache.enabled():
+            return
+        with timer.stage("compile cache"):
+            self.cache = compile_cache.CompileCache(options.resolved_cache_dir())
+            self.captured_text = ir.print_graph(gm.graph, "captured by Dynamo + AOTAutograd")
+            passes = [p for p in build_pipeline(target, options) if p.__name__ not in options.disable_passes]
+            self.key, self.parts = compile_cache.entry_key(self.captured_text, gm, example_inputs, target, options,
+                                                           passes)
+            fake_mode = torch._guards.detect_fake_mode(example_inputs)
+            self.entry, why = (self.cache.load(self.key, fake_mode) if fake_mode is not None
+                               else (None, "off (no fake inputs)"))
+            self.state = "hit" if self.entry is not None else (why or "miss")
+
+    def passes(self) -> tuple[torch.fx.Graph, list[Stage]]:
+        if self.entry is not None:
+            graph = self.entry.graph
+            stages = [Stage(name, text, None if rewrites is None else PassResult(name, graph, rewrites, refusals))
+                      for name, text, rewrites, refusals in self.entry.stages]
+            return graph, stages
+        graph, stages = run_pipeline(self.gm.graph, self.target, self.options, timer=self.timer)
+        if self.state != "off":
+            with self.timer.stage("compile cache"):
+                pickled = compile_cache.pickle_graph(graph)  # before lowering binds kernels into it
+                saved = [(s.name, s.text, None if s.result is None else s.result.rewrites,
+                          None if s.result is None else s.result.refusals) for s in stages]
+                if isinstance(pickled, str):
+                    self.state = pickled
+                else:
+                    self._pending = (self.key, self.parts, pickled, saved)
+        return graph, stages
+
+    def before_fallback(self) -> None:
+        """On a hit, give torch's caches what Inductor compiled for this graph before (its FX graph cache hits)."""
+        if self.entry is not None:
+            compile_cache.load_torch_artifacts(self.entry.torch_artifacts)
+
+    def store(self, inductor: bool) -> None:
+        if self._pending is None:
+            return
+        artifacts = compile_cache.save_torch_artifacts() if inductor else None
+        problem = self.cache.store(*self._pending, artifacts)
+        if problem:
+            self.state = f"miss ({problem})"
+        elif not self.state.startswith("corrupted"):
+            self.state = "miss"
+
+
 def _describe(record: GraphRecord, build: _Build) -> None:
     """Fill in what the graph record says about the build that runs."""
     record.nodes = len(build.graph.nodes)
@@ -373,6 +436,7 @@ def _describe(record: GraphRecord, build: _Build) -> None:
     record.host_syncs = _host_syncs(build.graph)
     record.stages = [(s.name, s.text) for s in build.stages]
     record.coverage = dataclasses.replace(build.coverage, compile_id=record.compile_id)
+    record.compile_cache = build.compile_cache
 
 
 def _draws_random_numbers(node: torch.fx.Node) -> bool:

@@ -80,7 +80,11 @@ CHECK_REWRITES = Knob("DZC_CHECK_REWRITES", "1",
                       "1: run each graph's first call also as captured and drop rewrites whose outputs differ; 0: "
                       "off (CompileOptions.check_rewrites wins)", "0 or 1", _one_of("0", "1"))
 
-KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB, CHECK_REWRITES)
+COMPILE_CACHE = Knob("DZC_COMPILE_CACHE", "1",
+                     "1: keep what the passes made of each captured graph in <cache dir>/compile and reuse it in "
+                     "later processes (warm compile); 0: off", "0 or 1", _one_of("0", "1"))
+
+KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB, CHECK_REWRITES, COMPILE_CACHE)
 
 
 def debug_level() -> int:
