@@ -93,23 +93,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_rank(rank: int, world: int, port: int, fn: Callable, args: tuple) -> None:
+def _run_rank(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = None
+    if backend != "gloo":  # one GPU per rank
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device)
     try:
         fn(rank, world, *args)
     finally:
         dist.destroy_process_group()
 
 
-def spawn_cpu_ranks(fn: Callable, world: int, *args) -> None:
-    """Run fn(rank, world, *args) in `world` new processes joined by a gloo process group (CPU tensors), and wait
-    for them; an exception in a rank is raised here. `fn` must be importable (a module-level function).
-    TRITON_INTERPRET=1 is set for the ranks: Triton imported by torch.distributed before dzc would miss it."""
+def spawn_ranks(fn: Callable, world: int, *args, backend: str = "gloo") -> None:
+    """Run fn(rank, world, *args) in `world` new processes joined by a process group and wait for them; an
+    exception in a rank is raised here. gloo: CPU tensors; another backend (nccl): rank r on GPU r. `fn` must be
+    importable (a module-level function). Without a GPU, TRITON_INTERPRET=1 is set for the ranks: Triton imported
+    by torch.distributed before dzc would miss it."""
     import torch.multiprocessing as mp  # noqa: PLC0415 (only the launcher needs it)
 
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    mp.spawn(_run_rank, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    if backend == "gloo" and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    mp.spawn(_run_rank, args=(world, free_port(), backend, fn, args), nprocs=world, join=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -136,7 +136,7 @@ def _dump_ranks(args) -> int:
         raise UsageError(f"model {args.model!r} has no tp_plan (module name pattern -> 'colwise' | 'rowwise') to "
                          f"shard it by; dzc.distributed:tp_decoder_example has one")
     with tempfile.TemporaryDirectory() as out:
-        distributed.spawn_cpu_ranks(_dump_rank, args.tp, args, out)
+        distributed.spawn_ranks(_dump_rank, args.tp, args, out)
         for rank in range(args.tp):
             text = (Path(out) / f"rank{rank}.txt").read_text()
             if not args.json:

@@ -113,7 +113,7 @@ def ranks(tmp_path_factory):
     from dzc import distributed
 
     out = tmp_path_factory.mktemp("ranks")
-    distributed.spawn_cpu_ranks(_ranks, WORLD, str(out))
+    distributed.spawn_ranks(_ranks, WORLD, str(out))
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -185,3 +185,51 @@ def test_all_reduce_add_rms_norm_reference_is_the_reduce_then_the_add_norm():
     finally:
         if own_group:
             dist.destroy_process_group()
+
+
+def test_dump_tp_needs_a_tp_plan(capsys):
+    from dzc import dump
+
+    assert dump.main(["llama_decoder", "--tp", "2"]) == 2
+    assert "has no tp_plan" in capsys.readouterr().err
+
+
+def _gpu_ranks(rank: int, world: int, out_dir: str) -> None:
+    """One rank per GPU (NCCL): the DTensor-sharded decoder under dzc with its defaults (tuning, the rewrite check,
+    CUDA graphs for <= 256 tokens), against the unsharded eager model on the same GPU, over decode-sized calls
+    (warm-up, capture, replays: the all-reduces inside a captured CUDA graph) and a prefill-sized one."""
+    import dzc
+    from dzc import distributed
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device("cuda", rank)
+    sizes = dict(hidden=256, heads=4, intermediate=512, layers=2, vocab=256)
+    reference = distributed.build_tp_decoder(torch.bfloat16, **sizes).to(device)
+    model = distributed.parallelize(distributed.build_tp_decoder(torch.bfloat16, **sizes).to(device),
+                                    init_device_mesh("cuda", (world,)))
+    compiled = dzc.compile(model, target="cuda")
+    errors = []
+    for step, seq in enumerate([1] * 5 + [300]):
+        tokens = torch.randint(0, sizes["vocab"], (1, seq), device=device,
+                               generator=torch.Generator(device=device).manual_seed(step))
+        with torch.no_grad():
+            errors.append(_max_relative_error(compiled(tokens), reference(tokens)))
+    results = {"errors": errors, "passes": compiled.report.passes, "checks": [g.rewrite_check
+                                                                              for g in compiled.report.graphs],
+               "cuda_graphs": compiled._cuda_graphs.describe()}
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensor_parallel_on_two_gpus(tmp_path):
+    from dzc import distributed
+
+    distributed.spawn_ranks(_gpu_ranks, WORLD, str(tmp_path), backend="nccl")
+    for rank in range(WORLD):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert max(results["errors"]) < 2 ** -5, (rank, results)
+        assert results["passes"]["fuse_all_reduce_residual_norm"] == 4, results
+        assert all(c.startswith("passed") or c.startswith("skipped") for c in results["checks"]), results
+        print(f"rank {rank}: {results}")
