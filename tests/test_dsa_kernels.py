@@ -291,7 +291,8 @@ def test_selftest_cases_through_lowering(op, seed, tmp_path):
 INDEXER_SPECS = [dsa_indexer.DsaIndexerSpec(64, 128, dtype, fp8)
                  for dtype, fp8 in ((torch.float8_e4m3fn, True), (torch.bfloat16, False))]
 ATTENTION_SPECS = [sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False),
-                   sparse_attention.SparseAttentionSpec(16, 16, 192, 128, torch.bfloat16, True)]
+                   sparse_attention.SparseAttentionSpec(16, 16, 192, 128, torch.bfloat16, True),
+                   sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, fp8_cache=True)]
 SPECS = [(dsa_indexer, s) for s in INDEXER_SPECS] + [(dsa_topk, dsa_topk.DsaTopkSpec())] \
     + [(sparse_attention, s) for s in ATTENTION_SPECS]
 
@@ -303,10 +304,14 @@ def test_every_emitted_config_is_legal(profile):
             if not hasattr(family, f"{codegen}_configs"):
                 continue
             legal, _ = legal_configs(family, codegen, spec, profile)
-            fp8_without_fp8 = getattr(spec, "fp8", False) and not profile.supports_dtype(torch.float8_e4m3fn)
+            fp8 = getattr(spec, "fp8", False) or getattr(spec, "fp8_cache", False)
+            fp8_without_fp8 = fp8 and not profile.supports_dtype(torch.float8_e4m3fn)
             mha_tilelang = codegen == "tilelang" and not getattr(spec, "shared_kv", True)
             where = (profile.name, codegen, spec.describe())
-            assert bool(legal) != fp8_without_fp8 or mha_tilelang and legal, where
+            if codegen == "tilelang" and getattr(spec, "fp8_cache", False):
+                assert not legal, where  # no FP8 latent reader in the TileLang template: Triton serves it
+            else:
+                assert bool(legal) != fp8_without_fp8 or mha_tilelang and legal, where
             smem = getattr(family, f"{codegen}_shared_memory_bytes")
             if legal:  # the untuned default (what runs without autotuning) is legal too
                 legal = legal + [getattr(family, f"{codegen}_default_config")(spec, profile)]
@@ -342,7 +347,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         path = workdir / (family.__name__.rsplit(".", 1)[1] + ".py")
         path.write_text(family.triton_source(spec, SM_90))
         compiled = triton_codegen.compile_ahead_of_time(path, name, signature, constexprs, num_warps, SM_90)
-        results.append([name, compiled.metadata.shared])
+        results.append([name, compiled.metadata.shared, "wgmma.mma_async" in compiled.asm["ptx"]])
     for spec in (dsa_indexer.DsaIndexerSpec(64, 128, torch.float8_e4m3fn, True),
                  dsa_indexer.DsaIndexerSpec(64, 128, torch.bfloat16, True),
                  dsa_indexer.DsaIndexerSpec(64, 128, torch.bfloat16, False)):
@@ -355,13 +360,14 @@ _AOT_SCRIPT = textwrap.dedent("""
     compile_one(dsa_topk, spec, dsa_topk.TRITON_KERNEL_NAME, *dsa_topk.triton_signature(spec, config),
                 config.num_warps)
     results[-1].append(dsa_topk.triton_shared_memory_bytes(spec, config))
-    spec = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False)
-    prefill = sparse_attention.triton_default_config(spec, SM_90)
-    decode = sparse_attention.configs_for_bucket(spec, SM_90, 1, [], prefill)[1]
-    for config in (prefill, decode):
-        for name, (signature, constexprs, num_warps) in sparse_attention.triton_signatures(spec, config).items():
-            compile_one(sparse_attention, spec, name, signature, constexprs, num_warps)
-            results[-1].append(sparse_attention.triton_shared_memory_bytes(spec, config))
+    for fp8_cache in (False, True):  # the bf16 and the FP8 (656 B/token) latent cache
+        spec = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, fp8_cache)
+        prefill = sparse_attention.triton_default_config(spec, SM_90)
+        decode = sparse_attention.configs_for_bucket(spec, SM_90, 1, [], prefill)[1]
+        for config in (prefill, decode):
+            for name, (signature, constexprs, num_warps) in sparse_attention.triton_signatures(spec, config).items():
+                compile_one(sparse_attention, spec, name, signature, constexprs, num_warps)
+                results[-1].append(sparse_attention.triton_shared_memory_bytes(spec, config))
     print(json.dumps(results))
 """)
 
@@ -375,9 +381,12 @@ def test_triton_kernels_compile_for_sm90(tmp_path):
     results = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {name for name, *_ in results} == {dsa_indexer.TRITON_KERNEL_NAME, dsa_topk.TRITON_KERNEL_NAME,
                                                *sparse_attention.TRITON_KERNEL_NAMES}
-    for name, shared, estimate in results:
+    for name, shared, wgmma, estimate in results:
         # The legality estimate must bound what Triton really allocates, or pruning would let illegal configs by.
         assert shared <= estimate, (name, shared, estimate)
+        # 64 heads x gathered rows on Hopper: warpgroup MMAs, with either cache (the FP8 rows dequantized first).
+        if name in ("sparse_attention_kernel", "sparse_attention_split_kernel"):
+            assert wgmma, name
 
 
 # ---------------------------------------------------------------------------------------------------------
