@@ -42,7 +42,8 @@ class DeviceProfile:
     tilelang_compile_flags: tuple[str, ...] = ()
     # Multi-device: the torch.distributed backend this target's collectives run on (dzc has no communication layer
     # of its own; "" where none is known), and whether peers' buffers can be mapped for a one-shot all-reduce kernel
-    # (torch.distributed._symmetric_memory). Lowering and dzc.distributed read these; passes never do.
+    # (torch.distributed._symmetric_memory): dzc.distributed picks the backend by it, a one-shot all-reduce lowering
+    # would read symmetric_memory; passes never read either.
     collective_backend: str = ""  # "nccl" | "mccl" (torch_musa's)
     symmetric_memory: bool = False
 

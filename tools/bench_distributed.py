@@ -11,7 +11,7 @@
     the one-token step time. The layer is dzc.distributed's TPDecoder (dense attention, SwiGLU MLP; one layer,
     hidden 7168): the DSA + MXFP4 MoE reference layer has no TP sharding yet (issue 17's DSA-under-TP item), so
     its TP numbers are not measured here. Goals: prefill >= 1.7x, step <= 0.65x at TP = 2.
-(3) the MXFP4 MoE layer (gpt-oss-120b shape) with experts split over the ranks (dzc.distributed's
+(3) the MXFP4 MoE layer (gpt-oss-120b's shapes, 32 experts: the weights are quantized on the host) with experts split over the ranks (dzc.distributed's
     ExpertParallelMoE: all_to_all_single with the router's splits, local experts in dzc.mxfp4_moe) vs the whole
     layer on one GPU (rank 0 alone), on the same tokens per rank.
 
@@ -28,6 +28,7 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import replace
 
 import dzc  # noqa: F401  (first: it decides Triton's mode)
 import torch
@@ -41,7 +42,7 @@ from dzc.models.moe import CONFIGS, build_moe
 from dzc.targets import resolve_target
 
 FULL = dict(hidden=7168, tokens=[1, 64, 4096], layer=dict(hidden=7168, heads=56, intermediate=18432, vocab=1024),
-            prefill=4096, moe="gpt-oss-120b", moe_tokens=[64, 4096], iterations=20)
+            prefill=4096, moe=replace(CONFIGS["gpt-oss-120b"], experts=32), moe_tokens=[64, 4096], iterations=20)
 QUICK = dict(hidden=64, tokens=[1, 8], layer=dict(hidden=64, heads=4, intermediate=128, vocab=128),
              prefill=16, moe="tiny-gptoss", moe_tokens=[8], iterations=2)
 
@@ -174,7 +175,7 @@ def _alone_or_together(fn, sizes, device, tp: int) -> float:
 
 def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
     block = build_moe(sizes["moe"]).to(device)
-    hidden = CONFIGS[sizes["moe"]].hidden
+    hidden = block.cfg.hidden
     rows = []
     layer = distributed.ExpertParallelMoE(block, rank, world, group).to(device)
     compiled_ep = dzc.compile(layer, target=target, options=options)
