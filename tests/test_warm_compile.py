@@ -1,0 +1,127 @@
+"""The warm-compile cache (dzc/compile_cache.py): a fresh process over the same cache directory hits it, runs the
+same rewritten graph (the same outputs, the fusion still in the report), and any component of the key that changes
+(an option, the pass list, a version) misses; an unreadable entry is rebuilt with a warning."""
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import assert_add_rms_norm_matches_eager
+
+import dzc
+from dzc import compile_cache
+from dzc.models.decoder import AddRMSNorm
+from dzc.pipeline import build_pipeline
+from dzc.targets import resolve_target
+
+_WORKER = """
+import json, sys, torch, dzc
+from dzc.models.decoder import AddRMSNorm
+cache, out = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+model = AddRMSNorm().to(torch.bfloat16)
+x, residual = torch.randn(2, 7, 64, dtype=torch.bfloat16), torch.randn(2, 7, 64, dtype=torch.bfloat16)
+compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=cache, autotune=False))
+with torch.no_grad():
+    y, h = compiled(x, residual)
+torch.save({"y": y, "h": h, "x": x, "residual": residual, "weight": model.norm.weight}, out)
+report = compiled.report
+print("RESULTS " + json.dumps({"cache": [g.compile_cache for g in report.graphs], "fired": report.fired(),
+                               "summary": str(report)}))
+"""
+
+
+def _run_worker(cache, out):
+    env = dict(os.environ, DZC_COMPILE_CACHE="1")
+    proc = subprocess.run([sys.executable, "-c", _WORKER, str(cache), str(out)], capture_output=True, text=True,
+                          env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    [line] = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
+    return json.loads(line.removeprefix("RESULTS "))
+
+
+def test_a_fresh_process_hits_the_cache_and_computes_the_same(tmp_path):
+    cold = _run_worker(tmp_path / "cache", tmp_path / "cold.pt")
+    warm = _run_worker(tmp_path / "cache", tmp_path / "warm.pt")
+    assert cold["cache"] == ["miss"] and warm["cache"] == ["hit"], (cold["cache"], warm["cache"])
+    assert "compile cache: hit" in warm["summary"] and "compile time" in warm["summary"]
+    assert cold["fired"] == warm["fired"] and warm["fired"].get("fuse_residual_norm") == 1, warm["fired"]
+    first, second = torch.load(tmp_path / "cold.pt"), torch.load(tmp_path / "warm.pt")
+    assert torch.equal(first["y"], second["y"]) and torch.equal(first["h"], second["h"])
+    model = AddRMSNorm().to(torch.bfloat16)
+    with torch.no_grad():
+        model.norm.weight.copy_(second["weight"])
+    assert_add_rms_norm_matches_eager(model, second["x"], second["residual"], second["y"], second["h"])
+
+
+def _compile_once(options, x, residual, model):
+    compiled = dzc.compile(model, "cuda", options)
+    with torch.no_grad():
+        y, h = compiled(x, residual)
+    assert_add_rms_norm_matches_eager(model, x, residual, y, h)
+    [graph] = compiled.report.graphs
+    return graph.compile_cache
+
+
+@pytest.fixture
+def norm_case(seed, monkeypatch):
+    monkeypatch.setenv("DZC_COMPILE_CACHE", "1")
+    model = AddRMSNorm().to(torch.bfloat16)
+    return model, torch.randn(5, 64, dtype=torch.bfloat16), torch.randn(5, 64, dtype=torch.bfloat16)
+
+
+def test_a_change_of_any_key_component_misses(options, norm_case, monkeypatch):
+    model, x, residual = norm_case
+    assert _compile_once(options, x, residual, model) == "miss"
+    assert _compile_once(options, x, residual, model) == "hit"
+    # an option
+    assert _compile_once(dataclasses.replace(options, moe_fp8_activations=True), x, residual, model) == "miss"
+    # the pass list
+    disabled = dataclasses.replace(options, disable_passes=("reinplace_cache_writes",))
+    assert _compile_once(disabled, x, residual, model) == "miss"
+    # a version string
+    versions = compile_cache.versions
+    monkeypatch.setattr(compile_cache, "versions", lambda: {**versions(), "torch": "0.0.0-other"})
+    assert _compile_once(options, x, residual, model) == "miss"
+    monkeypatch.setattr(compile_cache, "versions", versions)
+    assert _compile_once(options, x, residual, model) == "hit"
+    # the cache directory is not part of the key: a copied directory hits
+    copied = options.resolved_cache_dir() + "-copy"
+    shutil.copytree(options.resolved_cache_dir(), copied)
+    assert _compile_once(dataclasses.replace(options, cache_dir=copied), x, residual, model) == "hit"
+
+
+def test_the_key_holds_every_component(options):
+    """entry_key differs when any one component differs (the graph, input metadata, target, options, passes,
+    versions) and not when only the cache directory does."""
+    gm = torch.fx.symbolic_trace(lambda a: a + 1)
+    target = resolve_target("cuda")
+    passes = build_pipeline(target, options)
+    inputs = [torch.empty(4, 8)]
+
+    def key(text="graph", inputs=inputs, target=target, options=options, passes=passes, extra=None):
+        return compile_cache.entry_key(text, gm, inputs, target, options, passes, extra)[0]
+
+    base = key()
+    assert key(options=dataclasses.replace(options, cache_dir="/elsewhere")) == base
+    variants = [key(text="graph2"), key(inputs=[torch.empty(4, 8, dtype=torch.float16)]),
+                key(inputs=[torch.empty(8, 4).t()]), key(target=resolve_target("musa")),
+                key(options=dataclasses.replace(options, codegen="triton")), key(passes=passes[:-1]),
+                key(extra={"triton": "other"}), key(extra={"dzc": "other"})]
+    assert len({base, *variants}) == len(variants) + 1
+
+
+def test_a_corrupted_entry_is_rebuilt_with_a_warning(options, norm_case):
+    model, x, residual = norm_case
+    assert _compile_once(options, x, residual, model) == "miss"
+    [entry] = (compile_cache.CompileCache(options.resolved_cache_dir()).directory).glob("*.pkl")
+    entry.write_bytes(entry.read_bytes()[: len(entry.read_bytes()) // 2])  # a write cut short
+    with pytest.warns(RuntimeWarning, match="compile cache entry .* is unreadable"):
+        state = _compile_once(options, x, residual, model)
+    assert state.startswith("corrupted entry rebuilt"), state
+    assert _compile_once(options, x, residual, model) == "hit"  # the rebuilt entry replaced it
