@@ -23,6 +23,8 @@ TOOLS = ROOT / "tools"
 # tool -> (argv, text its output must contain). {tmp} is the test's scratch directory.
 SMOKE = {
     "bench_add_rms_norm.py": (["--dry-run", "--quick"], "dry run: add_rms_norm hidden 2880"),
+    # Runs for real: llama_decoder compiled cold and warm, each in a fresh process (the warm one hits the cache).
+    "bench_compile.py": (["--quick"], "| llama_decoder | dzc |"),
     "bench_cache_writes.py": (["--dry-run", "--quick"], "dry run: dzc: (batch, context) [(1, 32768), (8, 32768)]"),
     "bench_dsa.py": (["--dry-run", "--quick"], "dry run: B=1 q=4096 ctx=8192"),
     "bench_multimodal.py": (["--dry-run", "--quick"], "dry run: 2 decoder layers"),
