@@ -137,11 +137,13 @@ def _dump_ranks(args) -> int:
                          f"shard it by; dzc.distributed:tp_decoder_example has one")
     with tempfile.TemporaryDirectory() as out:
         distributed.spawn_ranks(_dump_rank, args.tp, args, out)
-        for rank in range(args.tp):
-            text = (Path(out) / f"rank{rank}.txt").read_text()
-            if not args.json:
-                print(f"######## rank {rank} of {args.tp} ########")
-            print(text, end="")
+        texts = [(Path(out) / f"rank{rank}.txt").read_text() for rank in range(args.tp)]
+    if args.json:  # one JSON list, rank by rank
+        print(json.dumps([json.loads(text) for text in texts], indent=1))
+        return 0
+    for rank, text in enumerate(texts):
+        print(f"######## rank {rank} of {args.tp} ########")
+        print(text, end="")
     return 0
 
 
