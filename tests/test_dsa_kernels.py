@@ -258,6 +258,89 @@ KERNEL_SPEC = {
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Long context: a decode step at 1M tokens, its pages spread over pools past 2^31 bytes
+
+LONG_CONTEXT = (1 << 20) + 37  # one sequence of 1M + 37 tokens: 16385 pages of 64
+
+
+def _sparse_pool(path, pages: int, row_shape: tuple[int, ...]) -> torch.Tensor:
+    """A uint8 page pool [pages, *row_shape] in a sparse file mapped shared: its size is virtual, only the pages a
+    test writes or reads take memory, so a pool past 2^31 bytes costs what a small one does."""
+    numel = pages * int(torch.Size(row_shape).numel())
+    with open(path, "wb") as file:
+        file.truncate(numel)
+    return torch.from_file(str(path), shared=True, size=numel, dtype=torch.uint8).view(pages, *row_shape)
+
+
+def test_decode_at_1m_context_with_offsets_past_2_31(seed, tmp_path):
+    """Indexer over 1M keys in the FP8 cache, top-k over the 1M logits, sparse attention over the FP8 latent cache:
+    each op's block table row is 16385 pages wide and maps the sequence to physical pages whose byte offsets pass
+    2^31 (indexer keys, 2304 B/page: pages 940000..; latent, 41984 B/page: pages 52000..) in pools of sparse
+    files. A 32-bit page or row offset reads the wrong page (or outside the pool); the references index in 64 bits.
+    (The ops share one block table in a model; separate ones here keep each pool small.)"""
+    if DEVICE.type != "cpu":
+        pytest.skip("the CPU proof of the offsets; test_decode_at_1m_context_on_gpu runs it on the device")
+    generator = _generator(seed)
+    page_size, index_dim, heads, topk = 64, 32, 4, 64
+    pages = -(-LONG_CONTEXT // page_size)
+
+    def table_from(first_page: int, pool_pages: int) -> torch.Tensor:
+        return (first_page + torch.randperm(pool_pages - first_page, generator=generator)[:pages]).int()[None]
+
+    def slots_of(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return table[0].long()[positions // page_size] * page_size + positions % page_size
+
+    seq_lens, query_seq = torch.tensor([LONG_CONTEXT], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
+    query_pos = seq_lens - 1
+    index_pool_pages = 1_000_000
+    index_table = table_from(940_000, index_pool_pages)
+    index_cache = _sparse_pool(tmp_path / "index.bin", index_pool_pages,
+                               (kv_cache.fp8_index_page_bytes(page_size, index_dim),))
+    assert int(index_table.min()) * index_cache.stride(0) > 2**31
+    kv_cache.write_index_keys(index_cache, slots_of(index_table, torch.arange(LONG_CONTEXT)),
+                              torch.randn(LONG_CONTEXT, index_dim, generator=generator))
+    q_index = (torch.randn(1, heads, index_dim, generator=generator) * 8).to(torch.float8_e4m3fn)
+    weights = torch.randn(1, heads, generator=generator)
+    index_args = (q_index, weights, index_cache, index_table, seq_lens, query_seq, query_pos, LONG_CONTEXT)
+    spec = dsa_indexer.spec_for(q_index, index_cache)
+    # Wide tiles: the interpreter's cost is per tile (the default 64-key tiles take minutes over 1M keys).
+    config = KernelConfig.make(num_warps=4, num_stages=2, ROWS=1, BLOCK_N=8192, BLOCKS_PER_PROGRAM=16)
+    logits = _run_triton(dsa_indexer, spec, _load_triton(dsa_indexer, spec, tmp_path), config, index_args)
+    expected_logits = dsa_indexer_reference(*index_args)
+    assert logits.shape == (1, LONG_CONTEXT) and not logits.isnan().any()
+    scale = expected_logits.abs().max()
+    torch.testing.assert_close(logits, expected_logits, atol=1e-5 * scale, rtol=1e-5)
+
+    topk_args = (expected_logits, seq_lens, topk)
+    spec = dsa_topk.DsaTopkSpec()
+    indices = _run_triton(dsa_topk, spec, _load_triton(dsa_topk, spec, tmp_path),
+                          KernelConfig.make(num_warps=4, num_stages=1, BLOCK=16384, RADIX_BITS=8), topk_args)
+    assert torch.equal(indices, dsa_topk_reference(*topk_args))
+
+    # The FP8 latent rows of the selected tokens only (the rest of the 1M stay unwritten holes), two beyond the
+    # sequence's end (invalid) among them.
+    d_v, d_qk = 512, 576  # DeepSeek-V3.2's 656 B/token
+    latent_pool_pages = 70_000
+    latent_table = table_from(52_000, latent_pool_pages)
+    latent_cache = _sparse_pool(tmp_path / "latent.bin", latent_pool_pages,
+                                (page_size, 1, kv_cache.fp8_latent_token_bytes(d_v, d_qk - d_v)))
+    assert int(latent_table.min()) * latent_cache.stride(0) > 2**31
+    kv_cache.write_latent(latent_cache, slots_of(latent_table, indices[0].long()),
+                          torch.randn(topk, d_qk, generator=generator).bfloat16(), d_v)
+    indices[0, :2] = torch.tensor([LONG_CONTEXT, -1], dtype=torch.int32)
+    attention_args = (torch.randn(1, 16, d_qk, generator=generator).bfloat16(), latent_cache, None, latent_table,
+                      seq_lens, query_seq, indices, d_qk ** -0.5, d_v)
+    spec = sparse_attention.spec_for(*attention_args[:3], d_v)
+    kernels = _load_triton(sparse_attention, spec, tmp_path)
+    expected = sparse_attention_reference(*attention_args)
+    assert expected.abs().max() > 0
+    for config in _attention_configs(spec, uneven_splits=False):
+        out = _run_triton(sparse_attention, spec, kernels, config, attention_args)
+        torch.testing.assert_close(out.float(), expected.float(), atol=2**-6, rtol=2**-7,
+                                   msg=lambda m: f"{config}: {m}")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Through dzc's lowering: the op called with the kernel id that lowering binds (the path compiled graphs take)
 
 
