@@ -213,12 +213,16 @@ class PagedKVCache:
             raise RuntimeError(f"paged KV cache out of pages: {needed} more needed, {len(self.free_pages)} free")
         slots = []
         for b, count in enumerate(new_tokens):
-            for position in range(self.lengths[b], self.lengths[b] + count):
-                if position // self.page_size == len(self.pages[b]):
-                    self.pages[b].append(self.free_pages.pop())
-                slots.append(self.pages[b][position // self.page_size] * self.page_size + position % self.page_size)
-            self.lengths[b] += count
-        return torch.tensor(slots, dtype=torch.int64, device=self.device)
+            start, end = self.lengths[b], self.lengths[b] + count
+            for _ in range(math.ceil(end / self.page_size) - len(self.pages[b])):
+                self.pages[b].append(self.free_pages.pop())
+            # Vectorised over the new positions (a 1M-token prefill), reading only the pages they fall in.
+            first = start // self.page_size
+            touched = torch.tensor(self.pages[b][first:math.ceil(end / self.page_size)], dtype=torch.int64)
+            positions = torch.arange(start, end, dtype=torch.int64)
+            slots.append(touched[positions // self.page_size - first] * self.page_size + positions % self.page_size)
+            self.lengths[b] = end
+        return torch.cat(slots).to(self.device)
 
     def free(self, sequence: int) -> None:
         """Return a finished sequence's pages to the free list; its row restarts empty."""

@@ -554,6 +554,46 @@ def test_full_size_indexer_and_topk_on_gpu(fp8, seed, tmp_path):
     assert torch.equal(indices, dsa_topk_reference(expected, lengths, 2048))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_latent", [True, False], ids=["fp8-latent", "bf16-latent"])
+def test_decode_at_1m_context_on_gpu(fp8_latent, seed, tmp_path):
+    """A decode step (2 query rows, multi-token prediction) of one 1M-token sequence in dzc's paged cache, at
+    DeepSeek-V3.2's shapes, through dzc's lowering: FP8 indexer logits over 1M keys, top-k 2048 of the 1M logits,
+    sparse attention over the latent cache (FP8 656 B/token or bf16), each against its reference."""
+    target = TARGETS["cuda:sm_90"]
+    options = CompileOptions(cache_dir=str(tmp_path / "cache"), autotune=False)
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    config = kv_cache.DSACacheConfig(layers=1)
+    cache = kv_cache.PagedKVCache(config, max_pages=LONG_CONTEXT // 64 + 8, batch=1, fp8_index=True, device=DEVICE,
+                                  fp8_latent=fp8_latent)
+    slots = cache.reserve([LONG_CONTEXT])
+    for start in range(0, LONG_CONTEXT, 1 << 18):  # in chunks: the fp32 temporaries of 1M rows add up
+        part = slots[start:start + (1 << 18)]
+        cache.write_index_keys(0, part, torch.randn(len(part), 128, device=DEVICE, generator=generator))
+        cache.write_latent(0, part, torch.randn(len(part), 576, device=DEVICE, generator=generator).bfloat16())
+    seq_lens, table = cache.seq_lens, cache.block_table
+    query_seq = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    query_pos = torch.tensor([LONG_CONTEXT - 2, LONG_CONTEXT - 1], dtype=torch.int32, device=DEVICE)
+    q_index = (torch.randn(2, 64, 128, device=DEVICE, generator=generator) * 8).to(torch.float8_e4m3fn)
+    weights = torch.randn(2, 64, device=DEVICE, generator=generator)
+    index_args = (q_index, weights, cache.index_keys[0], table, seq_lens, query_seq, query_pos, LONG_CONTEXT)
+    record, _ = lower_op("dsa_indexer", index_args, target, options, Execution(target.runtime))
+    logits = torch.ops.dzc.dsa_indexer(*index_args, kernel_id=record.kernel_id)
+    expected = dsa_indexer_reference(*index_args)
+    assert torch.equal(logits.isinf(), expected.isinf())
+    torch.testing.assert_close(logits, expected, atol=1e-3 * expected[expected.isfinite()].abs().max(), rtol=1e-4)
+    lengths = (query_pos + 1).to(torch.int32)
+    record, _ = lower_op("dsa_topk", (expected, lengths, 2048), target, options, Execution(target.runtime))
+    indices = torch.ops.dzc.dsa_topk(expected, lengths, 2048, kernel_id=record.kernel_id)
+    assert torch.equal(indices, dsa_topk_reference(expected, lengths, 2048))
+    q = torch.randn(2, 128, 576, device=DEVICE, generator=generator).bfloat16()
+    attention_args = (q, cache.latent[0], None, table, seq_lens, query_seq, indices, 576 ** -0.5, 512)
+    record, _ = lower_op("sparse_attention", attention_args, target, options, Execution(target.runtime))
+    out = torch.ops.dzc.sparse_attention(*attention_args, kernel_id=record.kernel_id)
+    torch.testing.assert_close(out.float(), sparse_attention_reference(*attention_args).float(), atol=2**-6,
+                               rtol=2**-6)
+
+
 def test_auto_codegen_falls_back_to_triton_without_a_legal_tilelang_config():
     """The tiny DSA layer's sparse attention (Dqk 40 = 32 + 8) has no legal TileLang tiling on sm_90: "auto" must
     pick Triton on a GPU (TileLang first otherwise), not fail lowering."""
