@@ -2,6 +2,7 @@
 eager dense-masked attention, torch.compile of it and torch.topk as baselines in the same run.
 
     python tools/bench_dsa.py [--quick] [--musa-legal] [--out results.md] [--codegens triton tilelang]
+                              [--fp8-cache] [--long-context [--only long]]
 
 Shapes (DeepSeek-V3.2: indexer 64 heads × 128, FP8 key cache of 132 B/token; MLA 128 heads, Dqk 576, Dv 512, one
 latent KV head; top-k 2048; 64-token pages with a shuffled block table):
@@ -13,6 +14,11 @@ time ÷ the time of one read of the fp32 logits at 4.8 TB/s, sparse attention TF
 (2·H·topk·(Dqk + Dv) per query row, against ~790 dense bf16), and each baseline's time ÷ dzc's.
 --musa-legal runs the same kernels restricted to configs legal on MUSA mp_22 (≤ 8 warps, 72 KiB shared memory,
 BF16 indexer): it validates on the H200 the algorithm MUSA will run. --quick: a subset with untuned defaults.
+--fp8-cache: the decode rows read the FP8 latent cache (656 B/token: e4m3 + fp32 scale per 128 + bf16 rope,
+dzc.kv_cache's layout; Triton only, the TileLang template has no FP8 reader); the dense baselines run on its
+dequantized bf16 rows. --long-context: one decode step at 1M tokens of context (batch --long-context-batch, 2 query
+rows each): each kernel, then the whole step (indexer -> top-k -> sparse attention on its indices) timed, with
+its peak memory above the caches and in total.
 
 Every kernel is checked against its dzc op reference (rows of the first sequence) before it is timed. Kernels run
 through dzc's lowering (lower_op: the path a compiled graph takes) with autotuning (tuning database in
@@ -31,6 +37,7 @@ import torch
 import triton
 import triton.testing
 
+from dzc import kv_cache
 from dzc.lowering import Execution
 from dzc.ops.dsa import dsa_indexer_reference, dsa_topk_reference, sparse_attention_reference
 from dzc.options import CompileOptions
@@ -48,6 +55,7 @@ HEADS, D_QK, D_V = 128, 576, 512
 TOPK = 2048
 # Query rows of the first sequence whose outputs are checked against the op references before timing.
 CHECK_ROWS = 2
+LONG_CONTEXT = 1 << 20  # --long-context: a decode step at 1M tokens
 # Baselines materialise fp32 scores [queries, heads, context]: skipped above this many bytes of scores.
 BASELINE_SCORE_BYTES = 20 << 30
 
@@ -67,6 +75,7 @@ class Problem:
     context: int
     fp8_index: bool
     device: torch.device
+    fp8_latent: bool = False  # the latent cache in dzc.kv_cache's FP8 layout (656 B/token)
 
     def __post_init__(self):
         pages_per_seq = -(-self.context // PAGE_SIZE)
@@ -89,6 +98,8 @@ class Problem:
             self.index_cache = torch.randn(pages, PAGE_SIZE, INDEX_DIM, device=self.device, dtype=torch.bfloat16)
             self.index_q = torch.randn(rows, INDEX_HEADS, INDEX_DIM, device=self.device, dtype=torch.bfloat16)
         self.latent = torch.randn(pages, PAGE_SIZE, 1, D_QK, device=self.device, dtype=torch.bfloat16)
+        if self.fp8_latent:  # quantized through dzc.kv_cache (the model's write path), in place of the bf16 rows
+            self.latent = kv_cache.quantize_latent(self.latent, D_V)
         self.q = torch.randn(rows, HEADS, D_QK, device=self.device, dtype=torch.bfloat16)
         # Selected positions: random causal positions (all valid; duplicates are rare and count like any index).
         visible = (self.query_pos + 1).to(torch.float32)[:, None]
@@ -205,6 +216,8 @@ class Bench:
         flops = 2 * HEADS * TOPK * (D_QK + D_V) * problem.rows
         baseline = self.dense_baselines(problem)
         for codegen in self.args.codegens:
+            if problem.fp8_latent and codegen == "tilelang":
+                continue  # no FP8 latent reader in the TileLang template
             run, record = self.kernel("sparse_attention", args, codegen)
             out = run()
             _check(f"sparse_attention[{codegen}] {label}", out[:problem.check_rows],
@@ -222,7 +235,9 @@ class Bench:
         if self.args.no_baselines or score_bytes > BASELINE_SCORE_BYTES:
             return {}
         table = problem.block_table.long()
-        keys = problem.latent[table].reshape(problem.batch, -1, D_QK)[:, :problem.context]
+        latent = kv_cache.dequantize_latent(problem.latent, D_V, torch.bfloat16) if problem.fp8_latent \
+            else problem.latent
+        keys = latent[table].reshape(problem.batch, -1, D_QK)[:, :problem.context]
         q = problem.q.view(problem.batch, problem.queries, HEADS, D_QK)
         indices = problem.indices.view(problem.batch, problem.queries, TOPK)
         positions = problem.query_pos.view(problem.batch, problem.queries)
@@ -250,10 +265,12 @@ class Bench:
         """--dry-run: every problem built on the meta device (shapes, no memory), its sparse-attention spec and
         legal configs on the profile: everything up to the first launch."""
         meta = torch.device("meta")
-        shapes = [] if self.args.only == "prefill" else self.decode_shapes()
-        shapes += [] if self.args.only == "decode" else [(1, 4096, c) for c in self.prefill_contexts()]
+        shapes = self.decode_shapes() if self.args.only in (None, "decode") else []
+        shapes += [(1, 4096, c) for c in self.prefill_contexts()] if self.args.only in (None, "prefill") else []
+        if self.args.long_context or self.args.only == "long":
+            shapes.append((self.args.long_context_batch, 2, LONG_CONTEXT))
         for batch, queries, context in shapes:
-            problem = Problem(batch, queries, context, self.fp8, meta)
+            problem = Problem(batch, queries, context, self.fp8, meta, self.args.fp8_cache and queries <= 2)
             args = problem.attention_args()
             spec = attention_family.spec_for(args[0], args[1], None, D_V)
             legal, _ = legal_configs(attention_family, "triton", spec, self.target.profile)
@@ -263,8 +280,8 @@ class Bench:
     def decode(self):
         for batch, queries, context in self.decode_shapes():
             torch.manual_seed(batch * 1000 + queries + context)
-            problem = Problem(batch, queries, context, self.fp8, self.device)
-            label = f"decode B={batch} q={queries} ctx={context // 1024}K"
+            problem = Problem(batch, queries, context, self.fp8, self.device, self.args.fp8_cache)
+            label = f"decode B={batch} q={queries} ctx={context // 1024}K{' fp8-latent' if self.args.fp8_cache else ''}"
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
             self.indexer_and_topk(problem, label)
@@ -275,6 +292,44 @@ class Bench:
                   f"tensors when they ran)", flush=True)
             del problem
             torch.cuda.empty_cache()
+
+    def long_context(self):
+        """One decode step at LONG_CONTEXT tokens: each kernel's row, then the chained step and its peak memory."""
+        batch = self.args.long_context_batch
+        torch.manual_seed(LONG_CONTEXT)
+        problem = Problem(batch, 2, LONG_CONTEXT, self.fp8, self.device, self.args.fp8_cache)
+        label = f"decode B={batch} q=2 ctx=1M{' fp8-latent' if self.args.fp8_cache else ''}"
+        caches = torch.cuda.memory_allocated()
+        self.indexer_and_topk(problem, label)
+        self.sparse_attention(problem, label)
+        lengths = (problem.query_pos + 1).to(torch.int32)
+        run_indexer, indexer = self.kernel("dsa_indexer", problem.indexer_args())
+        topk = self.kernel("dsa_topk", (run_indexer(), lengths, TOPK))[1]
+        attention = self.kernel("sparse_attention", problem.attention_args())[1]  # auto: the FP8 cache is Triton's
+        del run_indexer
+
+        def step(problem=problem):
+            logits = torch.ops.dzc.dsa_indexer(*problem.indexer_args(), kernel_id=indexer.kernel_id)
+            indices = torch.ops.dzc.dsa_topk(logits, lengths, TOPK, kernel_id=topk.kernel_id)
+            args = list(problem.attention_args())
+            args[6] = indices
+            return torch.ops.dzc.sparse_attention(*args, kernel_id=attention.kernel_id)
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        seconds = _time(step)
+        print(f"{label}: whole step {seconds * 1e6:.0f} µs; peak {(peak - before) / 2**20:.0f} MiB above the "
+              f"caches ({caches / 2**20:.0f} MiB of caches and inputs), {peak / 2**30:.2f} GiB allocated in all",
+              flush=True)
+        self.rows.append(dict(kernel="indexer -> top-k -> sparse_attention", shape=label, us=seconds * 1e6,
+                              metric=f"peak {(peak - before) / 2**20:.0f} MiB above the caches",
+                              baseline=f"caches {caches / 2**20:.0f} MiB", config=""))
+        del problem
+        torch.cuda.empty_cache()
 
     def prefill(self):
         chunk = self.args.prefill_chunk
@@ -340,7 +395,12 @@ def main():
                         help="code generators for sparse attention")
     parser.add_argument("--no-baselines", action="store_true", help="skip the dense-masked attention baselines")
     parser.add_argument("--prefill-chunk", type=int, default=1024, help="query rows per indexer/top-k chunk")
-    parser.add_argument("--only", choices=["decode", "prefill"], help="run one half (the full run is long)")
+    parser.add_argument("--only", choices=["decode", "prefill", "long"],
+                        help="run one part (the full run is long); long: only the --long-context row")
+    parser.add_argument("--fp8-cache", action="store_true",
+                        help="decode rows over the FP8 latent cache (656 B/token) instead of bf16")
+    parser.add_argument("--long-context", action="store_true", help="a decode step at 1M tokens of context")
+    parser.add_argument("--long-context-batch", type=int, default=1, help="sequences in the 1M-token decode step")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128], help="decode batch sizes")
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072], help="decode contexts")
     parser.add_argument("--prefill-contexts", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -354,10 +414,12 @@ def main():
     if args.dry_run:
         bench.plan()
         return
-    if args.only != "prefill":
+    if args.only in (None, "decode"):
         bench.decode()
-    if args.only != "decode":
+    if args.only in (None, "prefill"):
         bench.prefill()
+    if args.long_context or args.only == "long":
+        bench.long_context()
     props = torch.cuda.get_device_properties(bench.device)
     meta = (f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, tilelang "
             f"{tilelang_codegen.VERSION}, python {platform.python_version()}, "
