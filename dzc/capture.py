@@ -331,8 +331,9 @@ class DzcBackend:
         with timer.stage("fallback compile"):
             cached.before_fallback()
             compiled, checked = self._fallback(gm, graph, example_inputs, fallback, checkable, inductor_context)
-        with timer.stage("compile cache"):
-            cached.store(fallback == "inductor")
+        if cached.state != "off":
+            with timer.stage("compile cache"):
+                cached.store(fallback == "inductor")
         results = [stage.result for stage in stages if stage.result is not None]
         return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, cached.state)
 
