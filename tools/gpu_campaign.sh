@@ -8,21 +8,13 @@
 #   call 3:                    bash tools/gpu_campaign.sh 3   # end-to-end multimodal benchmark (the whole call)
 #   call 4:                    bash tools/gpu_campaign.sh 4   # kernel benchmarks (MoE, DSA, vision attention)
 #   call 5:                    bash tools/gpu_campaign.sh 5   # MoE numerics (W4A8 and W4A16); W4A8 timings; MoE memory table
-# Diagnosis of the MoE kernels that are wrong on the GPU (issue 15), each GEMM on its own:
-#   (carry .whl-gpu1)          bash tools/gpu_campaign.sh moe-diag-1   # W4A8 diagnosis + its tests
-#   (carry .whl-gpu2)          bash tools/gpu_campaign.sh moe-diag-2   # TileLang W4A16 diagnosis
-# Session 8 (issues 15, 16):
-#   (carry .whl-gpu1)          bash tools/gpu_campaign.sh s8-1   # MoE and CUDA-graph GPU tests; W4A8 op timings
-#   (carry .whl-gpu2)          bash tools/gpu_campaign.sh s8-2   # TileLang MoE GPU tests; the op fuzzer, both codegens
-#   (carry .whl-gpu1)          bash tools/gpu_campaign.sh s8-3   # after the fixes: CUDA-graph, MoE, norm GPU tests; fuzz (Triton)
-#   (carry .whl-gpu2)          bash tools/gpu_campaign.sh s8-4   # TileLang MoE GPU test; fuzz (TileLang)
-# Next session (what session 8 left unrun on the GPU):
-#   (carry .whl-gpu1)          bash tools/gpu_campaign.sh next-1   # GPU tests of the session-8 work (Triton paths)
-#   (carry .whl-gpu2)          bash tools/gpu_campaign.sh next-2   # TileLang GPU tests; the fuzzer, Triton then TileLang
-#                              bash tools/gpu_campaign.sh next-3   # W4A8 at prefill sizes; the model zoo on the GPU
-# Session 9: the parts of next-1/next-2 that ran out of time (the GPU half only: -m gpu), in two short calls:
-#   (carry .whl-gpu1)          bash tools/gpu_campaign.sh s9-1   # runtime + kernel GPU tests (Triton), fuzz smoke
-#   (carry .whl-gpu2)          bash tools/gpu_campaign.sh s9-2   # TileLang alignment tests + the add_layer_norm repro
+# Next session (session 9's work, none of it run on a GPU yet), back to back while the machine is warm:
+#   (carry .whl-gpu1)          bash tools/gpu_campaign.sh next-1   # runner/host-path GPU tests; overhead diagnosis
+#   (carry .whl-gpu2)          bash tools/gpu_campaign.sh next-2   # gpu + anydevice kernel tests (Triton); the fuzzer
+#                              bash tools/gpu_campaign.sh next-3   # TileLang GPU tests; the fuzzer on TileLang
+#                              bash tools/gpu_campaign.sh next-4   # benchmarks: add+norm back to back, compile, DSA FP8
+# Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
+#                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
 #   bash tools/gpu_campaign.sh triton   # GPU tests of the Triton paths of the newest work; end-to-end and norm benches
 # Everything lands under $OUT (logs, result tables).
@@ -85,79 +77,41 @@ case $step in
   TAIL=30 part bench_mxfp4_moe_w4a8 240 python3 tools/bench_mxfp4_moe.py --quick --w4a8 --codegens triton \
     --out "$OUT/mxfp4_moe_w4a8_h200.md"
   ;;
-moe-diag-1)
+next-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-  TAIL=40 part diag_w4a8 200 python3 tools/diagnose_mxfp4_moe_numerics.py --codegen w4a8
-  TAIL=20 part gpu_tests_w4a8 200 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_w4a8.py
-  ;;
-moe-diag-2)
-  TAIL=60 part diag_tilelang 400 python3 tools/diagnose_mxfp4_moe_numerics.py --codegen tilelang \
-    --cases float32-T1 silu --configs 2 --workdir "$OUT/tl"
-  ;;
-s8-1)
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-  TAIL=15 part gpu_tests_moe 240 python3 -m pytest -q -p no:logging -rf -k "not tilelang" \
-    tests/test_mxfp4_moe_w4a8.py tests/test_mxfp4_moe_kernels.py
-  TAIL=15 part gpu_tests_cuda_graphs 200 python3 -m pytest -q -p no:logging -rf tests/test_cuda_graphs.py \
-    tests/test_reinplace_cache_writes.py tests/test_multimodal_model.py -m gpu
-  TAIL=30 part bench_mxfp4_moe_w4a8 200 python3 tools/bench_mxfp4_moe.py --quick --w4a8 --memory-layers 0 \
-    --out "$OUT/mxfp4_moe_w4a8_h200.md"
-  ;;
-s8-2)
-  TAIL=15 part gpu_tests_moe 420 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_kernels.py \
-    tests/test_mxfp4_moe_w4a8.py
-  [ -f tools/fuzz.py ] && TAIL=30 part fuzz 240 python3 tools/fuzz.py --out "$OUT/fuzz_h200.md"
-  ;;
-s8-3)
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=25 part gpu_tests_cuda_graphs 150 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_cuda_graphs.py \
-    tests/test_reinplace_cache_writes.py tests/test_multimodal_model.py tests/test_check_rewrites.py
-  TAIL=8 part gpu_tests_moe_norm 100 python3 -m pytest -q -p no:logging -rf -k "not tilelang" -x \
-    tests/test_mxfp4_moe_w4a8.py tests/test_add_rms_norm_kernels.py
-  TAIL=30 part fuzz_triton 60 python3 tools/fuzz.py --codegens triton --cases 6 --out "$OUT/fuzz_h200_triton.md"
-  ;;
-s8-4)
-  TAIL=8 part gpu_tests_tilelang_moe 170 python3 -m pytest -q -p no:logging -rf \
-    tests/test_mxfp4_moe_kernels.py::test_tilelang_on_gpu_every_selftest_case
-  TAIL=30 part fuzz_tilelang 60 python3 tools/fuzz.py --codegens tilelang --cases 4 --out "$OUT/fuzz_h200_tilelang.md"
-  ;;
-next-1)
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=25 part gpu_tests_runtime 240 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_cuda_graphs.py \
-    tests/test_reinplace_cache_writes.py tests/test_multimodal_model.py tests/test_check_rewrites.py \
-    tests/test_capture.py tests/test_dsa_models.py
-  TAIL=15 part gpu_tests_kernels 300 python3 -m pytest -q -p no:logging -rf -k "not tilelang" \
-    tests/test_add_rms_norm_kernels.py tests/test_fuse_residual_norm.py tests/test_mxfp4_moe_kernels.py \
-    tests/test_mxfp4_moe_w4a8.py tests/test_dsa_kernels.py tests/test_tilelang_launch_alignment.py
+  TAIL=20 part gpu_tests_runtime 260 python3 -m pytest -q -p no:logging -rf -m gpu --durations=10 \
+    tests/test_host_path.py tests/test_cuda_graphs.py tests/test_runtime_cuda_graph_decisions.py \
+    tests/test_reinplace_cache_writes.py tests/test_multimodal_model.py tests/test_capture.py
+  TAIL=60 part diagnose_overhead 200 python3 tools/diagnose_overhead.py --tokens 1 64 4096
   ;;
 next-2)
-  TAIL=15 part gpu_tests_tilelang 300 python3 -m pytest -q -p no:logging -rf -m gpu -k tilelang tests/
-  TAIL=30 part fuzz_triton 280 python3 tools/fuzz.py --codegens triton --out "$OUT/fuzz_h200_triton.md"
+  TAIL=20 part gpu_tests_kernels 300 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" -k "not tilelang" \
+    --durations=10 tests/test_add_rms_norm_kernels.py tests/test_mxfp4_moe_w4a8.py tests/test_dsa_kernels.py \
+    tests/test_varlen_attention_kernels.py tests/test_mxfp4_moe_kernels.py tests/test_tilelang_launch_alignment.py
+  TAIL=30 part fuzz_triton 260 python3 tools/fuzz.py --codegens triton --out "$OUT/fuzz_h200_triton.md"
   ;;
 next-3)
-  TAIL=30 part fuzz_tilelang 300 python3 tools/fuzz.py --codegens tilelang --out "$OUT/fuzz_h200_tilelang.md"
-  TAIL=30 part bench_w4a8_prefill 240 python3 tools/bench_mxfp4_moe.py --w4a8 --models gpt-oss-120b \
-    --tokens 4096 8192 --routing uniform --codegens triton --memory-layers 0 --out "$OUT/mxfp4_moe_w4a8_prefill.md"
+  TAIL=20 part gpu_tests_tilelang 330 python3 -m pytest -q -p no:logging -rf -m gpu -k tilelang --durations=10 \
+    tests/test_tilelang_launch_alignment.py tests/test_tilelang_add_rms_norm.py tests/test_mxfp4_moe_kernels.py \
+    tests/test_varlen_attention_kernels.py
+  TAIL=30 part fuzz_tilelang 240 python3 tools/fuzz.py --codegens tilelang --out "$OUT/fuzz_h200_tilelang.md"
   ;;
-s9-1)
+next-4)
+  TAIL=30 part bench_back_to_back 200 python3 tools/bench_add_rms_norm.py --back-to-back --codegens triton \
+    --out "$OUT/add_rms_norm_back_to_back_h200.md"
+  TAIL=30 part bench_compile 240 python3 tools/bench_compile.py --out "$OUT/compile_time_h200.md"
+  TAIL=30 part bench_dsa_fp8_cache 140 python3 tools/bench_dsa.py --quick --fp8-cache --out "$OUT/dsa_fp8_cache_h200.md"
+  ;;
+tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=15 part gpu_tests_runtime 100 python3 -m pytest -q -p no:logging -rf -m gpu --durations=8 \
-    tests/test_reinplace_cache_writes.py tests/test_check_rewrites.py tests/test_capture.py
-  TAIL=15 part gpu_tests_kernels 170 python3 -m pytest -q -p no:logging -rf -m gpu -k "not tilelang" --durations=8 \
-    tests/test_add_rms_norm_kernels.py tests/test_fuse_residual_norm.py tests/test_mxfp4_moe_kernels.py \
-    tests/test_mxfp4_moe_w4a8.py tests/test_dsa_kernels.py tests/test_tilelang_launch_alignment.py
-  TAIL=30 part fuzz_triton_smoke 60 python3 tools/fuzz.py --codegens triton --cases 4 \
-    --out "$OUT/fuzz_h200_triton_smoke.md"
-  ;;
-s9-2)
-  TAIL=15 part gpu_tests_tilelang_alignment 150 python3 -m pytest -q -p no:logging -rf -m gpu --durations=8 \
-    tests/test_tilelang_launch_alignment.py
-  TAIL=30 part fuzz_repro_add_layer_norm 90 python3 tools/fuzz.py --ops add_layer_norm --codegens tilelang \
-    --seed 0 --only 5
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # no NVLink multicast on these machines
+  nvidia-smi --query-gpu=name --format=csv,noheader
+  TAIL=20 part gpu_tests_distributed 200 python3 -m pytest -q -p no:logging -rf -s \
+    tests/test_distributed.py::test_tensor_parallel_on_two_gpus
+  TAIL=40 part bench_distributed 360 torchrun --nproc-per-node 2 tools/bench_distributed.py \
+    --out "$OUT/distributed_h200.md"
   ;;
 triton)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
