@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx._graph_pickler import GraphPickler, Options
 
 from dzc import config
@@ -85,15 +85,17 @@ def _describe_input(value) -> str:
 def _constants(gm: torch.fx.GraphModule) -> list[str]:
     """The graph's tensor constants (get_attr), by value: a pass may read them."""
     described = []
-    for node in gm.graph.nodes:
-        if node.op != "get_attr":
-            continue
-        value = getattr(gm, node.target, None)
-        if isinstance(value, torch.Tensor) and not value.is_meta:
-            data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-            described.append(f"{node.target}: {_describe_input(value)} {hashlib.sha256(data).hexdigest()[:16]}")
-        else:
-            described.append(f"{node.target}: {type(value).__name__}")
+    # AOTAutograd calls the backend with its fake mode active: reading a real constant's bytes must leave it.
+    with unset_fake_temporarily():
+        for node in gm.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            value = getattr(gm, node.target, None)
+            if isinstance(value, torch.Tensor) and not value.is_meta and not isinstance(value, FakeTensor):
+                data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                described.append(f"{node.target}: {_describe_input(value)} {hashlib.sha256(data).hexdigest()[:16]}")
+            else:
+                described.append(f"{node.target}: {type(value).__name__}")
     return described
 
 
