@@ -312,8 +312,7 @@ class DzcBackend:
         uses = kernel_uses(graph)
         references = [record for record in created if record.codegen == "reference"]
         with timer.stage("ir text"):
-            stages.append(type(stages[0])("lowered", ir.print_graph(graph, f"lowered for {self.target.name}"),
-                                          None))
+            stages.append(Stage("lowered", ir.print_graph(graph, f"lowered for {self.target.name}"), None))
         with timer.stage("coverage"):
             coverage = graph_coverage(graph, [(s.name, where, why) for s in stages if s.result is not None
                                               for where, why in s.result.refusals])
@@ -382,6 +381,7 @@ class _CachedPasses:
         self.state = "off"
         self.entry: compile_cache.Entry | None = None
         self._pending: tuple | None = None  # (key, parts, pickled graph, stages) to store after the fallback
+        self.captured_text: str | None = None  # the capture stage's dump, printed for the key
         if not compile_cache.enabled():
             return
         with timer.stage("compile cache"):
@@ -401,7 +401,8 @@ class _CachedPasses:
             stages = [Stage(name, text, None if rewrites is None else PassResult(name, graph, rewrites, refusals))
                       for name, text, rewrites, refusals in self.entry.stages]
             return graph, stages
-        graph, stages = run_pipeline(self.gm.graph, self.target, self.options, timer=self.timer)
+        graph, stages = run_pipeline(self.gm.graph, self.target, self.options, timer=self.timer,
+                                     captured_text=self.captured_text)
         if self.state != "off":
             with self.timer.stage("compile cache"):
                 pickled = compile_cache.pickle_graph(graph)  # before lowering binds kernels into it

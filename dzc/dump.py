@@ -4,7 +4,7 @@
     dzc-dump llama_decoder --target musa --kernels   # ... and the generated MUSA kernel sources
     dzc-dump pkg.module:factory --after fuse_residual_norm --json
     dzc-dump hf_gpt_oss_mxfp4 --coverage             # what runs in dzc kernels, what was left and why
-    dzc-dump dzc.distributed:tp_decoder_example --tp 2   # each rank's graphs and report, ranks on the CPU (gloo)
+    dzc-dump dzc.models.distributed:tp_decoder_example --tp 2   # each rank's graphs and report, ranks on the CPU (gloo)
 
 MODEL is a name from --list-models or `package.module:factory`, where factory() returns (model, example_inputs).
 A thin front end: it compiles with dzc.compile and prints the report's stages; it has no compiler logic.
@@ -134,7 +134,7 @@ def _dump_ranks(args) -> int:
     model, _ = load_model(args.model)
     if not getattr(model, "tp_plan", None):
         raise UsageError(f"model {args.model!r} has no tp_plan (module name pattern -> 'colwise' | 'rowwise') to "
-                         f"shard it by; dzc.distributed:tp_decoder_example has one")
+                         f"shard it by; dzc.models.distributed:tp_decoder_example has one")
     with tempfile.TemporaryDirectory() as out:
         distributed.spawn_ranks(_dump_rank, args.tp, args, out)
         texts = [(Path(out) / f"rank{rank}.txt").read_text() for rank in range(args.tp)]
@@ -153,10 +153,10 @@ def _dump_rank(rank: int, world: int, args, out: str) -> None:
 
     from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415
 
-    from dzc import distributed  # noqa: PLC0415
+    from dzc.models import distributed as sharded  # noqa: PLC0415
 
     model, inputs = load_model(args.model)
-    distributed.parallelize(model, init_device_mesh("cpu", (world,)))
+    sharded.parallelize(model, init_device_mesh("cpu", (world,)))
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         _dump(args, model, inputs, lambda message: print(f"dzc-dump: error: {message}"))

@@ -80,9 +80,10 @@ class Stage:
 
 
 def run_pipeline(graph: torch.fx.Graph, target: Target, options: CompileOptions = CompileOptions(),
-                 verify: bool = True, timer: CompileTimer | None = None) -> tuple[torch.fx.Graph, list[Stage]]:
+                 verify: bool = True, timer: CompileTimer | None = None,
+                 captured_text: str | None = None) -> tuple[torch.fx.Graph, list[Stage]]:
     """Run the passes over `graph`; `timer` gets each pass's seconds ("pass <name>", its verify included) and the
-    stages' dumps' ("ir text")."""
+    stages' dumps' ("ir text"). captured_text: the capture stage's dump, where the caller printed it already."""
     timer = timer or CompileTimer()
     passes = build_pipeline(target, options)
     disabled = options.disable_passes
@@ -90,8 +91,10 @@ def run_pipeline(graph: torch.fx.Graph, target: Target, options: CompileOptions 
     unknown = set(disabled) - set(names)
     if unknown:
         raise ValueError(f"unknown passes {sorted(unknown)} in disable_passes; passes: {', '.join(names)}")
-    with timer.stage("ir text"):
-        stages = [Stage("capture", ir.print_graph(graph, "captured by Dynamo + AOTAutograd"), None)]
+    if captured_text is None:
+        with timer.stage("ir text"):
+            captured_text = ir.print_graph(graph, "captured by Dynamo + AOTAutograd")
+    stages = [Stage("capture", captured_text, None)]
     for graph_pass in passes:
         if graph_pass.__name__ in disabled:
             continue

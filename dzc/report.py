@@ -43,12 +43,12 @@ def format_seconds(seconds: dict[str, float]) -> str:
     passes = {name.removeprefix("pass "): s for name, s in seconds.items() if name.startswith("pass ")}
     parts = []
     for name, value in seconds.items():
-        if name.startswith("pass "):
-            if name == next(n for n in seconds if n.startswith("pass ")):
-                inner = ", ".join(f"{p} {v:.2f}" for p, v in passes.items())
-                parts.append(f"passes {sum(passes.values()):.2f} ({inner})")
-            continue
-        parts.append(f"{name} {value:.2f}")
+        if not name.startswith("pass "):
+            parts.append(f"{name} {value:.2f}")
+        elif passes:  # at the first pass, all of them
+            inner = ", ".join(f"{p} {v:.2f}" for p, v in passes.items())
+            parts.append(f"passes {sum(passes.values()):.2f} ({inner})")
+            passes = {}
     return f"{sum(seconds.values()):.2f} s: " + ", ".join(parts)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import inspect
 import time
 import traceback
@@ -327,10 +328,11 @@ class Signature:
 
     def merge(self, later: "Signature") -> "Signature":
         """This key's signature after another call run as it is showed `later`."""
-        return Signature(self.refused or later.refused, self.in_place | later.in_place,
-                         tuple(sorted(set(self.written) | set(later.written))), later.warm, later.warm_at,
-                         self.graphs, later.host_s if later.host_s is not None else self.host_s, self.tokens,
-                         self.replay_s, self.pays, self.copy_outputs, self.pending)
+        return dataclasses.replace(self, refused=self.refused or later.refused,
+                                   in_place=self.in_place | later.in_place,
+                                   written=tuple(sorted(set(self.written) | set(later.written))),
+                                   warm=later.warm, warm_at=later.warm_at,
+                                   host_s=later.host_s if later.host_s is not None else self.host_s)
 
     def capturable(self) -> bool:
         """Warm, and no graph compiled since (one compiled by another call may be what this key's calls reach next,

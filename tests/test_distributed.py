@@ -52,6 +52,7 @@ class _SharedPartial(nn.Module):
 def _ranks(rank: int, world: int, out_dir: str) -> None:
     import dzc
     from dzc import distributed
+    from dzc.models import distributed as sharded
     from dzc.models.moe import build_moe
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -59,21 +60,21 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
     results = {}
     sizes = dict(hidden=32, heads=2, intermediate=64, layers=1, vocab=64)
     tokens = [torch.randint(0, 64, (2, seq), generator=torch.Generator().manual_seed(seq)) for seq in SEQS]
-    reference = distributed.build_tp_decoder(**sizes)
+    reference = sharded.build_tp_decoder(**sizes)
     with torch.no_grad():
         expected = [reference(t) for t in tokens]
 
     # TP the standard ways: DTensor's parallel styles, and the same shards written with functional collectives.
     mesh = init_device_mesh("cpu", (world,))
-    for name, model in (("dtensor", distributed.parallelize(distributed.build_tp_decoder(**sizes), mesh)),
-                        ("functional", distributed.shard_by_hand(distributed.build_tp_decoder(**sizes), rank, world,
+    for name, model in (("dtensor", sharded.parallelize(sharded.build_tp_decoder(**sizes), mesh)),
+                        ("functional", sharded.shard_by_hand(sharded.build_tp_decoder(**sizes), rank, world,
                                                                  dist.group.WORLD))):
         compiled = dzc.compile(model, target="cuda", options=options)
         results[name] = _summary(compiled, [compiled(t) for t in tokens], expected)
 
     # EP: each rank routes its own tokens; experts 0-1 on rank 0, 2-3 on rank 1.
     block = build_moe("tiny-gptoss")
-    layer = distributed.ExpertParallelMoE(block, rank, world, dist.group.WORLD)
+    layer = sharded.ExpertParallelMoE(block, rank, world, dist.group.WORLD)
     compiled = dzc.compile(layer, target="cuda", options=options)
     outputs, expected = [], []
     for count in TOKENS_PER_RANK:
@@ -199,13 +200,13 @@ def _gpu_ranks(rank: int, world: int, out_dir: str) -> None:
     CUDA graphs for <= 256 tokens), against the unsharded eager model on the same GPU, over decode-sized calls
     (warm-up, capture, replays: the all-reduces inside a captured CUDA graph) and a prefill-sized one."""
     import dzc
-    from dzc import distributed
+    from dzc.models import distributed as sharded
     from torch.distributed.device_mesh import init_device_mesh
 
     device = torch.device("cuda", rank)
     sizes = dict(hidden=256, heads=4, intermediate=512, layers=2, vocab=256)
-    reference = distributed.build_tp_decoder(torch.bfloat16, **sizes).to(device)
-    model = distributed.parallelize(distributed.build_tp_decoder(torch.bfloat16, **sizes).to(device),
+    reference = sharded.build_tp_decoder(torch.bfloat16, **sizes).to(device)
+    model = sharded.parallelize(sharded.build_tp_decoder(torch.bfloat16, **sizes).to(device),
                                     init_device_mesh("cuda", (world,)))
     compiled = dzc.compile(model, target="cuda")
     errors = []

@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_vision_models import _tiny_qwen2_5_vl_vision_tower
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dzc
@@ -20,18 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _vision_tower():
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-    config = transformers.Qwen2_5_VLConfig().vision_config.__class__(
-        depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=2, temporal_patch_size=1,
-        window_size=8, out_hidden_size=24, fullatt_block_indexes=[1], in_channels=3)
-    torch.manual_seed(0)
-    model = Qwen2_5_VisionTransformerPretrainedModel(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "ln_q" in name:
-                param.normal_(1.0, 0.1)  # ones would hide a missing weight multiply
-    return model
+    return _tiny_qwen2_5_vl_vision_tower(attn_implementation=None)  # transformers' default implementation
 
 
 def _text_model(config_class="LlamaConfig", model_class="LlamaForCausalLM", **extra):

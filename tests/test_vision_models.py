@@ -56,14 +56,17 @@ def test_split_spelling_fuses_and_compiles_once_per_image_count(options):
     assert not report.refusals["fuse_vision_attention"]
 
 
-def _tiny_qwen2_5_vl_vision_tower():
+def _tiny_qwen2_5_vl_vision_tower(attn_implementation: str | None = "sdpa"):
+    """HF Qwen2.5-VL's vision tower, tiny, norms' weights drawn around 1; attn_implementation None: transformers'
+    default."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     config = transformers.Qwen2_5_VLConfig().vision_config.__class__(
         depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=2, temporal_patch_size=1,
         window_size=8, out_hidden_size=24, fullatt_block_indexes=[1], in_channels=3)
-    config._attn_implementation = "sdpa"
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
     torch.manual_seed(0)
     model = Qwen2_5_VisionTransformerPretrainedModel(config).eval()
     with torch.no_grad():

@@ -37,6 +37,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 
 from dzc import distributed
+from dzc.models import distributed as sharded
 from dzc.models.decoder import HFRMSNorm
 from dzc.models.moe import CONFIGS, build_moe
 from dzc.targets import resolve_target
@@ -62,13 +63,15 @@ class AllReduceAddNorm(nn.Module):
         return self.norm(h), h
 
 
-def timed(fn, iterations: int, device) -> float:
-    """Median seconds of `iterations` back-to-back calls (after two warm-up calls), every rank in step."""
+def timed(fn, iterations: int, device, together: bool = True) -> float:
+    """Median seconds of `iterations` back-to-back calls (after two warm-up calls); `together`: every rank in step
+    (a barrier before each call), else this rank alone (the one-GPU baselines)."""
     for _ in range(2):
         fn()
     times = []
     for _ in range(iterations):
-        dist.barrier()
+        if together:
+            dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -130,11 +133,11 @@ def tp_layer(sizes, options, target, device, mesh, rank, world) -> list[str]:
                                     generator=torch.Generator(device=device).manual_seed(2))}
     results = {}
     for tp in sorted({1, world}):
-        model = distributed.build_tp_decoder(torch.bfloat16, **layer).to(device)
+        model = sharded.build_tp_decoder(torch.bfloat16, **layer).to(device)
         with torch.no_grad():
             expected = {name: model(t) for name, t in tokens.items()}
         if tp > 1:
-            distributed.parallelize(model, mesh)
+            sharded.parallelize(model, mesh)
         elif rank != 0:
             dist.barrier()  # TP = 1 runs on rank 0 alone
             continue
@@ -142,7 +145,7 @@ def tp_layer(sizes, options, target, device, mesh, rank, world) -> list[str]:
         with torch.no_grad():
             for name, t in tokens.items():
                 check(f"TP={tp} {name}", compiled(t), expected[name], 2 ** -4)
-                results[(tp, name)] = _alone_or_together(lambda t=t: compiled(t), sizes, device, tp)
+                results[(tp, name)] = timed(lambda t=t: compiled(t), sizes["iterations"], device, together=tp > 1)
         if tp > 1:
             fired(compiled, "fuse_all_reduce_residual_norm")
         elif world > 1:
@@ -155,29 +158,11 @@ def tp_layer(sizes, options, target, device, mesh, rank, world) -> list[str]:
             f"{results[(tp, 'step')] / results[(1, 'step')]:.2f}x |" for tp in sorted({1, world})]
 
 
-def _alone_or_together(fn, sizes, device, tp: int) -> float:
-    """timed(), or on rank 0 alone (no barrier with the others) for the one-GPU baselines."""
-    if tp > 1:
-        return timed(fn, sizes["iterations"], device)
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(sizes["iterations"]):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
     block = build_moe(sizes["moe"]).to(device)
     hidden = block.cfg.hidden
     rows = []
-    layer = distributed.ExpertParallelMoE(block, rank, world, group).to(device)
+    layer = sharded.ExpertParallelMoE(block, rank, world, group).to(device)
     compiled_ep = dzc.compile(layer, target=target, options=options)
     compiled_one = dzc.compile(block, target=target, options=options) if rank == 0 else None
     for tokens in sizes["moe_tokens"]:
@@ -187,7 +172,7 @@ def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
         with torch.no_grad():
             check(f"EP={world} T={tokens}", compiled_ep(mine), block(x)[rank * tokens:(rank + 1) * tokens], 2 ** -4)
             ep_s = timed(lambda: compiled_ep(mine), sizes["iterations"], device)
-            one_s = _alone_or_together(lambda: compiled_one(mine), sizes, device, 1) if rank == 0 else 0.0
+            one_s = timed(lambda: compiled_one(mine), sizes["iterations"], device, together=False) if rank == 0 else 0.0
         if world > 1:
             dist.barrier()
         rows.append(f"| EP={world} | {tokens} | {ep_s * 1e6:.1f} | {one_s * 1e6:.1f} | {one_s / ep_s:.2f}x |")
