@@ -307,7 +307,8 @@ def triton_launch(kernels, config: KernelConfig, q, k_cache, v_cache, block_tabl
     lse = torch.empty(splits, rows, spec.heads, dtype=torch.float32, device=q.device)
     kernels["sparse_attention_split_kernel"][(rows, head_blocks, splits)](
         q, k_values, k_scales, k_rope, v_cache, block_table, seq_lens, query_seq, indices, partial, lse, topk,
-        page_size, scale_log2, per_split, *common, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        page_size, scale_log2, per_split, *common, partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1),
         **constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
     kernels["sparse_attention_combine_kernel"][(rows, spec.heads)](
         partial, lse, out, splits, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
