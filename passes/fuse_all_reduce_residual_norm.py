@@ -15,13 +15,13 @@ After:
 
     %f = dzc.all_reduce_add_rms_norm.default(%partial, %residual, %weight, eps, ..., %group)
 
-The add is commutative to the bit (the op adds in fp32, and an fp32 sum of two bf16/fp16/fp32 values does not
-depend on their order), so the reduced operand becomes the op's x wherever it was.
+The add is commutative to the bit (IEEE addition is, in whichever dtype the op sums), so the reduced operand
+becomes the op's x wherever it was.
 
 Conditions (each refusal is reported with its reason): the reduction is "sum" (the op reduces by sum); the reduced
 value has no use other than the add (the fused op does not return it). The add's shapes fuse_residual_norm has
-checked (no broadcast). An all-reduce that no add_rms_norm reads (the last layer's, before a final norm without residual)
-is not this meaning and is left alone silently.
+checked (no broadcast). An all-reduce that no add_rms_norm reads (the last layer's, before a final norm without
+residual) is not this meaning and is left alone silently.
 
 Ordering: after fuse_residual_norm (it consumes the dzc.add_rms_norm nodes that pass makes), before lowering,
 which turns the op into the backend's all-reduce + dzc's add_rms_norm kernel (or, later, a one-shot kernel).
@@ -66,7 +66,7 @@ def fuse_all_reduce_residual_norm(graph: torch.fx.Graph) -> PassResult:
             continue
         x, residual, *rest = norm.args
         if _reduced(x) is None and _reduced(residual) is not None:
-            x, residual = residual, x  # the reduced operand first: the fp32 sum does not depend on the order
+            x, residual = residual, x  # the reduced operand first: the sum does not depend on the order
         reduce = _reduced(x)
         if reduce is None:
             continue
