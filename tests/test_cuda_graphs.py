@@ -281,13 +281,27 @@ def test_moe_workspace_captured_by_a_graph_outlives_its_replacement(seed, tmp_pa
     mxfp4_moe.release_workspaces()
 
 
-def test_large_calls_take_the_guarded_path(seed, tmp_path):
+def test_large_calls_take_the_guarded_path_until_a_repeated_key_is_judged(seed, tmp_path):
+    """Above max_tokens: lengths seen once cost only their key (no capture); a repeated key is captured, its
+    replays timed, and then it either keeps replaying or is refused with the timings; every call's result is the
+    guarded path's."""
     model = _model(AddRMSNorm, 256, seed)
     compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), cuda_graph_max_tokens=16))
+    runner = compiled._cuda_graphs
+    guarded = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), cuda_graph_max_tokens=0))
+    for tokens in (64, 80, 96):  # prefill of ever new lengths
+        x, r = _inputs(tokens, 256)
+        torch.testing.assert_close(compiled(x, r), guarded(x, r), rtol=0, atol=0)
+    assert not runner.graphs and len(runner.signatures) == 3, runner.describe()
+    assert all(s.graphs == 0 and s.pays is None for s in runner.signatures.values()), runner.describe()
     x, r = _inputs(64, 256)
-    compiled(x, r)
-    compiled(x, r)
-    assert not compiled._cuda_graphs.graphs and not compiled._cuda_graphs.signatures, compiled._cuda_graphs.describe()
+    for _ in range(12):  # observed, captured, TIMED_REPLAYS timed replays, judged (a recompile may add one)
+        x.normal_(), r.normal_()  # new values each call: a replay must see them
+        torch.testing.assert_close(compiled(x, r), guarded(x, r), rtol=0, atol=0)
+    [judged] = [s for s in runner.signatures.values() if s.graphs]
+    assert judged.pays is not None and len(judged.replay_s) == runner.TIMED_REPLAYS, runner.describe()
+    assert (judged.refused is None) == judged.pays, runner.describe()
+    assert bool(runner.graphs) == judged.pays, runner.describe()
 
 
 def test_a_host_read_kept_on_the_device_replays_with_fresh_values(seed, tmp_path):

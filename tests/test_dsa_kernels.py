@@ -95,9 +95,12 @@ def test_indexer_matches_reference(case, layout, seed, tmp_path):
         logits = _run_triton(dsa_indexer, spec, kernel, config, args)
         assert not logits.isnan().any(), f"{config}: unwritten logits"
         assert torch.equal(logits.isinf(), expected.isinf()), f"{config}: −inf (masked) columns differ"
-        # Exact products, fp32 sums in another order: relative to the magnitude of the terms.
+        # Exact products, fp32 sums in another order: relative to the magnitude of the terms. FP8 x FP8 on a
+        # Hopper GPU: tiles of 64 rows or more run on wgmma, whose FP8 accumulation keeps about 14 bits (DeepSeek-V3
+        # report, 3.3.2; measured here: errors up to 2^-12.2 of the largest logit), as DeepGEMM's indexer has.
         scale = expected[expected.isfinite()].abs().max()
-        torch.testing.assert_close(logits, expected, atol=1e-5 * scale, rtol=1e-5, msg=lambda m: f"{config}: {m}")
+        atol = (2**-10 if fp8_q and DEVICE.type == "cuda" else 1e-5) * scale
+        torch.testing.assert_close(logits, expected, atol=atol, rtol=1e-5, msg=lambda m: f"{config}: {m}")
 
 
 def test_indexer_rejects_mismatched_q_and_cache():
