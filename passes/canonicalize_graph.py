@@ -21,19 +21,37 @@ the graph's order unchanged.
 No rule touches a value the graph returns or one an in-place op writes: replacing it by its input would make an
 output alias an input or another output where it did not.
 
+Index arithmetic on aranges (fold_known_index, fold_and_true): integer and bool tensors whose every value the graph
+alone determines, computed from iota / full / scalar_tensor, never from an input. HF's mask without a cache
+recomputes what is known (positions = arange(S) when no position_ids are passed):
+
+    ids  = cumsum(diff(pos, prepend=pos[:, :1] - 1) != 1)        # packed-sequence ids: all 0, one sequence a row
+    keep = True & (pos[b, kv] <= pos[b, q]) & (ids[b, q] == ids[b, kv])
+      =>  keep = arange(S)[kv] <= arange(S)[q]                    # the causal mask, as with a cache
+
+A value is proved by a walk over its inputs that gives it a _Ramp (element [i] = start + step * i[dim]); the
+folded node is replaced by iota -> unsqueeze -> expand (or full) of its exact shape and dtype. Position ids given
+as an input (which may pack several sequences into a row) have no ramp: their masks stay as written.
+
 Ordering: first in the pipeline, on the graph as captured; every fusion pass matches the canonical form.
 """
 
 from __future__ import annotations
 
+import contextlib
+import operator
+from dataclasses import dataclass
+
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dzc.passes.graph_pass import PassResult, copy_graph
+from dzc.passes.graph_pass import PassResult, copy_graph, fake_value, location_of
 from dzc.passes.patterns import Cast, Match, Op, Rule, Var, apply_rules, cast_dtype, dtype_of, remove_dead, \
-    widens_exactly
+    same_sizes, widens_exactly
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 NAME = "canonicalize_graph"
 
@@ -140,4 +158,296 @@ def canonicalize_graph(graph: torch.fx.Graph) -> PassResult:
     result = PassResult(NAME, graph)
     # Inputs first, to a fixed point: folding a round trip can leave a cast that another rule then removes.
     apply_rules(graph, RULES, result, users_first=False, name_sites=True, until_fixpoint=True)
+    _fold_known_values(graph, result)
     return result
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Index arithmetic on aranges: integer and bool values the graph alone determines.
+
+_KNOWN_DTYPES = (torch.int64, torch.int32, torch.bool)  # positions and masks: no rounding, no wrap at these sizes
+
+
+@dataclass(frozen=True)
+class _Ramp:
+    """A tensor whose element [i] is start + step * i[dim] (dim < 0, from the last) whatever its other coordinates:
+    an arange along one dim, broadcast along the others. step 0 (then dim 0): the constant start."""
+
+    start: int
+    step: int = 0
+    dim: int = 0
+
+
+def _is_int(value) -> bool:
+    return type(value) is int  # not a SymInt, not a bool
+
+
+def _last_dims(dim: int, rank: int) -> int:
+    return dim % rank - rank
+
+
+class _KnownValues:
+    """node -> its _Ramp, or None where a value is not proved (any graph input, float, op not listed)."""
+
+    def __init__(self):
+        self.memo: dict[torch.fx.Node, _Ramp | None] = {}
+
+    def __call__(self, arg) -> _Ramp | None:
+        if isinstance(arg, (bool, int)) and not isinstance(arg, torch.SymInt):
+            return _Ramp(int(arg))
+        if not isinstance(arg, torch.fx.Node):
+            return None
+        if arg not in self.memo:
+            self.memo[arg] = self._prove(arg)
+        return self.memo[arg]
+
+    def _prove(self, node) -> _Ramp | None:
+        value = fake_value(node)
+        if node.op != "call_function" or not isinstance(value, torch.Tensor) or value.dtype not in _KNOWN_DTYPES:
+            return None
+        rule = _RAMP_RULES.get(node.target)
+        ramp = rule(self, node, value) if rule is not None else None
+        if ramp is None or ramp.step == 0:
+            return ramp
+        if not (_is_int(ramp.start) and _is_int(ramp.step) and -value.dim() <= ramp.dim < 0):
+            return None
+        if statically_known_true(value.shape[ramp.dim] == 1):  # one element along the ramp: a constant
+            return _Ramp(ramp.start)
+        return ramp
+
+
+def _iota(known, node, value):
+    start, step = node.kwargs.get("start", 0), node.kwargs.get("step", 1)
+    return _Ramp(start, step, -1) if _is_int(start) and _is_int(step) else None
+
+
+def _filled(known, node, value):
+    fill = node.args[1] if node.target is aten.full.default else node.args[0]
+    return _Ramp(int(fill)) if isinstance(fill, (bool, int)) else None
+
+
+def _same_values(known, node, value):
+    """expand, clone, alias: the element at [i] reads the input's at the same last coordinates."""
+    return known(node.args[0])
+
+
+def _unsqueeze(known, node, value):
+    ramp = known(node.args[0])
+    if ramp is None or ramp.step == 0:
+        return ramp
+    # A new dim right of the ramp's moves it one further from the last.
+    inserted, ramp_at = node.args[1] % value.dim(), ramp.dim + value.dim() - 1
+    return _Ramp(ramp.start, ramp.step, ramp.dim - 1 if inserted > ramp_at else ramp.dim)
+
+
+def _slice(known, node, value):
+    ramp = known(node.args[0])
+    if ramp is None or node.kwargs:
+        return None
+    dim, start, _, step = (*node.args[1:], *(0, None, None, 1)[len(node.args) - 1:])
+    if ramp.step == 0 or _last_dims(dim, value.dim()) != ramp.dim:
+        return ramp
+    start = 0 if start is None else start
+    if not (_is_int(start) and start >= 0 and _is_int(step) and step >= 1):  # a negative start counts from the end
+        return None
+    return _Ramp(ramp.start + ramp.step * start, ramp.step * step, ramp.dim)
+
+
+def _add_or_sub(known, node, value):
+    a, b = known(node.args[0]), known(node.args[1])
+    if a is None or b is None or node.kwargs or value.dtype == torch.bool:  # bool + bool is a logical or
+        return None
+    if a.step and b.step and a.dim != b.dim:
+        return None
+    sign = 1 if node.target is aten.add.Tensor else -1
+    return _Ramp(a.start + sign * b.start, a.step + sign * b.step, a.dim if a.step else b.dim)
+
+
+def _cat(known, node, value):
+    pieces = node.args[0]
+    dim = _last_dims(node.args[1] if len(node.args) > 1 else 0, value.dim())
+    ramps = [known(piece) for piece in pieces]
+    if any(ramp is None for ramp in ramps):
+        return None
+    if all(ramp == ramps[0] and ramp.step == 0 for ramp in ramps):
+        return ramps[0]
+    steps = {ramp.step for ramp in ramps if ramp.step}
+    if len(steps) != 1 or any(ramp.step and ramp.dim != dim for ramp in ramps):
+        return None
+    # One ramp if each piece goes on where the one before ends (a constant piece: one element).
+    step, following = steps.pop(), ramps[0].start
+    for piece, ramp in zip(pieces, ramps):
+        size = fake_value(piece).shape[dim]
+        if (ramp.step == 0 and not statically_known_true(size == 1)) \
+                or not statically_known_true(following == ramp.start):
+            return None
+        following = ramp.start + step * size
+    return _Ramp(ramps[0].start, step, dim)
+
+
+_COMPARISONS = {aten.eq: operator.eq, aten.ne: operator.ne, aten.lt: operator.lt, aten.le: operator.le,
+                aten.gt: operator.gt, aten.ge: operator.ge}
+
+
+def _compare(known, node, value):
+    a, b = known(node.args[0]), known(node.args[1])
+    if a is None or b is None or a.step or b.step:
+        return None
+    return _Ramp(int(_COMPARISONS[node.target.overloadpacket](a.start, b.start)))
+
+
+def _cumsum(known, node, value):
+    """The running sum of a constant c: c * (i + 1)."""
+    ramp = known(node.args[0])
+    if ramp is None or ramp.step or node.kwargs:
+        return None
+    return _Ramp(ramp.start, ramp.start, _last_dims(node.args[1], value.dim()))
+
+
+def _in_bounds(ramp: _Ramp, index, size) -> bool:
+    """Every value of `index` (with this ramp) is in [0, size): indexing reads without wrapping or failing."""
+    last = ramp.start + ramp.step * (fake_value(index).shape[ramp.dim] - 1) if ramp.step else ramp.start
+    low, high = min(ramp.start, last), max(ramp.start, last)
+    return statically_known_true(low >= 0) and statically_known_true(high < size)
+
+
+def _index(known, node, value):
+    """x[i_0, ..., i_n-1] over every dim of x: x's ramp along dim d reads i_d (whose own dims are the result's,
+    right-aligned: the indices broadcast into the result's shape)."""
+    x, indices = node.args
+    shape = fake_value(x).shape
+    if len(indices) != len(shape) or not all(isinstance(i, torch.fx.Node) for i in indices):
+        return None
+    ramp, ramps = known(x), [known(i) for i in indices]
+    if ramp is None or any(r is None for r in ramps):
+        return None
+    if not all(fake_value(i).dtype in (torch.int64, torch.int32) and _in_bounds(r, i, size)
+               for i, r, size in zip(indices, ramps, shape)):
+        return None
+    if ramp.step == 0:
+        return ramp
+    read = ramps[ramp.dim + len(shape)]
+    return _Ramp(ramp.start + ramp.step * read.start, ramp.step * read.step, read.dim)
+
+
+_RAMP_RULES = {
+    prims.iota.default: _iota, aten.full.default: _filled, aten.scalar_tensor.default: _filled,
+    aten.expand.default: _same_values, aten.clone.default: _same_values, aten.alias.default: _same_values,
+    aten.unsqueeze.default: _unsqueeze, aten.slice.Tensor: _slice, aten.add.Tensor: _add_or_sub,
+    aten.sub.Tensor: _add_or_sub, aten.cat.default: _cat, aten.cumsum.default: _cumsum, aten.index.Tensor: _index,
+    **{getattr(op, overload): _compare for op in _COMPARISONS for overload in ("Tensor", "Scalar")},
+}
+# Ops that spell an arange itself (iota, shape plumbing, a constant offset): folding them would change nothing.
+_PLAIN = {prims.iota.default, aten.full.default, aten.scalar_tensor.default, aten.expand.default, aten.clone.default,
+          aten.alias.default, aten.unsqueeze.default, aten.slice.Tensor}
+# Users that read strides (a view of an expand fails): a folded value, an expand, must not reach them.
+_READS_STRIDES = {aten.view.default, aten._unsafe_view.default, aten.as_strided.default}
+
+
+def _derived(node, known, memo) -> bool:
+    """Whether node's proved value is computed (index, cat, cumsum, comparisons, arithmetic of two tensors) rather
+    than spelled as an arange."""
+    if node not in memo:
+        plain = node.target in _PLAIN or (node.target in (aten.add.Tensor, aten.sub.Tensor)
+                                          and not isinstance(node.args[1], torch.fx.Node))
+        memo[node] = not plain or any(known(i) is not None and _derived(i, known, memo)
+                                      for i in node.all_input_nodes)
+    return memo[node]
+
+
+def _cone(node, known) -> list[torch.fx.Node]:
+    """node and the proved values it is computed from: what a fold of node may leave unused."""
+    cone, pending = [], [node]
+    while pending:
+        current = pending.pop()
+        if current not in cone:
+            cone.append(current)
+            pending.extend(i for i in current.all_input_nodes if known(i) is not None)
+    return cone
+
+
+def _foldable(node) -> bool:
+    return _replaceable(node) and not any(user.target in _READS_STRIDES for user in node.users)
+
+
+def _build(target, args, kwargs, like):
+    """A call inserted at the graph's insert point, with its fake value (computed without adding guards)."""
+    node = like.graph.call_function(target, args, kwargs)
+    fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), fake_value)
+    mode = fake_value(like).fake_mode
+    with mode, mode.shape_env.suppress_guards() if mode.shape_env else contextlib.nullcontext():
+        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    node.meta["stack_trace"] = like.meta.get("stack_trace")
+    return node
+
+
+def _size(node, dim):
+    """node's size along dim as an argument: an int, an existing node holding the symbol, or (input, dim) for a
+    sym_size of one of node's inputs with that size at the same place from the last dim; None if there is none."""
+    size = fake_value(node).shape[dim]
+    if isinstance(size, int):
+        return size
+    for candidate in node.graph.nodes:
+        if candidate is node:
+            break
+        value = fake_value(candidate)
+        if isinstance(value, torch.SymInt) and str(value.node.expr) == str(size.node.expr):
+            return candidate
+    back = dim - fake_value(node).dim()
+    for source in node.all_input_nodes:
+        value = fake_value(source)
+        if isinstance(value, torch.Tensor) and value.dim() >= -back and statically_known_true(value.shape[back] == size):
+            return source, back % value.dim()
+    return None
+
+
+def _materialize(node, ramp: _Ramp) -> torch.fx.Node | None:
+    """iota -> unsqueeze -> expand (or full) of node's shape and dtype holding the ramp's values, before node."""
+    value = fake_value(node)
+    sizes = [_size(node, d) for d in range(value.dim())]
+    if any(size is None for size in sizes) or (ramp.step and value.dtype == torch.bool):
+        return None
+    with node.graph.inserting_before(node):
+        sizes = [_build(aten.sym_size.int, size, {}, node) if isinstance(size, tuple) else size for size in sizes]
+        if ramp.step == 0:
+            fill = bool(ramp.start) if value.dtype == torch.bool else ramp.start
+            return _build(aten.full.default, (sizes, fill), dict(dtype=value.dtype, layout=torch.strided,
+                                                                 device=value.device, pin_memory=False), node)
+        folded = _build(prims.iota.default, (sizes[ramp.dim],), dict(
+            start=ramp.start, step=ramp.step, dtype=value.dtype, device=value.device, requires_grad=False), node)
+        for _ in range(-ramp.dim - 1):
+            folded = _build(aten.unsqueeze.default, (folded, -1), {}, node)
+        if not same_sizes(fake_value(folded).shape, value.shape):
+            folded = _build(aten.expand.default, (folded, sizes), {}, node)
+        return folded
+
+
+def _fold_known_values(graph: torch.fx.Graph, result: PassResult) -> None:
+    """fold_and_true, then fold_known_index (see the module docstring)."""
+    known = _KnownValues()
+    # fold_and_true: a & b where a is proved all True and b has the result's shape  =>  b (bool: the same values).
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.bitwise_and.Tensor, aten.logical_and.default):
+            continue
+        operands = node.args[:2]
+        if fake_value(node).dtype != torch.bool or any(dtype_of(x) != torch.bool for x in operands):
+            continue
+        for true, other in (operands, operands[::-1]):
+            if known(true) == _Ramp(1) and fake_value(other).shape == fake_value(node).shape and _foldable(node):
+                result.rewrote(f"fold_and_true: {location_of(node)}")
+                _replace(node, other, *_cone(true, known))
+                break
+    # fold_known_index: a computed value proved to be an arange (or a constant), read by a user it cannot be
+    # proved for  =>  the arange, spelled iota -> unsqueeze -> expand (full for a constant).
+    derived: dict = {}
+    for node in list(graph.nodes):
+        if getattr(node, "_erased", False) or node.op != "call_function":
+            continue
+        ramp = known(node)
+        if ramp is None or not _derived(node, known, derived) or all(known(u) is not None for u in node.users) \
+                or not _foldable(node):
+            continue
+        folded = _materialize(node, ramp)
+        if folded is not None:
+            result.rewrote(f"fold_known_index: {location_of(node)}")
+            _replace(node, folded, *_cone(node, known))
