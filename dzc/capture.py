@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters as dynamo_counters
 from torch._inductor.decomposition import select_decomp_table
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dzc import compile_cache, config, distributed, ir, runtime
@@ -158,6 +159,7 @@ class _Build:
     checkable: torch.fx.GraphModule | None  # the lowered graph run op by op (no Inductor), for the rewrite check
     coverage: GraphCoverage  # of the lowered graph, costed before the fallback compiles it (dzc/coverage.py)
     compile_cache: str = ""  # the warm-compile cache: "hit", "miss", "off", or what went wrong
+    cache_key: str | None = None  # of the compile cache entry holding this build's rewritten graph, if any
 
     def fired(self) -> list[str]:
         return [result.name for result in self.results if result.rewrites]
@@ -197,8 +199,15 @@ class DzcBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         self._graph_break = _graph_break(gm)  # read by _compile_graph, which AOTAutograd calls from here
         self._timer = CompileTimer()
-        self._aot_start = time.perf_counter()
         self._timer.add("dynamo", _dynamo_seconds())
+        self._capture = _CaptureCache(self.target, self.options, gm, example_inputs, self._timer)
+        if self._capture.hit is not None:  # the whole compile is cached: AOTAutograd's trace is skipped too
+            try:
+                return self._compile_captured(*self._capture.hit.graph_module_and_inputs(), hit=self._capture.hit)
+            except Exception as error:
+                self.failure = error
+                raise
+        self._aot_start = time.perf_counter()
         return self._aot(gm, example_inputs)
 
     @staticmethod
@@ -249,15 +258,17 @@ class DzcBackend:
 
     def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs):
         self._timer.add("aot_autograd", time.perf_counter() - self._aot_start)
-        written = _written_inputs(gm.graph)  # AOTAutograd's input mutations, before passes touch the graph
+        self._capture.convention = _direct_convention(gm, example_inputs, self._capture.inputs)
         try:
-            # The CUDA-graph runner learns from them which arguments a call writes.
-            return runtime.recording_writes(self._compile_captured(gm, example_inputs), written)
+            return self._compile_captured(gm, example_inputs)
         except Exception as error:
             self.failure = error
             raise
 
-    def _compile_captured(self, gm: torch.fx.GraphModule, example_inputs):
+    def _compile_captured(self, gm: torch.fx.GraphModule, example_inputs, hit: _CaptureHit | None = None):
+        """Compile AOTAutograd's graph `gm` (or, on a capture-level cache hit, the cached graph of `hit`, whose
+        rewrite check ran when its entry was built)."""
+        written = hit.entry.written if hit else _written_inputs(gm.graph)  # before passes touch the graph
         dynamo_id = torch._guards.CompileContext.current_compile_id()
         compile_id = str(dynamo_id) if dynamo_id is not None else "0/0"
         # A recompile is a second graph for a frame this backend already compiled (Dynamo's own compile counter
@@ -267,8 +278,11 @@ class DzcBackend:
         self._frames_compiled.add(frame)
         device = _input_device(example_inputs)
         execution = _execution_for(self.target, device)
-        captured = copy_graph(gm.graph)  # as captured, for the rewrite check (lowering binds kernels in place)
+        # as captured, for the rewrite check (lowering binds kernels in place)
+        captured = copy_graph(gm.graph) if hit is None else None
         skip_check = "" if self.check_rewrites else "off (CompileOptions.check_rewrites)"
+        if hit is not None:
+            skip_check = "done when the compile cache entry was built"
         if not skip_check and execution.runtime is None:
             skip_check = f"the kernels cannot run here ({execution.not_runnable_reason})"
         if not skip_check:
@@ -278,7 +292,7 @@ class DzcBackend:
             any_rank, skip_check = distributed.rank_agreement(captured, device)
         timer = self._timer
         build = self._build(gm, example_inputs, execution, device, self.options.disable_passes,
-                            checkable=not skip_check, timer=timer)
+                            checkable=not skip_check, timer=timer, cached=self._hit_passes(hit))
         for result in build.results:
             self.report.record_pass(result.name, result.rewrites, result.refusals)
         self._commit(build)
@@ -290,6 +304,9 @@ class DzcBackend:
         record.compile_seconds = timer.seconds
         if build.fired():
             record.rewrite_check = f"skipped: {skip_check}" if skip_check else ""
+        if hit is not None:
+            record.rewrite_check = hit.entry.check + (" (when the compile cache entry was built)"
+                                                      if hit.entry.check else "")
         self.report.graphs.append(record)
         _dump(build.stages, compile_id)
         if config.debug_level() >= 1:
@@ -297,16 +314,28 @@ class DzcBackend:
         if config.debug_level() >= 2:
             for stage in build.stages:
                 print(stage.text)
+        if hit is not None:
+            # The CUDA-graph runner learns from `written` which arguments a call writes.
+            return runtime.recording_writes(_bumping_versions(build.run, hit.entry.bumped), written)
+        pending, no_entry = self._capture.prepare(gm, build, example_inputs, written)
+        if build.compile_cache == "hit" and no_entry:
+            record.compile_cache = f"hit after AOTAutograd (no capture entry: {no_entry})"
         if skip_check or not build.fired():
-            return build.run
-        check = _RewriteCheck(self, gm, example_inputs, captured, build, record, execution, device, any_rank)
-        return check.call
+            pending(record.rewrite_check)
+            return runtime.recording_writes(build.run, written)
+        check = _RewriteCheck(self, gm, example_inputs, captured, build, record, execution, device, any_rank,
+                              pending)
+        return runtime.recording_writes(check.call, written)
+
+    def _hit_passes(self, hit: _CaptureHit | None) -> _CachedPasses | None:
+        return None if hit is None else _CachedPasses.from_entry(self.target, self.options, hit.key, hit.cached)
 
     def _build(self, gm, example_inputs, execution: Execution, device, disabled, checkable: bool,
-               inductor_context=None, timer: CompileTimer | None = None) -> _Build:
+               inductor_context=None, timer: CompileTimer | None = None,
+               cached: _CachedPasses | None = None) -> _Build:
         timer = timer or CompileTimer()
         options = dataclasses.replace(self.options, disable_passes=tuple(disabled))
-        cached = _CachedPasses(self.target, options, gm, example_inputs, timer)
+        cached = cached or _CachedPasses(self.target, options, gm, example_inputs, timer)
         graph, stages = cached.passes()
         created = lower_graph(graph, self.target, self.options, execution, device, self.kernels, timer=timer)
         uses = kernel_uses(graph)
@@ -334,7 +363,8 @@ class DzcBackend:
             with timer.stage("compile cache"):
                 cached.store(fallback == "inductor")
         results = [stage.result for stage in stages if stage.result is not None]
-        return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, cached.state)
+        return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, cached.state,
+                      cached.key if cached.state in ("hit", "miss") else None)
 
     def _fallback(self, gm, graph, example_inputs, fallback: str, checkable: bool, inductor_context):
         """(what the lowered graph runs per call, the op-by-op module the rewrite check runs or None)."""
@@ -370,6 +400,124 @@ class DzcBackend:
         self.report.kernels = [k for k in self.report.kernels if not any(k is g for g in gone)]
 
 
+def _direct_convention(gm: torch.fx.GraphModule, example_inputs,
+                       dynamo_inputs: int) -> tuple[tuple[int, ...] | None, str]:
+    """((inputs whose version counters AOTAutograd's runtime wrapper bumps), "") where that wrapper does nothing
+    else around AOTAutograd's inference graph `gm` of a capture with `dynamo_inputs` inputs (called from
+    _compile_graph, inside AOTAutograd): no input
+    mutation or output alias for it to replay, no deduplicated or synthetic-base inputs, no effect tokens, no
+    autocast to turn off, no tensor subclass, random numbers not functionalized; else (None, why not). Such a
+    graph can later run without AOTAutograd (capture entries)."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    reasons = {
+        "AOTAutograd's metadata is not available": meta is None,
+        "the inputs are not plain tensors and sizes": not all(
+            type(v) in (torch.Tensor, torch.nn.Parameter, FakeTensor, torch.SymInt, int, float, bool)
+            for v in example_inputs),
+        "AOTAutograd's wrapper replays input mutations or output aliases": meta is not None and (
+            meta.num_mutated_inp_runtime_indices or meta.num_outputs_aliased or meta.num_intermediate_bases),
+        "the graph uses effect tokens": meta is not None and bool(meta.tokens),
+        "autocast is on": any(torch.is_autocast_enabled(d) for d in torch._C._autocast_supported_devices()),
+        "random numbers are functionalized": torch._functorch.config.functionalize_rng_ops,
+        "AOTAutograd merged, split or added inputs": len(placeholders) != dynamo_inputs,
+    }
+    why = next((reason for reason, applies in reasons.items() if applies), "")
+    if why:
+        return None, why
+    return tuple(meta.mutated_graph_handled_indices_seen_by_autograd), ""
+
+
+def _bumping_versions(run: Callable, bumped: tuple[int, ...]) -> Callable:
+    """`run`, then the version counters of the inputs at `bumped` go up, as AOTAutograd's wrapper does for the
+    inputs its graph writes (autograd and CudaGraphRunner read them)."""
+    if not bumped:
+        return run
+
+    def bump_after(*args):
+        outputs = run(*args)
+        torch.autograd.graph.increment_version([args[i] for i in bumped])
+        return outputs
+
+    return bump_after
+
+
+@dataclass
+class _CaptureHit:
+    """A capture entry found for the graph Dynamo handed over, with the cached rewritten graph it points to."""
+
+    entry: compile_cache.CaptureEntry
+    cached: compile_cache.Entry
+    key: str  # of the rewritten graph's entry
+
+    def graph_module_and_inputs(self) -> tuple[torch.fx.GraphModule, list]:
+        """What _compile_captured takes in place of AOTAutograd's graph and inputs: a module holding the graph's
+        constants, with the cached graph (lowering and the fallback read their fake values and sizes)."""
+        root = torch.nn.Module()
+        for name, (tensor, device) in self.entry.constants.items():
+            setattr(root, name, tensor.to(device))
+        gm = torch.fx.GraphModule(root, self.cached.graph)
+        return gm, [node.meta["val"] for node in self.cached.graph.nodes if node.op == "placeholder"]
+
+
+class _CaptureCache:
+    """The capture-level warm-compile entry (compile_cache.CaptureEntry) of the graph Dynamo handed over: looked
+    up before AOTAutograd runs (`hit`), written once the graph's compile, and its rewrite check, are done."""
+
+    def __init__(self, target: Target, options: CompileOptions, gm, example_inputs, timer: CompileTimer):
+        self.hit: _CaptureHit | None = None
+        self.key: str | None = None
+        self.why = "off"  # why there is no capture entry to write (where there is none)
+        self.convention: tuple[tuple[int, ...] | None, str] = (None, "not compiled through AOTAutograd")
+        self.inputs = len(example_inputs)
+        if not compile_cache.enabled():
+            return
+        with timer.stage("compile cache"):
+            self.cache = compile_cache.CompileCache(options.resolved_cache_dir())
+            passes = [p for p in build_pipeline(target, options) if p.__name__ not in options.disable_passes]
+            key, parts = compile_cache.capture_key(gm, example_inputs, target, options, passes)
+            if key is None:
+                self.why = parts
+                return
+            self.key, self.parts, self.why = key, parts, ""
+            entry, _ = self.cache.load_capture(key)
+            if entry is None or not compile_cache.guards_hold(entry.guards, example_inputs):
+                return
+            fake_mode = torch._guards.TracingContext.try_get().fake_mode
+            # An unreadable graph entry is left to the compile through AOTAutograd, which warns and rebuilds it.
+            cached, _ = self.cache.load(entry.entry, fake_mode, warn=False)
+            if cached is not None:
+                self.hit = _CaptureHit(entry, cached, entry.entry)
+
+    def prepare(self, gm: torch.fx.GraphModule, build: _Build, example_inputs,
+                written: set[int]) -> tuple[Callable[[str], None], str]:
+        """(what writes this graph's capture entry once the rewrite check's outcome is known: a function of that
+        outcome, "") or, where the graph cannot have one, (a function that writes nothing, why)."""
+        bumped, why = self.convention
+        constants = {node.target: getattr(gm, node.target) for node in build.graph.nodes if node.op == "get_attr"}
+        size = sum(t.numel() * t.element_size() for t in constants.values() if isinstance(t, torch.Tensor))
+        why = (self.why or (why and f"AOTAutograd's wrapper is needed: {why}")
+               or ("" if build.cache_key else "the rewritten graph is not in the cache")
+               or ("the graph runs collectives" if distributed.collective_groups(build.graph) else "")
+               or ("its constants are not all tensors" if not all(isinstance(t, torch.Tensor)
+                                                                   for t in constants.values()) else "")
+               or (f"its constants take {size / 2**20:.1f} MiB" if size > compile_cache.MAX_CAPTURE_CONSTANT_BYTES
+                   else ""))
+        if why:
+            return (lambda outcome: None), why
+        guards = compile_cache.guards_expression(example_inputs)
+        with unset_fake_temporarily():
+            constants = {name: (t.detach().cpu(), str(t.device)) for name, t in constants.items()}
+
+        def store(outcome: str) -> None:
+            entry = compile_cache.CaptureEntry(build.cache_key, constants, frozenset(written), bumped, guards,
+                                               outcome)
+            self.cache.store_capture(self.key, self.parts, entry)
+
+        return store, ""
+
+
 class _CachedPasses:
     """The passes of one build, through the warm-compile cache (dzc/compile_cache.py): on a hit, the rewritten
     graph and its stages come from the cache directory; on a miss the passes run, and their result is stored
@@ -379,6 +527,7 @@ class _CachedPasses:
         self.target, self.options, self.gm, self.timer = target, options, gm, timer
         self.example_inputs = example_inputs
         self.state = "off"
+        self.key: str | None = None
         self.entry: compile_cache.Entry | None = None
         self._pending: tuple | None = None  # (key, parts, pickled graph, stages) to store after the fallback
         self.captured_text: str | None = None  # the capture stage's dump, printed for the key
@@ -394,6 +543,15 @@ class _CachedPasses:
             self.entry, why = (self.cache.load(self.key, fake_mode) if fake_mode is not None
                                else (None, "off (no fake inputs)"))
             self.state = "hit" if self.entry is not None else (why or "miss")
+
+    @classmethod
+    def from_entry(cls, target: Target, options: CompileOptions, key: str, entry: compile_cache.Entry):
+        """A hit found by a capture entry (_CaptureCache)."""
+        cached = cls.__new__(cls)
+        cached.target, cached.options, cached.gm, cached.example_inputs = target, options, None, None
+        cached.timer, cached.state, cached.entry, cached.key, cached._pending = None, "hit", entry, key, None
+        cached.captured_text = None
+        return cached
 
     def passes(self) -> tuple[torch.fx.Graph, list[Stage]]:
         if self.entry is not None:
@@ -601,8 +759,9 @@ class _RewriteCheck:
     copies, and the graph is rebuilt without the ones that made a difference."""
 
     def __init__(self, backend: DzcBackend, gm, example_inputs, captured, build: _Build, record: GraphRecord,
-                 execution: Execution, device, any_rank: Callable[[bool], bool]):
+                 execution: Execution, device, any_rank: Callable[[bool], bool], checked: Callable[[str], None]):
         self.backend, self.gm, self.example_inputs = backend, gm, example_inputs
+        self.checked = checked  # told the outcome where the build stands as it is (its capture entry is written)
         # Whether a flag holds on any rank running this graph (the flag itself without collectives): a graph
         # with collectives runs them at every trial, so every rank must take the same decisions, in step.
         self.any_rank = any_rank
@@ -638,6 +797,7 @@ class _RewriteCheck:
         too_large = _too_large_to_copy([args[i] for i in self.written])
         if self.any_rank(bool(too_large)):  # a long-context KV cache: the check would need two more of it
             self.record.rewrite_check = f"skipped: {too_large or _TOO_LARGE_ELSEWHERE}"
+            self.checked(self.record.rewrite_check)
             self.run = self.build.run
             return self.run(*args)
         pristine = {i: args[i].clone() for i in self.written}  # kept for the trials while looking for a pass
@@ -646,6 +806,7 @@ class _RewriteCheck:
         why = self._trial(self.build, args, pristine, expected)
         if not self.any_rank(why is not None):
             self.record.rewrite_check = f"passed ({self._summary})"
+            self.checked(self.record.rewrite_check)
             self.run = self.build.run
             return expected_outputs
         backend, record = self.backend, self.record

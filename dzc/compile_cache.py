@@ -16,6 +16,17 @@ its profile's fingerprint, the options that reach the passes and lowering, the p
 dzc (a hash of its sources), torch, Triton and TileLang. A stale entry is therefore just not found. An entry that
 cannot be read (a truncated write, a hand edit, another format) is rebuilt with a warning.
 
+Capture entries skip AOTAutograd too (its trace is half of a warm compile): `<cache>/compile/capture/<key>.pkl`,
+keyed by the graph as Dynamo captured it (capture_key: its code, its inputs' fake metadata with symbolic sizes and
+which of them share storage, the code of Python functions it calls, its tensor constants, the global state
+AOTAutograd traces under, and everything entry_key hashes but the ATen graph), point to the entry of the graph
+AOTAutograd made of it, and hold what running that graph directly needs: the constants it reads, the inputs it
+writes (their version counters), and the shape guards the first compile relied on (re-evaluated on the new
+capture's symbolic sizes, as torch's own FX graph cache does: where they do not hold, it is a miss). One is
+written only where AOTAutograd's runtime wrapper has nothing to do but call the graph (direct_convention), the
+graph has no collectives (every rank must take the same path), and the rewrite check passed or did not apply;
+its hit reports the check as done when the entry was built.
+
 The cache directory (DZC_CACHE_DIR or CompileOptions.cache_dir) is one self-contained directory: kernels/, the
 tuning database, compile/ entries; copy it to another machine of the same kind (same GPU, same versions) and the
 first compile there is warm. Set TRITON_CACHE_DIR inside it too to carry Triton's compiled binaries.
@@ -28,6 +39,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import marshal
 import os
 import pickle
 import tempfile
@@ -36,7 +48,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch._functorch.config
 import torch.fx
+import torch.fx.experimental.symbolic_shapes as symbolic_shapes
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx._graph_pickler import GraphPickler, Options
 
@@ -110,7 +124,8 @@ def pass_identity(graph_pass) -> str:
 
 
 def entry_key(captured_text: str, gm: torch.fx.GraphModule, example_inputs, target, options,
-              passes: list, extra_versions: dict[str, str] | None = None) -> tuple[str, dict]:
+              passes: list, extra_versions: dict[str, str] | None = None,
+              extra_parts: dict | None = None) -> tuple[str, dict]:
     """(the entry's key, the parts it hashes). captured_text: ir.print_graph of the captured graph; passes: the
     pipeline's passes that run (disabled ones left out)."""
     chosen = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
@@ -125,6 +140,7 @@ def entry_key(captured_text: str, gm: torch.fx.GraphModule, example_inputs, targ
         "options": repr(sorted(chosen.items())),
         "passes": [pass_identity(p) for p in passes],
         "versions": {**versions(), **(extra_versions or {})},
+        **(extra_parts or {}),
     }
     text = repr(sorted(parts.items()))
     return hashlib.sha256(text.encode()).hexdigest()[:32], parts
@@ -178,16 +194,17 @@ class CompileCache:
     def path(self, key: str) -> Path:
         return self.directory / f"{key}.pkl"
 
-    def load(self, key: str, fake_mode) -> tuple[Entry | None, str]:
+    def load(self, key: str, fake_mode, warn: bool = True) -> tuple[Entry | None, str]:
         """(the entry, "") on a hit; (None, "") when there is none; (None, why) when the file is unreadable (it is
-        then rebuilt: the caller's store replaces it), with a warning."""
+        then rebuilt: the caller's store replaces it), with a warning unless `warn` is off."""
         path = self.path(key)
+        report = self._warn if warn else lambda path, why: why
         try:
             data = path.read_bytes()
         except FileNotFoundError:
             return None, ""
         except OSError as err:
-            return None, self._warn(path, f"{type(err).__name__}: {err}")
+            return None, report(path, f"{type(err).__name__}: {err}")
         try:
             stored = pickle.loads(data)
             if not isinstance(stored, dict) or stored.get("format") != FORMAT_VERSION or stored.get("key") != key:
@@ -196,7 +213,7 @@ class CompileCache:
                 module = GraphPickler.loads(stored["graph"], fake_mode)
             return Entry(module.graph, stored["stages"], stored["torch_artifacts"]), ""
         except Exception as err:  # noqa: BLE001  (anything a damaged file raises: it is rebuilt)
-            return None, self._warn(path, f"{type(err).__name__}: {str(err)[:200]}")
+            return None, report(path, f"{type(err).__name__}: {str(err)[:200]}")
 
     @staticmethod
     def _warn(path: Path, why: str) -> str:
@@ -210,18 +227,145 @@ class CompileCache:
         full disk), why (the compile stands, it is only not cached)."""
         data = pickle.dumps({"format": FORMAT_VERSION, "key": key, "parts": parts, "graph": graph,
                              "stages": stages, "torch_artifacts": torch_artifacts})
+        return _write_atomically(self.path(key), data)
+
+    def capture_path(self, key: str) -> Path:
+        return self.directory / "capture" / f"{key}.pkl"
+
+    def load_capture(self, key: str) -> tuple[CaptureEntry | None, str]:
+        """(the capture entry, "") on a hit; (None, "") when there is none; (None, why) with a warning when the
+        file is unreadable (it is rebuilt)."""
+        path = self.capture_path(key)
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd, partial = tempfile.mkstemp(dir=self.directory, prefix=key, suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
-                os.replace(partial, self.path(key))
-            finally:
-                Path(partial).unlink(missing_ok=True)
-        except OSError as err:
-            return f"not stored in {self.directory} ({type(err).__name__}: {err})"
-        return ""
+            stored = pickle.loads(path.read_bytes())
+            if not isinstance(stored, dict) or stored.get("format") != FORMAT_VERSION or stored.get("key") != key:
+                raise ValueError(f"not a format-{FORMAT_VERSION} capture entry for this key")
+            return stored["entry"], ""
+        except FileNotFoundError:
+            return None, ""
+        except Exception as err:  # noqa: BLE001  (anything a damaged file raises: it is rebuilt)
+            return None, self._warn(path, f"{type(err).__name__}: {str(err)[:200]}")
+
+    def store_capture(self, key: str, parts: dict, entry: CaptureEntry) -> str:
+        """Write a capture entry; "" or why it could not be written."""
+        return _write_atomically(self.capture_path(key), pickle.dumps(
+            {"format": FORMAT_VERSION, "key": key, "parts": parts, "entry": entry}))
+
+
+def _write_atomically(path: Path, data: bytes) -> str:
+    """Write `path` as a whole or not at all (temporary file + rename); "" or why it could not be written (the
+    compile stands, it is only not cached)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(partial, path)
+        finally:
+            Path(partial).unlink(missing_ok=True)
+    except OSError as err:
+        return f"not stored in {path.parent} ({type(err).__name__}: {err})"
+    return ""
+
+
+@dataclass
+class CaptureEntry:
+    """What running a Dynamo capture's cached graph needs without AOTAutograd: `entry` (the key of the entry of
+    the ATen graph AOTAutograd made of it), `constants` (name -> tensor the graph reads with get_attr, stored on
+    the CPU, with its device), `written` (indices of the inputs the graph writes in place), `bumped` (those whose
+    version counters AOTAutograd's wrapper bumps after a call), `guards` (the shape guards over the capture's
+    SymInt inputs, torch's guard-expression form, or None for a static graph) and `check` (the rewrite check's
+    outcome when the entry was built)."""
+
+    entry: str
+    constants: dict[str, tuple[torch.Tensor, str]]
+    written: frozenset[int]
+    bumped: tuple[int, ...]
+    guards: str | None
+    check: str
+
+
+def _shape_env():
+    context = torch._guards.TracingContext.try_get()
+    return context.fake_mode.shape_env if context is not None and context.fake_mode is not None else None
+
+
+# torch 2.13 names them has_guarding_hint and guarding_hint_or_throw; earlier versions has_hint and hint_int
+_has_hint = (getattr(symbolic_shapes, "has_guarding_hint", None) or getattr(symbolic_shapes, "has_hint", None)
+             or (lambda s: s.node.hint is not None))
+_hint = (getattr(symbolic_shapes, "guarding_hint_or_throw", None) or getattr(symbolic_shapes, "hint_int", None)
+         or (lambda s: s.node.hint))
+
+
+def _symints(example_inputs) -> list[torch.SymInt]:
+    """The capture's symbolic sizes (Dynamo passes each as an input), those guards can be about."""
+    return [s for s in example_inputs if isinstance(s, torch.SymInt) and _has_hint(s)]
+
+
+def guards_expression(example_inputs) -> str | None:
+    """The shape guards of the compile in progress over the capture's SymInt inputs (those AOTAutograd, the
+    passes and lowering added included), in torch's guard-expression form; None for a static graph."""
+    symints, shape_env = _symints(example_inputs), _shape_env()
+    if not symints or shape_env is None:
+        return None
+    return shape_env.produce_guards_expression(placeholders=symints, guards=shape_env.get_pruned_guards(symints))
+
+
+def guards_hold(expression: str | None, example_inputs) -> bool:
+    """Whether a capture entry's guards hold for this capture's symbolic sizes; evaluated on the SymInts, it
+    installs them as guards of the new compile (so that Dynamo re-captures where they stop holding)."""
+    symints, shape_env = _symints(example_inputs), _shape_env()
+    if expression is None or shape_env is None:
+        return expression is None and not symints
+    # On the sizes' values first: a guard that fails must not be installed (as its negation) on the new compile.
+    if not shape_env.evaluate_guards_expression(expression, [_hint(s) for s in symints]):
+        return False
+    return bool(shape_env.evaluate_guards_expression(expression, symints))
+
+
+# Capture entries hold the graph's constants: beyond this, the graph is only cached after AOTAutograd.
+MAX_CAPTURE_CONSTANT_BYTES = 16 * 2**20
+# Modules of functions whose code is torch's (in the versions) or the language's: other Python functions a
+# graph calls (allow_in_graph) are hashed by their code, which AOTAutograd traces.
+_VERSIONED_MODULES = ("torch", "_operator", "operator", "math", "builtins", "_functools", "functools")
+
+
+def capture_key(gm: torch.fx.GraphModule, example_inputs, target, options, passes) -> tuple[str | None, dict | str]:
+    """(the key, its parts) of a graph as Dynamo captured it, or (None, why it has no capture entry)."""
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        return None, "its inputs do not match its placeholders"
+    functions = []
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            return None, f"it calls submodule {node.target} (its code is not in the key)"
+        if node.op == "call_function" and not isinstance(node.target, (torch._ops.OpOverload,
+                                                                       torch._ops.OpOverloadPacket)):
+            module = getattr(node.target, "__module__", None) or ""
+            if module.split(".")[0] not in _VERSIONED_MODULES:
+                code = getattr(node.target, "__code__", None)
+                if code is None:
+                    return None, f"it calls {node.target!r}, whose code cannot be hashed"
+                functions.append(f"{module}.{node.target.__qualname__}: "
+                                 + hashlib.sha256(marshal.dumps(code)).hexdigest()[:16])
+    # Symbolic sizes (s27), not this call's: the fake values Dynamo traced with.
+    values = [node.meta.get("example_value", value) for node, value in zip(placeholders, example_inputs)]
+    # Which inputs share storage (AOTAutograd handles aliased inputs its own way): per input, the first with its
+    # storage.
+    storages: dict[int, int] = {}
+    aliasing = [storages.setdefault(v.untyped_storage().data_ptr(), i) if isinstance(v, torch.Tensor) else None
+                for i, v in enumerate(example_inputs)]
+    state = {
+        "grad": torch.is_grad_enabled(), "inference mode": torch.is_inference_mode_enabled(),
+        "autocast": {d: str(torch.get_autocast_dtype(d)) for d in torch._C._autocast_supported_devices()
+                     if torch.is_autocast_enabled(d)},
+        "deterministic": torch.are_deterministic_algorithms_enabled(), "default dtype": str(torch.get_default_dtype()),
+        "functorch config": hashlib.sha256(torch._functorch.config.save_config()).hexdigest()[:16],
+    }
+    return entry_key("captured by Dynamo\n" + gm.code, gm, values, target, options, passes,
+                     extra_parts={"kind": "capture", "aliasing": aliasing, "functions": functions,
+                                  "global state": repr(sorted(state.items()))})
 
 
 def enabled() -> bool:

@@ -76,7 +76,9 @@ class GraphRecord:
     # "ir text" (the stages' dumps), "lowering", "codegen", "kernel load", "compile cache", "fallback compile",
     # "rewrite check" (the graph's first call under the check: both runs, tuning and kernel builds inside them).
     compile_seconds: dict[str, float] = field(default_factory=dict)
-    # The warm-compile cache (dzc/compile_cache.py): "hit", "miss" (built and stored), "off", or what went wrong.
+    # The warm-compile cache (dzc/compile_cache.py): "hit" (the capture's entry: AOTAutograd, the passes and the
+    # rewrite check skipped), "hit after AOTAutograd (...)" (the rewritten graph's entry only, and why),
+    # "miss" (built and stored), "off", or what went wrong.
     compile_cache: str = ""
 
 
