@@ -46,7 +46,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dzc.passes.graph_pass import PassResult, copy_graph, fake_value, location_of
+from dzc.passes.graph_pass import PassResult, copy_graph, fake_value, is_call, location_of
 from dzc.passes.patterns import Cast, Match, Op, Rule, Var, apply_rules, cast_dtype, dtype_of, remove_dead, \
     same_sizes, widens_exactly
 
@@ -165,7 +165,8 @@ def canonicalize_graph(graph: torch.fx.Graph) -> PassResult:
 # ----------------------------------------------------------------------------------------------------------------
 # Index arithmetic on aranges: integer and bool values the graph alone determines.
 
-_KNOWN_DTYPES = (torch.int64, torch.int32, torch.bool)  # positions and masks: no rounding, no wrap at these sizes
+# Positions and masks: exact, and the walk's Python ints stay far inside int64 (sizes times a graph's constants).
+_KNOWN_DTYPES = (torch.int64, torch.bool)
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ class _KnownValues:
         self.memo: dict[torch.fx.Node, _Ramp | None] = {}
 
     def __call__(self, arg) -> _Ramp | None:
-        if isinstance(arg, (bool, int)) and not isinstance(arg, torch.SymInt):
+        if isinstance(arg, (bool, int)):  # a Python scalar operand (a SymInt is not an int)
             return _Ramp(int(arg))
         if not isinstance(arg, torch.fx.Node):
             return None
@@ -321,7 +322,7 @@ def _index(known, node, value):
     ramp, ramps = known(x), [known(i) for i in indices]
     if ramp is None or any(r is None for r in ramps):
         return None
-    if not all(fake_value(i).dtype in (torch.int64, torch.int32) and _in_bounds(r, i, size)
+    if not all(fake_value(i).dtype == torch.int64 and _in_bounds(r, i, size)
                for i, r, size in zip(indices, ramps, shape)):
         return None
     if ramp.step == 0:
@@ -375,7 +376,7 @@ def _build(target, args, kwargs, like):
     node = like.graph.call_function(target, args, kwargs)
     fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), fake_value)
     mode = fake_value(like).fake_mode
-    with mode, mode.shape_env.suppress_guards() if mode.shape_env else contextlib.nullcontext():
+    with mode, (mode.shape_env.suppress_guards() if mode.shape_env else contextlib.nullcontext()):
         node.meta["val"] = target(*fake_args, **fake_kwargs)
     node.meta["stack_trace"] = like.meta.get("stack_trace")
     return node
@@ -396,7 +397,8 @@ def _size(node, dim):
     back = dim - fake_value(node).dim()
     for source in node.all_input_nodes:
         value = fake_value(source)
-        if isinstance(value, torch.Tensor) and value.dim() >= -back and statically_known_true(value.shape[back] == size):
+        if isinstance(value, torch.Tensor) and value.dim() >= -back \
+                and statically_known_true(value.shape[back] == size):
             return source, back % value.dim()
     return None
 
@@ -427,13 +429,15 @@ def _fold_known_values(graph: torch.fx.Graph, result: PassResult) -> None:
     known = _KnownValues()
     # fold_and_true: a & b where a is proved all True and b has the result's shape  =>  b (bool: the same values).
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in (aten.bitwise_and.Tensor, aten.logical_and.default):
+        if getattr(node, "_erased", False) \
+                or not is_call(node, aten.bitwise_and.Tensor, aten.logical_and.default):
             continue
         operands = node.args[:2]
         if fake_value(node).dtype != torch.bool or any(dtype_of(x) != torch.bool for x in operands):
             continue
         for true, other in (operands, operands[::-1]):
-            if known(true) == _Ramp(1) and fake_value(other).shape == fake_value(node).shape and _foldable(node):
+            if known(true) == _Ramp(1) and same_sizes(fake_value(other).shape, fake_value(node).shape) \
+                    and _foldable(node):
                 result.rewrote(f"fold_and_true: {location_of(node)}")
                 _replace(node, other, *_cone(true, known))
                 break
