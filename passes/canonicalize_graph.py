@@ -29,9 +29,12 @@ recomputes what is known (positions = arange(S) when no position_ids are passed)
     keep = True & (pos[b, kv] <= pos[b, q]) & (ids[b, q] == ids[b, kv])
       =>  keep = arange(S)[kv] <= arange(S)[q]                    # the causal mask, as with a cache
 
-A value is proved by a walk over its inputs that gives it a _Ramp (element [i] = start + step * i[dim]); the
-folded node is replaced by iota -> unsqueeze -> expand (or full) of its exact shape and dtype. Position ids given
-as an input (which may pack several sequences into a row) have no ramp: their masks stay as written.
+A value is proved by a walk over its inputs that gives it a _Ramp (element [i] = start + step * i[dim]); an index
+is followed only where every index is provably in bounds (a negative one would wrap, an overrun would fail). A
+computed value (index, cat, cumsum, comparison, arithmetic of two tensors) read by an op the walk cannot prove
+(a comparison of two aranges along different dims) is replaced by iota -> unsqueeze -> expand (or full) of its
+exact shape and dtype, unless a user reads its strides (a view); `True & m` becomes m. Position ids given as an
+input (which may pack several sequences into a row) have no ramp: their masks stay as written.
 
 Ordering: first in the pipeline, on the graph as captured; every fusion pass matches the canonical form.
 """

@@ -35,7 +35,9 @@ otherwise (HF's DynamicCache) the dense [B, T, ...] keys are a cache of B pages 
 arange(B)[:, None]. V that is a prefix of K's last dim (MLA's latent) becomes v_cache=None, d_v.
 Positions: the causal mask must be `key_position <= query_position` with key positions arange(T); the query
 positions it compares with become query_pos, and seq_lens = T (keys past a sequence's end are later positions,
-so causality hides them).
+so causality hides them). HF's mask without a cache (packed-sequence ids over the positions it computes as
+arange(S)) arrives here as that causal mask: canonicalize_graph proves it (fold_known_index). Position ids the
+caller passes may pack sequences; their mask is not causal and the site is refused.
 Selection: the model's top-k op, k and device, over logits that order the keys as the model's scores do (-inf
 where the causal mask hides a key, as its finfo.min/-inf ties them below every visible one). Where scores tie at
 the k-th place, torch.topk keeps its own choice (on the CPU not the smaller position; ReLU scores a key that every
