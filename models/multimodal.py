@@ -266,14 +266,14 @@ class MultimodalSession:
         return self.decoder(*self.pages.inputs(embeds, sequences)[:4])
 
 
-def build_multimodal_example(grids=((2, 2), (2, 4), (4, 4)), text=(3, 5, 4, 6)):
+def build_multimodal_example(grids=((2, 2), (2, 4), (4, 4)), text=(3, 5, 4, 6), device="cpu"):
     """(tiny MultimodalModel in bf16, inputs of MultimodalModel.forward: a prefill of 3 images and text into a fresh
-    cache): the MODELS entry."""
+    cache): the MODELS entry. `device`: where the cache lives (move the model and the tensor inputs there too)."""
     cfg = CONFIGS["tiny"]
     model = build_multimodal(cfg)
     generator = torch.Generator().manual_seed(1)
     images = pack_images(list(grids), cfg.vision, torch.bfloat16, generator)
     input_ids = request_ids(cfg, list(grids), list(text), generator)
-    cache = new_cache(cfg, max_pages=4, batch=1, fp8_index=False, dtype=torch.bfloat16)
+    cache = new_cache(cfg, max_pages=4, batch=1, fp8_index=False, dtype=torch.bfloat16, device=device)
     _, positions, block_table, slots, _ = DSASession(cache).inputs(torch.empty(1, input_ids.shape[1], cfg.hidden))
     return model, (input_ids, positions, block_table, slots, cache, *images.inputs())

@@ -15,6 +15,7 @@ through Triton's interpreter; torch.compile's fallback is Inductor's C++ backend
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -30,11 +31,13 @@ def child(args) -> None:
     import torch
 
     import dzc
-    from dzc.models import build_model
+    from dzc.models import MODELS, build_model
     from dzc.report import format_seconds
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, inputs = build_model(args.model)
+    # Models whose inputs hold objects (a paged cache) build those on the device themselves.
+    wants_device = "device" in inspect.signature(MODELS[args.model][0]).parameters
+    model, inputs = build_model(args.model, **({"device": device} if wants_device else {}))
     model = model.to(device)
     inputs = [i.to(device) if isinstance(i, torch.Tensor) else i for i in inputs]
     if args.child == "dzc":

@@ -116,6 +116,17 @@ s10a)
   TAIL=30 part bench_compile 220 python3 tools/bench_compile.py --models llama_decoder multimodal \
     --out "$OUT/compile_time_h200.md"
   ;;
+s10c)
+  # A fresh machine, no TileLang: the fixes of s10a's failures, DeepseekV32 without a cache, the multimodal compile.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=15 part gpu_tests_s10c 70 python3 -m pytest -q -p no:logging -rf -m gpu \
+    tests/test_cuda_graphs.py::test_large_calls_take_the_guarded_path_until_a_repeated_key_is_judged \
+    tests/test_sparse_attention_without_cache.py
+  TAIL=30 part bench_compile_multimodal 200 python3 tools/bench_compile.py --models multimodal \
+    --out "$OUT/compile_time_multimodal_h200.md"
+  TAIL=30 part bench_back_to_back 80 python3 tools/bench_add_rms_norm.py --back-to-back --codegens triton \
+    --out "$OUT/add_rms_norm_back_to_back_h200.md"
+  ;;
 s10b-1)
   # (carry .whl-gpu1) host path: back-to-back calls and the overhead breakdown.
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
