@@ -563,7 +563,7 @@ class _CachedPasses:
                                      captured_text=self.captured_text)
         if self.state != "off":
             with self.timer.stage("compile cache"):
-                pickled = compile_cache.pickle_graph(graph)  # before lowering binds kernels into it
+                pickled = compile_cache.pickle_graph(graph, self.gm)  # before lowering binds kernels into it
                 saved = [(s.name, s.text, None if s.result is None else s.result.rewrites,
                           None if s.result is None else s.result.refusals) for s in stages]
                 if isinstance(pickled, str):

@@ -176,11 +176,13 @@ class _GraphPickler(GraphPickler):
         return super().reducer_override(obj)
 
 
-def pickle_graph(graph: torch.fx.Graph) -> bytes | str:
-    """The graph in GraphPickler form (fake values and symbolic sizes kept), or why it cannot be pickled."""
+def pickle_graph(graph: torch.fx.Graph, root: torch.nn.Module) -> bytes | str:
+    """The graph in GraphPickler form (fake values and symbolic sizes kept), or why it cannot be pickled. `root`
+    holds the tensor constants it reads (get_attr): GraphPickler keeps only their metadata (their values are in
+    the entry's key; a hit's graph reads those of the module being compiled, or of its capture entry)."""
     options = Options(ops_filter=None, node_metadata_key_filter=_KEPT_METADATA.__contains__)
     try:
-        return _GraphPickler.dumps(torch.fx.GraphModule(torch.nn.Module(), graph), options)
+        return _GraphPickler.dumps(torch.fx.GraphModule(root, graph), options)
     except Exception as err:  # noqa: BLE001  (a graph GraphPickler cannot write is only not cached)
         return f"not stored: the graph cannot be pickled ({type(err).__name__}: {str(err)[:200]})"
 

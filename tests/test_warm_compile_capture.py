@@ -38,6 +38,18 @@ class ReturnsAView(torch.nn.Module):
         return y, x.view(-1)
 
 
+class AddsAConstant(torch.nn.Module):
+    """A tensor made in forward: AOTAutograd lifts it into a constant the graph reads (get_attr)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = AddRMSNorm()
+
+    def forward(self, x, residual):
+        y, h = self.norm(x, residual)
+        return y, h + torch.tensor([0.5, -1.0] * 32, dtype=h.dtype)
+
+
 @pytest.fixture
 def cached_options(options, monkeypatch):
     monkeypatch.setenv("DZC_COMPILE_CACHE", "1")
@@ -139,3 +151,19 @@ def test_an_unreadable_capture_entry_is_rebuilt_with_a_warning(cached_options, s
     assert_add_rms_norm_matches_eager(model, x, residual, y, h)
     [graph] = compiled.report.graphs
     assert "aot_autograd" not in graph.compile_seconds and graph.compile_cache == "hit"
+
+
+def test_a_graph_with_tensor_constants_is_cached_with_them(cached_options, seed):
+    model = _random_weights(AddsAConstant().to(torch.bfloat16), seed)
+    x, residual = _inputs(seed)
+    offset = torch.tensor([0.5, -1.0] * 32, dtype=torch.bfloat16)
+    states = []
+    for _ in range(2):
+        compiled = dzc.compile(model, "cuda", cached_options)
+        with torch.no_grad():
+            y, shifted = compiled(x, residual)
+            _, h = model.norm(x, residual)
+        torch.testing.assert_close(shifted, h + offset, rtol=0, atol=float(torch.finfo(torch.bfloat16).eps) * 8)
+        [graph] = compiled.report.graphs
+        states.append((graph.compile_cache, "aot_autograd" in graph.compile_seconds))
+    assert states == [("miss", True), ("hit", False)], states
