@@ -68,3 +68,15 @@ def test_compare_tells_wrong_answers_from_right_ones():
 
 def test_every_op_with_kernels_has_a_generator():
     assert set(_fuzz_module().GENERATORS) == set(KERNEL_FAMILIES)
+
+
+def test_the_plan_runs_in_rounds_over_every_op():
+    """A time-limited run covers every op: case i of every op and codegen comes before case i + 1 of any."""
+    import argparse
+
+    fuzz = _fuzz_module()
+    ops = sorted(KERNEL_FAMILIES)
+    plan = fuzz.make_plan(argparse.Namespace(ops=ops, codegens=["triton"], only=None, cases=3), torch.device("cpu"))
+    assert len(plan) == 3 * len(ops)
+    assert [index for _, _, index in plan] == sorted(index for _, _, index in plan)
+    assert [op for op, _, _ in plan[: len(ops)]] == ops

@@ -871,14 +871,12 @@ def repro(args, outcome: Outcome) -> str:
 
 
 def make_plan(args, device: torch.device) -> list[tuple[str, str, int]]:
-    plan = []
-    for op in args.ops:
-        for codegen in codegens_for(op, device):
-            if args.codegens and codegen not in args.codegens:
-                continue
-            indices = [args.only] if args.only is not None else range(args.cases)
-            plan += [(op, codegen, i) for i in indices]
-    return plan
+    """(op, codegen, case index) in rounds: case 0 of every op and codegen, then case 1, ...: a run stopped by a
+    time limit has covered every op evenly (a case's inputs depend only on the seed, op, codegen and index)."""
+    pairs = [(op, codegen) for op in args.ops for codegen in codegens_for(op, device)
+             if not args.codegens or codegen in args.codegens]
+    indices = [args.only] if args.only is not None else range(args.cases)
+    return [(op, codegen, i) for i in indices for op, codegen in pairs]
 
 
 def _exit_status(returncode: int) -> str:

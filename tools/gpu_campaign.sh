@@ -15,6 +15,7 @@
 #                              bash tools/gpu_campaign.sh next-4   # benchmarks: add+norm back to back, compile, DSA FP8
 # Session 10: bash tools/gpu_campaign.sh s10a (fresh machine, Triton only); later s10b-1 (carry .whl-gpu1), then
 # a TileLang test call (carry .whl-gpu2).
+# Session 11: s11-1 (carry .whl-gpu1), s11-2 (carry .whl-gpu2), then s10b-1's overhead diagnosis if time is left.
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -133,6 +134,21 @@ s10b-1)
   TAIL=30 part bench_back_to_back 100 python3 tools/bench_add_rms_norm.py --back-to-back --codegens triton \
     --out "$OUT/add_rms_norm_back_to_back_h200.md"
   TAIL=60 part diagnose_overhead 70 python3 tools/diagnose_overhead.py --tokens 1 64 4096
+  ;;
+s11-1)
+  # (carry .whl-gpu1) Next session, first call: what session 10 could not run. DeepseekV32 without a cache did not
+  # fuse on the H200 (canonicalize_graph folded 2 of 4: its graph there reads a lifted tensor constant): dump it.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  DZC_DUMP_DIR="$OUT/dump_deepseek_v32_no_cache" TAIL=15 part gpu_tests_no_cache 90 python3 -m pytest -q \
+    -p no:logging -rf -m gpu tests/test_sparse_attention_without_cache.py
+  TAIL=15 part gpu_tests_warm_compile 120 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_warm_compile_capture.py
+  TAIL=30 part fuzz_triton 260 python3 tools/fuzz.py --codegens triton --out "$OUT/fuzz_h200_triton.md"
+  ;;
+s11-2)
+  # (carry .whl-gpu2) TileLang: the pool past 2^31 elements (both codegens), then the fuzzer on TileLang.
+  TAIL=15 part gpu_tests_tilelang_long 200 python3 -m pytest -q -p no:logging -rf -m gpu \
+    tests/test_tilelang_long_context.py
+  TAIL=30 part fuzz_tilelang 240 python3 tools/fuzz.py --codegens tilelang --out "$OUT/fuzz_h200_tilelang.md"
   ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
