@@ -404,10 +404,9 @@ def _direct_convention(gm: torch.fx.GraphModule, example_inputs,
                        dynamo_inputs: int) -> tuple[tuple[int, ...] | None, str]:
     """((inputs whose version counters AOTAutograd's runtime wrapper bumps), "") where that wrapper does nothing
     else around AOTAutograd's inference graph `gm` of a capture with `dynamo_inputs` inputs (called from
-    _compile_graph, inside AOTAutograd): no input
-    mutation or output alias for it to replay, no deduplicated or synthetic-base inputs, no effect tokens, no
-    autocast to turn off, no tensor subclass, random numbers not functionalized; else (None, why not). Such a
-    graph can later run without AOTAutograd (capture entries)."""
+    _compile_graph, inside AOTAutograd): no input mutation or output alias for it to replay, no deduplicated or
+    synthetic-base inputs, no effect tokens, no autocast to turn off, no tensor subclass, random numbers not
+    functionalized; else (None, why not). Such a graph can later run without AOTAutograd (capture entries)."""
     context = torch._guards.TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None)
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
@@ -481,10 +480,12 @@ class _CaptureCache:
                 self.why = parts
                 return
             self.key, self.parts, self.why = key, parts, ""
+            context = torch._guards.TracingContext.try_get()  # Dynamo's, whose fake mode the graph is loaded in
             entry, _ = self.cache.load_capture(key)
-            if entry is None or not compile_cache.guards_hold(entry.guards, example_inputs):
+            if (entry is None or context is None or context.fake_mode is None
+                    or not compile_cache.guards_hold(entry.guards, example_inputs)):
                 return
-            fake_mode = torch._guards.TracingContext.try_get().fake_mode
+            fake_mode = context.fake_mode
             # An unreadable graph entry is left to the compile through AOTAutograd, which warns and rebuilds it.
             cached, _ = self.cache.load(entry.entry, fake_mode, warn=False)
             if cached is not None:

@@ -364,6 +364,10 @@ def capture_key(gm: torch.fx.GraphModule, example_inputs, target, options, passe
                      if torch.is_autocast_enabled(d)},
         "deterministic": torch.are_deterministic_algorithms_enabled(), "default dtype": str(torch.get_default_dtype()),
         "functorch config": hashlib.sha256(torch._functorch.config.save_config()).hexdigest()[:16],
+        # Which attention op SDPA traces to depends on these and on the GPU.
+        "sdpa": [f() for f in (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled,
+                               torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.cudnn_sdp_enabled)],
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
     return entry_key("captured by Dynamo\n" + gm.code, gm, values, target, options, passes,
                      extra_parts={"kind": "capture", "aliasing": aliasing, "functions": functions,
