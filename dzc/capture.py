@@ -475,7 +475,10 @@ class _CaptureCache:
         with timer.stage("compile cache"):
             self.cache = compile_cache.CompileCache(options.resolved_cache_dir())
             passes = [p for p in build_pipeline(target, options) if p.__name__ not in options.disable_passes]
-            key, parts = compile_cache.capture_key(gm, example_inputs, target, options, passes)
+            try:
+                key, parts = compile_cache.capture_key(gm, example_inputs, target, options, passes)
+            except Exception as err:  # noqa: BLE001  (a graph the key cannot describe only has no capture entry)
+                key, parts = None, f"its key could not be made ({type(err).__name__}: {str(err)[:200]})"
             if key is None:
                 self.why = parts
                 return

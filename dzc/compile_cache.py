@@ -338,6 +338,8 @@ def capture_key(gm: torch.fx.GraphModule, example_inputs, target, options, passe
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         return None, "its inputs do not match its placeholders"
+    if any(isinstance(v, torch.Tensor) and type(v) not in (torch.Tensor, torch.nn.Parameter) for v in example_inputs):
+        return None, "its inputs include tensor subclasses (AOTAutograd unwraps them)"
     functions = []
     for node in gm.graph.nodes:
         if node.op == "call_module":
