@@ -499,7 +499,10 @@ class _CaptureCache:
         """(what writes this graph's capture entry once the rewrite check's outcome is known: a function of that
         outcome, "") or, where the graph cannot have one, (a function that writes nothing, why)."""
         bumped, why = self.convention
-        constants = {node.target: getattr(gm, node.target) for node in build.graph.nodes if node.op == "get_attr"}
+        names = [node.target for node in build.graph.nodes if node.op == "get_attr"]
+        if any("." in name for name in names):  # a submodule's attribute: the hit's root module holds flat names
+            return (lambda outcome: None), "it reads attributes of submodules"
+        constants = {name: getattr(gm, name) for name in names}
         size = sum(t.numel() * t.element_size() for t in constants.values() if isinstance(t, torch.Tensor))
         why = (self.why or (why and f"AOTAutograd's wrapper is needed: {why}")
                or ("" if build.cache_key else "the rewritten graph is not in the cache")
