@@ -5,6 +5,7 @@ The wrong rewrites here are the real fuse_residual_norm with one mistake put int
 made 1.0): the fusion fires and the report says so, exactly as a pass that misread a structure would."""
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -75,6 +76,40 @@ def test_a_wrong_rewrite_is_dropped_reported_and_the_output_is_eager(options, se
     assert "add_rms_norm" not in dict(report.graphs[0].stages)["lowered"]
     assert not report.kernels  # the dropped rewrite's kernel left the report with it
     assert "REWRITE DROPPED: fuse_residual_norm in graph 0/0" in str(report)
+
+
+class _UpcastOutput(nn.Module):
+    """A bf16 add + RMSNorm whose result the model then computes on in fp32 (as logits are upcast): the fused
+    kernel rounds in bf16 elsewhere than the model, which shows in the fp32 output at bf16's scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = AddRMSNorm(64)
+
+    def forward(self, x, residual):
+        y, h = self.norm(x, residual)
+        return (y.float() * 2 + 1).sigmoid(), h
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_an_fp32_output_of_bf16_compute_is_judged_at_bf16_precision(options, seed, monkeypatch, wrong):
+    torch._dynamo.reset()
+    if wrong:
+        monkeypatch.setattr(dzc.pipeline, "fuse_residual_norm", _wrong_eps(dzc.pipeline.fuse_residual_norm))
+    model = _UpcastOutput().to(torch.bfloat16)
+    with torch.no_grad():
+        model.norm.norm.weight.normal_(1.0, 0.1)
+    compiled = dzc.compile(model, "cuda", options)
+    x, residual = _inputs(dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        compiled(x, residual)
+    check = compiled.report.graphs[0].rewrite_check
+    if wrong:  # eps 1.0 instead of 1e-6 is still far outside bf16's bounds
+        assert check.startswith("dropped fuse_residual_norm") and "computed in bfloat16" in check, check
+    else:
+        assert check.startswith("passed"), check
+        assert compiled.report.fired() == {"fuse_residual_norm": 1}
 
 
 class _NormThenCacheWrite(nn.Module):
