@@ -280,9 +280,8 @@ class DzcBackend:
         execution = _execution_for(self.target, device)
         # as captured, for the rewrite check (lowering binds kernels in place)
         captured = copy_graph(gm.graph) if hit is None else None
-        skip_check = "" if self.check_rewrites else "off (CompileOptions.check_rewrites)"
-        if hit is not None:
-            skip_check = "done when the compile cache entry was built"
+        skip_check = ("done when the compile cache entry was built" if hit is not None
+                      else "" if self.check_rewrites else "off (CompileOptions.check_rewrites)")
         if not skip_check and execution.runtime is None:
             skip_check = f"the kernels cannot run here ({execution.not_runnable_reason})"
         if not skip_check:
@@ -292,7 +291,8 @@ class DzcBackend:
             any_rank, skip_check = distributed.rank_agreement(captured, device)
         timer = self._timer
         build = self._build(gm, example_inputs, execution, device, self.options.disable_passes,
-                            checkable=not skip_check, timer=timer, cached=self._hit_passes(hit))
+                            checkable=not skip_check, timer=timer,
+                            found=(hit.entry.entry, hit.cached) if hit else None)
         for result in build.results:
             self.report.record_pass(result.name, result.rewrites, result.refusals)
         self._commit(build)
@@ -327,15 +327,12 @@ class DzcBackend:
                               pending)
         return runtime.recording_writes(check.call, written)
 
-    def _hit_passes(self, hit: _CaptureHit | None) -> _CachedPasses | None:
-        return None if hit is None else _CachedPasses.from_entry(self.target, self.options, hit.key, hit.cached)
-
     def _build(self, gm, example_inputs, execution: Execution, device, disabled, checkable: bool,
                inductor_context=None, timer: CompileTimer | None = None,
-               cached: _CachedPasses | None = None) -> _Build:
+               found: tuple[str, compile_cache.Entry] | None = None) -> _Build:
         timer = timer or CompileTimer()
         options = dataclasses.replace(self.options, disable_passes=tuple(disabled))
-        cached = cached or _CachedPasses(self.target, options, gm, example_inputs, timer)
+        cached = _CachedPasses(self.target, options, gm, example_inputs, timer, found)
         graph, stages = cached.passes()
         created = lower_graph(graph, self.target, self.options, execution, device, self.kernels, timer=timer)
         uses = kernel_uses(graph)
@@ -400,6 +397,11 @@ class DzcBackend:
         self.report.kernels = [k for k in self.report.kernels if not any(k is g for g in gone)]
 
 
+def _enabled_passes(target: Target, options: CompileOptions) -> list:
+    """The pipeline's passes that run under `options` (the cache keys name them)."""
+    return [p for p in build_pipeline(target, options) if p.__name__ not in options.disable_passes]
+
+
 def _direct_convention(gm: torch.fx.GraphModule, example_inputs,
                        dynamo_inputs: int) -> tuple[tuple[int, ...] | None, str]:
     """((inputs whose version counters AOTAutograd's runtime wrapper bumps), "") where that wrapper does nothing
@@ -447,8 +449,7 @@ class _CaptureHit:
     """A capture entry found for the graph Dynamo handed over, with the cached rewritten graph it points to."""
 
     entry: compile_cache.CaptureEntry
-    cached: compile_cache.Entry
-    key: str  # of the rewritten graph's entry
+    cached: compile_cache.Entry  # the rewritten graph's entry, which entry.entry names
 
     def graph_module_and_inputs(self) -> tuple[torch.fx.GraphModule, list]:
         """What _compile_captured takes in place of AOTAutograd's graph and inputs: a module holding the graph's
@@ -474,9 +475,9 @@ class _CaptureCache:
             return
         with timer.stage("compile cache"):
             self.cache = compile_cache.CompileCache(options.resolved_cache_dir())
-            passes = [p for p in build_pipeline(target, options) if p.__name__ not in options.disable_passes]
             try:
-                key, parts = compile_cache.capture_key(gm, example_inputs, target, options, passes)
+                key, parts = compile_cache.capture_key(gm, example_inputs, target, options,
+                                                       _enabled_passes(target, options))
             except Exception as err:  # noqa: BLE001  (a graph the key cannot describe only has no capture entry)
                 key, parts = None, f"its key could not be made ({type(err).__name__}: {str(err)[:200]})"
             if key is None:
@@ -492,7 +493,7 @@ class _CaptureCache:
             # An unreadable graph entry is left to the compile through AOTAutograd, which warns and rebuilds it.
             cached, _ = self.cache.load(entry.entry, fake_mode, warn=False)
             if cached is not None:
-                self.hit = _CaptureHit(entry, cached, entry.entry)
+                self.hit = _CaptureHit(entry, cached)
 
     def prepare(self, gm: torch.fx.GraphModule, build: _Build, example_inputs,
                 written: set[int]) -> tuple[Callable[[str], None], str]:
@@ -530,7 +531,9 @@ class _CachedPasses:
     graph and its stages come from the cache directory; on a miss the passes run, and their result is stored
     once the fallback has compiled (with torch's cache artifacts, where Inductor made some)."""
 
-    def __init__(self, target: Target, options: CompileOptions, gm, example_inputs, timer: CompileTimer):
+    def __init__(self, target: Target, options: CompileOptions, gm, example_inputs, timer: CompileTimer,
+                 found: tuple[str, compile_cache.Entry] | None = None):
+        """found: (key, entry) a capture entry led to (_CaptureCache): a hit without looking."""
         self.target, self.options, self.gm, self.timer = target, options, gm, timer
         self.example_inputs = example_inputs
         self.state = "off"
@@ -538,27 +541,20 @@ class _CachedPasses:
         self.entry: compile_cache.Entry | None = None
         self._pending: tuple | None = None  # (key, parts, pickled graph, stages) to store after the fallback
         self.captured_text: str | None = None  # the capture stage's dump, printed for the key
+        if found is not None:
+            (self.key, self.entry), self.state = found, "hit"
+            return
         if not compile_cache.enabled():
             return
         with timer.stage("compile cache"):
             self.cache = compile_cache.CompileCache(options.resolved_cache_dir())
             self.captured_text = ir.print_graph(gm.graph, "captured by Dynamo + AOTAutograd")
-            passes = [p for p in build_pipeline(target, options) if p.__name__ not in options.disable_passes]
             self.key, self.parts = compile_cache.entry_key(self.captured_text, gm, example_inputs, target, options,
-                                                           passes)
+                                                           _enabled_passes(target, options))
             fake_mode = torch._guards.detect_fake_mode(example_inputs)
             self.entry, why = (self.cache.load(self.key, fake_mode) if fake_mode is not None
                                else (None, "off (no fake inputs)"))
             self.state = "hit" if self.entry is not None else (why or "miss")
-
-    @classmethod
-    def from_entry(cls, target: Target, options: CompileOptions, key: str, entry: compile_cache.Entry):
-        """A hit found by a capture entry (_CaptureCache)."""
-        cached = cls.__new__(cls)
-        cached.target, cached.options, cached.gm, cached.example_inputs = target, options, None, None
-        cached.timer, cached.state, cached.entry, cached.key, cached._pending = None, "hit", entry, key, None
-        cached.captured_text = None
-        return cached
 
     def passes(self) -> tuple[torch.fx.Graph, list[Stage]]:
         if self.entry is not None:

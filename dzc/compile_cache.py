@@ -199,23 +199,13 @@ class CompileCache:
     def load(self, key: str, fake_mode, warn: bool = True) -> tuple[Entry | None, str]:
         """(the entry, "") on a hit; (None, "") when there is none; (None, why) when the file is unreadable (it is
         then rebuilt: the caller's store replaces it), with a warning unless `warn` is off."""
-        path = self.path(key)
-        report = self._warn if warn else lambda path, why: why
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            return None, ""
-        except OSError as err:
-            return None, report(path, f"{type(err).__name__}: {err}")
-        try:
-            stored = pickle.loads(data)
-            if not isinstance(stored, dict) or stored.get("format") != FORMAT_VERSION or stored.get("key") != key:
-                raise ValueError(f"not a format-{FORMAT_VERSION} entry for this key")
+
+        def entry(stored: dict) -> Entry:
             with fake_mode:
                 module = GraphPickler.loads(stored["graph"], fake_mode)
-            return Entry(module.graph, stored["stages"], stored["torch_artifacts"]), ""
-        except Exception as err:  # noqa: BLE001  (anything a damaged file raises: it is rebuilt)
-            return None, report(path, f"{type(err).__name__}: {str(err)[:200]}")
+            return Entry(module.graph, stored["stages"], stored["torch_artifacts"])
+
+        return self._read(self.path(key), key, entry, warn)
 
     @staticmethod
     def _warn(path: Path, why: str) -> str:
@@ -237,16 +227,21 @@ class CompileCache:
     def load_capture(self, key: str) -> tuple[CaptureEntry | None, str]:
         """(the capture entry, "") on a hit; (None, "") when there is none; (None, why) with a warning when the
         file is unreadable (it is rebuilt)."""
-        path = self.capture_path(key)
+        return self._read(self.capture_path(key), key, lambda stored: stored["entry"], warn=True)
+
+    def _read(self, path: Path, key: str, make, warn: bool):
+        """(make(the stored dict), "") for a readable format-FORMAT_VERSION file of `key`; (None, "") when there is
+        none; (None, why) when it is unreadable, with a warning if `warn`."""
         try:
             stored = pickle.loads(path.read_bytes())
             if not isinstance(stored, dict) or stored.get("format") != FORMAT_VERSION or stored.get("key") != key:
-                raise ValueError(f"not a format-{FORMAT_VERSION} capture entry for this key")
-            return stored["entry"], ""
+                raise ValueError(f"not a format-{FORMAT_VERSION} entry for this key")
+            return make(stored), ""
         except FileNotFoundError:
             return None, ""
-        except Exception as err:  # noqa: BLE001  (anything a damaged file raises: it is rebuilt)
-            return None, self._warn(path, f"{type(err).__name__}: {str(err)[:200]}")
+        except Exception as err:  # noqa: BLE001  (anything a damaged or unreadable file raises: it is rebuilt)
+            why = f"{type(err).__name__}: {str(err)[:200]}"
+            return None, self._warn(path, why) if warn else why
 
     def store_capture(self, key: str, parts: dict, entry: CaptureEntry) -> str:
         """Write a capture entry; "" or why it could not be written."""

@@ -14,36 +14,32 @@ from dzc import compile_cache
 from dzc.models.decoder import AddRMSNorm
 
 
-class WritesACache(torch.nn.Module):
-    """An add+RMSNorm that also writes its input into a cache argument (as attention layers write KV caches)."""
+class _AroundANorm(torch.nn.Module):
+    """An add+RMSNorm (fuse_residual_norm fires) with something around it, in each subclass's forward."""
 
     def __init__(self):
         super().__init__()
         self.norm = AddRMSNorm()
+
+
+class WritesACache(_AroundANorm):
+    """An add+RMSNorm that also writes its input into a cache argument (as attention layers write KV caches)."""
 
     def forward(self, x, residual, cache):
         cache[:, : x.shape[1]].copy_(x)
         return self.norm(x, residual)
 
 
-class ReturnsAView(torch.nn.Module):
+class ReturnsAView(_AroundANorm):
     """Its second output aliases its input: AOTAutograd's wrapper regenerates that view at every call."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = AddRMSNorm()
 
     def forward(self, x, residual):
         y, h = self.norm(x, residual)
         return y, x.view(-1)
 
 
-class AddsAConstant(torch.nn.Module):
+class AddsAConstant(_AroundANorm):
     """A tensor made in forward: AOTAutograd lifts it into a constant the graph reads (get_attr)."""
-
-    def __init__(self):
-        super().__init__()
-        self.norm = AddRMSNorm()
 
     def forward(self, x, residual):
         y, h = self.norm(x, residual)
