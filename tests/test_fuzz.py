@@ -60,6 +60,12 @@ def test_compare_tells_wrong_answers_from_right_ones():
                   [float("nan"), float("nan"), -float("inf"), 2.0],  # an unwritten (poisoned) element
                   [1.0, float("nan"), -float("inf"), 2.01]):  # past the tolerance
         assert fuzz.compare(torch.tensor(wrong), expected, [(1e-3, 0.0)]) is not None, wrong
+    # Overflowing sums (Case.overflows): inf or NaN by summation order, but never a finite number there.
+    overflowed = torch.tensor([float("inf"), float("nan"), 2.0])
+    assert fuzz.compare(torch.tensor([float("nan"), float("inf"), 2.0]), overflowed, [(1e-3, 0.0)], True) is None
+    assert fuzz.compare(torch.tensor([float("nan"), float("inf"), 2.0]), overflowed, [(1e-3, 0.0)]) is not None
+    for wrong in ([1.0, float("nan"), 2.0], [float("inf"), float("nan"), float("nan")]):
+        assert fuzz.compare(torch.tensor(wrong), overflowed, [(1e-3, 0.0)], True) is not None, wrong
     indices = torch.tensor([[0, 3, -1]], dtype=torch.int32)
     assert fuzz.compare(indices.clone(), indices, [(0.0, 0.0)]) is None
     assert fuzz.compare(torch.tensor([[0, 4, -1]], dtype=torch.int32), indices, [(0.0, 0.0)]) is not None
@@ -80,3 +86,14 @@ def test_the_plan_runs_in_rounds_over_every_op():
     assert len(plan) == 3 * len(ops)
     assert [index for _, _, index in plan] == sorted(index for _, _, index in plan)
     assert [op for op, _, _ in plan[: len(ops)]] == ops
+
+
+def test_overflowing_moe_sum_matches_in_either_order(tmp_path):
+    """Seed 1151955725's case 6 (CI, session 10): a 2^126 MXFP4 scale makes products of both signs overflow, so
+    the kernel's summation gives NaN where the reference's CPU matrix product gives inf. Both are right; a finite
+    value there would not be."""
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "fuzz.py"), "--quick", "--ops", "mxfp4_moe",
+                           "--codegens", "triton", "--seed", "1151955725", "--only", "6",
+                           "--out", str(tmp_path / "fuzz.md")], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    rows = _table_rows((tmp_path / "fuzz.md").read_text())
+    assert rows[("mxfp4_moe", "triton")]["match"] == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
