@@ -21,6 +21,9 @@ the graph's order unchanged.
 No rule touches a value the graph returns or one an in-place op writes: replacing it by its input would make an
 output alias an input or another output where it did not.
 
+A 0-d tensor constant (fold_scalar_constant): `lift_fresh_copy(_tensor_constant0)` => `full([], value)` of its
+dtype and device, so a mask's fill reads alike on every device (Dynamo lifts CUDA scalars, bakes CPU ones).
+
 Index arithmetic on aranges (fold_known_index, fold_and_true): integer and bool tensors whose every value the graph
 alone determines, computed from iota / full / scalar_tensor, never from an input. HF's mask without a cache
 recomputes what is known (positions = arange(S) when no position_ids are passed):
@@ -157,12 +160,36 @@ RULES = [
 
 def canonicalize_graph(graph: torch.fx.Graph) -> PassResult:
     """Put equivalent spellings into one form (see the module docstring); returns a new graph and a report."""
+    module = graph.owning_module  # where the graph's tensor constants live (none for a bare graph)
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
+    if module is not None:
+        _fold_scalar_constants(graph, module, result)
     # Inputs first, to a fixed point: folding a round trip can leave a cast that another rule then removes.
     apply_rules(graph, RULES, result, users_first=False, name_sites=True, until_fixpoint=True)
     _fold_known_values(graph, result)
     return result
+
+
+def _fold_scalar_constants(graph: torch.fx.Graph, module: torch.nn.Module, result: PassResult) -> None:
+    """fold_scalar_constant: lift_fresh_copy(a 0-d tensor constant c)  =>  full([], c.item()) of c's dtype and
+    device: a fresh tensor holding the same bits. Dynamo lifts a model's `torch.tensor(0.0, device=d)` on CUDA
+    (HF's mask fill) where it bakes the same value into full() on the CPU; the fusions read fills from full()."""
+    for node in list(graph.nodes):
+        if not (is_call(node, aten.lift_fresh_copy.default) and node.args[0].op == "get_attr"):
+            continue
+        constant = getattr(module, node.args[0].target, None)
+        if not isinstance(constant, torch.Tensor) or type(constant) is not torch.Tensor or constant.dim() != 0 \
+                or not _replaceable(node):
+            continue
+        with graph.inserting_before(node):
+            full = _build(aten.full.default, ([], constant.item()), dict(
+                dtype=constant.dtype, layout=torch.strided, device=constant.device, pin_memory=False), node)
+        result.rewrote(f"fold_scalar_constant: {location_of(node)}")
+        attribute = node.args[0]
+        _replace(node, full)
+        if not attribute.users:
+            graph.erase_node(attribute)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -406,6 +433,16 @@ def _size(node, dim):
     return None
 
 
+def _expanded(value: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node | None:
+    """expand(value, like's sizes), before like; None where a size has no argument to spell it (_size)."""
+    sizes = [_size(like, d) for d in range(fake_value(like).dim())]
+    if any(size is None for size in sizes):
+        return None
+    with like.graph.inserting_before(like):
+        sizes = [_build(aten.sym_size.int, size, {}, like) if isinstance(size, tuple) else size for size in sizes]
+        return _build(aten.expand.default, (value, sizes), {}, like)
+
+
 def _materialize(node, ramp: _Ramp) -> torch.fx.Node | None:
     """iota -> unsqueeze -> expand (or full) of node's shape and dtype holding the ramp's values, before node."""
     value = fake_value(node)
@@ -430,7 +467,8 @@ def _materialize(node, ramp: _Ramp) -> torch.fx.Node | None:
 def _fold_known_values(graph: torch.fx.Graph, result: PassResult) -> None:
     """fold_and_true, then fold_known_index (see the module docstring)."""
     known = _KnownValues()
-    # fold_and_true: a & b where a is proved all True and b has the result's shape  =>  b (bool: the same values).
+    # fold_and_true: a & b where a is proved all True  =>  b (bool: the same values), expanded to the result's
+    # shape where a broadcast b (a view with the same values; _foldable: no user reads the strides).
     for node in list(graph.nodes):
         if getattr(node, "_erased", False) \
                 or not is_call(node, aten.bitwise_and.Tensor, aten.logical_and.default):
@@ -439,11 +477,16 @@ def _fold_known_values(graph: torch.fx.Graph, result: PassResult) -> None:
         if fake_value(node).dtype != torch.bool or any(dtype_of(x) != torch.bool for x in operands):
             continue
         for true, other in (operands, operands[::-1]):
-            if known(true) == _Ramp(1) and same_sizes(fake_value(other).shape, fake_value(node).shape) \
-                    and _foldable(node):
-                result.rewrote(f"fold_and_true: {location_of(node)}")
-                _replace(node, other, *_cone(true, known))
-                break
+            if known(true) != _Ramp(1) or not _foldable(node):
+                continue
+            value = other
+            if not same_sizes(fake_value(other).shape, fake_value(node).shape):
+                value = _expanded(other, node)
+                if value is None:
+                    continue
+            result.rewrote(f"fold_and_true: {location_of(node)}")
+            _replace(node, value, *_cone(true, known))
+            break
     # fold_known_index: a computed value proved to be an arange (or a constant), read by a user it cannot be
     # proved for  =>  the arange, spelled iota -> unsqueeze -> expand (full for a constant).
     derived: dict = {}

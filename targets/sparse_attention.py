@@ -404,12 +404,9 @@ def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[
     # Every TileLang config is a separate compile (tens of seconds): a small space, splits {0 (prefill), 2, 8}.
     for splits in (0, 2, 8):
         for block_h in head_blocks:
-            threads = 128 if block_h == 16 else 256
-            if threads % profile.warp_size or block_h * spec.d_v > 128 * threads:
-                continue
             for block_n in (32, 64):
-                # T.gemm gives each 32-lane warp of the scores MMA [BLOCK_H, BLOCK_N] whole 16×8 pieces.
-                if threads // 32 > (block_h // 16) * (block_n // 8):
+                threads = _tilelang_threads(spec, block_h, block_n)
+                if threads is None or threads % profile.warp_size:
                     continue
                 for stages in (1, 2):
                     config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=stages,
@@ -422,6 +419,18 @@ def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[
     # Only the most heads per block that fits: fewer heads per block gather the same rows again.
     most_heads = max((c["BLOCK_H"] for c in configs), default=0)
     return [c for c in configs if c["BLOCK_H"] == most_heads]
+
+
+def _tilelang_threads(spec: SparseAttentionSpec, block_h: int, block_n: int) -> int | None:
+    """Threads of a TileLang block: the most of (256 for 32+ heads a block, else 128; then half) for which T.gemm
+    gives each 32-lane warp whole 16×8 pieces of both MMAs, scores [BLOCK_H, BLOCK_N] and output [BLOCK_H, Dv]
+    (a small Dv, 16, has too few for 4 warps), and the fp32 accumulator [BLOCK_H, Dv] stays within 128 values a
+    thread; None if neither."""
+    for threads in ((128, 64) if block_h == 16 else (256, 128)):
+        pieces = (block_h // 16) * min(block_n // 8, spec.d_v // 8)
+        if threads // 32 <= pieces and block_h * spec.d_v <= 128 * threads:
+            return threads
+    return None
 
 
 def tilelang_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -> KernelConfig:
