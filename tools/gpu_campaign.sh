@@ -15,7 +15,8 @@
 #                              bash tools/gpu_campaign.sh next-4   # benchmarks: add+norm back to back, compile, DSA FP8
 # Session 10: bash tools/gpu_campaign.sh s10a (fresh machine, Triton only); later s10b-1 (carry .whl-gpu1), then
 # a TileLang test call (carry .whl-gpu2).
-# Session 11: s11-1 (carry .whl-gpu1), s11-2 (carry .whl-gpu2), then s10b-1's overhead diagnosis if time is left.
+# Session 11: s11-1 (carry .whl-gpu1), s11-2 (carry .whl-gpu2); after their fixes s11-3 (carry .whl-gpu1), s11-4
+# (carry .whl-gpu2).
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -149,6 +150,18 @@ s11-2)
   TAIL=15 part gpu_tests_tilelang_long 200 python3 -m pytest -q -p no:logging -rf -m gpu \
     tests/test_tilelang_long_context.py
   TAIL=30 part fuzz_tilelang 240 python3 tools/fuzz.py --codegens tilelang --out "$OUT/fuzz_h200_tilelang.md"
+  ;;
+s11-3)
+  # (carry .whl-gpu1) A fresh machine: the fixes of s11-1's findings; the Triton fuzzer on another seed.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=15 part gpu_tests_no_cache 90 python3 -m pytest -q -p no:logging -rf -m gpu \
+    tests/test_sparse_attention_without_cache.py
+  TAIL=30 part fuzz_triton_seed1 250 python3 tools/fuzz.py --codegens triton --seed 1 \
+    --out "$OUT/fuzz_h200_triton_seed1.md"
+  ;;
+s11-4)
+  # (carry .whl-gpu2) TileLang: the fuzzer again after the Dv-16 thread fix (s11-2 crashed there).
+  TAIL=30 part fuzz_tilelang 420 python3 tools/fuzz.py --codegens tilelang --out "$OUT/fuzz_h200_tilelang.md"
   ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
