@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from dzc.passes.graph_pass import PassResult, copy_graph, fake_value, is_call, location_of
@@ -182,8 +183,10 @@ def _fold_scalar_constants(graph: torch.fx.Graph, module: torch.nn.Module, resul
         if not isinstance(constant, torch.Tensor) or type(constant) is not torch.Tensor or constant.dim() != 0 \
                 or not _replaceable(node):
             continue
+        with unset_fake_temporarily():  # the compile runs passes under its fake mode; this value is real
+            fill = constant.item()
         with graph.inserting_before(node):
-            full = _build(aten.full.default, ([], constant.item()), dict(
+            full = _build(aten.full.default, ([], fill), dict(
                 dtype=constant.dtype, layout=torch.strided, device=constant.device, pin_memory=False), node)
         result.rewrote(f"fold_scalar_constant: {location_of(node)}")
         attribute = node.args[0]
