@@ -117,13 +117,22 @@ class _ResidualSum:
     and the norm (which must serve the norm only) and the operands' upcasts (erased where nothing else reads them)."""
 
     def __init__(self, v: torch.fx.Node, norm_nodes: list[torch.fx.Node]):
-        if cast_dtype(v) is not None and is_call(v.args[0], aten.add.Tensor):
+        # A copy of the sum between the add and the norm (capture's LayerNorm over a permuted sum makes it
+        # contiguous) holds the same values: the fused op reads the add's operands and writes contiguous outputs.
+        copies = []
+        inner = v.args[0] if cast_dtype(v) is not None else v
+        if _is_copy(inner) and is_call(inner.args[0], aten.add.Tensor):
+            copies, inner = [inner], inner.args[0]
+            if outside_users(copies, [*norm_nodes, v]):
+                raise Refusal("the copy of the sum has another use")
+        if cast_dtype(v) is not None and inner is not v and is_call(inner, aten.add.Tensor):
             # HF: the norm upcasts the sum the residual stream carries.
-            self.add, self.sum_in_fp32, self.h, self.nodes, self.upcasts = v.args[0], False, v.args[0], [v], []
+            self.add, self.sum_in_fp32, self.h, self.nodes, self.upcasts = inner, False, inner, [v, *copies], []
             if outside_users([v], norm_nodes):
                 raise Refusal("the fp32 copy of the sum has another use")
-        elif is_call(v, aten.add.Tensor):
-            self.add, self.nodes, self.upcasts = v, [v], []
+        elif is_call(inner, aten.add.Tensor):
+            v = inner
+            self.add, self.nodes, self.upcasts = v, [v, *copies], []
             x, residual = v.args[:2]
             if cast_dtype(x) is not None and cast_dtype(residual) is not None and dtype_of(v) == torch.float32:
                 # DeepSeek: x.float() + residual.float(); the residual stream is the sum cast back.
@@ -150,6 +159,12 @@ class _ResidualSum:
                 and same_sizes(fake_value(self.residual).shape, v_value.shape)):
             raise Refusal("the residual add broadcasts")
         self.dtype = dtype_of(self.h) if self.h is not None else dtype_of(self.x)
+
+
+def _is_copy(node) -> bool:
+    """clone(x), contiguous or keeping x's layout: the same values in a new tensor."""
+    return is_call(node, aten.clone.default) and node.kwargs.get("memory_format") in (
+        None, torch.contiguous_format, torch.preserve_format)
 
 
 def _check_uses(chain, y, h) -> None:

@@ -464,3 +464,40 @@ def test_new_kernel_variants_match_the_reference_in_every_legal_config(weight_dt
         # bf16 steps: five roundings, each one ulp apart where the interpreter truncates (and the CPU reference's
         # bf16 mean rounds the sum before dividing).
         _assert_y_close(y.cpu(), expected_y.cpu(), 6 if compute_dtype == bf16 else 2)
+
+
+class PermutedSumLayerNorm(nn.Module):
+    """A ViT's residual stream kept [tokens, batch, hidden] (a transposed sum): capture's LayerNorm copies it
+    contiguous before the statistics (SigLIP's encoder after its permuted patch embeddings)."""
+
+    def __init__(self, hidden=64, copy_escapes=False):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden, eps=1e-6)
+        self.copy_escapes = copy_escapes
+
+    def forward(self, x, residual):
+        h = x.transpose(0, 1) + residual.transpose(0, 1)
+        if self.copy_escapes:
+            copy = h.contiguous()
+            return self.norm(copy), copy * 2
+        return self.norm(h), h
+
+
+def test_layer_norm_over_a_copy_of_the_sum_fuses(options, seed):
+    model = PermutedSumLayerNorm()
+    x, residual = torch.randn(6, 3, 64), torch.randn(6, 3, 64)
+    stages, report = _stages(model, options, x, residual)
+    assert "aten.clone.default" in stages["capture"]
+    assert report.passes["fuse_residual_norm"] == 1, report.refusals
+    assert "aten.clone" not in stages["fuse_residual_norm"] and "aten.var_mean" not in stages["fuse_residual_norm"]
+    y, h = dzc.compile(model, "cuda", options)(x, residual)
+    expected_y, expected_h = model(x, residual)
+    torch.testing.assert_close(h, expected_h, atol=0, rtol=0)
+    torch.testing.assert_close(y, expected_y, atol=1e-5, rtol=1e-5)
+
+
+def test_a_copy_of_the_sum_read_elsewhere_is_refused(options):
+    _, report = _stages(PermutedSumLayerNorm(copy_escapes=True), options, torch.randn(6, 3, 64),
+                        torch.randn(6, 3, 64))
+    assert report.passes["fuse_residual_norm"] == 0
+    assert [reason for _, reason in report.refusals["fuse_residual_norm"]] == ["the copy of the sum has another use"]
