@@ -21,6 +21,7 @@ over the whole pack has no per-segment form and is an error, never a guess.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import sys
@@ -143,6 +144,7 @@ class Selection:
     """Which configs of a model dzc's attention was selected on, and what each had before."""
     configs: list = field(default_factory=list)  # (config, the user's implementation)
     left: list[str] = field(default_factory=list)  # "ConfigClass: why it was left alone"
+    eager_helpers: list[str] = field(default_factory=list)  # "module.name" of the helpers run outside the graph
 
     # The attribute behind the config's _attn_implementation property: its setter would also write the value it
     # is given into the sub-configs, whose bases may differ.
@@ -162,7 +164,8 @@ class Selection:
 
     def __str__(self) -> str:
         taken = ", ".join(f"{type(c).__name__} ({o} -> {NAMES[o]})" for c, o in self.configs) or "none"
-        return f"dzc attention on: {taken}" + "".join(f"; left alone: {why}" for why in self.left)
+        eager = f"; run eagerly, outside the graph: {', '.join(self.eager_helpers)}" if self.eager_helpers else ""
+        return f"dzc attention on: {taken}" + "".join(f"; left alone: {why}" for why in self.left) + eager
 
 
 def _model_configs(model: torch.nn.Module) -> list:
@@ -233,10 +236,64 @@ def take_over(model, mode: str, owner) -> Selection | None:
         function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
         if function is not None:
             _EAGER_FUNCTIONS[type(module)] = function
+    selection.eager_helpers = _run_size_helpers_eagerly(model)
     if mode == "compiled":
         selection.select()
         weakref.finalize(owner, selection.restore)
     return selection
+
+
+# transformers.vision_utils holds "standalone functions for pre-computing very dynamic and data-dependent tensors
+# that can break model graph capturing" (its docstring): cu_seqlens, rotary position ids and window indices from
+# grid_thw, with Python loops over grid_thw.tolist(). Traced, each new image count recompiles their resumed loops
+# (one graph set per request shape); run eagerly, they are a graph break each, and the graphs after them take
+# their results as dynamic inputs: no recompile once Dynamo's automatic-dynamic warm-up is over (docs/vision.md).
+# get_max_seqlen (the .item() of the longest segment) is the same kind of helper, from transformers.utils.generic.
+_SIZE_HELPER_MODULES = {"transformers.vision_utils": None, "transformers.utils.generic": ("get_max_seqlen",)}
+
+
+@functools.cache
+def _eager(function):
+    """function, run eagerly unless the caller passed precomputed inputs (one wrapper per function, so that guards
+    on it hold across compiles). The helpers pop precomputed values from their `kwargs` argument: with some there
+    (qwen2_5_vl_vision_inputs' tensors, or a max_seqlen the model computed once and hands its blocks), the traced
+    helper returns them without a graph break."""
+    untraced = torch.compiler.disable(function, recursive=True)
+
+    @functools.wraps(function)
+    def helper(*args, **kwargs):
+        given = kwargs.get("kwargs")
+        if isinstance(given, dict) and any(value is not None for value in given.values()):
+            return function(*args, **kwargs)
+        return untraced(*args, **kwargs)
+
+    return helper
+
+
+def _run_size_helpers_eagerly(model: torch.nn.Module) -> list[str]:
+    """Bind the size helpers (_SIZE_HELPER_MODULES) to their eager wrappers in the namespaces of the modules that
+    define `model`'s classes: process-wide (as Dynamo's capture settings are), the same values computed. Returns
+    "module.name" of each binding replaced now or before."""
+    helpers = {}
+    for module_name, names in _SIZE_HELPER_MODULES.items():
+        module = sys.modules.get(module_name)
+        for name, value in vars(module).items() if module is not None else ():
+            if inspect.isfunction(value) and value.__module__ == module_name and (names is None or name in names) \
+                    and not name.startswith("_"):
+                helpers[value] = _eager(value)
+    wrappers = {id(wrapper) for wrapper in helpers.values()}
+    replaced = []
+    for module_name in sorted({type(m).__module__ for m in model.modules()}):
+        namespace = vars(sys.modules[module_name]) if module_name in sys.modules else {}
+        for name, value in list(namespace.items()):
+            if not inspect.isfunction(value):
+                continue
+            if value in helpers:
+                namespace[name] = helpers[value]
+            elif id(value) not in wrappers:
+                continue
+            replaced.append(f"{module_name}.{name}")
+    return replaced
 
 
 def use_dzc_attention(model) -> None:
