@@ -2,7 +2,7 @@
 eager dense-masked attention, torch.compile of it and torch.topk as baselines in the same run.
 
     python tools/bench_dsa.py [--quick] [--musa-legal] [--out results.md] [--codegens triton tilelang]
-                              [--fp8-cache] [--long-context [--only long]]
+                              [--fp8-cache] [--long-context [--only long]] [--public-kernels DIR | --no-public-kernels]
 
 Shapes (DeepSeek-V3.2: indexer 64 heads × 128, FP8 key cache of 132 B/token; MLA 128 heads, Dqk 576, Dv 512, one
 latent KV head; top-k 2048; 64-token pages with a shuffled block table):
@@ -23,6 +23,12 @@ its peak memory above the caches and in total.
 Every kernel is checked against its dzc op reference (rows of the first sequence) before it is timed. Kernels run
 through dzc's lowering (lower_op: the path a compiled graph takes) with autotuning (tuning database in
 --cache-dir; --quick uses the untuned defaults). Times: medians of triton.testing.do_bench.
+
+--public-kernels DIR (default .public-kernels/deepseek_v32 when it exists; made by tools/fetch_public_kernels.sh,
+git-ignored, never committed): the public TileLang DeepSeek-V3.2 example kernels run in the same process on the same
+inputs (dzc's paged caches copied once, outside the timing, into the contiguous layouts they take), timed with the
+same helper, each checked once against dzc's op reference: rows "public TileLang <kernel>" with their time, their
+rate and dzc's time ÷ theirs. A kernel that cannot be imported or raises gives a row "not run: <reason>".
 """
 
 from __future__ import annotations
@@ -30,7 +36,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
+import os
 import platform
+import sys
 
 import dzc  # noqa: F401  (first: it decides Triton's mode)
 import torch
@@ -176,6 +185,8 @@ class Bench:
         self.rows: list[dict] = []
         # One torch.compile of the baseline for every shape (dynamic: one recompile at most, not one per shape).
         self.compiled_baseline = torch.compile(dense_masked_attention, dynamic=True)
+        folder = _public_kernels_folder(args)
+        self.public = PublicBaselines(self, folder) if folder else None
 
     def options(self, codegen="auto"):
         return CompileOptions(cache_dir=self.args.cache_dir, autotune=not self.args.quick, codegen=codegen)
@@ -192,6 +203,7 @@ class Bench:
         _check(f"indexer {label}", logits[:problem.check_rows],
                dsa_indexer_reference(*problem.first_sequence(args, (0, 1, 5, 6))))
         seconds = _time(run)
+        indexer_seconds = seconds
         token_bytes = INDEX_DIM + 4 if problem.fp8_index else 2 * INDEX_DIM
         read = problem.rows * problem.context * token_bytes
         bandwidth = read / seconds
@@ -210,11 +222,14 @@ class Bench:
                               metric=f"{seconds / floor:.1f}× one read",
                               baseline=f"torch.topk {baseline * 1e6:.0f} µs = {baseline / floor:.1f}× one read "
                                        f"(dzc {baseline / seconds:.1f}× faster)", config=_tuned(record)))
+        if self.public is not None:
+            self.public.indexer_and_topk(problem, label, indexer_seconds, logits, lengths, seconds)
 
     def sparse_attention(self, problem: Problem, label: str):
         args = problem.attention_args()
         flops = 2 * HEADS * TOPK * (D_QK + D_V) * problem.rows
         baseline = self.dense_baselines(problem)
+        dzc_times: dict[str, float] = {}
         for codegen in self.args.codegens:
             if problem.fp8_latent and codegen == "tilelang":
                 continue  # no FP8 latent reader in the TileLang template
@@ -223,11 +238,14 @@ class Bench:
             _check(f"sparse_attention[{codegen}] {label}", out[:problem.check_rows],
                    sparse_attention_reference(*problem.first_sequence(args, (0, 5, 6))))
             seconds = _time(run)
+            dzc_times[codegen] = seconds
             versus = ", ".join(f"{name} {t * 1e6:.0f} µs ({t / seconds:.1f}×)" for name, t in baseline.items())
             self.rows.append(dict(kernel=f"sparse_attention[{codegen}]", shape=label, us=seconds * 1e6,
                                   metric=f"{flops / seconds / 1e12:.0f} TFLOP/s "
                                          f"({100 * flops / seconds / PEAK_BF16_FLOPS:.0f}%)",
                                   baseline=versus, config=_tuned(record)))
+        if self.public is not None:
+            self.public.sparse_attention(problem, label, dzc_times)
 
     def dense_baselines(self, problem: Problem) -> dict[str, float]:
         """Eager dense-masked attention and torch.compile of it, on dense per-sequence KV, where memory allows."""
@@ -276,6 +294,7 @@ class Bench:
             legal, _ = legal_configs(attention_family, "triton", spec, self.target.profile)
             print(f"dry run: B={batch} q={queries} ctx={context}: {spec.describe()}, {len(legal)} legal Triton configs "
                   f"on {self.target.profile.name}")
+        print(self.public.describe() if self.public is not None else "public TileLang kernels: off")
 
     def decode(self):
         for batch, queries, context in self.decode_shapes():
@@ -360,6 +379,8 @@ class Bench:
             seconds = _time(chunked)
             peak = torch.cuda.max_memory_allocated() - before
             self.indexer_and_topk_prefill_row(problem, label, seconds, peak, chunk)
+            if self.public is not None:
+                self.public.prefill_indexer_topk(problem, label, seconds)
             self.sparse_attention(problem, label)
             del problem
             torch.cuda.empty_cache()
@@ -374,10 +395,407 @@ class Bench:
     def table(self) -> str:
         lines = ["| kernel | shape | µs | achieved | baselines | config |", "|---|---|---|---|---|---|"]
         for row in self.rows:
-            lines.append(f"| {row['kernel']} | {row['shape']} | {row['us']:.1f} | {row['metric']} | "
+            us = "—" if row['us'] is None else f"{row['us']:.1f}"
+            lines.append(f"| {row['kernel']} | {row['shape']} | {us} | {row['metric']} | "
                          f"{row['baseline']} | {row['config']} |")
         return "\n".join(lines)
 
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PUBLIC_KERNELS = os.path.join(REPO_ROOT, ".public-kernels", "deepseek_v32")
+# The public example files and their Python entry points, as wired below.
+PUBLIC_MODULES = ("fp8_lighting_indexer", "topk_selector", "sparse_mla_fwd_pipelined", "sparse_mla_fwd")
+# topk_selector's first pass keeps the candidates of the threshold bin in a shared buffer of this many entries.
+PUBLIC_TOPK_SMEM_INPUT = 4096
+
+
+def _public_kernels_folder(args) -> str | None:
+    if args.no_public_kernels:
+        return None
+    if args.public_kernels:
+        return args.public_kernels
+    return DEFAULT_PUBLIC_KERNELS if os.path.isdir(DEFAULT_PUBLIC_KERNELS) else None
+
+
+def _reason(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip().splitlines()
+    line = text[0] if text else type(error).__name__
+    # Compiler errors put the useful line further down: the first line that says error.
+    for candidate in text[1:]:
+        if "error" in candidate.lower() and len(line) < 40:
+            line += " … " + candidate.strip()
+            break
+    return (line[:200] + "…") if len(line) > 200 else line
+
+
+def _error_text(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    """The max error of `actual` against dzc's op reference, relative to the reference's largest value (what _check
+    bounds by 2e-2), or how its −inf/NaN pattern differs: reported, never raised (a baseline is not dzc's kernel)."""
+    actual, expected = actual.float(), expected.float()
+    finite = expected.isfinite()
+    if not torch.equal(actual.isfinite(), finite):
+        return (f"{int((actual.isfinite() != finite).sum())} of {finite.numel()} entries differ in finiteness "
+                f"from dzc's reference (wrong inputs or mask)")
+    if not finite.any():
+        return "max error 0 (all masked)"
+    scale = expected[finite].abs().max().clamp_min(1e-6)
+    error = float((actual[finite] - expected[finite]).abs().max() / scale)
+    return f"max error {error:.2g} vs dzc's reference{' (too large: check its inputs)' if error > 2e-2 else ''}"
+
+
+def _topk_match_text(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    """Top-k positions (any order) against dzc's reference (ascending, -1 padded): exact sets, or the overlap."""
+    actual = actual.long().sort(dim=-1).values
+    expected = expected.long()
+    same = (actual == expected).all(dim=-1)
+    if bool(same.all()):
+        return f"same positions as dzc's reference on {same.numel()} rows"
+    overlap = min(len(set(a.tolist()) & set(e.tolist())) / max(1, int((e >= 0).sum()))
+                  for a, e in zip(actual[~same], expected[~same]))
+    return (f"same positions on {int(same.sum())}/{same.numel()} rows (ties or wrong inputs), worst overlap "
+            f"{100 * overlap:.1f}%")
+
+
+def _radix_threshold_population(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> int:
+    """The most candidates topk_selector's first pass keeps (the threshold bin of the 8-bit fp16-order histogram)
+    over all rows: above PUBLIC_TOPK_SMEM_INPUT it would write past its shared buffer, so it is not run."""
+    worst = 0
+    positions = torch.arange(logits.shape[1], device=logits.device)
+    for start in range(0, logits.shape[0], 256):
+        rows = logits[start:start + 256]
+        half = rows.half().view(torch.int16).int() & 0xFFFF
+        bins = torch.where(rows < 0, (~half) & 0xFFFF, half | 0x8000) >> 8
+        valid = positions < lengths[start:start + 256, None].long()
+        bins = bins.masked_fill(~valid, 256).long()
+        counts = torch.zeros(rows.shape[0], 257, device=logits.device, dtype=torch.int64)
+        counts.scatter_add_(1, bins, torch.ones_like(bins))
+        counts = counts[:, :256]
+        suffix = counts.flip(-1).cumsum(-1).flip(-1)  # suffix[b]: values in bins >= b
+        threshold = ((suffix >= k).sum(-1) - 1).clamp_min(0)
+        worst = max(worst, int(counts.gather(1, threshold[:, None]).max()))
+    return worst
+
+
+def _compiled(jit_function, *args):
+    """The compiled kernel of a tilelang.jit function for `args` (called with the tensors only: no per-call
+    argument hashing in the timing), or None where this tilelang has no .compile (then the jit call is timed)."""
+    try:
+        return jit_function.compile(*args)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+class PublicBaselines:
+    """The public TileLang DeepSeek-V3.2 example kernels (tile-ai/tilelang examples/deepseek_v32, copied by
+    tools/fetch_public_kernels.sh into a git-ignored folder) run on the inputs of dzc's rows:
+
+      fp8_lighting_indexer.mqa_attn_return_logits(IndexQ [T·64, 128] e4m3, IndexK [N, 128] e4m3, IndexKScale [N]
+          fp32, Weights [T, 64] fp32, CuSeqLenKS [T] int32, CuSeqLenKE [T] int32) -> logits [T, N] fp32 (garbage
+          outside [KS, KE)); clean_logits_ (in mqa_attn_return_logits_interface) writes −inf there. One flat key
+          array: the sequences' keys one after the other (each its block-table capacity), KS/KE per query row.
+      topk_selector.tl_topk(logits [T, L] fp32, starts [T] int32, ends [T] int32, topk) -> [T, topk] int32 positions
+          in no order (0-padded).
+      sparse_mla_fwd_pipelined.sparse_mla_fwd(Q [B, S, 128, 576] bf16, KV [B, S_kv, 1, 576] bf16, Indices [B, S, 1,
+          topk] int32, q_start_index_s [1] int32, ...) -> (out [B, S, 128, 512] bf16, lse); causal: index <=
+          q_start_index_s + s (kv_stride 1): q_start_index_s = context − queries places dzc's query rows.
+      sparse_mla_fwd.sparse_mla_fwd_interface(q [B, S, 128, 576], kv [B, S_kv, 1, 576], indices [B, S, 1, topk]
+          int32) -> (out, lse); causal: index <= s (query row s sits at position s, no offset): dzc's rows sit at
+          context − queries + s, so its output is checked against the reference of what it computes, and its time
+          is that of the same loads and math (every index is gathered, masked ones score −inf).
+    """
+
+    def __init__(self, bench: "Bench", folder: str):
+        self.bench = bench
+        self.folder = os.path.abspath(folder)
+        self.modules: dict[str, object] = {}
+        self.failures: dict[str, str] = {}
+        self.source = self._read_source()
+
+    def _read_source(self) -> str:
+        try:
+            with open(os.path.join(os.path.dirname(self.folder), "SOURCE")) as f:
+                fields = dict(line.split(": ", 1) for line in f.read().splitlines() if ": " in line)
+            return f"tilelang@{fields.get('commit', '?')[:10]}"
+        except OSError:
+            return "tilelang@?"
+
+    def module(self, name: str):
+        """The example module `name` from the folder, imported once; raises RuntimeError(reason) when it cannot be."""
+        if name in self.modules:
+            return self.modules[name]
+        if name in self.failures:
+            raise RuntimeError(self.failures[name])
+        try:
+            if not os.path.isfile(os.path.join(self.folder, f"{name}.py")):
+                raise FileNotFoundError(f"{name}.py not in {self.folder} (run tools/fetch_public_kernels.sh)")
+            importlib.import_module("tilelang")
+            # The examples import their own `utils` (import utils): shadow any other module of that name meanwhile.
+            saved = sys.modules.pop("utils", None)
+            sys.path.insert(0, self.folder)
+            try:
+                module = importlib.import_module(name)
+            finally:
+                sys.path.remove(self.folder)
+                if saved is not None:
+                    sys.modules["utils"] = saved
+                else:
+                    sys.modules.pop("utils", None)
+        except Exception as error:  # noqa: BLE001 (any failure: the row says why)
+            self.failures[name] = _reason(error)
+            raise RuntimeError(self.failures[name]) from error
+        self.modules[name] = module
+        return module
+
+    def describe(self) -> str:
+        """--dry-run: which example modules import (tilelang imported, nothing compiled or launched)."""
+        parts = []
+        for name in PUBLIC_MODULES:
+            try:
+                self.module(name)
+                parts.append(f"{name} ok")
+            except RuntimeError as error:
+                parts.append(f"{name} not importable: {error}")
+        return f"public TileLang kernels from {self.folder} ({self.source}): " + "; ".join(parts)
+
+    def _row(self, name: str, label: str, seconds: float | None, metric: str, baseline: str, module: str):
+        self.bench.rows.append(dict(kernel=f"public TileLang {name}", shape=label,
+                                    us=None if seconds is None else seconds * 1e6, metric=metric, baseline=baseline,
+                                    config=f"{module}.py, {self.source}"))
+
+    def _not_run(self, name: str, label: str, reason: str, module: str):
+        print(f"public TileLang {name} {label}: not run: {reason}", flush=True)
+        self._row(name, label, None, f"not run: {reason}", "", module)
+
+    def _guarded(self, name: str, label: str, module: str, body):
+        """Runs body() (which appends its rows); a failure becomes a "not run" row and the benchmark goes on."""
+        try:
+            body()
+            torch.cuda.synchronize()
+        except Exception as error:  # noqa: BLE001
+            self._not_run(name, label, _reason(error), module)
+        torch.cuda.empty_cache()
+
+    @staticmethod
+    def _versus(dzc_seconds: float, seconds: float, dzc_name: str = "dzc") -> str:
+        return f"{dzc_name} {dzc_seconds * 1e6:.0f} µs: dzc ÷ public = {dzc_seconds / seconds:.2f}"
+
+    # ---- indexer inputs: dzc's paged FP8 index cache -> one flat key array ----
+
+    def _indexer_inputs(self, problem: Problem, rows: slice = slice(None)):
+        """(q [T, 64, 128] e4m3, keys [N, 128] e4m3, key scales [N] fp32, weights [T, 64] fp32, KS [T], KE [T]) for
+        the query rows `rows`: sequence b's keys at b·capacity .. b·capacity + capacity, KE = its start + pos + 1.
+        T is padded to a multiple of the kernel's block_Q (128 // 64 = 2 rows) with copies of the last row."""
+        values, scales = kv_cache.split_fp8_index_pages(problem.index_cache, INDEX_DIM)
+        table = problem.block_table.long()
+        capacity = table.shape[1] * PAGE_SIZE
+        keys = values[table].reshape(-1, INDEX_DIM).contiguous()
+        key_scales = scales[table].reshape(-1).contiguous()
+        q = problem.index_q[rows]
+        weights = problem.weights[rows].float()
+        start = problem.query_seq[rows].long() * capacity
+        ks = start.to(torch.int32)
+        ke = (start + problem.query_pos[rows].long() + 1).to(torch.int32)
+        block_q = 128 // INDEX_HEADS
+        pad = -q.shape[0] % block_q
+        if pad:
+            q, weights, ks, ke = (torch.cat([t, t[-1:].expand(pad, *t.shape[1:])]) for t in (q, weights, ks, ke))
+        return (q.contiguous(), keys, key_scales, weights.contiguous(), ks.contiguous(), ke.contiguous()), capacity
+
+    def _indexer_run(self, problem: Problem, rows: slice = slice(None)):
+        fp8 = self.module("fp8_lighting_indexer")
+        (q, keys, key_scales, weights, ks, ke), capacity = self._indexer_inputs(problem, rows)
+        flat_q = q.view(-1, INDEX_DIM)
+        compiled = _compiled(fp8.mqa_attn_return_logits, flat_q, keys, key_scales, weights, ks, ke)
+
+        def kernel_only():
+            if compiled is not None:
+                return compiled(flat_q, keys, key_scales, weights, ks, ke)
+            return fp8.mqa_attn_return_logits(flat_q, keys, key_scales, weights, ks, ke)
+
+        def interface():
+            return fp8.mqa_attn_return_logits_interface(q=q, kv=keys, kv_scales=key_scales, weights=weights,
+                                                        cu_seqlen_ks=ks, cu_seqlen_ke=ke)
+        return kernel_only, interface, capacity
+
+    def _indexer_unavailable(self, problem: Problem) -> str | None:
+        if not (self.bench.fp8 and problem.fp8_index):
+            return "the public indexer is FP8 only (this run's index cache is BF16)"
+        logits_bytes = problem.rows * problem.batch * -(-problem.context // PAGE_SIZE) * PAGE_SIZE * 4
+        if logits_bytes > BASELINE_SCORE_BYTES:
+            return f"its logits over the flat keys of every sequence would be {logits_bytes / 2**30:.0f} GiB"
+        return None
+
+    def indexer_and_topk(self, problem: Problem, label: str, dzc_indexer: float, logits: torch.Tensor,
+                         lengths: torch.Tensor, dzc_topk: float):
+        """Decode rows: the public indexer on the same FP8 cache and queries, the public top-k on dzc's logits."""
+        name = "mqa_attn_return_logits (indexer)"
+        reason = self._indexer_unavailable(problem)
+        if reason:
+            self._not_run(name, label, reason, "fp8_lighting_indexer")
+        else:
+            self._guarded(name, label, "fp8_lighting_indexer",
+                          lambda: self._decode_indexer(problem, label, name, dzc_indexer))
+        name = "tl_topk (top-k)"
+        self._guarded(name, label, "topk_selector", lambda: self._topk(logits, lengths, label, name, dzc_topk))
+
+    def _decode_indexer(self, problem: Problem, label: str, name: str, dzc_seconds: float):
+        kernel_only, interface, capacity = self._indexer_run(problem)
+        rows = problem.check_rows
+        out = interface()
+        # The first sequence's rows and columns: its keys come first in the flat array.
+        check = _error_text(out[:rows, :problem.context],
+                            dsa_indexer_reference(*problem.first_sequence(problem.indexer_args(), (0, 1, 5, 6))))
+        del out
+        seconds = _time(kernel_only)
+        cleaned = _time(interface)
+        read = problem.rows * problem.context * (INDEX_DIM + 4)
+        note = (" (block_Q = 2 rows span 2 sequences at 1 query each: it reads both sequences' keys)"
+                if problem.queries % 2 and problem.batch > 1 else "")
+        self._row(name, label, seconds, f"{read / seconds / 1e12:.2f} TB/s ({100 * read / seconds / PEAK_BYTES_PER_S:.0f}%)",
+                  f"{self._versus(dzc_seconds, seconds)}; with clean_logits_ over [{problem.rows}, "
+                  f"{problem.batch}·{capacity}] {cleaned * 1e6:.0f} µs; {check}{note}", "fp8_lighting_indexer")
+
+    def _topk(self, logits: torch.Tensor, lengths: torch.Tensor, label: str, name: str, dzc_seconds: float):
+        selector = self.module("topk_selector")
+        population = _radix_threshold_population(logits, lengths, TOPK)
+        if population > PUBLIC_TOPK_SMEM_INPUT:
+            raise RuntimeError(f"its first pass would keep {population} candidates in a shared buffer of "
+                               f"{PUBLIC_TOPK_SMEM_INPUT} (SMEM_INPUT_SIZE)")
+        logits = logits.contiguous()
+        starts = torch.zeros_like(lengths, dtype=torch.int32)
+        ends = lengths.to(torch.int32).contiguous()
+        out = selector.tl_topk(logits, starts, ends, TOPK)
+        rows = min(256, logits.shape[0])
+        check = _topk_match_text(out[:rows], dsa_topk_reference(logits[:rows], lengths[:rows], TOPK))
+        del out
+        index = torch.zeros(logits.shape[0], TOPK, dtype=torch.int32, device=logits.device)
+        compiled = _compiled(selector.tl_topk_impl, logits, index, starts, ends) \
+            if hasattr(selector, "tl_topk_impl") else None
+        if compiled is not None:  # tl_topk without its torch.zeros of the output
+            seconds = _time(lambda: compiled(logits, index, starts, ends))
+        else:
+            seconds = _time(lambda: selector.tl_topk(logits, starts, ends, TOPK))
+        floor = logits.numel() * 4 / PEAK_BYTES_PER_S
+        self._row(name, label, seconds, f"{seconds / floor:.1f}× one read",
+                  f"{self._versus(dzc_seconds, seconds)}; {check}", "topk_selector")
+
+    def prefill_indexer_topk(self, problem: Problem, label: str, dzc_seconds: float):
+        """Prefill: the public indexer over all query rows at once (its logits [rows, context], cleaned), then the
+        public top-k on them; against dzc's chunked indexer + top-k."""
+        name = "mqa_attn_return_logits + tl_topk (unchunked)"
+        reason = self._indexer_unavailable(problem)
+        if reason:
+            self._not_run(name, label, reason, "fp8_lighting_indexer")
+            return
+        self._guarded(name, label, "fp8_lighting_indexer.py + topk_selector",
+                      lambda: self._prefill_indexer_topk(problem, label, name, dzc_seconds))
+
+    def _prefill_indexer_topk(self, problem: Problem, label: str, name: str, dzc_seconds: float):
+        selector = self.module("topk_selector")
+        kernel_only, interface, _ = self._indexer_run(problem)
+        lengths = (problem.query_pos + 1).to(torch.int32)
+        starts = torch.zeros_like(lengths)
+        logits = interface()[:problem.rows, :problem.context].contiguous()
+        check = _error_text(logits[:CHECK_ROWS], dsa_indexer_reference(*problem.indexer_args(slice(0, CHECK_ROWS))))
+        population = _radix_threshold_population(logits, lengths, TOPK)
+        topk_ok = population <= PUBLIC_TOPK_SMEM_INPUT
+        if topk_ok:
+            out = selector.tl_topk(logits, starts, lengths, TOPK)
+            check += "; top-k " + _topk_match_text(out[:CHECK_ROWS], dsa_topk_reference(
+                logits[:CHECK_ROWS], lengths[:CHECK_ROWS], TOPK))
+            del out
+        del logits
+        indexer = _time(kernel_only)
+        cleaned = _time(interface)
+        causal_pairs = sum(int(p) + 1 for p in problem.query_pos.tolist())
+        flops = 2 * INDEX_HEADS * INDEX_DIM * causal_pairs
+        detail = f"indexer kernel {indexer * 1e6:.0f} µs ({flops / indexer / 1e12:.0f} TFLOP/s), +clean_logits_ {cleaned * 1e6:.0f} µs"
+        if not topk_ok:
+            self._row("mqa_attn_return_logits (indexer, unchunked)", label, cleaned,
+                      f"{flops / cleaned / 1e12:.0f} indexer TFLOP/s (causal)",
+                      f"{detail}; tl_topk not run: its first pass would keep {population} candidates in a shared "
+                      f"buffer of {PUBLIC_TOPK_SMEM_INPUT}; {check}", "fp8_lighting_indexer")
+            return
+
+        def both():
+            selector.tl_topk(interface(), starts, lengths, TOPK)
+
+        seconds = _time(both)
+        self._row(name, label, seconds, f"{flops / seconds / 1e12:.0f} indexer TFLOP/s (causal)",
+                  f"{self._versus(dzc_seconds, seconds, 'dzc chunked')}; {detail}; {check}",
+                  "fp8_lighting_indexer.py + topk_selector")
+
+    # ---- sparse attention: dzc's paged latent cache -> contiguous [B, context, 1, 576] ----
+
+    def sparse_attention(self, problem: Problem, label: str, dzc_times: dict[str, float]):
+        names = (("sparse_mla_fwd_pipelined", "sparse_mla_fwd (pipelined)"), ("sparse_mla_fwd", "sparse_mla_fwd"))
+        kv_bytes = problem.batch * -(-problem.context // PAGE_SIZE) * PAGE_SIZE * D_QK * 2
+        if kv_bytes > BASELINE_SCORE_BYTES:
+            for module, name in names:
+                self._not_run(name, label, f"its contiguous KV would be {kv_bytes / 2**30:.0f} GiB", module)
+            return
+        table = problem.block_table.long()
+        latent = kv_cache.dequantize_latent(problem.latent, D_V, torch.bfloat16) if problem.fp8_latent \
+            else problem.latent
+        kv = latent[table].reshape(problem.batch, -1, 1, D_QK).contiguous()
+        del latent
+        q = problem.q.view(problem.batch, problem.queries, HEADS, D_QK).contiguous()
+        indices = problem.indices.view(problem.batch, problem.queries, 1, TOPK).contiguous()
+        reference = sparse_attention_reference(*problem.first_sequence(problem.attention_args(), (0, 5, 6)))
+        for module, name in names:
+            self._guarded(name, label, module, lambda: self._attention(problem, label, module, name, q, kv, indices,
+                                                                       reference, dzc_times))
+
+    def _attention(self, problem, label, module_name, name, q, kv, indices, reference, dzc_times):
+        module = self.module(module_name)
+        sm_scale = D_QK ** -0.5
+        start = problem.context - problem.queries
+        note = ""
+        if module_name == "sparse_mla_fwd_pipelined":
+            start_t = torch.tensor([start], dtype=torch.int32, device=q.device)
+            kernel = module.sparse_mla_fwd_interface(q, kv, indices, start, 1, sm_scale=sm_scale, return_kernel=True)
+
+            def run():
+                return kernel(q, kv, indices, start_t)
+            expected = reference
+        else:
+            # sparse_mla_fwd_interface's call, compiled once (its defaults: block_I 64, 2 stages, 256 threads).
+            kernel = _compiled(getattr(module, "sparse_mla_fwd", None), q, kv, indices, HEADS, D_V, D_QK - D_V, TOPK, 1, sm_scale, True)
+
+            def run():
+                if kernel is not None:
+                    return kernel(q, kv, indices)
+                return module.sparse_mla_fwd_interface(q, kv, indices, sm_scale=sm_scale)
+            # Its causal mask: index <= s for query row s. The reference of what it computes (dzc's op on the
+            # indices it keeps: the others as -1) shows whether it was fed the inputs as intended.
+            kept = problem.indices[:problem.check_rows].clone()
+            rows = torch.arange(problem.check_rows, device=kept.device)[:, None]
+            kept = torch.where(kept <= rows % problem.queries, kept, -1)
+            args = list(problem.first_sequence(problem.attention_args(), (0, 5, 6)))
+            args[6] = kept
+            expected = sparse_attention_reference(*args)
+            note = (f" (its causal mask is index <= row index s: dzc's rows sit at positions {start}+s, so it keeps "
+                    f"only the selected positions <= s; checked against that, timed on the same loads and math)")
+        if problem.fp8_latent:
+            note += " (on the dequantized bf16 latent cache)"
+        out = run()[0]
+        actual = out.view(-1, HEADS, D_V)[:problem.check_rows]
+        if module_name == "sparse_mla_fwd":
+            # A row with no kept index: dzc's reference gives 0, the kernel divides by a zero sum.
+            empty = ~(expected.float().abs().sum(dim=(1, 2), keepdim=True) > 0)
+            actual = torch.where(empty, torch.zeros_like(actual), actual)
+        check = _error_text(actual, expected)
+        del out
+        seconds = _time(run)
+        flops = 2 * HEADS * TOPK * (D_QK + D_V) * problem.rows
+        if dzc_times:
+            best = min(dzc_times, key=dzc_times.get)
+            versus = self._versus(dzc_times[best], seconds, f"dzc[{best}]")
+        else:
+            versus = "no dzc time"
+        self._row(name, label, seconds,
+                  f"{flops / seconds / 1e12:.0f} TFLOP/s ({100 * flops / seconds / PEAK_BF16_FLOPS:.0f}%)",
+                  f"{versus}; {check}{note}", module_name)
 
 
 def _tuned(record) -> str:
@@ -406,6 +824,11 @@ def main():
     parser.add_argument("--prefill-contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--cache-dir", default="/tmp/dzc-bench-dsa-cache")
     parser.add_argument("--out", help="write the markdown table here too")
+    parser.add_argument("--public-kernels", metavar="DIR",
+                        help="folder of the public TileLang DeepSeek-V3.2 example kernels run as baselines (default: "
+                             ".public-kernels/deepseek_v32 at the repository root if it exists, made by "
+                             "tools/fetch_public_kernels.sh)")
+    parser.add_argument("--no-public-kernels", action="store_true", help="do not run the public TileLang kernels")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: check the arguments, build what needs no device, print the plan")
     args = parser.parse_args()
@@ -429,6 +852,10 @@ def main():
             f"TB/s = cached-token bytes read per query row ÷ time, % of 4.8 TB/s. Top-k: time ÷ one read of the "
             f"fp32 logits at 4.8 TB/s. Sparse attention: useful FLOPs 2·H·topk·(Dqk+Dv) per query row, % of "
             f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s dense bf16; baselines: time (their time ÷ dzc's).")
+    if bench.public is not None:
+        meta += (f" Public TileLang example kernels ({bench.public.source}, {bench.public.folder}) on the same "
+                 f"inputs: rows 'public TileLang …', with dzc's time ÷ theirs (< 1: dzc faster) and their output "
+                 f"against dzc's op reference.")
     table = bench.table()
     print(meta)
     print(table)
