@@ -16,7 +16,7 @@
 # Session 10: bash tools/gpu_campaign.sh s10a (fresh machine, Triton only); later s10b-1 (carry .whl-gpu1), then
 # a TileLang test call (carry .whl-gpu2).
 # Session 11: s11-1 (carry .whl-gpu1), s11-2 (carry .whl-gpu2); after their fixes s11-3 (carry .whl-gpu1), s11-4
-# (carry .whl-gpu2).
+# (carry .whl-gpu2). Session 12: s12-1 (carry .whl-gpu1), s12-2 (carry .whl-gpu2 and .public-kernels).
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -26,12 +26,15 @@ set -uo pipefail
 step=$1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# One target folder per wheel folder: session 11 lost TileLang when the second call installed into the first's
+# folder (`--upgrade --target` on a shared folder); separate folders worked.
+export PYTHONPATH=/tmp/site-gpu1:/tmp/site-gpu2:$PWD PYTHONUNBUFFERED=1
 wheels=${step##*-}
 if [ "$wheels" = 1 ] || [ "$wheels" = 2 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl-gpu$wheels/*.whl 2>&1 \
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-gpu$wheels .whl-gpu$wheels/*.whl 2>&1 \
     | grep -v WARNING
 fi
+python3 -c "import tilelang" 2>/dev/null && echo "tilelang: importable" || echo "tilelang: not importable (carry .whl-gpu1 and .whl-gpu2 on this machine)"
 # Each part gets a time limit so that one slow part cannot take the rest of the call with it.
 part() {  # part NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -162,6 +165,19 @@ s11-3)
 s11-4)
   # (carry .whl-gpu2) TileLang: the fuzzer again after the Dv-16 thread fix (s11-2 crashed there).
   TAIL=30 part fuzz_tilelang 420 python3 tools/fuzz.py --codegens tilelang --out "$OUT/fuzz_h200_tilelang.md"
+  ;;
+s12-1)
+  # (carry .whl-gpu1) Next session, first call: session 11's CPU work on the GPU; issue 18's compile times.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=15 part gpu_tests_s12 200 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
+    tests/test_vision_models.py tests/test_sparse_attention_without_cache.py tests/test_mxfp4_moe_kernels.py
+  TAIL=30 part bench_compile 240 python3 tools/bench_compile.py --models llama_decoder multimodal \
+    --out "$OUT/compile_time_h200.md"
+  ;;
+s12-2)
+  # (carry .whl-gpu2 and .public-kernels: bash tools/fetch_public_kernels.sh first) Issue 14: dzc beside the public
+  # TileLang DeepSeek-V3.2 kernels in one process; the first compiles of the public kernels take about a minute.
+  TAIL=60 part bench_dsa_public 520 python3 tools/bench_dsa.py --quick --out "$OUT/dsa_public_h200.md"
   ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
