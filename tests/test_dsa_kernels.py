@@ -614,12 +614,10 @@ def test_auto_codegen_falls_back_to_triton_without_a_legal_tilelang_config():
     assert choose_codegen("sparse_attention", auto, gpu, full, SM_90) == expected
 
 
-@pytest.mark.parametrize("spec", [sparse_attention.SparseAttentionSpec(6, 6, 16, 16, torch.bfloat16, True),
-                                  sparse_attention.SparseAttentionSpec(8, 1, 80, 16, torch.float16, False)],
-                         ids=["mha-dv16", "mqa-dv16"])
-def test_tilelang_small_value_dims_get_configs_that_lower(spec, tmp_path):
+def test_tilelang_small_value_dims_get_configs_that_lower(tmp_path):
     """Dv 16 has two 16×8 output MMA pieces a 16-head block: 4 warps cannot share them, and TileLang's lowering
     fails (the H200 fuzzer, session 11). Every prefill tile the space offers lowers for sm_90a."""
+    spec = sparse_attention.SparseAttentionSpec(6, 6, 16, 16, torch.bfloat16, True)  # the fuzzer's failing case
     path = tmp_path / "sparse_attention_tilelang.py"
     path.write_text(sparse_attention.tilelang_source(spec, SM_90))
     configs = [c for c in sparse_attention.tilelang_configs(spec, SM_90) if c["SPLITS"] == 0 and c.num_stages == 1]
