@@ -28,7 +28,8 @@ One rule per meaning; each pattern's alternatives are the spellings of that mean
   or not (torch.nn.RMSNorm, DeepSeek, Gemma); the weight is any 1-D tensor of the hidden size the graph computes
   without the sum (Gemma's `1 + w.float()`, hoisted before the add), or absent (a norm without weight).
 - the residual sum: `cast(x + residual, f32)` (HF), `x.float() + residual.float()` (DeepSeek: sum_in_fp32, h is
-  the sum cast back), or `x + residual` read as is (fp32 models, bf16 math).
+  the sum cast back), or `x + residual` read as is (fp32 models, bf16 math); read through a copy (`clone`:
+  capture's LayerNorm makes a transposed sum contiguous, SigLIP) or not.
 - LayerNorm (vision encoders), as capture decomposes torch.nn.LayerNorm: var_mean, `(v - mean) * rsqrt(var +
   eps)`, then optional weight multiply and bias add in fp32 and one cast => dzc.add_layer_norm.
 
@@ -177,8 +178,12 @@ def _check_uses(chain, y, h) -> None:
 def _replace_with_fused(op, args: tuple, y: torch.fx.Node, total: _ResidualSum, chain) -> None:
     """Insert `op(*args)` where the residual add is, make its outputs replace y and h, and erase what is dead."""
     graph = y.graph
+    # The ops' outputs are dense (their fake implementations and kernels): a sum that was a transposed view (read
+    # through a copy) is now a dense tensor of the same values.
     y_value = fake_value(y)
-    h_value = fake_value(total.h) if total.h is not None else y_value.new_empty(y_value.shape, dtype=total.dtype)
+    y_value = y_value.new_empty(y_value.shape)
+    h_value = fake_value(total.h) if total.h is not None else y_value
+    h_value = h_value.new_empty(h_value.shape, dtype=total.dtype if total.h is None else h_value.dtype)
     with graph.inserting_before(total.add):
         fused = graph.call_function(op, args)
         fused.meta["val"] = (y_value, h_value)
