@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
 import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from dzc import kv_cache
 from dzc.ops import dsa as dsa_ops
@@ -55,6 +57,16 @@ class SparseAttentionSpec:
     dtype: torch.dtype  # q, k_cache, v_cache and out (FP8 cache: q, out and the dequantized rows)
     separate_v: bool  # v_cache given; otherwise V = K[..., :d_v]
     fp8_cache: bool = False  # k_cache is the uint8 FP8 latent layout (V = its dequantized NoPE part)
+    # Selected slots per query row (indices' width) and the caches' rows per page, None where the graph has them
+    # symbolic (a cache that grows a row a step, read as one page per sequence): the TileLang kernels are
+    # specialised on both (their pipelined loop needs a static trip count), Triton's take them at run time.
+    topk: int | None = field(kw_only=True)
+    page_size: int | None = field(kw_only=True)
+
+    def serves(self, call: SparseAttentionSpec) -> bool:
+        """Whether kernels made for this spec take a call of spec `call`: equal, sizes left symbolic aside."""
+        return self == dataclasses.replace(call, topk=call.topk if self.topk is not None else None,
+                                           page_size=call.page_size if self.page_size is not None else None)
 
     @property
     def shared_kv(self) -> bool:
@@ -97,10 +109,10 @@ class SparseAttentionSpec:
         values = "v_cache" if self.separate_v else f"K[..., :{self.d_v}]"
         cache = " cache=fp8 latent (e4m3 + fp32 scale per 128, bf16 rope)" if self.fp8_cache else ""
         return f"heads={self.heads} kv_heads={self.kv_heads} d_qk={self.d_qk} d_v={self.d_v} V={values} " \
-               f"dtype={str(self.dtype).removeprefix('torch.')}{cache}"
+               f"topk={self.topk} page_size={self.page_size} dtype={str(self.dtype).removeprefix('torch.')}{cache}"
 
 
-def spec_for(q, k_cache, v_cache, d_v) -> SparseAttentionSpec:
+def spec_for(q, k_cache, v_cache, indices, d_v) -> SparseAttentionSpec:
     """The spec of a call (works on fake tensors; the op's checks ran already). The kernels also need the caches
     in q's dtype, or the FP8 latent layout (dequantized to q's dtype), whose NoPE part must be Dqk's power-of-two
     main part (MLA's 512 of 576: the kernels' first MMA)."""
@@ -110,17 +122,23 @@ def spec_for(q, k_cache, v_cache, d_v) -> SparseAttentionSpec:
         if cache is not None and cache.dtype != q.dtype and not fp8_cache:
             raise ValueError(f"sparse_attention kernels read the caches in q's dtype: {name} is {cache.dtype}, "
                              f"q is {q.dtype}")
-    spec = SparseAttentionSpec(heads, int(k_cache.shape[2]), d_qk, int(d_v), q.dtype, v_cache is not None, fp8_cache)
+    spec = SparseAttentionSpec(heads, int(k_cache.shape[2]), d_qk, int(d_v), q.dtype, v_cache is not None, fp8_cache,
+                               topk=_static(indices.shape[1]), page_size=_static(k_cache.shape[1]))
     if fp8_cache and not spec.v_is_k_main:
         raise ValueError(f"sparse_attention kernels read an FP8 latent cache whose NoPE part is Dqk's power-of-two "
                          f"main part: d_v={d_v}, d_qk={d_qk}")
     return spec
 
 
+def _static(size) -> int | None:
+    """A size the graph fixes, or None for a symbolic one (int() would read its hint, not guard it)."""
+    return int(size) if is_concrete_int(size) else None
+
+
 def spec_from_node(node) -> SparseAttentionSpec:
     q, k_cache = node.args[0].meta["val"], node.args[1].meta["val"]
     v_cache = node.args[2].meta["val"] if node.args[2] is not None else None
-    return spec_for(q, k_cache, v_cache, node.args[8])
+    return spec_for(q, k_cache, v_cache, node.args[6].meta["val"], node.args[8])
 
 
 def token_bucket(tokens: int) -> int:
@@ -172,7 +190,7 @@ def prepare(spec: SparseAttentionSpec, q, k_cache, v_cache, block_table, seq_len
             d_v, *_static):
     """Op arguments -> (kernel inputs, kernel outputs (preallocated), query rows, the op's result)."""
     dsa_ops.check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v)
-    if spec_for(q, k_cache, v_cache, d_v) != spec:
+    if not spec.serves(spec_for(q, k_cache, v_cache, indices, d_v)):
         raise ValueError(f"sparse_attention kernel for {spec.describe()} got q {q.dtype} {tuple(q.shape)}, k_cache "
                          f"{tuple(k_cache.shape)}, d_v {d_v}")
     out = torch.empty(q.shape[0], spec.heads, spec.d_v, dtype=q.dtype, device=q.device)
@@ -388,7 +406,8 @@ def tilelang_source(spec: SparseAttentionSpec, profile: DeviceProfile) -> str:
     fields = dict(profile=profile.name, spec=spec.describe(), heads=spec.heads, kv_heads=spec.kv_heads,
                   d_main=spec.d_main, d_tail=spec.d_tail, d_v=spec.d_v,
                   d_v_cache=spec.d_v if spec.separate_v else spec.d_qk, v_is_k_main=spec.v_is_k_main,
-                  separate_v=spec.separate_v, tl_dtype=_TILELANG_DTYPES[spec.dtype])
+                  separate_v=spec.separate_v, topk=spec.topk, page_size=spec.page_size,
+                  tl_dtype=_TILELANG_DTYPES[spec.dtype])
     return Template((TEMPLATES / "sparse_attention.tilelang.py.tmpl").read_text()).substitute(fields)
 
 
@@ -399,6 +418,8 @@ def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[
     `profile`."""
     if spec.fp8_cache or any(d % _TILELANG_MMA_STEP for d in (spec.d_main, spec.d_tail, spec.d_v)):
         return []  # no FP8 latent reader in the TileLang template (Triton serves that cache)
+    if spec.topk is None or spec.page_size is None:
+        return []  # the kernels are specialised on both (Triton serves symbolic ones)
     head_blocks = [h for h in (16, 32, 64) if h <= max(16, _pow2_at_least(spec.heads))] if spec.shared_kv else [16]
     configs = []
     # Every TileLang config is a separate compile (tens of seconds): a small space, splits {0 (prefill), 2, 8}.
@@ -434,11 +455,12 @@ def _tilelang_threads(spec: SparseAttentionSpec, block_h: int, block_n: int) -> 
 
 
 def tilelang_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -> KernelConfig:
-    """Untuned prefill choice: 32-row tiles, one stage (the space has one head-block size)."""
-    prefill = [c for c in tilelang_configs(spec, profile) if c["SPLITS"] == 0 and c["NUM_STAGES"] == 1]
+    """Untuned prefill choice: the largest tile, with its gathers pipelined a stage ahead where that fits (the
+    space has one head-block size)."""
+    prefill = [c for c in tilelang_configs(spec, profile) if c["SPLITS"] == 0]
     if not prefill:
         raise ValueError(f"no legal TileLang sparse_attention config for {spec.describe()} on {profile.name}")
-    return min(prefill, key=lambda c: c["BLOCK_N"])
+    return max(prefill, key=lambda c: (c["BLOCK_N"], c["NUM_STAGES"]))
 
 
 def tilelang_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) -> int:

@@ -8,6 +8,7 @@ profile; Triton kernels are compiled ahead of time for sm_90 in a subprocess; th
 lowered to CUDA and compiled with nvcc for sm_90a. GPU tests (marked gpu) run full DeepSeek-V3.2 shapes.
 """
 
+import dataclasses
 import json
 import os
 import shutil
@@ -30,6 +31,9 @@ from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.launch import legal_configs
 from dzc.targets.legality import config_problems
 from dzc.targets.profiles import MP_22, MP_31, SM_80, SM_90
+
+# DeepSeek-V3.2's selection width and cache page size (the sparse attention specs' static sizes).
+DSA_V32 = dict(topk=2048, page_size=64)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.anydevice  # every test here runs on DEVICE
@@ -171,7 +175,7 @@ def test_sparse_attention_matches_reference(shape, seed, tmp_path):
     args = dsa_cases.sparse_attention_args([37, 100, 5], [1, 4, 2], heads, kv_heads, d_qk, d_v, separate_v,
                                            topk=24, page_size=16, device=DEVICE, generator=_generator(seed),
                                            fp8_cache=fp8_cache)
-    spec = sparse_attention.spec_for(args[0], args[1], args[2], args[8])
+    spec = sparse_attention.spec_for(args[0], args[1], args[2], args[6], args[8])
     assert spec.fp8_cache is fp8_cache
     kernels = _load_triton(sparse_attention, spec, tmp_path)
     expected = sparse_attention_reference(*args)
@@ -200,7 +204,7 @@ def test_fp8_latent_reference_is_the_bf16_reference_over_dequantized_rows(seed):
 
 
 def test_prefill_and_decode_buckets_pick_their_kernels():
-    spec = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False)
+    spec = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, **DSA_V32)
     for codegen in ("triton", "tilelang"):
         configs = getattr(sparse_attention, f"{codegen}_configs")(spec, SM_90)
         default = getattr(sparse_attention, f"{codegen}_default_config")(spec, SM_90)
@@ -256,7 +260,7 @@ def test_strided_int_vectors_are_read_by_element(op, seed, tmp_path):
 KERNEL_SPEC = {
     "dsa_indexer": lambda args: dsa_indexer.spec_for(args[0], args[2]),
     "dsa_topk": lambda args: dsa_topk.DsaTopkSpec(),
-    "sparse_attention": lambda args: sparse_attention.spec_for(args[0], args[1], args[2], args[8]),
+    "sparse_attention": lambda args: sparse_attention.spec_for(args[0], args[1], args[2], args[6], args[8]),
 }
 
 
@@ -333,7 +337,7 @@ def test_decode_at_1m_context_with_offsets_past_2_31(seed, tmp_path):
     indices[0, :2] = torch.tensor([LONG_CONTEXT, -1], dtype=torch.int32)
     attention_args = (torch.randn(1, 16, d_qk, generator=generator).bfloat16(), latent_cache, None, latent_table,
                       seq_lens, query_seq, indices, d_qk ** -0.5, d_v)
-    spec = sparse_attention.spec_for(*attention_args[:3], d_v)
+    spec = sparse_attention.spec_for(*attention_args[:3], attention_args[6], d_v)
     kernels = _load_triton(sparse_attention, spec, tmp_path)
     expected = sparse_attention_reference(*attention_args)
     assert expected.abs().max() > 0
@@ -376,9 +380,10 @@ def test_selftest_cases_through_lowering(op, seed, tmp_path):
 
 INDEXER_SPECS = [dsa_indexer.DsaIndexerSpec(64, 128, dtype, fp8)
                  for dtype, fp8 in ((torch.float8_e4m3fn, True), (torch.bfloat16, False))]
-ATTENTION_SPECS = [sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False),
-                   sparse_attention.SparseAttentionSpec(16, 16, 192, 128, torch.bfloat16, True),
-                   sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, fp8_cache=True)]
+ATTENTION_SPECS = [sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, **DSA_V32),
+                   sparse_attention.SparseAttentionSpec(16, 16, 192, 128, torch.bfloat16, True, **DSA_V32),
+                   sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, fp8_cache=True,
+                                                        **DSA_V32)]
 SPECS = [(dsa_indexer, s) for s in INDEXER_SPECS] + [(dsa_topk, dsa_topk.DsaTopkSpec())] \
     + [(sparse_attention, s) for s in ATTENTION_SPECS]
 
@@ -447,7 +452,8 @@ _AOT_SCRIPT = textwrap.dedent("""
                 config.num_warps)
     results[-1].append(dsa_topk.triton_shared_memory_bytes(spec, config))
     for fp8_cache in (False, True):  # the bf16 and the FP8 (656 B/token) latent cache
-        spec = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, fp8_cache)
+        spec = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, fp8_cache, topk=2048,
+                                                    page_size=64)
         prefill = sparse_attention.triton_default_config(spec, SM_90)
         decode = sparse_attention.configs_for_bucket(spec, SM_90, 1, [], prefill)[1]
         for config in (prefill, decode):
@@ -479,7 +485,7 @@ def test_triton_kernels_compile_for_sm90(tmp_path):
 # TileLang sparse attention: lowered to CUDA and compiled with nvcc for sm_90a (no GPU needed)
 
 requires_nvcc = pytest.mark.skipif(not shutil.which("nvcc"), reason="nvcc is not installed")
-MLA = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False)
+MLA = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, **DSA_V32)
 
 
 @pytest.fixture(scope="module")
@@ -605,7 +611,7 @@ def test_auto_codegen_falls_back_to_triton_without_a_legal_tilelang_config():
     from dzc.targets.device_runtime import CudaRuntime
 
     gpu, auto = Execution(CudaRuntime()), CompileOptions()
-    tiny = sparse_attention.SparseAttentionSpec(4, 1, 40, 32, torch.bfloat16, False)
+    tiny = sparse_attention.SparseAttentionSpec(4, 1, 40, 32, torch.bfloat16, False, topk=32, page_size=64)
     assert not legal_configs(sparse_attention, "tilelang", tiny, SM_90)[0]
     assert choose_codegen("sparse_attention", auto, gpu, tiny, SM_90) == "triton"
     full = ATTENTION_SPECS[0]
@@ -617,7 +623,8 @@ def test_auto_codegen_falls_back_to_triton_without_a_legal_tilelang_config():
 def test_tilelang_small_value_dims_get_configs_that_lower(tmp_path):
     """Dv 16 has two 16×8 output MMA pieces a 16-head block: 4 warps cannot share them, and TileLang's lowering
     fails (the H200 fuzzer, session 11). Every prefill tile the space offers lowers for sm_90a."""
-    spec = sparse_attention.SparseAttentionSpec(6, 6, 16, 16, torch.bfloat16, True)  # the fuzzer's failing case
+    # The fuzzer's failing case.
+    spec = sparse_attention.SparseAttentionSpec(6, 6, 16, 16, torch.bfloat16, True, topk=24, page_size=64)
     path = tmp_path / "sparse_attention_tilelang.py"
     path.write_text(sparse_attention.tilelang_source(spec, SM_90))
     configs = [c for c in sparse_attention.tilelang_configs(spec, SM_90) if c["SPLITS"] == 0 and c.num_stages == 1]
@@ -625,3 +632,17 @@ def test_tilelang_small_value_dims_get_configs_that_lower(tmp_path):
     for config in configs:
         source = tilelang_codegen.lower_to_device_source(path, sparse_attention.TILELANG_FACTORY_NAME, config, SM_90)
         assert "__global__" in source, config
+
+
+def test_tilelang_kernels_need_a_static_topk_and_page_size():
+    """A cache that grows a row a step (one page per sequence) leaves the page size symbolic in the graph: the spec
+    records None, TileLang (specialised on both sizes) offers no kernel and Triton serves it; a spec with a size
+    fixed serves only calls of that size."""
+    fixed = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, **DSA_V32)
+    for symbolic in (dataclasses.replace(fixed, page_size=None), dataclasses.replace(fixed, topk=None)):
+        assert not sparse_attention.tilelang_configs(symbolic, SM_90)
+        assert sparse_attention.triton_configs(symbolic, SM_90)
+        assert symbolic.serves(fixed) and not fixed.serves(symbolic)
+    assert sparse_attention.tilelang_configs(fixed, SM_90)
+    assert not fixed.serves(dataclasses.replace(fixed, topk=1024))
+    assert not fixed.serves(dataclasses.replace(fixed, page_size=32))

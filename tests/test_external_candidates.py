@@ -27,6 +27,9 @@ from dzc.targets.dsa_indexer import DsaIndexerSpec
 from dzc.targets.profiles import MP_22, MP_31, SM_80, SM_90
 from dzc.targets.sparse_attention import SparseAttentionSpec
 
+# DeepSeek-V3.2's selection width and cache page size (the sparse attention specs' static sizes).
+DSA_V32 = dict(topk=2048, page_size=64)
+
 REFERENCE_NAME = "test.add_rms_norm_reference"
 
 
@@ -168,7 +171,8 @@ def test_selftest_checks_and_times_external_candidates_next_to_dzc(tmp_path, mon
 # MATE: where it applies
 
 VARLEN_SPEC = varlen_attention.make_spec(80, torch.bfloat16, torch.float32)
-SPARSE_SPEC = SparseAttentionSpec(heads=16, kv_heads=1, d_qk=576, d_v=512, dtype=torch.bfloat16, separate_v=False)
+SPARSE_SPEC = SparseAttentionSpec(heads=16, kv_heads=1, d_qk=576, d_v=512, dtype=torch.bfloat16, separate_v=False,
+                                 **DSA_V32)
 INDEXER_SPEC = DsaIndexerSpec(heads=64, head_dim=128, q_dtype=torch.float8_e4m3fn, fp8=True)
 IN_RANGE = {"varlen_attention": VARLEN_SPEC, "sparse_attention": SPARSE_SPEC, "dsa_indexer": INDEXER_SPEC}
 
@@ -201,11 +205,11 @@ def test_mate_installation_requirements(arch, versions, problem):
 
 @pytest.mark.parametrize("op, spec, why", [
     ("varlen_attention", varlen_attention.make_spec(80, torch.float32, None), "bf16/fp16 only"),
-    ("sparse_attention", SparseAttentionSpec(16, 1, 576, 512, torch.float16, False), "bf16 only"),
-    ("sparse_attention", SparseAttentionSpec(16, 16, 576, 512, torch.bfloat16, False), "one latent KV head"),
-    ("sparse_attention", SparseAttentionSpec(16, 1, 576, 512, torch.bfloat16, True), "one latent KV head"),
-    ("sparse_attention", SparseAttentionSpec(16, 1, 192, 128, torch.bfloat16, False), "d_qk = 576"),
-    ("sparse_attention", SparseAttentionSpec(96, 1, 576, 512, torch.bfloat16, False), "multiple of 64"),
+    ("sparse_attention", SparseAttentionSpec(16, 1, 576, 512, torch.float16, False, **DSA_V32), "bf16 only"),
+    ("sparse_attention", SparseAttentionSpec(16, 16, 576, 512, torch.bfloat16, False, **DSA_V32), "one latent KV head"),
+    ("sparse_attention", SparseAttentionSpec(16, 1, 576, 512, torch.bfloat16, True, **DSA_V32), "one latent KV head"),
+    ("sparse_attention", SparseAttentionSpec(16, 1, 192, 128, torch.bfloat16, False, **DSA_V32), "d_qk = 576"),
+    ("sparse_attention", SparseAttentionSpec(96, 1, 576, 512, torch.bfloat16, False, **DSA_V32), "multiple of 64"),
     ("dsa_indexer", DsaIndexerSpec(64, 128, torch.bfloat16, False), "FP8"),
     ("dsa_indexer", DsaIndexerSpec(64, 64, torch.float8_e4m3fn, True), "head dim 128"),
     ("dsa_indexer", DsaIndexerSpec(8, 128, torch.float8_e4m3fn, True), "heads"),
@@ -364,7 +368,7 @@ def test_mate_adapters_match_the_op_references_on_a_musa_card(seed):
     cases = {
         "varlen_attention": (VARLEN_SPEC, varlen_attention.random_pack(
             (100, 157, 7), 4, 80, torch.bfloat16, True, device, generator)),
-        "sparse_attention": (SparseAttentionSpec(64, 1, 576, 512, torch.bfloat16, False),
+        "sparse_attention": (SparseAttentionSpec(64, 1, 576, 512, torch.bfloat16, False, **DSA_V32),
                              dsa_cases.sparse_attention_args([300, 900], [40, 24], 64, 1, 576, 512, False, 256, 64,
                                                              device, generator)),
         "dsa_indexer": (INDEXER_SPEC, dsa_cases.indexer_args([300, 2000, 64], [2, 17, 1], 64, 128, True, 64, device,

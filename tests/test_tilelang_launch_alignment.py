@@ -128,7 +128,7 @@ def test_sparse_attention_arguments_are_aligned_for_offset_views():
                                            topk=8, page_size=4, device="cpu", generator=g)
     q, k_cache, _, block_table, seq_lens, query_seq, indices, sm_scale, d_v = args
     q, k_cache, block_table, indices = (offset_view(t) for t in (q, k_cache, block_table, indices))
-    spec = sparse_attention.spec_for(q, k_cache, None, d_v)
+    spec = sparse_attention.spec_for(q, k_cache, None, indices, d_v)
     inputs, (out,), _, _ = sparse_attention.prepare(spec, q, k_cache, None, block_table, seq_lens, query_seq,
                                                     indices, sm_scale, d_v)
     lse = torch.empty(1, 1, 1)

@@ -24,12 +24,15 @@ from dzc.selftest import lower_op
 from dzc.targets import TARGETS, sparse_attention, tilelang_codegen
 from dzc.targets.profiles import SM_90
 
+# DeepSeek-V3.2's selection width and cache page size (the sparse attention specs' static sizes).
+DSA_V32 = dict(topk=2048, page_size=64)
+
 requires_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
 
 # DeepSeek-V3.2's latent (one KV head, V = K[..., :512]) in the decode split kernel, and MHA with a separate
 # v_cache in the prefill kernel: both kernels, both ways of reading values.
-MLA = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False)
-MHA = sparse_attention.SparseAttentionSpec(4, 4, 64, 64, torch.bfloat16, True)
+MLA = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, **DSA_V32)
+MHA = sparse_attention.SparseAttentionSpec(4, 4, 64, 64, torch.bfloat16, True, **DSA_V32)
 LOWERED = {"mla-decode": (MLA, 64), "mha-prefill": (MHA, 4096)}  # name -> (spec, query rows of the call)
 
 
@@ -110,8 +113,8 @@ def test_lowered_sparse_attention_offsets_are_64_bit(lowered):
     for name, cuda in lowered.items():
         accesses = global_offsets(cuda)
         pool_reads = [offset for buffer, offset in accesses if buffer in ("k_cache", "v_cache")]
-        # The gathers read the pool through the page each position maps to.
-        assert pool_reads and all("page_of" in offset for offset in pool_reads), name
+        # The gathers read the pool through the page each position maps to: its block-table entry, in the offset.
+        assert pool_reads and all("block_table[" in offset for offset in pool_reads), name
         assert {buffer for buffer, _ in accesses} >= {"k_cache", "block_table", "indices", "q", "out"}, name
         assert not narrow_accesses(cuda), (name, narrow_accesses(cuda))
         # The check sees 32-bit arithmetic: the same pool offsets computed in int32 are caught.

@@ -207,7 +207,7 @@ class Bench:
         token_bytes = INDEX_DIM + 4 if problem.fp8_index else 2 * INDEX_DIM
         read = problem.rows * problem.context * token_bytes
         bandwidth = read / seconds
-        self.rows.append(dict(kernel="dsa_indexer", shape=label, us=seconds * 1e6,
+        self.add(dict(kernel="dsa_indexer", shape=label, us=seconds * 1e6,
                               metric=f"{bandwidth / 1e12:.2f} TB/s ({100 * bandwidth / PEAK_BYTES_PER_S:.0f}%)",
                               baseline="", config=_tuned(record)))
         lengths = (problem.query_pos + 1).to(torch.int32)
@@ -218,7 +218,7 @@ class Bench:
         seconds = _time(run)
         baseline = _time(lambda: torch.topk(logits, TOPK, dim=-1))
         floor = logits.numel() * 4 / PEAK_BYTES_PER_S
-        self.rows.append(dict(kernel="dsa_topk", shape=label, us=seconds * 1e6,
+        self.add(dict(kernel="dsa_topk", shape=label, us=seconds * 1e6,
                               metric=f"{seconds / floor:.1f}× one read",
                               baseline=f"torch.topk {baseline * 1e6:.0f} µs = {baseline / floor:.1f}× one read "
                                        f"(dzc {baseline / seconds:.1f}× faster)", config=_tuned(record)))
@@ -240,7 +240,7 @@ class Bench:
             seconds = _time(run)
             dzc_times[codegen] = seconds
             versus = ", ".join(f"{name} {t * 1e6:.0f} µs ({t / seconds:.1f}×)" for name, t in baseline.items())
-            self.rows.append(dict(kernel=f"sparse_attention[{codegen}]", shape=label, us=seconds * 1e6,
+            self.add(dict(kernel=f"sparse_attention[{codegen}]", shape=label, us=seconds * 1e6,
                                   metric=f"{flops / seconds / 1e12:.0f} TFLOP/s "
                                          f"({100 * flops / seconds / PEAK_BF16_FLOPS:.0f}%)",
                                   baseline=versus, config=_tuned(record)))
@@ -290,7 +290,7 @@ class Bench:
         for batch, queries, context in shapes:
             problem = Problem(batch, queries, context, self.fp8, meta, self.args.fp8_cache and queries <= 2)
             args = problem.attention_args()
-            spec = attention_family.spec_for(args[0], args[1], None, D_V)
+            spec = attention_family.spec_for(args[0], args[1], None, args[6], D_V)
             legal, _ = legal_configs(attention_family, "triton", spec, self.target.profile)
             print(f"dry run: B={batch} q={queries} ctx={context}: {spec.describe()}, {len(legal)} legal Triton configs "
                   f"on {self.target.profile.name}")
@@ -344,7 +344,7 @@ class Bench:
         print(f"{label}: whole step {seconds * 1e6:.0f} µs; peak {(peak - before) / 2**20:.0f} MiB above the "
               f"caches ({caches / 2**20:.0f} MiB of caches and inputs), {peak / 2**30:.2f} GiB allocated in all",
               flush=True)
-        self.rows.append(dict(kernel="indexer -> top-k -> sparse_attention", shape=label, us=seconds * 1e6,
+        self.add(dict(kernel="indexer -> top-k -> sparse_attention", shape=label, us=seconds * 1e6,
                               metric=f"peak {(peak - before) / 2**20:.0f} MiB above the caches",
                               baseline=f"caches {caches / 2**20:.0f} MiB", config=""))
         del problem
@@ -388,9 +388,16 @@ class Bench:
     def indexer_and_topk_prefill_row(self, problem, label, seconds, peak, chunk):
         causal_pairs = sum(int(p) + 1 for p in problem.query_pos.tolist())
         flops = 2 * INDEX_HEADS * INDEX_DIM * causal_pairs
-        self.rows.append(dict(kernel="dsa_indexer+dsa_topk (chunked)", shape=label, us=seconds * 1e6,
+        self.add(dict(kernel="dsa_indexer+dsa_topk (chunked)", shape=label, us=seconds * 1e6,
                               metric=f"{flops / seconds / 1e12:.0f} indexer TFLOP/s (causal)",
                               baseline=f"logits peak {peak / 2**20:.0f} MiB (chunks of {chunk} rows)", config=""))
+
+    def add(self, row: dict) -> None:
+        """Keep a measured row for the table, and print it now: a run stopped by a time limit still shows what it
+        measured (the table is written at the end)."""
+        self.rows.append(row)
+        print(" | ".join(str(row.get(key, "")) for key in ("kernel", "shape", "us", "metric", "baseline")),
+              flush=True)
 
     def table(self) -> str:
         lines = ["| kernel | shape | µs | achieved | baselines | config |", "|---|---|---|---|---|---|"]
@@ -558,7 +565,7 @@ class PublicBaselines:
         return f"public TileLang kernels from {self.folder} ({self.source}): " + "; ".join(parts)
 
     def _row(self, name: str, label: str, seconds: float | None, metric: str, baseline: str, module: str):
-        self.bench.rows.append(dict(kernel=f"public TileLang {name}", shape=label,
+        self.bench.add(dict(kernel=f"public TileLang {name}", shape=label,
                                     us=None if seconds is None else seconds * 1e6, metric=metric, baseline=baseline,
                                     config=f"{module}.py, {self.source}"))
 

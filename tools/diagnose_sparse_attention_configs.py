@@ -45,7 +45,7 @@ def main() -> None:
         problem = Problem(fp8_index=False, device=device, **SHAPES[variant])
         op_args = problem.attention_args()
         q, latent = op_args[0], op_args[1]
-        spec = family.spec_for(q, latent, None, D_V)
+        spec = family.spec_for(q, latent, None, op_args[6], D_V)
         path = Path(tempfile.mkdtemp()) / "sparse_attention.py"
         path.write_text(family.triton_source(spec, SM_90))
         kernels = triton_codegen.load(family, path, spec, SM_90)

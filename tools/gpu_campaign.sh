@@ -16,7 +16,10 @@
 # Session 10: bash tools/gpu_campaign.sh s10a (fresh machine, Triton only); later s10b-1 (carry .whl-gpu1), then
 # a TileLang test call (carry .whl-gpu2).
 # Session 11: s11-1 (carry .whl-gpu1), s11-2 (carry .whl-gpu2); after their fixes s11-3 (carry .whl-gpu1), s11-4
-# (carry .whl-gpu2). Session 12: s12-1 (carry .whl-gpu1), s12-2 (carry .whl-gpu2 and .public-kernels).
+# (carry .whl-gpu2). Session 12: s12-1 (carry .whl-gpu1), s12-2 (carry .whl-gpu2 and .public-kernels); after the
+# TileLang sparse attention rewrite s12b-1 (carry .whl-gpu1), s12b-2 (carry .whl-gpu2, .gpu-scratch), s12b-3
+# (carry .public-kernels). A step installs a wheel folder when its name ends in -1 or -2. Session 13: s13-1
+# (carry .whl-gpu1), s13-2 (carry .whl-gpu2 and .public-kernels).
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -178,6 +181,38 @@ s12-2)
   # (carry .whl-gpu2 and .public-kernels: bash tools/fetch_public_kernels.sh first) Issue 14: dzc beside the public
   # TileLang DeepSeek-V3.2 kernels in one process; the first compiles of the public kernels take about a minute.
   TAIL=60 part bench_dsa_public 520 python3 tools/bench_dsa.py --quick --out "$OUT/dsa_public_h200.md"
+  ;;
+s12b-1)
+  # (carry .whl-gpu1) Session 12's TileLang sparse attention rewrite (cp.async-pipelined gathers): install; the
+  # Triton path of the spec change on the GPU.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=8 part gpu_tests_sparse_triton 90 python3 -m pytest -q -p no:logging -rf -m gpu -k triton \
+    tests/test_dsa_kernels.py::test_full_size_sparse_attention_on_gpu
+  ;;
+s12b-2)
+  # (carry .whl-gpu2 and .gpu-scratch) The rewrite against the previous template (scratch variants script), then its
+  # GPU tests: full DeepSeek-V3.2 shapes, a pool past 2^31 elements, the fuzzer's sparse_attention cases.
+  TAIL=40 part tl_sparse_variants 300 python3 .gpu-scratch/tl_sparse_variants.py
+  TAIL=12 part gpu_tests_sparse_tilelang 200 python3 -m pytest -q -p no:logging -rf -m gpu -k tilelang \
+    tests/test_dsa_kernels.py::test_full_size_sparse_attention_on_gpu tests/test_tilelang_long_context.py
+  ;;
+s12b-3)
+  # (carry .public-kernels) Issue 14's table: dzc beside the public TileLang DeepSeek-V3.2 kernels in one process.
+  TAIL=60 part bench_dsa_public 480 python3 tools/bench_dsa.py --quick --out "$OUT/dsa_public_h200.md"
+  ;;
+s13-1)
+  # (carry .whl-gpu1) Next session: install; the fuzzer's sparse_attention cases on Triton (the spec change).
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=20 part fuzz_sparse_triton 150 python3 tools/fuzz.py --ops sparse_attention --codegens triton --cases 16 \
+    --out "$OUT/fuzz_h200_sparse_triton.md"
+  ;;
+s13-2)
+  # (carry .whl-gpu2 and .public-kernels) Issue 14's prefill rows beside the public kernels (session 12's run was
+  # stopped in them), without the dense baselines (minutes at 4096 x 8K); then the TileLang fuzzer on the rewrite.
+  TAIL=40 part bench_dsa_prefill 330 python3 tools/bench_dsa.py --quick --only prefill --no-baselines \
+    --out "$OUT/dsa_public_prefill_h200.md"
+  TAIL=20 part fuzz_sparse_tilelang 240 python3 tools/fuzz.py --ops sparse_attention --codegens tilelang \
+    --cases 12 --out "$OUT/fuzz_h200_sparse_tilelang.md"
   ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
