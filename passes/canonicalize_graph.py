@@ -436,24 +436,34 @@ def _size(node, dim):
     return None
 
 
-def _expanded(value: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node | None:
-    """expand(value, like's sizes), before like; None where a size has no argument to spell it (_size)."""
-    sizes = [_size(like, d) for d in range(fake_value(like).dim())]
+def _size_arguments(node: torch.fx.Node) -> list | None:
+    """node's sizes as arguments of new nodes before it: ints, or sym_size nodes (built before node) for the
+    symbolic ones; None where a size has no argument to spell it (_size)."""
+    sizes = [_size(node, d) for d in range(fake_value(node).dim())]
     if any(size is None for size in sizes):
         return None
+    with node.graph.inserting_before(node):
+        return [_build(aten.sym_size.int, size, {}, node) if isinstance(size, tuple) else size for size in sizes]
+
+
+def _expanded(value: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node | None:
+    """expand(value, like's sizes), before like; None where a size has no argument to spell it (_size)."""
+    sizes = _size_arguments(like)
+    if sizes is None:
+        return None
     with like.graph.inserting_before(like):
-        sizes = [_build(aten.sym_size.int, size, {}, like) if isinstance(size, tuple) else size for size in sizes]
         return _build(aten.expand.default, (value, sizes), {}, like)
 
 
 def _materialize(node, ramp: _Ramp) -> torch.fx.Node | None:
     """iota -> unsqueeze -> expand (or full) of node's shape and dtype holding the ramp's values, before node."""
     value = fake_value(node)
-    sizes = [_size(node, d) for d in range(value.dim())]
-    if any(size is None for size in sizes) or (ramp.step and value.dtype == torch.bool):
+    if ramp.step and value.dtype == torch.bool:
+        return None
+    sizes = _size_arguments(node)
+    if sizes is None:
         return None
     with node.graph.inserting_before(node):
-        sizes = [_build(aten.sym_size.int, size, {}, node) if isinstance(size, tuple) else size for size in sizes]
         if ramp.step == 0:
             fill = bool(ramp.start) if value.dtype == torch.bool else ramp.start
             return _build(aten.full.default, (sizes, fill), dict(dtype=value.dtype, layout=torch.strided,

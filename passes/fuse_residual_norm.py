@@ -126,7 +126,7 @@ class _ResidualSum:
             copies, inner = [inner], inner.args[0]
             if outside_users(copies, [*norm_nodes, v]):
                 raise Refusal("the copy of the sum has another use")
-        if cast_dtype(v) is not None and inner is not v and is_call(inner, aten.add.Tensor):
+        if cast_dtype(v) is not None and is_call(inner, aten.add.Tensor):
             # HF: the norm upcasts the sum the residual stream carries.
             self.add, self.sum_in_fp32, self.h, self.nodes, self.upcasts = inner, False, inner, [v, *copies], []
             if outside_users([v], norm_nodes):
