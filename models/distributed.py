@@ -1,9 +1,11 @@
 """Reference sharded models for several devices: a small decoder with a `tp_plan`, sharded by torch.distributed's
-parallel styles (DTensor) or by hand with functional collectives, and an expert-parallel MoE block exchanging
-tokens with all_to_all_single. tests/test_distributed.py, `dzc-dump --tp` and tools/bench_distributed.py use them."""
+parallel styles (DTensor) or by hand with functional collectives, a DSA attention layer sharded over its heads as
+DeepSeek-V3.2's reference code shards it, and an expert-parallel MoE block exchanging tokens with
+all_to_all_single. tests/test_distributed.py, `dzc-dump --tp` and tools/bench_distributed.py use them."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import torch
@@ -149,6 +151,23 @@ def shard_by_hand(model: nn.Module, rank: int, world: int, group, plan: dict[str
         setattr(parent, child, _ColumnShard(linear, rank, world) if style == "colwise"
                 else _RowShard(linear, rank, world, group))
     return model
+
+
+def shard_dsa_attention(layer, rank: int, world: int, group):
+    """A copy of a dzc.models.dsa.DSAAttention computing this rank's share of its heads, the way DeepSeek-V3.2's
+    reference inference code runs under tensor parallelism: the query up-projection (wq_b) and the latent's
+    per-head up-projection (wkv_b) column-split by head, the output projection (wo) row-split and all-reduced;
+    the q/kv down-projections, their norms and the lightning indexer replicated (its projections are plain
+    Linear layers there: every rank computes all index heads, so every rank selects the same top-k), and so is
+    the latent cache (one latent KV head: each rank keeps the whole cache)."""
+    cfg = layer.cfg
+    if cfg.heads % world:
+        raise ValueError(f"shard_dsa_attention: {cfg.heads} heads over {world} ranks: heads must divide evenly")
+    local = copy.deepcopy(layer)
+    local.cfg = replace(cfg, heads=cfg.heads // world)
+    local.wq_b, local.wkv_b = (_ColumnShard(linear, rank, world) for linear in (layer.wq_b, layer.wkv_b))
+    local.wo = _RowShard(layer.wo, rank, world, group)
+    return local
 
 
 class ExpertParallelMoE(nn.Module):

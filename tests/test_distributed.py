@@ -72,6 +72,24 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
         compiled = dzc.compile(model, target="cuda", options=options)
         results[name] = _summary(compiled, [compiled(t) for t in tokens], expected)
 
+    # DSA under TP: half the MLA heads on each rank, indexer and latent cache replicated (DeepSeek-V3.2's way);
+    # a ragged prefill then a decode step over each rank's paged cache, against the whole layer run eagerly.
+    from dzc.kv_cache import PagedKVCache
+    from dzc.models.dsa import TINY_DSA, DSASession, build_dsa_attention
+
+    layer = build_dsa_attention(dtype=torch.float32)
+    compiled = dzc.compile(sharded.shard_dsa_attention(build_dsa_attention(dtype=torch.float32), rank, world,
+                                                       dist.group.WORLD), target="cuda", options=options)
+    eager, fused = (DSASession(PagedKVCache(TINY_DSA.cache_config(), 8, 2, fp8_index=True,
+                                            latent_dtype=torch.float32)) for _ in range(2))
+    outputs, expected = [], []
+    for seq in (11, 1):
+        x = torch.randn(2, seq, TINY_DSA.hidden, generator=torch.Generator().manual_seed(30 + seq))
+        with torch.no_grad():
+            expected.append(eager.step(layer, x))
+            outputs.append(fused.step(compiled, x))
+    results["dsa"] = _summary(compiled, outputs, expected)
+
     # EP: each rank routes its own tokens; experts 0-1 on rank 0, 2-3 on rank 1.
     block = build_moe("tiny-gptoss")
     layer = sharded.ExpertParallelMoE(block, rank, world, dist.group.WORLD)
@@ -134,6 +152,16 @@ def test_tensor_parallel_decoder_matches_single_process_eager(ranks, style):
         assert case["lowered"].count("dzc.add_rms_norm.default") == 2
         # The rewrite check ran the graph twice on both ranks, in step (its collectives matched), and passed.
         assert [c.split(" ")[0] for c in case["checks"]] == ["passed"], case["checks"]
+
+
+def test_tensor_parallel_dsa_attention_matches_the_whole_layer(ranks):
+    for rank, results in enumerate(ranks):
+        case = results["dsa"]
+        assert case["error"] < 1e-4, (rank, case["error"])
+        assert "_c10d_functional.all_reduce" in case["captured"] and (case["breaks"], case["retries"]) == (0, [])
+        # Every graph (prefill, decode) of every rank fuses its indexer, top-k and attention over its own heads.
+        assert case["passes"]["fuse_sparse_attention"] == case["graphs"] >= 1, case["refusals"]
+        assert "dzc.sparse_attention.default" in case["lowered"] and "dzc.dsa_indexer.default" in case["lowered"]
 
 
 def test_expert_parallel_moe_matches_single_device_layer(ranks):
