@@ -15,6 +15,7 @@ from torch import nn
 
 from dzc import mxfp4
 from dzc.models.decoder import HFRMSNorm
+from dzc.models.dsa import DSAAttention, Indexer
 from dzc.models.moe import MoEExperts
 
 
@@ -153,20 +154,38 @@ def shard_by_hand(model: nn.Module, rank: int, world: int, group, plan: dict[str
     return model
 
 
-def shard_dsa_attention(layer, rank: int, world: int, group):
-    """A copy of a dzc.models.dsa.DSAAttention computing this rank's share of its heads, the way DeepSeek-V3.2's
+class _ShardedIndexer(Indexer):
+    """The lightning indexer over this rank's index heads (query and head-weight projections column-split by
+    head), its partial head sums all-reduced: every rank then ranks the same scores."""
+
+    def __init__(self, indexer: Indexer, rank: int, world: int, group):
+        super().__init__(indexer.cfg)
+        self.load_state_dict(indexer.state_dict())
+        self.wq_b, self.weights_proj = (_ColumnShard(p, rank, world) for p in (indexer.wq_b, indexer.weights_proj))
+        self.group = group
+
+    def head_sum(self, weights, scores):
+        return funcol.all_reduce(super().head_sum(weights, scores), "sum", self.group)
+
+
+def shard_dsa_attention(layer: DSAAttention, rank: int, world: int, group, shard_indexer: bool = False):
+    """A copy of a DSA attention layer computing this rank's share of its heads, the way DeepSeek-V3.2's
     reference inference code runs under tensor parallelism: the query up-projection (wq_b) and the latent's
     per-head up-projection (wkv_b) column-split by head, the output projection (wo) row-split and all-reduced;
     the q/kv down-projections, their norms and the lightning indexer replicated (its projections are plain
     Linear layers there: every rank computes all index heads, so every rank selects the same top-k), and so is
-    the latent cache (one latent KV head: each rank keeps the whole cache)."""
+    the latent cache (one latent KV head: each rank keeps the whole cache). shard_indexer: the indexer's heads
+    split too, as later DeepSeek code does (column-parallel indexer projections), their scores all-reduced."""
     cfg = layer.cfg
-    if cfg.heads % world:
-        raise ValueError(f"shard_dsa_attention: {cfg.heads} heads over {world} ranks: heads must divide evenly")
+    if cfg.heads % world or (shard_indexer and cfg.index_heads % world):
+        raise ValueError(f"shard_dsa_attention: {cfg.heads} heads ({cfg.index_heads} index heads) over {world} "
+                         f"ranks: the heads it splits must divide evenly")
     local = copy.deepcopy(layer)
     local.cfg = replace(cfg, heads=cfg.heads // world)
     local.wq_b, local.wkv_b = (_ColumnShard(linear, rank, world) for linear in (layer.wq_b, layer.wkv_b))
     local.wo = _RowShard(layer.wo, rank, world, group)
+    if shard_indexer:
+        local.indexer = _ShardedIndexer(layer.indexer, rank, world, group)
     return local
 
 

@@ -110,7 +110,8 @@ class Indexer(nn.Module):
     def forward(self, x, q_latent, cos, sin, slots, block_table, index_cache, mask):
         cfg = self.cfg
         batch, seq, _ = x.shape
-        q = self.wq_b(q_latent).view(batch, seq, cfg.index_heads, cfg.index_head_dim)
+        # Heads from the projection's width: a rank whose projection holds a share of the heads scores those.
+        q = self.wq_b(q_latent).view(batch, seq, -1, cfg.index_head_dim)
         q = self._rope(q, cos[:, :, None], sin[:, :, None])
         # LayerNorm in fp32 and back, as DeepSeek's reference does (its weights stay fp32; CUDA's layer_norm
         # does not mix dtypes). One key per token, shared by all index heads: [B, S, D].
@@ -120,8 +121,12 @@ class Indexer(nn.Module):
         keys = gather_index_keys(index_cache, block_table, cfg.index_head_dim)  # [B, context, D] fp32
         weights = self.weights_proj(x).float() * (cfg.index_heads ** -0.5 * cfg.index_head_dim ** -0.5)
         scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).unsqueeze(1)))  # [B, S, H, context]
-        logits = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2) + mask  # [B, S, context]
+        logits = self.head_sum(weights, scores) + mask  # [B, S, context]
         return logits.topk(min(cfg.index_topk, logits.shape[-1]), dim=-1).indices
+
+    def head_sum(self, weights, scores):
+        """The index score: the heads' ReLU scores weighted and summed."""
+        return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
 
 
 class DSAAttention(nn.Module):

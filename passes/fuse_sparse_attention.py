@@ -33,6 +33,9 @@ dzc.kv_cache.PagedKVCache; for the FP8 indexer pool, `values[block_table].float(
 of two views of one uint8 pool), the ops get the cache and its block table and read the selected rows in place;
 otherwise (HF's DynamicCache) the dense [B, T, ...] keys are a cache of B pages of T tokens with block table
 arange(B)[:, None]. V that is a prefix of K's last dim (MLA's latent) becomes v_cache=None, d_v.
+Tensor parallel: an indexer whose heads are split across ranks sums its partial scores with an all-reduce
+before the mask (`wait_tensor(all_reduce(%l, 'sum', group))`); the rewrite keeps that all-reduce, over the
+dsa_indexer logits of the rank's own heads. A replicated indexer (DeepSeek-V3.2's reference) needs nothing.
 Positions: the causal mask must be `key_position <= query_position` with key positions arange(T); the query
 positions it compares with become query_pos, and seq_lens = T (keys past a sequence's end are later positions,
 so causality hides them). HF's mask without a cache (packed-sequence ids over the positions it computes as
@@ -73,6 +76,7 @@ from dzc.passes.patterns import is_last_dim
 
 aten = torch.ops.aten
 prims = torch.ops.prims
+_c10d = torch.ops._c10d_functional
 dzc = torch.ops.dzc
 
 NAME = "fuse_sparse_attention"
@@ -381,6 +385,9 @@ class _Indexer:
     keys: torch.fx.Node  # [B, T, Di]
     logits: torch.fx.Node  # [B, S, T]
     nodes: list  # the scoring subgraph (dead after the rewrite)
+    # The process group of a sum all-reduce over the ranks' logits (an indexer whose heads are split across
+    # ranks: each rank scores its own heads and the partial head sums are added), None for one device.
+    summed_over: str | None = None
 
 
 def _match_indexer(logits) -> _Indexer:
@@ -434,6 +441,19 @@ def _match_indexer(logits) -> _Indexer:
         raise Refusal(f"the indexer keys ({key_dtype}) and q ({fake_value(q).dtype}) differ in dtype and are not "
                       "the FP8 index page pool")
     return _Indexer(q, weights, inner_scale * outer_scale, keys, logits, [relu])
+
+
+def _all_reduced_sum(logits):
+    """(partial logits, group) when logits = wait_tensor(all_reduce(partial, "sum", group)), read only by the
+    mask: the head sum of an indexer whose heads are split across ranks; else (logits, None)."""
+    if not (is_call(logits, _c10d.wait_tensor.default) and is_call(logits.args[0], _c10d.all_reduce.default)):
+        return logits, None
+    reduce = logits.args[0]
+    if reduce.args[1] != "sum":
+        raise Refusal(f"the indexer scores are all-reduced with {reduce.args[1]!r}, not summed over the ranks")
+    if len(reduce.users) != 1 or len(logits.users) != 1:
+        raise Refusal("the all-reduced indexer scores have another use")
+    return reduce.args[0], reduce.args[2]
 
 
 @dataclass
@@ -627,6 +647,11 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
         weights = build(aten.mul.Tensor, weights, indexer.weight_scale)
     logits = build(dzc.dsa_indexer.default, index_q, weights, index_cache, index_table, seq_lens, query_seq,
                    query_pos, context)
+    if indexer.summed_over is not None:
+        # This rank's heads, hidden keys at -inf on every rank; summed as the model sums its partial scores (the
+        # model adds its causal mask after the sum: -inf either way, the visible keys' sums equal).
+        logits = build(_c10d.wait_tensor.default, build(_c10d.all_reduce.default, logits, "sum",
+                                                        indexer.summed_over))
     # The selection is the model's own top-k (same k, same device) over the fused logits. Where scores tie at the
     # k-th place (ReLU makes a key scored <= 0 by every index head exactly 0), torch.topk's choice is its own
     # (on the CPU a partial sort's, not the smaller position): only the same op over the same order of values
@@ -723,7 +748,9 @@ def _match(topk):
     logits, index_terms = _split_masked(topk.args[0])
     if [kind for kind, _ in index_terms] != ["causal"]:
         raise Refusal("the indexer mask is not exactly causal")
-    indexer = _match_indexer(logits)
+    partial, group = _all_reduced_sum(logits)
+    indexer = _match_indexer(partial)
+    indexer.summed_over = group
     # The top-k ranks the T keys of each query row: the masked logits are the [B, S, T] scores, not a broadcast
     # of them; the causal mask's query positions are one per query row ([S] shared, or [B, S]).
     batch, queries, _ = fake_value(logits).shape

@@ -77,18 +77,21 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
     from dzc.kv_cache import PagedKVCache
     from dzc.models.dsa import TINY_DSA, DSASession, build_dsa_attention
 
+    # With the indexer's heads split too, its partial scores are all-reduced before the top-k.
     layer = build_dsa_attention(dtype=torch.float32)
-    compiled = dzc.compile(sharded.shard_dsa_attention(build_dsa_attention(dtype=torch.float32), rank, world,
-                                                       dist.group.WORLD), target="cuda", options=options)
-    eager, fused = (DSASession(PagedKVCache(TINY_DSA.cache_config(), 8, 2, fp8_index=True,
-                                            latent_dtype=torch.float32)) for _ in range(2))
-    outputs, expected = [], []
-    for seq in (11, 1):
-        x = torch.randn(2, seq, TINY_DSA.hidden, generator=torch.Generator().manual_seed(30 + seq))
-        with torch.no_grad():
-            expected.append(eager.step(layer, x))
-            outputs.append(fused.step(compiled, x))
-    results["dsa"] = _summary(compiled, outputs, expected)
+    for name, shard_indexer in (("dsa", False), ("dsa_sharded_indexer", True)):
+        model = sharded.shard_dsa_attention(build_dsa_attention(dtype=torch.float32), rank, world, dist.group.WORLD,
+                                            shard_indexer)
+        compiled = dzc.compile(model, target="cuda", options=options)
+        eager, fused = (DSASession(PagedKVCache(TINY_DSA.cache_config(), 8, 2, fp8_index=True,
+                                                latent_dtype=torch.float32)) for _ in range(2))
+        outputs, expected = [], []
+        for seq in (11, 1):
+            x = torch.randn(2, seq, TINY_DSA.hidden, generator=torch.Generator().manual_seed(30 + seq))
+            with torch.no_grad():
+                expected.append(eager.step(layer, x))
+                outputs.append(fused.step(compiled, x))
+        results[name] = _summary(compiled, outputs, expected)
 
     # EP: each rank routes its own tokens; experts 0-1 on rank 0, 2-3 on rank 1.
     block = build_moe("tiny-gptoss")
@@ -154,14 +157,23 @@ def test_tensor_parallel_decoder_matches_single_process_eager(ranks, style):
         assert [c.split(" ")[0] for c in case["checks"]] == ["passed"], case["checks"]
 
 
-def test_tensor_parallel_dsa_attention_matches_the_whole_layer(ranks):
+@pytest.mark.parametrize("case_name", ["dsa", "dsa_sharded_indexer"])
+def test_tensor_parallel_dsa_attention_matches_the_whole_layer(ranks, case_name):
     for rank, results in enumerate(ranks):
-        case = results["dsa"]
+        case = results[case_name]
         assert case["error"] < 1e-4, (rank, case["error"])
         assert "_c10d_functional.all_reduce" in case["captured"] and (case["breaks"], case["retries"]) == (0, [])
         # Every graph (prefill, decode) of every rank fuses its indexer, top-k and attention over its own heads.
         assert case["passes"]["fuse_sparse_attention"] == case["graphs"] >= 1, case["refusals"]
         assert "dzc.sparse_attention.default" in case["lowered"] and "dzc.dsa_indexer.default" in case["lowered"]
+        # The output projection's all-reduce, and the index scores' when the indexer's heads are split: after
+        # the fused indexer, before the top-k.
+        reductions = case["lowered"].count("_c10d_functional.all_reduce.default")
+        assert reductions == case["graphs"] * (2 if case_name == "dsa_sharded_indexer" else 1), case["lowered"]
+        if case_name == "dsa_sharded_indexer":  # (first occurrences: the first graph's)
+            lowered = case["lowered"]
+            assert lowered.index("dzc.dsa_indexer.default") < lowered.index("_c10d_functional.all_reduce.default") \
+                < lowered.index("aten.topk.default")
 
 
 def test_expert_parallel_moe_matches_single_device_layer(ranks):

@@ -2,7 +2,10 @@
 tensor but the indexer logits). The pass is tested on the pipeline's output (reference ops, no kernels: fast);
 test_dsa_models.py runs whole models through dzc.compile with the kernels."""
 
+import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.backends.common import aot_autograd
@@ -38,10 +41,12 @@ class DenseDSA(nn.Module):
     """The upstream spelling on dense keys: indexer scores, causal mask, top-k, -inf scatter mask merged with the
     causal mask, dense attention with one latent K shared by all heads (V = its first 8 dims)."""
 
-    def __init__(self, spelling="merged", upcast_after_transpose=False):
+    def __init__(self, spelling="merged", upcast_after_transpose=False, reduce_op=None):
         super().__init__()
         self.spelling = spelling
         self.upcast_after_transpose = upcast_after_transpose  # HF DeepseekV32: k.transpose(-1, -2).float()
+        # Tensor parallel with the index heads split: the partial head sums all-reduced with this op.
+        self.reduce_op = reduce_op
 
     def forward(self, q_index, k_index, weights, q, kv, positions):
         context = kv.shape[1]
@@ -50,15 +55,20 @@ class DenseDSA(nn.Module):
         keys_t = (k_index.transpose(-1, -2).float() if self.upcast_after_transpose
                   else k_index.float().transpose(-1, -2))
         scores = F.relu(torch.matmul(queries, keys_t.unsqueeze(1)))
-        logits = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2) + mask
+        logits = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+        if self.reduce_op is not None:
+            logits = funcol.all_reduce(logits, self.reduce_op, dist.group.WORLD)
+        summed = logits
+        logits = logits + mask
         topk = logits.topk(min(4, context), dim=-1).indices
-        if self.spelling == "merged":  # DeepSeek reference: index_mask += mask
+        if self.spelling in ("merged", "scores escape"):  # DeepSeek reference: index_mask += mask
             attention_mask = (torch.full_like(mask, NEG).scatter_(-1, topk, 0) + mask).unsqueeze(1)
         else:  # "separate": the causal mask added to the scores on its own
             attention_mask = torch.full_like(mask, NEG).scatter_(-1, topk, 0).unsqueeze(1) + mask.unsqueeze(1)
         scores = torch.matmul(q, kv.unsqueeze(1).transpose(-1, -2)) * 0.125 + attention_mask
         probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, kv[..., :8].unsqueeze(1)), positions
+        out = torch.matmul(probs, kv[..., :8].unsqueeze(1))
+        return (out, positions, summed * 2) if self.spelling == "scores escape" else (out, positions)
 
 
 class SDPADSA(nn.Module):
@@ -222,6 +232,46 @@ def test_refuses_a_mask_with_another_use_and_a_padding_mask():
     gm, result, _, _ = _fuse(PaddingMask(), *inputs, padding)
     assert not result.rewrites
     assert [reason for _, reason in result.refusals] == ["the indexer mask is not exactly causal"]
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo process group of one rank (this process): functional collectives trace and run (as identities)."""
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_golden_indexer_scores_summed_over_ranks(one_rank):
+    """Index heads split across ranks: the partial head sums are all-reduced before the mask. The rewrite keeps
+    the all-reduce, over dsa_indexer's logits of the rank's heads, before the model's top-k."""
+    inputs = _inputs(seed=4)
+    gm, result, actual, expected = _fuse(DenseDSA("merged", reduce_op="sum"), *inputs)
+    assert len(result.rewrites) == 1 and not result.refusals, result.refusals
+    after = ir.print_graph(result.graph)
+    lines = [line.split(" = ", 1)[1] for line in after.splitlines() if " = " in line]
+    start = next(i for i, line in enumerate(lines) if line.startswith("dzc.dsa_indexer.default"))
+    assert [line.split("  #")[0] for line in lines[start + 1:start + 4]] == [
+        "_c10d_functional.all_reduce.default(%19, 'sum', '0')", "_c10d_functional.wait_tensor.default(%20)",
+        "aten.topk.default(%21, 4)"], after
+    assert sum("_c10d_functional.all_reduce" in line for line in lines) == 1
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_refuses_index_scores_reduced_otherwise_or_read_elsewhere(one_rank):
+    inputs = _inputs(seed=5)
+    for module, reason in ((DenseDSA("merged", reduce_op="max"),
+                            "the indexer scores are all-reduced with 'max', not summed over the ranks"),
+                           (DenseDSA("scores escape", reduce_op="sum"),
+                            "the all-reduced indexer scores have another use")):
+        gm, result, _, _ = _fuse(module, *inputs)
+        assert not result.rewrites
+        assert [why for _, why in result.refusals] == [reason]
+        assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
 
 
 def test_refuses_indexer_keys_in_another_dtype_than_q():
