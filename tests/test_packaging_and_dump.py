@@ -4,12 +4,12 @@ works on a machine without a GPU, and torch.compile(backend="dzc") is registered
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from prewarmed_cli import Job
+from prewarmed_cli import run as run_prewarmed
 
 import dzc  # noqa: F401  (registers backend="dzc")
 from dzc import config
@@ -74,10 +74,9 @@ def test_every_dzc_environment_variable_is_a_declared_knob():
 # dzc-dump
 
 
-def _env(cache_dir):
+def _env():
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
-    env["DZC_CACHE_DIR"] = str(cache_dir)
     for knob in ("DZC_DUMP_DIR", "DZC_DEBUG", "DZC_AUTOTUNE_LOG"):
         env.pop(knob, None)
     return env
@@ -98,25 +97,18 @@ DUMPS = {
 
 @pytest.fixture(scope="module")
 def dumps(tmp_path_factory):
-    """Runs every dzc-dump command line once, all at the same time (each pays Python + torch start-up)."""
-    procs = {}
+    """Runs every dzc-dump command line once, `python -m dzc.dump ...`, each in its own process (forked from one
+    that has imported torch and dzc: tests/prewarmed_cli.py), several at a time."""
+    jobs, caches = {}, {}
     for key, args in DUMPS.items():
-        cache = tmp_path_factory.mktemp(f"dump_{key}")
-        argv = [sys.executable, "-m", "dzc.dump", *args]
+        caches[key] = cache = tmp_path_factory.mktemp(f"dump_{key}")
+        argv = ["-m", "dzc.dump", *args]
         if key != "list":
             argv += ["--cache-dir", str(cache / "cache")]
-        procs[key] = (subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       env=_env(cache / "env-cache"), cwd=cache), cache)
-    results = {}
-    try:
-        for key, (proc, cache) in procs.items():
-            out, err = proc.communicate(timeout=300)
-            results[key] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-            results[key].cache = cache
-    finally:
-        for proc, _ in procs.values():
-            if proc.poll() is None:
-                proc.kill()
+        jobs[key] = Job(argv, cwd=str(cache), env={"DZC_CACHE_DIR": str(cache / "env-cache")})
+    results = run_prewarmed(jobs, env=_env(), timeout=600)
+    for key, result in results.items():
+        result.cache = caches[key]
     return results
 
 
