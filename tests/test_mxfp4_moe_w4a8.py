@@ -304,22 +304,31 @@ _AOT_SCRIPT = textwrap.dedent("""
     path = Path(sys.argv[1]) / "w4a8.py"
     path.write_text(family.triton_source(spec, SM_90))
     kernels = triton_codegen.load(family, path, spec, SM_90)
-    results = []
-    for config in (KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1),
-                   KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)):
-        for name, (signature, constexprs, *own_warps) in family.triton_signatures(spec, config).items():
-            names = list(signature)
-            attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
-            fn = getattr(kernels[name], "fn", kernels[name])
-            kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                    target=GPUTarget("cuda", 90, 32),
-                                    options={"num_warps": own_warps[0] if own_warps else config.num_warps,
-                                             "num_stages": config.num_stages})
-            ptx = kernel.asm["ptx"]
-            results.append(dict(label=f"{config}/{name}", shared=kernel.metadata.shared,
-                                estimate=family.triton_shared_memory_bytes(spec, config),
-                                fp8_wgmma=bool(re.search(r"wgmma[.a-z_]*[.]m64n[0-9]+k32[.]f32[.]e4m3[.]e4m3", ptx)),
-                                rounding_adds="sub.f32" in ptx))
+    jobs = [(config, name, signature, constexprs, own_warps)
+            for config in (KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1),
+                           KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1,
+                                             FP8=1))
+            for name, (signature, constexprs, *own_warps) in family.triton_signatures(spec, config).items()]
+
+    def compile_job(index):
+        config, name, signature, constexprs, own_warps = jobs[index]
+        names = list(signature)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr")}
+        fn = getattr(kernels[name], "fn", kernels[name])
+        kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                                target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": own_warps[0] if own_warps else config.num_warps,
+                                         "num_stages": config.num_stages})
+        ptx = kernel.asm["ptx"]
+        return dict(label=f"{config}/{name}", shared=kernel.metadata.shared,
+                    estimate=family.triton_shared_memory_bytes(spec, config),
+                    fp8_wgmma=bool(re.search(r"wgmma[.a-z_]*[.]m64n[0-9]+k32[.]f32[.]e4m3[.]e4m3", ptx)),
+                    rounding_adds="sub.f32" in ptx)
+
+    # Compiled by two processes forked from this one (the kernels live in its memory): the CI machine's two cores.
+    import multiprocessing
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        results = pool.map(compile_job, range(len(jobs)), chunksize=1)
     print("RESULTS " + json.dumps(results))
 """)
 

@@ -328,9 +328,11 @@ _AOT_SCRIPT = textwrap.dedent("""
 
     assert not triton_codegen.interpreting()
     out = Path(sys.argv[1])
-    results = []
     # The default config of the model head dims (bf16, with and without RoPE), and the largest legal one.
-    for head_dim, rope, which in ((80, torch.float32, "default"), (72, None, "default"), (80, None, "largest")):
+    CASES = ((80, torch.float32, "default"), (72, None, "default"), (80, None, "largest"))
+
+    def compile_case(index):
+        head_dim, rope, which = CASES[index]
         spec = family.make_spec(head_dim, torch.bfloat16, rope)
         legal, _ = legal_configs(family, "triton", spec, SM_90)
         config = (family.triton_default_config(spec, SM_90) if which == "default" else
@@ -342,11 +344,16 @@ _AOT_SCRIPT = textwrap.dedent("""
                                                       num_warps=config.num_warps, profile=SM_90,
                                                       num_stages=config.num_stages,
                                                       divisible_by_16=family.triton_divisible_arguments(spec))
-        results.append(dict(spec=spec.describe(), config=str(config), legal=config in legal,
-                            estimate=family.triton_shared_memory_bytes(spec, config), shared=kernel.metadata.shared,
-                            limit=SM_90.shared_memory_per_block, mma="wgmma" in kernel.asm["ptx"],
-                            pipelined=config.num_stages == 1 or "cp.async" in kernel.asm["ptx"],
-                            warps=kernel.metadata.num_warps, expected_warps=config.num_warps))
+        return dict(spec=spec.describe(), config=str(config), legal=config in legal,
+                    estimate=family.triton_shared_memory_bytes(spec, config), shared=kernel.metadata.shared,
+                    limit=SM_90.shared_memory_per_block, mma="wgmma" in kernel.asm["ptx"],
+                    pipelined=config.num_stages == 1 or "cp.async" in kernel.asm["ptx"],
+                    warps=kernel.metadata.num_warps, expected_warps=config.num_warps)
+
+    # Compiled by two processes forked from this one: the CI machine's two cores.
+    import multiprocessing
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        results = pool.map(compile_case, range(len(CASES)), chunksize=1)
     print("RESULTS " + json.dumps(results))
 """)
 
