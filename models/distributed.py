@@ -160,7 +160,8 @@ class _ShardedIndexer(Indexer):
 
     def __init__(self, indexer: Indexer, rank: int, world: int, group):
         super().__init__(indexer.cfg)
-        self.load_state_dict(indexer.state_dict())
+        for name, module in indexer.named_children():  # copies: each keeps its dtype (the norm's fp32 weights)
+            setattr(self, name, copy.deepcopy(module))
         self.wq_b, self.weights_proj = (_ColumnShard(p, rank, world) for p in (indexer.wq_b, indexer.weights_proj))
         self.group = group
 

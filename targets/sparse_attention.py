@@ -192,7 +192,7 @@ def prepare(spec: SparseAttentionSpec, q, k_cache, v_cache, block_table, seq_len
     dsa_ops.check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v)
     if not spec.serves(spec_for(q, k_cache, v_cache, indices, d_v)):
         raise ValueError(f"sparse_attention kernel for {spec.describe()} got q {q.dtype} {tuple(q.shape)}, k_cache "
-                         f"{tuple(k_cache.shape)}, d_v {d_v}")
+                         f"{tuple(k_cache.shape)}, indices {tuple(indices.shape)}, d_v {d_v}")
     out = torch.empty(q.shape[0], spec.heads, spec.d_v, dtype=q.dtype, device=q.device)
     # exp2 in the kernels: fold log2(e) into the scale once.
     scale_log2 = float(sm_scale) * math.log2(math.e)
