@@ -23,7 +23,7 @@ def _weights_with_edge_cases(generator) -> torch.Tensor:
     rows[1, :32] = 0.0
     rows[1, 32:] = -0.0
     rows[2, :32] = rows[2, :32] * 1e-38  # below 2^-125: the shared exponent clamps at -127
-    rows[3, :32] = rows[3, :32] * 1e30
+    rows[3, :32] = torch.randn(32, generator=generator) * 1e30  # huge but finite: without the row's random scale
     return rows
 
 
