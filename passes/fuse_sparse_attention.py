@@ -26,7 +26,13 @@ After:
     %top    = aten.topk(%logits, k)[1]                                   # the model's own k and op
     %idx    = where(%top > %query_pos, -1, %top)                         # [B*S, k] int32
     %o      = dzc.sparse_attention(%q, %k_cache, %v_cache or None, %block_table, %seq_lens, %query_seq, %idx,
-                                   scale, Dv)                             # [B*S, H, Dv], viewed back as %o
+                                   scale, Dv[, %query_pos or None, %sinks or None, W])  # [B*S, H, Dv], viewed back
+
+What the next releases add to the same idea is recognised and handed to the op's own arguments:
+    local window   the mask keeps the selected keys or the last W positions: causal & (selected | k > q - W)
+                   (also spelled k >= q - W + 1, or as the drop mask ~selected & k <= q - W)  =>  query_pos, window=W
+    sinks          gpt-oss's per-head sinks: softmax(cat([scores, sinks[h] broadcast], -1) [- its max])[..., :T]
+                   =>  sinks = the [H] logits (fp32)
 
 Caches: when the keys are a paged read `cache[block_table].flatten(1, 2)` (dzc.models.dsa over
 dzc.kv_cache.PagedKVCache; for the FP8 indexer pool, `values[block_table].float() * scales[block_table][..., None]`
@@ -53,8 +59,9 @@ dim against one query position per row); the top-k is over the last dim, largest
 attention is [B, H, S, D] x [B, 1 or H, T, D] scores, softmax over T, times [B, 1 or H, T, Dv]; its mask is
 exactly causal (the same query positions) + a scatter of this top-k's indices.
 
-Refusals (recorded with the reason, graph untouched at that site): a mask that is not exactly causal + top-k (a
-padding mask, a sliding window), top-k indices or the sparse mask or the scores with another use, an indexer
+Refusals (recorded with the reason, graph untouched at that site): a mask that is not exactly causal + top-k (+ a
+local window beside it: a padding mask, a window intersected with the selection, a window relative to other
+positions than the causal mask's), top-k indices or the sparse mask or the scores with another use, an indexer
 scale that is not a positive constant, a top-k over something other than an indexer score. A dense attention
 without a top-k mask has no topk node and is never looked at; a top-k scattered into a mask that reaches no
 softmax (a group-limited MoE router's expert mask) is not a candidate either: neither is reported.
@@ -145,10 +152,13 @@ def _is_whole_slice(node) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Masks: an additive float mask, or a boolean keep/drop mask, is decomposed into terms:
-#   ("causal", query_positions)  keys at positions <= the query's position are visible
-#   ("topk", indices)            the keys at these indices are visible
-# Anything else (padding, sliding windows, a mask from a model input) is not a DSA mask.
+# Masks: an additive float mask, or a boolean keep/drop mask, is decomposed into terms, all of which must hold
+# for a key to be visible:
+#   ("causal", query_positions)     keys at positions <= the query's position are visible
+#   ("topk", indices)               the keys at these indices are visible
+#   ("window", query_positions, W)  keys at positions > the query's position - W are visible (a local window)
+#   ("any", [term, term])           either term holds (the selected keys beside a local window)
+# Anything else (padding, a mask from a model input) is not a DSA mask.
 
 
 class _NotAMask(Exception):
@@ -162,21 +172,76 @@ def _topk_indices(node):
     raise _NotAMask("scatter indices do not come from a top-k")
 
 
+def _key_positions(node):
+    """The arange(T) that node broadcasts (HF's [..., kv_offset:] slices with offset 0 and + 0 looked through),
+    else None."""
+    node = _strip(node, _SHAPE_ONLY)
+    while _is_whole_slice(node):
+        node = _strip(node.args[0], _SHAPE_ONLY)
+    if is_call(node, aten.add.Tensor) and node.args[1] == 0:
+        node = node.args[0]
+    if is_call(node, prims.iota.default) and node.kwargs.get("start", 0) == 0 and node.kwargs.get("step", 1) == 1:
+        return node
+    return None
+
+
 def _causal(keys, queries):
     """('causal', q) when keys is arange(T) broadcast along the last dim and queries is constant along it."""
-    operand = keys
-    keys = _strip(keys, _SHAPE_ONLY)
-    while _is_whole_slice(keys):  # HF's [..., kv_offset:] with offset 0
-        keys = _strip(keys.args[0], _SHAPE_ONLY)
-    if is_call(keys, aten.add.Tensor) and keys.args[1] == 0:
-        keys = keys.args[0]
-    if not (is_call(keys, prims.iota.default) and keys.kwargs.get("start", 0) == 0 and keys.kwargs.get("step", 1) == 1):
+    iota = _key_positions(keys)
+    if iota is None:
         raise _NotAMask("the causal comparison is not against key positions arange(T)")
-    if not (isinstance(queries, torch.fx.Node) and fake_value(queries).dim() >= 1 and fake_value(operand).dim() >= 1
+    if not (isinstance(queries, torch.fx.Node) and fake_value(queries).dim() >= 1 and fake_value(keys).dim() >= 1
             and _same(fake_value(queries).shape[-1], 1)
-            and _same(fake_value(operand).shape[-1], fake_value(keys).shape[0])):
+            and _same(fake_value(keys).shape[-1], fake_value(iota).shape[0])):
         raise _NotAMask("the causal comparison does not run the key positions along the last dim")
     return [("causal", queries)]
+
+
+def _window(keys, shifted, wider: int):
+    """('window', q, W) when shifted = q - W' (W' a positive integer constant) and W = W' + wider."""
+    if is_call(shifted, aten.sub.Tensor) and isinstance(shifted.args[1], int):
+        queries, width = shifted.args[0], shifted.args[1] + wider
+    elif is_call(shifted, aten.add.Tensor) and isinstance(shifted.args[1], int):
+        queries, width = shifted.args[0], -shifted.args[1] + wider
+    else:
+        raise _NotAMask("a comparison of key positions with something other than the query position (- a constant)")
+    if width < 1:
+        raise _NotAMask(f"a local window of {width} keys")
+    (_, queries), = _causal(keys, queries)
+    return [("window", queries, width)]
+
+
+_NEGATED = {aten.gt.Tensor: aten.le.Tensor, aten.le.Tensor: aten.gt.Tensor, aten.ge.Tensor: aten.lt.Tensor,
+            aten.lt.Tensor: aten.ge.Tensor}
+_MIRRORED = {aten.gt.Tensor: aten.lt.Tensor, aten.lt.Tensor: aten.gt.Tensor, aten.ge.Tensor: aten.le.Tensor,
+             aten.le.Tensor: aten.ge.Tensor}
+
+
+def _comparison_terms(node, keep: bool):
+    """A comparison of the key positions k with the query positions q, True where a key is visible (keep) or
+    hidden: k <= q is causal; k > q - W (or k >= q - W + 1) is a local window of W keys. Either side may hold k."""
+    compare, keys, other = node.target, node.args[0], node.args[1]
+    if _key_positions(keys) is None:
+        compare, keys, other = _MIRRORED[compare], other, keys
+    if not keep:
+        compare = _NEGATED[compare]
+    if compare is aten.le.Tensor:
+        return _causal(keys, other)
+    if compare is aten.gt.Tensor:
+        return _window(keys, other, 0)
+    if compare is aten.ge.Tensor:
+        return _window(keys, other, 1)
+    raise _NotAMask("key positions < query positions (the query's own key hidden) is not causal")
+
+
+def _either(left: list, right: list):
+    """The union of two single terms: the selected keys and a local window (any other union is not a DSA mask)."""
+    if len(left) != 1 or len(right) != 1 or sorted(term[0] for term in left + right) != ["topk", "window"]:
+        raise _NotAMask("a union of mask terms other than the selected keys and a local window")
+    return [("any", left + right)]
+
+
+_COMPARISONS = (aten.le.Tensor, aten.ge.Tensor, aten.lt.Tensor, aten.gt.Tensor)
 
 
 def _keep_terms(node):
@@ -185,16 +250,16 @@ def _keep_terms(node):
         return _keep_terms(node.args[0])
     if is_call(node, aten.bitwise_and.Tensor, aten.logical_and.default):
         return _keep_terms(node.args[0]) + _keep_terms(node.args[1])
+    if is_call(node, aten.bitwise_or.Tensor, aten.logical_or.default):
+        return _either(_keep_terms(node.args[0]), _keep_terms(node.args[1]))
     if is_call(node, aten.bitwise_not.default, aten.logical_not.default):
         return _drop_terms(node.args[0])
-    if is_call(node, aten.le.Tensor):
-        return _causal(node.args[0], node.args[1])
-    if is_call(node, aten.ge.Tensor):
-        return _causal(node.args[1], node.args[0])
+    if is_call(node, *_COMPARISONS):
+        return _comparison_terms(node, keep=True)
     if is_call(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] is True \
             and _fill(node.args[0]) == 0.0:
         return [("topk", _topk_indices(node.args[2]))]
-    raise _NotAMask(f"{node} is not a causal or top-k keep mask")
+    raise _NotAMask(f"{node} is not a causal, top-k or window keep mask")
 
 
 def _drop_terms(node):
@@ -203,16 +268,16 @@ def _drop_terms(node):
         return _drop_terms(node.args[0])
     if is_call(node, aten.bitwise_or.Tensor, aten.logical_or.default):
         return _drop_terms(node.args[0]) + _drop_terms(node.args[1])
+    if is_call(node, aten.bitwise_and.Tensor, aten.logical_and.default):
+        return _either(_drop_terms(node.args[0]), _drop_terms(node.args[1]))
     if is_call(node, aten.bitwise_not.default, aten.logical_not.default):
         return _keep_terms(node.args[0])
-    if is_call(node, aten.gt.Tensor):
-        return _causal(node.args[0], node.args[1])
-    if is_call(node, aten.lt.Tensor):
-        return _causal(node.args[1], node.args[0])
+    if is_call(node, *_COMPARISONS):
+        return _comparison_terms(node, keep=False)
     if is_call(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] is False \
             and _fill(node.args[0]) == 1.0:
         return [("topk", _topk_indices(node.args[2]))]
-    raise _NotAMask(f"{node} is not a causal or top-k drop mask")
+    raise _NotAMask(f"{node} is not a causal, top-k or window drop mask")
 
 
 def _additive_terms(node):
@@ -258,7 +323,7 @@ def _split_masked(node):
 
 
 def _query_positions(terms, what: str):
-    causal = [q for kind, q in terms if kind == "causal"]
+    causal = [term[1] for term in terms if term[0] == "causal"]
     if not causal:
         raise Refusal(f"the {what} mask has no causal term (key position <= query position)")
     first = _strip(causal[0], _SHAPE_ONLY)
@@ -465,23 +530,56 @@ class _Attention:
     out: torch.fx.Node  # [B, H, S, Dv], replaced
     scores: torch.fx.Node  # the masked scores (dead after the rewrite)
     terms: list
+    sinks: torch.fx.Node | None  # [H] logits joining each softmax (attention sinks), or None
 
 
 def _reduces_last_dim(node) -> bool:
-    """node = amax/sum(x, dims, keepdim=True) over x's last dim only."""
+    """node = amax/sum/max(x, dims, keepdim=True) over x's last dim only."""
     rank = fake_value(node.args[0]).dim()
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else dims  # max.dim takes one dim
     keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
     return dims is not None and is_last_dim(dims, rank) and keepdim
 
 
+def _sink_column(masked):
+    """masked's only user cat([masked, sinks], -1) with sinks a [H] vector broadcast to one column [.., H, .., 1]
+    -> (cat, the [H] vector), else None: attention sinks (a per-head logit in each softmax, no value)."""
+    users = list(masked.users)
+    if len(users) != 1 or not is_call(users[0], aten.cat.default):
+        return None
+    cat = users[0]
+    parts, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    rank = fake_value(masked).dim()
+    if len(parts) != 2 or parts[0] is not masked or dim % rank != rank - 1 or rank != 4:
+        return None
+    column, sinks = fake_value(parts[1]), _strip(parts[1], _SHAPE_ONLY)
+    heads = fake_value(masked).shape[1]
+    if not (_same(column.shape[-1], 1) and _same(column.shape[1], heads) and fake_value(sinks).dim() == 1
+            and _same(fake_value(sinks).shape[0], heads)):
+        return None
+    return cat, sinks
+
+
 def _softmax_output(masked):
-    """masked -> the probabilities node of softmax over its last dim (the keys): exp(x - amax(x)) / sum(exp(..)),
-    both reductions over the last dim (amax/sub/exp/sum/div decomposition), else None."""
+    """masked -> (the probabilities of softmax over its last dim (the keys), the [H] sink logits or None), else
+    None. Softmax: exp(x - amax(x)) / sum(exp(..)), both reductions over the last dim (the amax/sub/exp/sum/div
+    decomposition). With sinks (gpt-oss's spelling): the softmax runs over cat([x, sinks], -1), optionally less its
+    max first (no change to a softmax), and the probabilities are its first T columns."""
     start = masked
     users = list(start.users)
     if len(users) == 1 and is_call(users[0], prims.convert_element_type.default):
         start = users[0]
+    sinks = None
+    with_sinks = _sink_column(start)
+    if with_sinks is not None:
+        start, sinks = with_sinks
+        shifted = [u for u in start.users if is_call(u, aten.sub.Tensor) and u.args[0] is start
+                   and is_call(u.args[1], operator.getitem) and u.args[1].args[1] == 0
+                   and is_call(u.args[1].args[0], aten.max.dim) and u.args[1].args[0].args[0] is start
+                   and _reduces_last_dim(u.args[1].args[0])]
+        if shifted:
+            start = shifted[0]
     amax = next((u for u in start.users if is_call(u, aten.amax.default) and _reduces_last_dim(u)), None)
     sub = next((u for u in start.users if is_call(u, aten.sub.Tensor) and u.args[0] is start and u.args[1] is amax),
                None)
@@ -490,9 +588,19 @@ def _softmax_output(masked):
     exp = next(iter(sub.users), None)
     if not is_call(exp, aten.exp.default):
         return None
-    return next((u for u in exp.users if is_call(u, aten.div.Tensor) and u.args[0] is exp
-                 and is_call(u.args[1], aten.sum.dim_IntList) and u.args[1].args[0] is exp
-                 and _reduces_last_dim(u.args[1])), None)
+    probs = next((u for u in exp.users if is_call(u, aten.div.Tensor) and u.args[0] is exp
+                  and is_call(u.args[1], aten.sum.dim_IntList) and u.args[1].args[0] is exp
+                  and _reduces_last_dim(u.args[1])), None)
+    if probs is None or sinks is None:
+        return probs and (probs, None)
+    # The key columns: probs[..., :T] (":-1" or ":T"), the sink's column dropped.
+    keys = list(probs.users)
+    context = fake_value(masked).shape[-1]
+    if len(keys) != 1 or not is_call(keys[0], aten.slice.Tensor) or keys[0].args[1] % 4 != 3 \
+            or keys[0].args[2] not in (0, None) or not _shape_is(keys[0], *fake_value(masked).shape) \
+            or (len(keys[0].args) > 4 and keys[0].args[4] != 1):
+        return None
+    return (keys[0], sinks) if _same(fake_value(keys[0]).shape[-1], context) else None
 
 
 def _probabilities_consumer(probs):
@@ -525,9 +633,10 @@ def _match_attention(masked) -> _Attention:
     k = _transposed(k_t)
     if k is None or fake_value(q).dim() != 4 or fake_value(k).dim() != 4:
         raise Refusal("the attention operands are not [B, H, S, D] queries and transposed [B, H, T, D] keys")
-    probs = _softmax_output(masked)
-    if probs is None:
+    softmax = _softmax_output(masked)
+    if softmax is None:
         raise Refusal("the masked scores do not feed a softmax")
+    probs, sinks = softmax
     pv = _probabilities_consumer(probs)
     if pv is None:
         raise Refusal("the attention probabilities have another use than the matmul with V")
@@ -550,7 +659,7 @@ def _match_attention(masked) -> _Attention:
             and _same(fake_value(masked).shape[-2], queries) and _same(fake_value(masked).shape[-1], context)):
         raise Refusal("the attention is not [B, H, S, D] queries over [B, 1 or H, T, D] keys and values, softmax "
                       "over T")
-    return _Attention(q, k, v, scale * q_scale * k_scale, out, masked, terms)
+    return _Attention(q, k, v, scale * q_scale * k_scale, out, masked, terms, sinks)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -678,8 +787,15 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
         if v_table is not k_table:  # one paged, the other dense: read both dense
             k_cache, k_table = rows_of(attention.k), dense_table
             v_cache = rows_of(v)
+    # A local window beside the selected keys: the op attends it itself, relative to the query positions.
+    window = next((term[2] for term in attention.terms if term[0] == "any" for term in term[1]
+                   if term[0] == "window"), 0)
+    sinks = attention.sinks
+    if sinks is not None and fake_value(sinks).dtype != torch.float32:
+        sinks = build(prims.convert_element_type.default, sinks, torch.float32)
+    extras = (query_pos if window else None, sinks, window) if window or sinks is not None else ()
     out = build(dzc.sparse_attention.default, q, k_cache, v_cache, k_table, seq_lens, query_seq, indices,
-                attention.scale, d_v)
+                attention.scale, d_v, *extras)
     out = build(aten.permute.default, build(aten.view.default, out, [batch, queries, heads, d_v]), [0, 2, 1, 3])
     if fake_value(out).dtype != fake_value(out4).dtype:
         out = build(prims.convert_element_type.default, out, fake_value(out4).dtype)
@@ -746,7 +862,7 @@ def _match(topk):
         raise Refusal("the top-k values are used")
 
     logits, index_terms = _split_masked(topk.args[0])
-    if [kind for kind, _ in index_terms] != ["causal"]:
+    if [term[0] for term in index_terms] != ["causal"]:
         raise Refusal("the indexer mask is not exactly causal")
     partial, group = _all_reduced_sum(logits)
     indexer = _match_indexer(partial)
@@ -764,12 +880,16 @@ def _match(topk):
         attention = _match_attention(masked)
     except _NotAMask as why:
         raise Refusal(f"the attention mask is not causal + top-k: {why}") from None
-    kinds = sorted(kind for kind, _ in attention.terms)
-    if kinds != ["causal", "topk"] or next(n for kind, n in attention.terms if kind == "topk") is not indices:
-        raise Refusal(f"the attention mask is not exactly causal + this top-k (terms: {kinds})")
-    if _strip(_query_positions(attention.terms, "attention"), _SHAPE_ONLY) is not \
-            _strip(_query_positions(index_terms, "indexer"), _SHAPE_ONLY):
+    terms = [t for term in attention.terms for t in (term[1] if term[0] == "any" else [term])]  # unions opened
+    kinds = sorted(term[0] for term in attention.terms)
+    selected = next((term[1] for term in terms if term[0] == "topk"), None)
+    if kinds not in (["causal", "topk"], ["any", "causal"]) or selected is not indices:
+        raise Refusal(f"the attention mask is not exactly causal + this top-k (+ a local window) (terms: {kinds})")
+    positions = _strip(_query_positions(index_terms, "indexer"), _SHAPE_ONLY)
+    if _strip(_query_positions(attention.terms, "attention"), _SHAPE_ONLY) is not positions:
         raise Refusal("the indexer and the attention use different query positions")
+    if any(term[0] == "window" and _strip(term[1], _SHAPE_ONLY) is not positions for term in terms):
+        raise Refusal("the local window is not relative to the causal mask's query positions")
     ancestors, pending = set(), [masked]
     while pending:
         for node in pending.pop().all_input_nodes:
@@ -786,9 +906,9 @@ def _match(topk):
 def _check_private(masked) -> None:
     """The masked scores feed only the softmax pattern (another use would keep the dense attention alive)."""
     users = list(masked.users)
-    if len(users) == 1 and is_call(users[0], prims.convert_element_type.default):
-        users = list(users[0].users)
-    if any(not is_call(u, aten.amax.default, aten.sub.Tensor, aten.eq.Scalar) for u in users):
+    if len(users) == 1 and is_call(users[0], prims.convert_element_type.default, aten.cat.default):
+        users = list(users[0].users)  # a cast, or the sink column's cat
+    if any(not is_call(u, aten.amax.default, aten.max.dim, aten.sub.Tensor, aten.eq.Scalar) for u in users):
         raise Refusal("the masked attention scores have another use")
 
 

@@ -151,6 +151,8 @@ def sparse_attention_refusal(spec) -> str | None:
         return "MATE's flash_mla_sparse_fwd reads one latent KV head with V = K[..., :512] (MLA), not MHA or a v_cache"
     if spec.fp8_cache:
         return "MATE's flash_mla_sparse_fwd reads a bf16 latent cache, not the FP8 latent layout"
+    if spec.extras:
+        return f"MATE's flash_mla_sparse_fwd attends the selected positions only ({spec.extras} asked)"
     if (spec.d_qk, spec.d_v) != (_SPARSE_D_QK, _SPARSE_D_V):
         return (f"MATE's sparse MLA kernel is built for d_qk = {_SPARSE_D_QK} (512 + rope 64), d_v = {_SPARSE_D_V}; "
                 f"got d_qk = {spec.d_qk}, d_v = {spec.d_v}")
@@ -173,7 +175,7 @@ def flat_kv_rows(block_table, seq_lens, query_seq, indices, page_size: int) -> t
 
 
 def sparse_attention_arguments(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale,
-                               d_v) -> dict:
+                               d_v, *_absent_extras) -> dict:
     """MATE takes the cache as flat rows kv [pages * page_size, 1, d_qk] and indices into those rows [queries, 1,
     topk] (-1 invalid); the top-k width is padded with -1 up to the kernel's 64-row block."""
     pages, page_size = k_cache.shape[:2]
@@ -186,7 +188,7 @@ def sparse_attention_arguments(q, k_cache, v_cache, block_table, seq_lens, query
 
 
 def sparse_attention_result(outputs, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale,
-                            d_v) -> torch.Tensor:
+                            d_v, *_absent_extras) -> torch.Tensor:
     """flash_mla_sparse_fwd returns (out [queries, heads, d_v] bf16, max_logits, lse); a row with no valid index
     is 0 in MATE's kernel (its 1/sum is set to 0), as in the op."""
     out = outputs[0]

@@ -62,6 +62,10 @@ class SparseAttentionSpec:
     # specialised on both (their pipelined loop needs a static trip count), Triton's take them at run time.
     topk: int | None = field(kw_only=True)
     page_size: int | None = field(kw_only=True)
+    # query_pos given: selected positions past the query's are skipped, and a local window (its size an argument
+    # at run time) may be attended beside the selected set. sinks given: a per-head logit in each softmax's sum.
+    causal: bool = field(default=False, kw_only=True)
+    sinks: bool = field(default=False, kw_only=True)
 
     def serves(self, call: SparseAttentionSpec) -> bool:
         """Whether kernels made for this spec take a call of spec `call`: equal, sizes left symbolic aside."""
@@ -109,10 +113,16 @@ class SparseAttentionSpec:
         values = "v_cache" if self.separate_v else f"K[..., :{self.d_v}]"
         cache = " cache=fp8 latent (e4m3 + fp32 scale per 128, bf16 rope)" if self.fp8_cache else ""
         return f"heads={self.heads} kv_heads={self.kv_heads} d_qk={self.d_qk} d_v={self.d_v} V={values} " \
-               f"topk={self.topk} page_size={self.page_size} dtype={str(self.dtype).removeprefix('torch.')}{cache}"
+               f"topk={self.topk} page_size={self.page_size} dtype={str(self.dtype).removeprefix('torch.')}{cache}" \
+               f"{self.extras and ' ' + self.extras}"
+
+    @property
+    def extras(self) -> str:
+        """The optional parts of the op this spec uses ('' for plain top-k attention)."""
+        return " ".join(name for name, used in (("causal+window", self.causal), ("sinks", self.sinks)) if used)
 
 
-def spec_for(q, k_cache, v_cache, indices, d_v) -> SparseAttentionSpec:
+def spec_for(q, k_cache, v_cache, indices, d_v, query_pos=None, sinks=None) -> SparseAttentionSpec:
     """The spec of a call (works on fake tensors; the op's checks ran already). The kernels also need the caches
     in q's dtype, or the FP8 latent layout (dequantized to q's dtype), whose NoPE part must be Dqk's power-of-two
     main part (MLA's 512 of 576: the kernels' first MMA)."""
@@ -123,7 +133,8 @@ def spec_for(q, k_cache, v_cache, indices, d_v) -> SparseAttentionSpec:
             raise ValueError(f"sparse_attention kernels read the caches in q's dtype: {name} is {cache.dtype}, "
                              f"q is {q.dtype}")
     spec = SparseAttentionSpec(heads, int(k_cache.shape[2]), d_qk, int(d_v), q.dtype, v_cache is not None, fp8_cache,
-                               topk=_static(indices.shape[1]), page_size=_static(k_cache.shape[1]))
+                               topk=_static(indices.shape[1]), page_size=_static(k_cache.shape[1]),
+                               causal=query_pos is not None, sinks=sinks is not None)
     if fp8_cache and not spec.v_is_k_main:
         raise ValueError(f"sparse_attention kernels read an FP8 latent cache whose NoPE part is Dqk's power-of-two "
                          f"main part: d_v={d_v}, d_qk={d_qk}")
@@ -136,9 +147,14 @@ def _static(size) -> int | None:
 
 
 def spec_from_node(node) -> SparseAttentionSpec:
-    q, k_cache = node.args[0].meta["val"], node.args[1].meta["val"]
-    v_cache = node.args[2].meta["val"] if node.args[2] is not None else None
-    return spec_for(q, k_cache, v_cache, node.args[6].meta["val"], node.args[8])
+    arguments = node.normalized_arguments(node.graph.owning_module, normalize_to_only_use_kwargs=True).kwargs
+
+    def value(name):
+        argument = arguments.get(name)
+        return argument.meta["val"] if isinstance(argument, torch.fx.Node) else None
+
+    return spec_for(value("q"), value("k_cache"), value("v_cache"), value("indices"), arguments["d_v"],
+                    value("query_pos"), value("sinks"))
 
 
 def token_bucket(tokens: int) -> int:
@@ -187,10 +203,11 @@ def _decode_splits(spec: SparseAttentionSpec, config: KernelConfig, bucket: int)
 
 
 def prepare(spec: SparseAttentionSpec, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale,
-            d_v, *_static):
+            d_v, query_pos=None, sinks=None, window=0):
     """Op arguments -> (kernel inputs, kernel outputs (preallocated), query rows, the op's result)."""
-    dsa_ops.check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v)
-    if not spec.serves(spec_for(q, k_cache, v_cache, indices, d_v)):
+    dsa_ops.check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v,
+                                        query_pos, sinks, window)
+    if not spec.serves(spec_for(q, k_cache, v_cache, indices, d_v, query_pos, sinks)):
         raise ValueError(f"sparse_attention kernel for {spec.describe()} got q {q.dtype} {tuple(q.shape)}, k_cache "
                          f"{tuple(k_cache.shape)}, indices {tuple(indices.shape)}, d_v {d_v}")
     out = torch.empty(q.shape[0], spec.heads, spec.d_v, dtype=q.dtype, device=q.device)
@@ -199,7 +216,11 @@ def prepare(spec: SparseAttentionSpec, q, k_cache, v_cache, block_table, seq_len
     values = v_cache if v_cache is not None else k_cache  # never read when V comes from K
     # The kernels index seq_lens and query_seq as dense vectors (a strided one was read at the wrong elements).
     seq_lens, query_seq = seq_lens.contiguous(), query_seq.contiguous()
-    inputs = (q, k_cache, values, block_table, seq_lens, query_seq, indices, scale_log2, spec)
+    # Absent optional tensors: pointers the kernels never read (CAUSAL / HAS_SINKS are off).
+    query_pos = query_pos.contiguous() if query_pos is not None else query_seq
+    sinks = sinks.contiguous() if sinks is not None else seq_lens
+    inputs = (q, k_cache, values, block_table, seq_lens, query_seq, indices, query_pos, sinks, int(window),
+              scale_log2, spec)
     return inputs, (out,), q.shape[0], out
 
 
@@ -228,7 +249,8 @@ def triton_source(spec: SparseAttentionSpec, profile: DeviceProfile) -> str:
     fields = dict(profile=profile.name, heads=spec.heads, kv_heads=spec.kv_heads, d_qk=spec.d_qk,
                   d_qk_main=spec.d_main, d_qk_tail=spec.d_tail, d_v=spec.d_v, dtype=spec.dtype,
                   value_source="v_cache" if spec.separate_v else f"K[..., :{spec.d_v}]",
-                  cache_layout="FP8 latent (e4m3 + fp32 scale per 128, bf16 rope)" if spec.fp8_cache else "dense")
+                  cache_layout="FP8 latent (e4m3 + fp32 scale per 128, bf16 rope)" if spec.fp8_cache else "dense",
+                  extras=f"with {spec.extras}" if spec.extras else "no window or sinks")
     return Template((TEMPLATES / "sparse_attention.triton.py.tmpl").read_text()).substitute(fields)
 
 
@@ -236,13 +258,14 @@ def _attend_constexprs(spec: SparseAttentionSpec, config: KernelConfig, mma_in_f
     return dict(HEADS=spec.heads, BLOCK_H=config["BLOCK_H"], SHARED_KV=spec.shared_kv, D_MAIN=spec.d_main,
                 D_TAIL=spec.d_tail, BLOCK_TAIL=spec.block_tail, D_V=spec.d_v, BLOCK_DV=spec.block_dv,
                 V_IS_K_MAIN=spec.v_is_k_main, V_FROM_K=not spec.separate_v, BLOCK_N=config["BLOCK_N"],
-                FP8_GROUPS=spec.fp8_groups, MMA_IN_FP32=mma_in_fp32,
+                FP8_GROUPS=spec.fp8_groups, MMA_IN_FP32=mma_in_fp32, CAUSAL=spec.causal,
                 # fp32 caches multiply in full precision (Triton's default for fp32 operands is TF32).
                 DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32")
 
 
 def _combine_constexprs(spec: SparseAttentionSpec, config: KernelConfig) -> dict:
-    return dict(D_V=spec.d_v, BLOCK_DV=spec.block_dv, BLOCK_SPLITS=_pow2_at_least(config["SPLITS"]))
+    return dict(D_V=spec.d_v, BLOCK_DV=spec.block_dv, BLOCK_SPLITS=_pow2_at_least(config["SPLITS"]),
+                HAS_SINKS=spec.sinks)
 
 
 def triton_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[KernelConfig]:
@@ -302,7 +325,7 @@ def triton_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) 
 
 
 def triton_launch(kernels, config: KernelConfig, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices,
-                  scale_log2, spec, out):
+                  query_pos, sinks, window, scale_log2, spec, out):
     """kernels: TRITON_KERNEL_NAMES -> @triton.jit. v_cache is k_cache itself when V comes from K (not read)."""
     rows, topk = indices.shape
     page_size = k_cache.shape[1]
@@ -315,21 +338,21 @@ def triton_launch(kernels, config: KernelConfig, q, k_cache, v_cache, block_tabl
     splits = config["SPLITS"]
     if splits == 0:
         kernels["sparse_attention_kernel"][(rows, head_blocks)](
-            q, k_values, k_scales, k_rope, v_cache, block_table, seq_lens, query_seq, indices, out, topk, page_size,
-            scale_log2, *common, out.stride(0), out.stride(1), out.stride(2), **constexprs,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            q, k_values, k_scales, k_rope, v_cache, block_table, seq_lens, query_seq, indices, query_pos, sinks, out,
+            topk, window, page_size, scale_log2, *common, out.stride(0), out.stride(1), out.stride(2), **constexprs,
+            HAS_SINKS=spec.sinks, num_warps=config.num_warps, num_stages=config.num_stages)
         return
-    # Decode: each split covers a whole number of BLOCK_N tiles.
-    per_split = -(-(-(-topk // splits)) // config["BLOCK_N"]) * config["BLOCK_N"]
+    # Decode: each split covers a whole number of BLOCK_N tiles of the selected and window slots.
+    per_split = -(-(-(-(topk + window) // splits)) // config["BLOCK_N"]) * config["BLOCK_N"]
     partial = torch.empty(splits, rows, spec.heads, spec.d_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, rows, spec.heads, dtype=torch.float32, device=q.device)
     kernels["sparse_attention_split_kernel"][(rows, head_blocks, splits)](
-        q, k_values, k_scales, k_rope, v_cache, block_table, seq_lens, query_seq, indices, partial, lse, topk,
-        page_size, scale_log2, per_split, *common, partial.stride(0), partial.stride(1), partial.stride(2),
-        lse.stride(0), lse.stride(1),
+        q, k_values, k_scales, k_rope, v_cache, block_table, seq_lens, query_seq, indices, query_pos, partial, lse,
+        topk, window, page_size, scale_log2, per_split, *common, partial.stride(0), partial.stride(1),
+        partial.stride(2), lse.stride(0), lse.stride(1),
         **constexprs, num_warps=config.num_warps, num_stages=config.num_stages)
     kernels["sparse_attention_combine_kernel"][(rows, spec.heads)](
-        partial, lse, out, splits, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
+        partial, lse, sinks, out, splits, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0),
         lse.stride(1), out.stride(0), out.stride(1), out.stride(2), **_combine_constexprs(spec, config),
         num_warps=4)
 
@@ -345,20 +368,24 @@ def triton_signatures(spec: SparseAttentionSpec, config: KernelConfig) -> dict[s
     dtype = "*" + _TL_TYPES[spec.dtype]
     k_types = ("*fp8e4nv", "*fp32", "*bf16", "*u8") if spec.fp8_cache else (dtype,) * 4
     tensors = {"q_ptr": dtype, **dict(zip(("k_ptr", "k_scale_ptr", "k_rope_ptr", "v_ptr"), k_types)),
-               "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_seq_ptr": "*i32", "indices_ptr": "*i32"}
+               "block_table_ptr": "*i32", "seq_lens_ptr": "*i32", "query_seq_ptr": "*i32", "indices_ptr": "*i32",
+               "query_pos_ptr": "*i32"}
+    sinks = "*fp32" if spec.sinks else "*i32"  # seq_lens stands in for absent sinks (never read)
     attend = _attend_constexprs(spec, config, mma_in_fp32=False)
-    as_constexpr = {name: "constexpr" for name in attend}
     strides = {name: "i32" for name in _STRIDES}
     if config["SPLITS"] == 0:
-        signature = {**tensors, "out_ptr": dtype, "topk": "i32", "page_size": "i32", "scale_log2": "fp32",
-                     **strides, "stride_ot": "i32", "stride_oh": "i32", "stride_od": "i32", **as_constexpr}
-        return {"sparse_attention_kernel": (signature, attend, config.num_warps)}
-    split = {**tensors, "partial_ptr": "*fp32", "lse_ptr": "*fp32", "topk": "i32", "page_size": "i32",
-             "scale_log2": "fp32", "per_split": "i32", **strides,
+        prefill = {**attend, "HAS_SINKS": spec.sinks}
+        signature = {**tensors, "sinks_ptr": sinks, "out_ptr": dtype, "topk": "i32", "window": "i32",
+                     "page_size": "i32", "scale_log2": "fp32", **strides, "stride_ot": "i32", "stride_oh": "i32",
+                     "stride_od": "i32", **{name: "constexpr" for name in prefill}}
+        return {"sparse_attention_kernel": (signature, prefill, config.num_warps)}
+    as_constexpr = {name: "constexpr" for name in attend}
+    split = {**tensors, "partial_ptr": "*fp32", "lse_ptr": "*fp32", "topk": "i32", "window": "i32",
+             "page_size": "i32", "scale_log2": "fp32", "per_split": "i32", **strides,
              **{name: "i32" for name in ("stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt")},
              **as_constexpr}
     combine_constexprs = _combine_constexprs(spec, config)
-    combine = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": dtype, "splits": "i32",
+    combine = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "sinks_ptr": sinks, "out_ptr": dtype, "splits": "i32",
                **{name: "i32" for name in ("stride_ps", "stride_pt", "stride_ph", "stride_ls", "stride_lt",
                                            "stride_ot", "stride_oh", "stride_od")},
                **{name: "constexpr" for name in combine_constexprs}}
@@ -420,6 +447,8 @@ def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[
         return []  # no FP8 latent reader in the TileLang template (Triton serves that cache)
     if spec.topk is None or spec.page_size is None:
         return []  # the kernels are specialised on both (Triton serves symbolic ones)
+    if spec.extras:
+        return []  # no window or sinks in the TileLang template yet (Triton serves them)
     head_blocks = [h for h in (16, 32, 64) if h <= max(16, _pow2_at_least(spec.heads))] if spec.shared_kv else [16]
     configs = []
     # Every TileLang config is a separate compile (tens of seconds): a small space, splits {0 (prefill), 2, 8}.
@@ -482,8 +511,9 @@ def tilelang_launch_arguments(q, k_cache, v_cache, block_table, seq_lens, query_
 
 
 def tilelang_launch(compiled, config: KernelConfig, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices,
-                    scale_log2, spec, out):
-    """`compiled` is tilelang_codegen's KernelsByConfig (see tilelang_launch_arguments)."""
+                    query_pos, sinks, window, scale_log2, spec, out):
+    """`compiled` is tilelang_codegen's KernelsByConfig (see tilelang_launch_arguments). Its specs have no window
+    or sinks (tilelang_configs): query_pos, sinks and window are the absent ones' stand-ins."""
     rows = q.shape[0]
     splits = config["SPLITS"]
     kernel = compiled.kernel_for(config)

@@ -188,6 +188,63 @@ def test_sparse_attention_matches_reference(shape, seed, tmp_path):
                                    msg=lambda m: f"{config}: {m}")
 
 
+@pytest.mark.parametrize("shape", ["mla", "mha"])
+@pytest.mark.parametrize("extras", [dict(causal=True), dict(window=6), dict(sinks=True),
+                                    dict(window=6, sinks=True)], ids=["causal", "window", "sinks", "window+sinks"])
+def test_sparse_attention_with_window_and_sinks_matches_reference(shape, extras, seed, tmp_path):
+    """A local window beside the selected set (selected positions inside it, and past the query, skipped), per-head
+    sinks, in the prefill kernel and in the decode kernels (sinks in their combine step)."""
+    heads, kv_heads, d_qk, d_v, separate_v, _ = ATTENTION_SHAPES[shape]
+    args = dsa_cases.sparse_attention_args([37, 100, 5], [1, 4, 2], heads, kv_heads, d_qk, d_v, separate_v,
+                                           topk=24, page_size=16, device=DEVICE, generator=_generator(seed),
+                                           **extras)
+    spec = sparse_attention.spec_for(*args[:3], args[6], args[8], args[9], args[10])
+    assert spec.causal is ("causal" in extras or "window" in extras) and spec.sinks is ("sinks" in extras)
+    assert sparse_attention.tilelang_configs(spec, SM_90) == []  # Triton serves them
+    kernels = _load_triton(sparse_attention, spec, tmp_path)
+    expected = sparse_attention_reference(*args)
+    for config in _attention_configs(spec, uneven_splits=shape == "mla"):
+        out = _run_triton(sparse_attention, spec, kernels, config, args)
+        assert not out.isnan().any(), f"{config}: unwritten output"
+        torch.testing.assert_close(out.float(), expected.float(), atol=2**-6, rtol=2**-7,
+                                   msg=lambda m: f"{config}: {m}")
+
+
+def test_window_and_sinks_mean_what_dense_masked_attention_computes(seed):
+    """The reference's window and sinks against dense attention over the whole sequence under the mask
+    causal & (selected | window), with the sinks as an extra softmax column, written out independently."""
+    window = 5
+    q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, scale, d_v, query_pos, sinks, _ = \
+        dsa_cases.sparse_attention_args([37, 20], [3, 2], 4, 4, 32, 32, True, topk=8, page_size=16, device="cpu",
+                                        generator=_generator(seed), dtype=torch.float32, window=window, sinks=True)
+    out = sparse_attention_reference(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, scale, d_v,
+                                     query_pos, sinks, window)
+    for t in range(q.shape[0]):
+        b, position = int(query_seq[t]), int(query_pos[t])
+        length = int(seq_lens[b])
+        where = torch.arange(length)
+        rows = block_table[b, where // 16].long() * 16 + where % 16
+        keys = k_cache.flatten(0, 1)[rows].float()  # [length, H, D]
+        values = v_cache.flatten(0, 1)[rows].float()
+        selected = torch.zeros(length, dtype=torch.bool)
+        chosen = indices[t][(indices[t] >= 0) & (indices[t] < length)].long()
+        selected[chosen] = True
+        keep = (where <= position) & (selected | (where > position - window))
+        scores = torch.einsum("hd,khd->hk", q[t].float(), keys) * scale
+        scores = torch.cat([scores.masked_fill(~keep, float("-inf")), sinks[:, None]], dim=1)
+        expected = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=1)[:, :-1], values)
+        torch.testing.assert_close(out[t], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_attention_refuses_a_window_without_query_positions():
+    args = dsa_cases.sparse_attention_args([9], [1], 2, 1, 32, 32, False, topk=4, page_size=8, device="cpu",
+                                           generator=_generator(0), window=3)
+    with pytest.raises(ValueError, match="window must be >= 0 and needs query_pos"):
+        torch.ops.dzc.sparse_attention(*args[:9], None, None, 3)
+    with pytest.raises(ValueError, match=r"sinks must be fp32 \[heads=2\]"):
+        torch.ops.dzc.sparse_attention(*args[:9], args[9], torch.zeros(3), 3)
+
+
 def test_fp8_latent_reference_is_the_bf16_reference_over_dequantized_rows(seed):
     """The oracle of the FP8 latent cache: the selected rows dequantized (dzc.kv_cache.dequantize_latent), then the
     bf16 cache's math, exactly; a malformed FP8 cache is refused."""

@@ -11,6 +11,7 @@ from torch import nn
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.decomposition import select_decomp_table
 
+import dzc
 from dzc import ir
 from dzc.passes.fuse_sparse_attention import fuse_sparse_attention
 
@@ -161,6 +162,90 @@ def test_separate_causal_mask_and_sdpa_spellings_fire_and_match():
         after = ir.print_graph(result.graph)
         assert after.count("aten.topk") == 1 and "aten.bmm" not in after and "aten.scatter" not in after
         torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+class LocalSparseSinks(nn.Module):
+    """Where sparse attention is heading: the top-k selected keys beside a local window of the last `window`
+    positions (None: no window), and per-head attention sinks (gpt-oss's spelling: a sink column joins the softmax
+    and is dropped after). `spelling`: "keep" (bool keep mask, HF's sliding-window overlay kv > q - W), "drop"
+    (bool drop mask, kv <= q - W), "ge" (kv >= q - W + 1), "inside" (the selected keys *within* the window: not a
+    union, must be refused), "shifted" (the window relative to positions other than the causal mask's)."""
+
+    def __init__(self, window=3, sinks=True, spelling="keep", heads=2):
+        super().__init__()
+        self.window, self.spelling = window, spelling
+        self.sinks = nn.Parameter(torch.randn(heads, generator=torch.Generator().manual_seed(5))) if sinks else None
+
+    def forward(self, q_index, k_index, weights, q, kv, positions):
+        context = kv.shape[1]
+        kv_idx, q_idx = torch.arange(context), positions[..., None]
+        causal = kv_idx <= q_idx
+        scores = F.relu(torch.matmul(q_index.float(), k_index.float().transpose(-1, -2).unsqueeze(1)))
+        logits = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2).masked_fill(~causal, NEG)
+        topk = logits.topk(min(4, context), dim=-1).indices
+        selected = torch.zeros_like(causal).scatter(-1, topk, True)
+        keep = causal & selected
+        if self.window is not None:
+            if self.spelling == "drop":
+                keep = causal & ~(~selected & (kv_idx <= q_idx - self.window))
+            elif self.spelling == "ge":
+                keep = causal & (selected | (kv_idx >= q_idx - (self.window - 1)))
+            elif self.spelling == "inside":
+                keep = causal & selected & (kv_idx > q_idx - self.window)
+            elif self.spelling == "shifted":
+                keep = causal & (selected | (kv_idx > (q_idx + 1) - self.window))
+            else:
+                keep = causal & (selected | (kv_idx > q_idx - self.window))
+        mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min).unsqueeze(1)
+        attn = torch.matmul(q, kv.unsqueeze(1).transpose(-1, -2)) * 0.125 + mask
+        if self.sinks is None:
+            probs = attn.softmax(-1)
+        else:
+            sinks = self.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+            combined = torch.cat([attn, sinks], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        return torch.matmul(probs, kv[..., :8].unsqueeze(1)), positions
+
+
+@pytest.mark.parametrize("window, sinks, spelling", [(3, True, "keep"), (3, False, "keep"), (None, True, "keep"),
+                                                     (5, False, "drop"), (2, True, "ge")])
+def test_local_window_and_sinks_fuse_into_the_op_and_match(window, sinks, spelling):
+    """The window and the sinks become the op's own arguments: (query_pos, sinks, window) after d_v."""
+    gm, result, actual, expected = _fuse(LocalSparseSinks(window, sinks, spelling), *_inputs(seed=4))
+    assert len(result.rewrites) == 1 and not result.refusals, result.refusals
+    after = ir.print_graph(result.graph)
+    assert "aten.cat" not in after and "aten.bmm" not in after and "aten.scatter" not in after
+    call = next(line for line in after.splitlines() if "dzc.sparse_attention" in line)
+    # ..., %indices, 0.125, 8, query_pos, sinks, window): query_pos is the indexer's (%9), the sinks the parameter.
+    assert call.split("(", 1)[1].split(")")[0].split(", ")[-5:] == [
+        "0.125", "8", "%9" if window else "None", "%a6" if sinks else "None", str(window or 0)], call
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_refuses_a_window_that_is_not_beside_the_selection():
+    for spelling, reason in (("inside", "the attention mask is not exactly causal + this top-k (+ a local window) "
+                                        "(terms: ['causal', 'topk', 'window'])"),
+                             ("shifted", "the local window is not relative to the causal mask's query positions")):
+        gm, result, _, _ = _fuse(LocalSparseSinks(3, True, spelling), *_inputs(seed=4))
+        assert not result.rewrites and [why for _, why in result.refusals] == [reason], result.refusals
+        assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
+
+
+def test_window_and_sinks_compile_with_the_kernels(options):
+    """dzc.compile end to end: the Triton sparse attention kernel takes the window and the sinks."""
+    model = LocalSparseSinks(3, True)
+    inputs = _inputs(batch=2, queries=5, context=40, seed=6)
+    compiled = dzc.compile(model, "cuda", options)
+    with torch.no_grad():
+        expected = model(*inputs)[0]
+        for _ in range(2):  # the first call returns the captured graph's result
+            actual = compiled(*inputs)[0]
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    report = compiled.report
+    assert report.passes["fuse_sparse_attention"] == 1
+    attention = next(k for k in report.kernels if k.op == "sparse_attention")
+    assert attention.codegen == "triton" and "causal+window sinks" in attention.spec, attention
 
 
 class DenseCausal(nn.Module):

@@ -79,7 +79,8 @@ def is_fp8_latent_cache(k_cache) -> bool:
     return k_cache.dtype == torch.uint8
 
 
-def check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v) -> None:
+def check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v, query_pos=None,
+                                 sinks=None, window: int = 0) -> None:
     _require(q.dim() == 3 and q.dtype in _ATTENTION_DTYPES, "sparse_attention",
              f"q must be [queries, heads, d_qk] in bf16/fp16/fp32, got {q.dtype} {list(q.shape)}")
     queries, heads, d_qk = q.shape
@@ -106,7 +107,13 @@ def check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, quer
                  f"{list(v_cache.shape)}")
     _require(indices.dim() == 2 and indices.dtype == torch.int32 and indices.shape[0] == queries, "sparse_attention",
              f"indices must be int32 [queries={queries}, topk], got {indices.dtype} {list(indices.shape)}")
-    _check_sequence_tables("sparse_attention", queries, block_table, seq_lens, query_seq)
+    _check_sequence_tables("sparse_attention", queries, block_table, seq_lens, query_seq, query_pos)
+    _require(window >= 0 and (window == 0 or query_pos is not None), "sparse_attention",
+             f"window must be >= 0 and needs query_pos (the window ends at the query's position); got window={window}"
+             f", query_pos {'given' if query_pos is not None else 'None'}")
+    _require(sinks is None or (sinks.dim() == 1 and sinks.dtype == torch.float32 and sinks.shape[0] == heads),
+             "sparse_attention", f"sinks must be fp32 [heads={heads}], got "
+                                 f"{None if sinks is None else (sinks.dtype, list(sinks.shape))}")
 
 
 def dsa_indexer_reference(q, weights, index_k_cache, block_table, seq_lens, query_seq, query_pos,
@@ -146,22 +153,36 @@ def dsa_topk_reference(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> t
 
 
 def sparse_attention_reference(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale: float,
-                               d_v: int) -> torch.Tensor:
-    """out[t, h] = softmax over the valid selected positions of (q[t, h] . k[s]) * sm_scale, times v[s].
+                               d_v: int, query_pos=None, sinks=None, window: int = 0) -> torch.Tensor:
+    """out[t, h] = softmax over the attended positions of (q[t, h] . k[s]) * sm_scale, times v[s].
 
-    indices[t] are positions in sequence query_seq[t]; -1 or >= its seq_len is invalid. K rows are read through
-    the block table; V = v_cache rows, or K[..., :d_v] when v_cache is None (MLA latent). A row with no valid
-    index is 0. [queries, heads, d_v] in q's dtype. The FP8 latent layout: the selected rows are dequantized to q's
-    dtype (dequantize_latent: what the kernels multiply), then the same math."""
+    Attended: the valid selected positions indices[t] (positions in sequence query_seq[t]; -1 or >= its seq_len is
+    invalid), and with query_pos (int32 [queries], the query's position in its sequence) only those <= it
+    (causal). window > 0 (needs query_pos) adds the `window` positions ending at the query's, (query_pos - window,
+    query_pos] within [0, seq_len): a local window beside the selected set (their union; a selected position
+    inside the window is attended once). sinks (fp32 [heads]): a per-head logit that joins each softmax's
+    denominator and carries no value (gpt-oss's attention sinks), compared with the scaled scores. A row with no
+    attended position is 0. Indices of a row are distinct (a top-k's are); a repeated one counts per slot.
+
+    K rows are read through the block table; V = v_cache rows, or K[..., :d_v] when v_cache is None (MLA latent).
+    [queries, heads, d_v] in q's dtype. The FP8 latent layout: the selected rows are dequantized to q's dtype
+    (dequantize_latent: what the kernels multiply), then the same math."""
     page_size = k_cache.shape[1]
     sequences = query_seq.long()
     positions = indices.long()
-    valid = (positions >= 0) & (positions < seq_lens[sequences].long()[:, None])
+    lengths = seq_lens[sequences].long()[:, None]
+    valid = (positions >= 0) & (positions < lengths)
+    if query_pos is not None:
+        valid &= positions <= query_pos.long()[:, None] - window  # the window's own slots attend the rest
+    if window:
+        local = query_pos.long()[:, None] - window + 1 + torch.arange(window, device=q.device)
+        positions = torch.cat([positions, local], dim=1)
+        valid = torch.cat([valid, (local >= 0) & (local < lengths)], dim=1)
     positions = torch.where(valid, positions, 0)
     page_column = (positions // page_size).clamp(max=block_table.shape[1] - 1)
-    pages = block_table.long()[sequences[:, None], page_column]  # [T, topk]
+    pages = block_table.long()[sequences[:, None], page_column]  # [T, slots]
     offsets = positions % page_size
-    keys = k_cache[pages, offsets]  # [T, topk, Hkv, d_qk] (FP8: [T, topk, 1, token bytes])
+    keys = k_cache[pages, offsets]  # [T, slots, Hkv, d_qk] (FP8: [T, slots, 1, token bytes])
     keys = (dequantize_latent(keys, d_v, q.dtype) if is_fp8_latent_cache(k_cache) else keys).float()
     values = keys[..., :d_v] if v_cache is None else v_cache[pages, offsets].float()
     heads = q.shape[1]
@@ -169,7 +190,11 @@ def sparse_attention_reference(q, k_cache, v_cache, block_table, seq_lens, query
     values = values.expand(-1, -1, heads, -1)
     scores = torch.einsum("thd,tkhd->thk", q.float(), keys) * sm_scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-invalid row: softmax of -inf is NaN -> 0
+    if sinks is not None:
+        sink_column = sinks.float()[None, :, None].expand(scores.shape[0], -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-invalid row: softmax of -inf is NaN -> 0
     return torch.einsum("thk,tkhd->thd", probs, values).to(q.dtype)
 
 
@@ -209,16 +234,18 @@ def _dsa_topk_fake(logits, lengths, k, kernel_id=""):
 @torch.library.custom_op("dzc::sparse_attention", mutates_args=())
 def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, query_seq: torch.Tensor, indices: torch.Tensor, sm_scale: float,
-                     d_v: int, kernel_id: str = "") -> torch.Tensor:
-    check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v)
+                     d_v: int, query_pos: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                     window: int = 0, kernel_id: str = "") -> torch.Tensor:
+    args = (q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale, d_v, query_pos, sinks, window)
+    check_sparse_attention_args(*args[:7], d_v, query_pos, sinks, window)
     if kernel_id:
-        return runtime.launch(kernel_id, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale,
-                              d_v)
-    return sparse_attention_reference(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale, d_v)
+        return runtime.launch(kernel_id, *args)
+    return sparse_attention_reference(*args)
 
 
 @sparse_attention.register_fake
 def _sparse_attention_fake(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale, d_v,
-                           kernel_id=""):
-    check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v)
+                           query_pos=None, sinks=None, window=0, kernel_id=""):
+    check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v, query_pos, sinks,
+                                window)
     return q.new_empty((q.shape[0], q.shape[1], d_v))
