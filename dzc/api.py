@@ -23,25 +23,6 @@ def backend(target: str = "cuda", options: CompileOptions | None = None) -> DzcB
     return DzcBackend(resolve_target(target), options or CompileOptions())
 
 
-def _mark_token_dims(value) -> None:
-    """Leading dims of floating tensors (all dims of integer ones, e.g. token ids) may vary between calls.
-
-    maybe_mark_dynamic is a hint, not an assertion: a dim the model code specialises (a size of 1, a size
-    compared with a constant) stays static instead of raising.
-    """
-    if isinstance(value, torch.Tensor):
-        dims = value.dim() - 1 if value.is_floating_point() else value.dim()
-        for dim in range(dims):
-            if value.shape[dim] > 1:
-                torch._dynamo.maybe_mark_dynamic(value, dim)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _mark_token_dims(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _mark_token_dims(item)
-
-
 def _process_wide_dynamo_settings(options: CompileOptions):
     """Make Dynamo's capture settings what `options` asks where that means turning a capture on (process-wide,
     once); returns the context to enter around each call: a no-op, or a config.patch when the options turn off a
@@ -128,8 +109,8 @@ class CompiledModel:
     def _run_compiled(self, *args, **kwargs):
         if self.options.dynamic_tokens and not self.backend.report.graphs:
             # A hint for the first compile; later compiles of the frame keep what Dynamo learnt was dynamic.
-            _mark_token_dims(args)
-            _mark_token_dims(kwargs)
+            hf_attention.mark_varying_dims(args)
+            hf_attention.mark_varying_dims(kwargs)
         frames_tried = self.backend.start_call()
         try:
             # dzc compiles inference graphs (AOTAutograd's inference path); serving loops run with grad off

@@ -252,13 +252,38 @@ def take_over(model, mode: str, owner) -> Selection | None:
 _SIZE_HELPER_MODULES = {"transformers.vision_utils": None, "transformers.utils.generic": ("get_max_seqlen",)}
 
 
+def mark_varying_dims(value) -> None:
+    """Leading dims of floating tensors (all dims of integer ones, e.g. token ids) may vary between calls: what
+    dzc.compile assumes of a model's inputs, and of what the size helpers hand the graph.
+
+    maybe_mark_dynamic is a hint, not an assertion: a dim the model code specialises (a size of 1, a size
+    compared with a constant) stays static instead of raising.
+    """
+    if isinstance(value, torch.Tensor):
+        dims = value.dim() - 1 if value.is_floating_point() else value.dim()
+        for dim in range(dims):
+            if value.shape[dim] > 1:
+                torch._dynamo.maybe_mark_dynamic(value, dim)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            mark_varying_dims(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            mark_varying_dims(item)
+
+
 @functools.cache
 def _eager(function):
     """function, run eagerly unless the caller passed precomputed inputs (one wrapper per function, so that guards
     on it hold across compiles). The helpers pop precomputed values from their `kwargs` argument: with some there
     (qwen2_5_vl_vision_inputs' tensors, or a max_seqlen the model computed once and hands its blocks), the traced
     helper returns them without a graph break."""
-    untraced = torch.compiler.disable(function, recursive=True)
+    def marked(*args, **kwargs):
+        results = function(*args, **kwargs)
+        mark_varying_dims(results)  # sizes from data: dynamic from the first graph on, as the inputs are
+        return results
+
+    untraced = torch.compiler.disable(marked, recursive=True)
 
     @functools.wraps(function)
     def helper(*args, **kwargs):
