@@ -129,14 +129,16 @@ def topk_args(rows: int, width: int, lengths: list[int], k: int, device, generat
 def sparse_attention_args(seq_lens: list[int], per_seq: list[int], heads: int, kv_heads: int, d_qk: int, d_v: int,
                           separate_v: bool, topk: int, page_size: int, device, generator: torch.Generator,
                           dtype=torch.bfloat16, fp8_cache: bool = False, causal: bool = False, window: int = 0,
-                          sinks: bool = False) -> tuple:
+                          sinks: bool = False, index_block: int = 1) -> tuple:
     """sparse_attention's arguments: q, k_cache, v_cache (None: V = K[..., :d_v]), block_table, seq_lens,
     query_seq, indices, sm_scale, d_v. Indices are distinct causal positions of the row's sequence mixed with
     invalid ones (−1 and positions ≥ the sequence length); some rows have none valid. fp8_cache: k_cache is the
     FP8 latent layout (one KV head, V its first d_v), written by dzc.kv_cache.write_latent; bytes no token owns
     are random (NaN patterns included). causal, window or sinks: three more arguments, query_pos, sinks (fp32
     [heads], random logits, or None) and window; with query_pos some rows also select positions past the query
-    (written, to be skipped), and rows with no valid index still attend their window."""
+    (written, to be skipped), and rows with no valid index still attend their window. index_block > 1: the
+    indices select blocks of that many positions (the block holding the query among them, partly in its future),
+    and a fourth argument, index_block, follows."""
     generator = host_generator(generator)
     paging = random_paging(seq_lens, page_size, device, generator)
     query_seq, query_pos = queries_at(seq_lens, per_seq, device)
@@ -162,18 +164,20 @@ def sparse_attention_args(seq_lens: list[int], per_seq: list[int], heads: int, k
     for t in range(rows):
         if t % 7 == 3:
             continue  # a row with no valid index: its output is 0
-        visible = torch.randperm(positions[t] + 1, generator=generator)[:topk]
+        visible = torch.randperm(positions[t] // index_block + 1, generator=generator)[:topk]
         indices[t, :visible.numel()] = visible.int()
         invalid = torch.rand(topk, generator=generator) < 0.15
-        beyond = seq_lens[seqs[t]] + torch.randint(0, 50, (topk,), generator=generator, dtype=torch.int32)
+        beyond = -(-seq_lens[seqs[t]] // index_block) + torch.randint(0, 50, (topk,), generator=generator,
+                                                                        dtype=torch.int32)
         indices[t] = torch.where(invalid, torch.where(torch.rand(topk, generator=generator) < 0.5, -1, beyond),
                                  indices[t])
         future = torch.arange(positions[t] + 1, seq_lens[seqs[t]], dtype=torch.int32)
-        if (causal or window) and future.numel() and t % 3 == 1:  # positions past the query: skipped
+        if (causal or window) and index_block == 1 and future.numel() and t % 3 == 1:  # past the query: skipped
             indices[t, -1] = future[torch.randint(0, future.numel(), (1,), generator=generator)]
     args = (q, k_cache, v_cache, paging.block_table, paging.seq_lens, query_seq, indices.to(device), d_qk ** -0.5,
             d_v)
-    if not (causal or window or sinks):
+    if not (causal or window or sinks or index_block > 1):
         return args
     sink_logits = (torch.randn(heads, generator=generator) * 2).to(device) if sinks else None
-    return args + (query_pos if causal or window else None, sink_logits, window)
+    extras = (query_pos if causal or window else None, sink_logits, window)
+    return args + extras + ((index_block,) if index_block > 1 else ())

@@ -66,6 +66,7 @@ class SparseAttentionSpec:
     # at run time) may be attended beside the selected set. sinks given: a per-head logit in each softmax's sum.
     causal: bool = field(default=False, kw_only=True)
     sinks: bool = field(default=False, kw_only=True)
+    index_block: int = field(default=1, kw_only=True)  # consecutive positions one index selects (block-sparse)
 
     def serves(self, call: SparseAttentionSpec) -> bool:
         """Whether kernels made for this spec take a call of spec `call`: equal, sizes left symbolic aside."""
@@ -119,10 +120,11 @@ class SparseAttentionSpec:
     @property
     def extras(self) -> str:
         """The optional parts of the op this spec uses ('' for plain top-k attention)."""
-        return " ".join(name for name, used in (("causal+window", self.causal), ("sinks", self.sinks)) if used)
+        return " ".join(name for name, used in (("causal+window", self.causal), ("sinks", self.sinks),
+                                                 (f"index_block={self.index_block}", self.index_block > 1)) if used)
 
 
-def spec_for(q, k_cache, v_cache, indices, d_v, query_pos=None, sinks=None) -> SparseAttentionSpec:
+def spec_for(q, k_cache, v_cache, indices, d_v, query_pos=None, sinks=None, index_block=1) -> SparseAttentionSpec:
     """The spec of a call (works on fake tensors; the op's checks ran already). The kernels also need the caches
     in q's dtype, or the FP8 latent layout (dequantized to q's dtype), whose NoPE part must be Dqk's power-of-two
     main part (MLA's 512 of 576: the kernels' first MMA)."""
@@ -134,7 +136,7 @@ def spec_for(q, k_cache, v_cache, indices, d_v, query_pos=None, sinks=None) -> S
                              f"q is {q.dtype}")
     spec = SparseAttentionSpec(heads, int(k_cache.shape[2]), d_qk, int(d_v), q.dtype, v_cache is not None, fp8_cache,
                                topk=_static(indices.shape[1]), page_size=_static(k_cache.shape[1]),
-                               causal=query_pos is not None, sinks=sinks is not None)
+                               causal=query_pos is not None, sinks=sinks is not None, index_block=int(index_block))
     if fp8_cache and not spec.v_is_k_main:
         raise ValueError(f"sparse_attention kernels read an FP8 latent cache whose NoPE part is Dqk's power-of-two "
                          f"main part: d_v={d_v}, d_qk={d_qk}")
@@ -154,7 +156,7 @@ def spec_from_node(node) -> SparseAttentionSpec:
         return argument.meta["val"] if isinstance(argument, torch.fx.Node) else None
 
     return spec_for(value("q"), value("k_cache"), value("v_cache"), value("indices"), arguments["d_v"],
-                    value("query_pos"), value("sinks"))
+                    value("query_pos"), value("sinks"), arguments.get("index_block", 1))
 
 
 def token_bucket(tokens: int) -> int:
@@ -203,11 +205,11 @@ def _decode_splits(spec: SparseAttentionSpec, config: KernelConfig, bucket: int)
 
 
 def prepare(spec: SparseAttentionSpec, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale,
-            d_v, query_pos=None, sinks=None, window=0):
+            d_v, query_pos=None, sinks=None, window=0, index_block=1):
     """Op arguments -> (kernel inputs, kernel outputs (preallocated), query rows, the op's result)."""
     dsa_ops.check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v,
-                                        query_pos, sinks, window)
-    if not spec.serves(spec_for(q, k_cache, v_cache, indices, d_v, query_pos, sinks)):
+                                        query_pos, sinks, window, index_block)
+    if not spec.serves(spec_for(q, k_cache, v_cache, indices, d_v, query_pos, sinks, index_block)):
         raise ValueError(f"sparse_attention kernel for {spec.describe()} got q {q.dtype} {tuple(q.shape)}, k_cache "
                          f"{tuple(k_cache.shape)}, indices {tuple(indices.shape)}, d_v {d_v}")
     out = torch.empty(q.shape[0], spec.heads, spec.d_v, dtype=q.dtype, device=q.device)
@@ -250,7 +252,7 @@ def triton_source(spec: SparseAttentionSpec, profile: DeviceProfile) -> str:
                   d_qk_main=spec.d_main, d_qk_tail=spec.d_tail, d_v=spec.d_v, dtype=spec.dtype,
                   value_source="v_cache" if spec.separate_v else f"K[..., :{spec.d_v}]",
                   cache_layout="FP8 latent (e4m3 + fp32 scale per 128, bf16 rope)" if spec.fp8_cache else "dense",
-                  extras=f"with {spec.extras}" if spec.extras else "no window or sinks")
+                  extras=f"with {spec.extras}" if spec.extras else "no window, sinks or index blocks")
     return Template((TEMPLATES / "sparse_attention.triton.py.tmpl").read_text()).substitute(fields)
 
 
@@ -258,7 +260,7 @@ def _attend_constexprs(spec: SparseAttentionSpec, config: KernelConfig, mma_in_f
     return dict(HEADS=spec.heads, BLOCK_H=config["BLOCK_H"], SHARED_KV=spec.shared_kv, D_MAIN=spec.d_main,
                 D_TAIL=spec.d_tail, BLOCK_TAIL=spec.block_tail, D_V=spec.d_v, BLOCK_DV=spec.block_dv,
                 V_IS_K_MAIN=spec.v_is_k_main, V_FROM_K=not spec.separate_v, BLOCK_N=config["BLOCK_N"],
-                FP8_GROUPS=spec.fp8_groups, MMA_IN_FP32=mma_in_fp32, CAUSAL=spec.causal,
+                FP8_GROUPS=spec.fp8_groups, MMA_IN_FP32=mma_in_fp32, CAUSAL=spec.causal, INDEX_BLOCK=spec.index_block,
                 # fp32 caches multiply in full precision (Triton's default for fp32 operands is TF32).
                 DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32")
 
@@ -343,7 +345,7 @@ def triton_launch(kernels, config: KernelConfig, q, k_cache, v_cache, block_tabl
             HAS_SINKS=spec.sinks, num_warps=config.num_warps, num_stages=config.num_stages)
         return
     # Decode: each split covers a whole number of BLOCK_N tiles of the selected and window slots.
-    per_split = -(-(-(-(topk + window) // splits)) // config["BLOCK_N"]) * config["BLOCK_N"]
+    per_split = -(-(-(-(topk * spec.index_block + window) // splits)) // config["BLOCK_N"]) * config["BLOCK_N"]
     partial = torch.empty(splits, rows, spec.heads, spec.d_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, rows, spec.heads, dtype=torch.float32, device=q.device)
     kernels["sparse_attention_split_kernel"][(rows, head_blocks, splits)](
@@ -448,7 +450,7 @@ def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[
     if spec.topk is None or spec.page_size is None:
         return []  # the kernels are specialised on both (Triton serves symbolic ones)
     if spec.extras:
-        return []  # no window or sinks in the TileLang template yet (Triton serves them)
+        return []  # no window, sinks or index blocks in the TileLang template yet (Triton serves them)
     head_blocks = [h for h in (16, 32, 64) if h <= max(16, _pow2_at_least(spec.heads))] if spec.shared_kv else [16]
     configs = []
     # Every TileLang config is a separate compile (tens of seconds): a small space, splits {0 (prefill), 2, 8}.

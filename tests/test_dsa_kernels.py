@@ -189,17 +189,20 @@ def test_sparse_attention_matches_reference(shape, seed, tmp_path):
 
 
 @pytest.mark.parametrize("shape", ["mla", "mha"])
-@pytest.mark.parametrize("extras", [dict(causal=True), dict(window=6), dict(sinks=True),
-                                    dict(window=6, sinks=True)], ids=["causal", "window", "sinks", "window+sinks"])
-def test_sparse_attention_with_window_and_sinks_matches_reference(shape, extras, seed, tmp_path):
+@pytest.mark.parametrize("extras", [dict(causal=True), dict(window=6), dict(sinks=True), dict(window=6, sinks=True),
+                                    dict(causal=True, index_block=4), dict(window=6, sinks=True, index_block=4)],
+                         ids=["causal", "window", "sinks", "window+sinks", "blocks", "blocks+window+sinks"])
+def test_sparse_attention_with_window_sinks_and_blocks_matches_reference(shape, extras, seed, tmp_path):
     """A local window beside the selected set (selected positions inside it, and past the query, skipped), per-head
-    sinks, in the prefill kernel and in the decode kernels (sinks in their combine step)."""
+    sinks, indices that select blocks of 4 positions, in the prefill kernel and in the decode kernels (sinks in
+    their combine step)."""
     heads, kv_heads, d_qk, d_v, separate_v, _ = ATTENTION_SHAPES[shape]
     args = dsa_cases.sparse_attention_args([37, 100, 5], [1, 4, 2], heads, kv_heads, d_qk, d_v, separate_v,
                                            topk=24, page_size=16, device=DEVICE, generator=_generator(seed),
                                            **extras)
-    spec = sparse_attention.spec_for(*args[:3], args[6], args[8], args[9], args[10])
+    spec = sparse_attention.spec_for(*args[:3], args[6], args[8], args[9], args[10], *args[12:])
     assert spec.causal is ("causal" in extras or "window" in extras) and spec.sinks is ("sinks" in extras)
+    assert spec.index_block == extras.get("index_block", 1)
     assert sparse_attention.tilelang_configs(spec, SM_90) == []  # Triton serves them
     kernels = _load_triton(sparse_attention, spec, tmp_path)
     expected = sparse_attention_reference(*args)
@@ -234,6 +237,19 @@ def test_window_and_sinks_mean_what_dense_masked_attention_computes(seed):
         scores = torch.cat([scores.masked_fill(~keep, float("-inf")), sinks[:, None]], dim=1)
         expected = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=1)[:, :-1], values)
         torch.testing.assert_close(out[t], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_index_blocks_mean_their_positions(seed):
+    """index_block = 4: each index stands for its 4 positions; the same call with the positions listed one by one
+    (index_block 1) is the same attention, future positions of the query's own block masked by query_pos."""
+    args = dsa_cases.sparse_attention_args([37, 20], [3, 2], 4, 1, 32, 16, False, topk=5, page_size=8, device="cpu",
+                                           generator=_generator(seed), dtype=torch.float32, causal=True,
+                                           index_block=4)
+    indices = args[6]
+    assert (indices >= 0).any() and (indices[:, :, None] * 4 + 3 > args[9][:, None, None]).any()  # straddles
+    listed = torch.where(indices[:, :, None] >= 0, indices[:, :, None] * 4 + torch.arange(4), -1).flatten(1)
+    expected = sparse_attention_reference(*args[:6], listed.int(), *args[7:12])
+    torch.testing.assert_close(sparse_attention_reference(*args), expected, atol=1e-6, rtol=1e-6)
 
 
 def test_sparse_attention_refuses_a_window_without_query_positions():

@@ -301,6 +301,11 @@ activations (MoE router, sparse-attention indexer) may take another, equally val
 tie (a one-ulp difference in a fused norm decides it): up to one row in 16 of a call may be over the tolerance
 there, and the table says how many were. Why a fusion did not fire is in the row's compile report and coverage
 (near-misses with the passes' reasons): `python tools/zoo.py NAME --report`.
+Recompiles that are the model's own branches: the sliding-window models (Gemma3, Mistral, GptOss) have a window
+of 8 tokens in their tiny configs, and transformers takes another path below it (7 tokens) than at or above it
+(12, 20; `masking_utils._ignore_causal_mask_sdpa`, the sliding-window cache's slice): two graphs, as
+torch.compile makes. The Qwen-VL towers' one recompile is the single-image pack (a size of 1, which Dynamo
+specialises); other image counts and sizes share one graph (docs/vision.md).
 
 """
 

@@ -80,7 +80,7 @@ def is_fp8_latent_cache(k_cache) -> bool:
 
 
 def check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v, query_pos=None,
-                                 sinks=None, window: int = 0) -> None:
+                                 sinks=None, window: int = 0, index_block: int = 1) -> None:
     _require(q.dim() == 3 and q.dtype in _ATTENTION_DTYPES, "sparse_attention",
              f"q must be [queries, heads, d_qk] in bf16/fp16/fp32, got {q.dtype} {list(q.shape)}")
     queries, heads, d_qk = q.shape
@@ -111,6 +111,7 @@ def check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, quer
     _require(window >= 0 and (window == 0 or query_pos is not None), "sparse_attention",
              f"window must be >= 0 and needs query_pos (the window ends at the query's position); got window={window}"
              f", query_pos {'given' if query_pos is not None else 'None'}")
+    _require(index_block >= 1, "sparse_attention", f"index_block must be >= 1, got {index_block}")
     _require(sinks is None or (sinks.dim() == 1 and sinks.dtype == torch.float32 and sinks.shape[0] == heads),
              "sparse_attention", f"sinks must be fp32 [heads={heads}], got "
                                  f"{None if sinks is None else (sinks.dtype, list(sinks.shape))}")
@@ -153,12 +154,14 @@ def dsa_topk_reference(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> t
 
 
 def sparse_attention_reference(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale: float,
-                               d_v: int, query_pos=None, sinks=None, window: int = 0) -> torch.Tensor:
+                               d_v: int, query_pos=None, sinks=None, window: int = 0,
+                               index_block: int = 1) -> torch.Tensor:
     """out[t, h] = softmax over the attended positions of (q[t, h] . k[s]) * sm_scale, times v[s].
 
     Attended: the valid selected positions indices[t] (positions in sequence query_seq[t]; -1 or >= its seq_len is
-    invalid), and with query_pos (int32 [queries], the query's position in its sequence) only those <= it
-    (causal). window > 0 (needs query_pos) adds the `window` positions ending at the query's, (query_pos - window,
+    invalid; with index_block > 1 an index i selects the block of positions [i * index_block, (i + 1) *
+    index_block), as block-sparse designs (NSA's selection, MoBA) select keys), and with query_pos (int32
+    [queries], the query's position in its sequence) only those <= it (causal). window > 0 (needs query_pos) adds the `window` positions ending at the query's, (query_pos - window,
     query_pos] within [0, seq_len): a local window beside the selected set (their union; a selected position
     inside the window is attended once). sinks (fp32 [heads]): a per-head logit that joins each softmax's
     denominator and carries no value (gpt-oss's attention sinks), compared with the scaled scores. A row with no
@@ -170,6 +173,9 @@ def sparse_attention_reference(q, k_cache, v_cache, block_table, seq_lens, query
     page_size = k_cache.shape[1]
     sequences = query_seq.long()
     positions = indices.long()
+    if index_block > 1:  # each index: its block's positions (a -1 index: all negative, invalid)
+        within = torch.arange(index_block, device=q.device)
+        positions = (positions[:, :, None] * index_block + within).flatten(1)
     lengths = seq_lens[sequences].long()[:, None]
     valid = (positions >= 0) & (positions < lengths)
     if query_pos is not None:
@@ -235,9 +241,10 @@ def _dsa_topk_fake(logits, lengths, k, kernel_id=""):
 def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, block_table: torch.Tensor,
                      seq_lens: torch.Tensor, query_seq: torch.Tensor, indices: torch.Tensor, sm_scale: float,
                      d_v: int, query_pos: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-                     window: int = 0, kernel_id: str = "") -> torch.Tensor:
-    args = (q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale, d_v, query_pos, sinks, window)
-    check_sparse_attention_args(*args[:7], d_v, query_pos, sinks, window)
+                     window: int = 0, index_block: int = 1, kernel_id: str = "") -> torch.Tensor:
+    args = (q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale, d_v, query_pos, sinks, window,
+            index_block)
+    check_sparse_attention_args(*args[:7], d_v, query_pos, sinks, window, index_block)
     if kernel_id:
         return runtime.launch(kernel_id, *args)
     return sparse_attention_reference(*args)
@@ -245,7 +252,7 @@ def sparse_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 @sparse_attention.register_fake
 def _sparse_attention_fake(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale, d_v,
-                           query_pos=None, sinks=None, window=0, kernel_id=""):
+                           query_pos=None, sinks=None, window=0, index_block=1, kernel_id=""):
     check_sparse_attention_args(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, d_v, query_pos, sinks,
-                                window)
+                                window, index_block)
     return q.new_empty((q.shape[0], q.shape[1], d_v))
