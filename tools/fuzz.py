@@ -493,6 +493,11 @@ def gen_sparse_attention(rng, srng, g, size, device) -> Case:
         d_qk = srng.choice((16, 32, 64))
         d_v = srng.choice((16, d_qk))
         separate_v = srng.random() < 0.7
+    # The op's optional parts (what sparse designs after DSA add): causal against query_pos with a local window
+    # beside the selection, per-head sinks, indices that select blocks of positions.
+    causal = srng.random() < 0.3
+    sinks = srng.random() < 0.25
+    index_block = srng.choice((1, 1, 1, 2, 16))
     table, pages = _paging(rng, g, seq_lens, page_size, device)
     query_seq, query_pos = _queries(rng, g, seq_lens, size)
     if size is not QUICK and rng.random() < 0.2:  # more than DECODE_MAX_ROWS rows: the prefill kernel
@@ -506,7 +511,7 @@ def gen_sparse_attention(rng, srng, g, size, device) -> Case:
     indices = torch.full((rows, topk), -1, dtype=torch.int32)
     notes = []
     for t in range(rows):
-        visible = int(query_pos[t]) + 1
+        visible = int(query_pos[t]) // index_block + 1
         chosen = torch.randperm(visible, generator=g)[:topk]
         indices[t, :chosen.numel()] = chosen.int()
         if rng.random() < 0.3:  # invalid entries: -1, other negatives, at or past the sequence's length
@@ -527,6 +532,12 @@ def gen_sparse_attention(rng, srng, g, size, device) -> Case:
             place(seq_lens_t, rng, device, 0, ("dense", "offset", "strided")),
             place(query_seq, rng, device, 0, ("dense", "offset", "strided")),
             place(indices, rng, device, -1, ("dense", "offset", "padded", "permuted")), sm_scale, d_v)
+    window = rng.choice((0, 1, 3, 64)) if causal else 0
+    if causal or sinks or index_block > 1:
+        args += (place(query_pos, rng, device, 0, ("dense", "offset", "strided")) if causal else None,
+                 place(randn(g, heads) * 3, rng, device, fill, ("dense", "offset")) if sinks else None,
+                 window, index_block)
+        notes += [f"causal window={window}"] * causal + ["sinks"] * sinks + [f"index_block={index_block}"]
     return Case(args, f"sparse_attention {short(dtype)} heads={heads} kv_heads={kv_heads} d_qk={d_qk} d_v={d_v} "
                       f"v={'cache' if separate_v else 'K'} seq_lens={seq_lens} page={page_size} rows={rows} "
                       f"topk={topk}{' ' + ', '.join(notes) if notes else ''}")
