@@ -28,11 +28,20 @@ After:
     %o      = dzc.sparse_attention(%q, %k_cache, %v_cache or None, %block_table, %seq_lens, %query_seq, %idx,
                                    scale, Dv[, %query_pos or None, %sinks or None, W])  # [B*S, H, Dv], viewed back
 
+The selection: a lightning indexer under the causal mask (above) is fused with the attention. Any other top-k
+selection of the attention's keys (another scorer, an indexer spelled otherwise, all-reduced otherwise, read
+elsewhere) is kept as the model computes it and only the attention is rewritten, over the model's own top-k
+indices; the rewrite's site says why the selection was kept ("(the model's own selection: <reason>)").
+
 What the next releases add to the same idea is recognised and handed to the op's own arguments:
     local window   the mask keeps the selected keys or the last W positions: causal & (selected | k > q - W)
                    (also spelled k >= q - W + 1, or as the drop mask ~selected & k <= q - W)  =>  query_pos, window=W
     sinks          gpt-oss's per-head sinks: softmax(cat([scores, sinks[h] broadcast], -1) [- its max])[..., :T]
                    =>  sinks = the [H] logits (fp32)
+    blocks         block-sparse selection (NSA's selection branch, MoBA): the top-k ranks [B, S, U] block scores,
+                   its scatter is repeated B times along the keys (unsqueeze/expand/reshape, or
+                   repeat_interleave) and cut to T  =>  index_block = B, query_pos (the query's own block is
+                   causal within); a selection per head (a [B, H, S, U] top-k) is not what the op expresses: refused
 
 Caches: when the keys are a paged read `cache[block_table].flatten(1, 2)` (dzc.models.dsa over
 dzc.kv_cache.PagedKVCache; for the FP8 indexer pool, `values[block_table].float() * scales[block_table][..., None]`
@@ -155,7 +164,9 @@ def _is_whole_slice(node) -> bool:
 # Masks: an additive float mask, or a boolean keep/drop mask, is decomposed into terms, all of which must hold
 # for a key to be visible:
 #   ("causal", query_positions)     keys at positions <= the query's position are visible
-#   ("topk", indices)               the keys at these indices are visible
+#   ("topk", indices, B, width, scatter)  the keys at these indices are visible (B > 1: index i makes the block of
+#                                   positions [i*B, i*B + B) visible: a scatter's units repeated B times); width:
+#                                   the columns of the term's mask (checked to be the keys')
 #   ("window", query_positions, W)  keys at positions > the query's position - W are visible (a local window)
 #   ("any", [term, term])           either term holds (the selected keys beside a local window)
 # Anything else (padding, a mask from a model input) is not a DSA mask.
@@ -163,6 +174,13 @@ def _is_whole_slice(node) -> bool:
 
 class _NotAMask(Exception):
     pass
+
+
+def _describe(node) -> str:
+    """A mask part as a reason names it: a model input (a padding mask, say) or the op computing it."""
+    if isinstance(node, torch.fx.Node) and node.op == "placeholder":
+        return f"a mask the model is given ({node.name})"
+    return f"{node.target}" if isinstance(node, torch.fx.Node) else repr(node)
 
 
 def _topk_indices(node):
@@ -244,8 +262,57 @@ def _either(left: list, right: list):
 _COMPARISONS = (aten.le.Tensor, aten.ge.Tensor, aten.lt.Tensor, aten.gt.Tensor)
 
 
+def _block_expansion(node):
+    """node = x [..., U] with each unit repeated B times along the last dim, [..., U*B] (optionally sliced to its
+    first T columns): x.unsqueeze(-1).expand(..., U, B).reshape(..., U*B)[..., :T], which repeat_interleave(B, -1)
+    also decomposes to -> (x, B), else None."""
+    if is_call(node, aten.slice.Tensor) and node.args[1] % fake_value(node).dim() == fake_value(node).dim() - 1 \
+            and node.args[2] in (0, None) and (len(node.args) < 5 or node.args[4] == 1):
+        node = node.args[0]
+    if not is_call(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return None
+    expanded = _strip(node.args[0], (aten.clone.default,))
+    if not (is_call(expanded, aten.expand.default) and is_call(expanded.args[0], aten.unsqueeze.default)):
+        return None
+    source = expanded.args[0].args[0]
+    rank = fake_value(source).dim()
+    if expanded.args[0].args[1] % (rank + 1) != rank:
+        return None
+    units, block = fake_value(expanded).shape[-2:]
+    if not (isinstance(block, int) and block > 1 and _same(units, fake_value(source).shape[-1])
+            and fake_value(node).dim() == rank and _same(fake_value(node).shape[-1], units * block)
+            and all(_same(a, b) for a, b in zip(fake_value(node).shape[:-1], fake_value(source).shape[:-1]))):
+        return None
+    return source, block
+
+
+def _selected_terms(node, form: str):
+    """[("topk", ...)] when node is a scatter of top-k indices into a mask of units, repeated per block or not, in
+    the `form` "keep" (True where selected), "drop" (False there) or "additive" (0 there, -inf/finfo.min
+    elsewhere); else None."""
+    width = fake_value(node).shape[-1] if isinstance(node, torch.fx.Node) and fake_value(node) is not None else None
+    expansion = _block_expansion(node)
+    block = 1
+    if expansion is not None:
+        node, block = expansion
+    while is_call(node, *_SHAPE_ONLY) or (form == "additive" and is_call(node, prims.convert_element_type.default)):
+        node = node.args[0]  # the scatter's own views ([B, S, U] unsqueezed for the heads, say)
+    if not (is_call(node, aten.scatter.value) and node.args[1] == -1):
+        return None
+    fill, value = _fill(node.args[0]), node.args[3]
+    if (form == "keep" and value is True and fill == 0.0) or (form == "drop" and value is False and fill == 1.0) \
+            or (form == "additive" and value == 0 and (fill or 0.0) <= _MASKED):
+        # width: the mask's columns (units x block, or what the expansion kept of them), checked to be the keys
+        return [("topk", _topk_indices(node.args[2]), block, width if block > 1 else fake_value(node).shape[-1],
+                 node)]
+    return None
+
+
 def _keep_terms(node):
     """Terms of a boolean mask that is True where a key is visible."""
+    selected = _selected_terms(node, "keep")
+    if selected is not None:
+        return selected
     if is_call(node, *_SHAPE_ONLY, aten.select.int) or _is_whole_slice(node):
         return _keep_terms(node.args[0])
     if is_call(node, aten.bitwise_and.Tensor, aten.logical_and.default):
@@ -256,14 +323,14 @@ def _keep_terms(node):
         return _drop_terms(node.args[0])
     if is_call(node, *_COMPARISONS):
         return _comparison_terms(node, keep=True)
-    if is_call(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] is True \
-            and _fill(node.args[0]) == 0.0:
-        return [("topk", _topk_indices(node.args[2]))]
-    raise _NotAMask(f"{node} is not a causal, top-k or window keep mask")
+    raise _NotAMask(f"{_describe(node)} is not a causal, top-k or window keep mask")
 
 
 def _drop_terms(node):
     """Terms of a boolean mask that is True where a key is hidden."""
+    selected = _selected_terms(node, "drop")
+    if selected is not None:
+        return selected
     if is_call(node, *_SHAPE_ONLY, aten.select.int) or _is_whole_slice(node):
         return _drop_terms(node.args[0])
     if is_call(node, aten.bitwise_or.Tensor, aten.logical_or.default):
@@ -274,10 +341,7 @@ def _drop_terms(node):
         return _keep_terms(node.args[0])
     if is_call(node, *_COMPARISONS):
         return _comparison_terms(node, keep=False)
-    if is_call(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] is False \
-            and _fill(node.args[0]) == 1.0:
-        return [("topk", _topk_indices(node.args[2]))]
-    raise _NotAMask(f"{node} is not a causal, top-k or window drop mask")
+    raise _NotAMask(f"{_describe(node)} is not a causal, top-k or window drop mask")
 
 
 def _additive_terms(node):
@@ -285,6 +349,9 @@ def _additive_terms(node):
     value = _scalar(node)
     if value == 0.0:
         return []
+    selected = _selected_terms(node, "additive")
+    if selected is not None:
+        return selected
     if is_call(node, *_SHAPE_ONLY, aten.select.int, prims.convert_element_type.default) or _is_whole_slice(node):
         return _additive_terms(node.args[0])
     if is_call(node, aten.add.Tensor):
@@ -297,10 +364,7 @@ def _additive_terms(node):
             return _keep_terms(condition) + _additive_terms(if_true)
     if is_call(node, aten.masked_fill.Scalar) and node.args[2] <= _MASKED:
         return _drop_terms(node.args[1]) + _additive_terms(node.args[0])
-    if is_call(node, aten.scatter.value) and node.args[1] == -1 and node.args[3] == 0 \
-            and (_fill(node.args[0]) or 0.0) <= _MASKED:
-        return [("topk", _topk_indices(node.args[2]))]
-    raise _NotAMask(f"{node} is not a causal or top-k additive mask")
+    raise _NotAMask(f"{_describe(node)} is not a causal, top-k or window additive mask")
 
 
 def _split_masked(node):
@@ -625,6 +689,13 @@ def _probabilities_consumer(probs):
 def _match_attention(masked) -> _Attention:
     scores, terms = _split_masked(masked)
     operands = _bmm_operands(scores)
+    if operands is None and is_call(scores, aten.add.Tensor):
+        # q.k scores plus a mask that is not causal + top-k (+ a window): say what in the mask is not
+        mask = next((a for a in scores.args if isinstance(a, torch.fx.Node) and _bmm_operands(a) is None), None)
+        try:
+            _additive_terms(mask)
+        except _NotAMask as why:
+            raise Refusal(f"the attention mask is not causal + top-k: {why}") from None
     if operands is None:
         raise Refusal("the masked values are not q.k scores")
     q_operand, k_operand, scale = operands
@@ -708,13 +779,14 @@ def _is_prefix(v, k) -> bool:
     return v.args[1] % fake_value(k).dim() == fake_value(k).dim() - 1
 
 
-def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention):
+def _rewrite(graph, topk, match: _Match):
+    indexer, attention = match.indexer, match.attention
     build = _Builder(graph, attention.out, attention.out.meta.get("stack_trace"))
     q4, out4 = attention.q, attention.out
     batch, heads, queries = build.size(q4, 0), build.size(q4, 1), build.size(q4, 2)
 
     # Which sequence each query row belongs to, and its position (from the causal mask).
-    positions = _query_positions(index_terms, "indexer")
+    positions = _query_positions(attention.terms, "attention")
     positions = build(aten.view.default, positions, [-1, queries])
     positions = build(aten.expand.default, positions, [batch, queries])
     # Contiguous copies: a reshape of an expand can be a stride-0 view (batch 1), and kernels index these flat.
@@ -744,36 +816,23 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
             return heads_first.args[0]
         return build(aten.permute.default, heads_first, [0, 2, 1, 3])
 
-    index_cache, index_table = cache_of(indexer.keys)
-    context = build.size(indexer.keys, 1)
+    context = build.size(attention.k, 2)
     seq_lens = build(aten.full.default, [batch], context, dtype=torch.int32, device=fake_value(q4).device)
 
-    index_q = build(aten.reshape.default, indexer.q, [-1, build.size(indexer.q, -2), build.size(indexer.q, -1)])
-    weights = build(aten.reshape.default, indexer.weights, [-1, build.size(indexer.weights, -1)])
-    if fake_value(weights).dtype != torch.float32:
-        weights = build(prims.convert_element_type.default, weights, torch.float32)
-    if indexer.weight_scale != 1.0:
-        weights = build(aten.mul.Tensor, weights, indexer.weight_scale)
-    logits = build(dzc.dsa_indexer.default, index_q, weights, index_cache, index_table, seq_lens, query_seq,
-                   query_pos, context)
-    if indexer.summed_over is not None:
-        # This rank's heads, hidden keys at -inf on every rank; summed as the model sums its partial scores (the
-        # model adds its causal mask after the sum: -inf either way, the visible keys' sums equal).
-        logits = build(_c10d.wait_tensor.default, build(_c10d.all_reduce.default, logits, "sum",
-                                                        indexer.summed_over))
-    # The selection is the model's own top-k (same k, same device) over the fused logits. Where scores tie at the
-    # k-th place (ReLU makes a key scored <= 0 by every index head exactly 0), torch.topk's choice is its own
-    # (on the CPU a partial sort's, not the smaller position): only the same op over the same order of values
-    # picks the same keys. The logits order keys as the model's scores do, and the keys the causal mask hides
-    # are -inf here, tied below every visible key as finfo.min is there. A hidden key it takes (fewer visible
-    # keys than k) is hidden by the model's mask too: it becomes -1, which sparse_attention skips.
-    ranked = build(operator.getitem, build(aten.topk.default, logits, topk.args[1]), 1)
-    hidden = build(aten.gt.Tensor, ranked, build(aten.unsqueeze.default, query_pos, 1))
-    # where(hidden, -1, ranked), as AOTAutograd decomposes masked_fill: the graph goes to Inductor after the
-    # passes, and Inductor refuses ops it decomposes (aten.masked_fill.Scalar failed there on the H200).
-    minus_one = build(aten.scalar_tensor.default, -1, dtype=fake_value(ranked).dtype, device=fake_value(ranked).device)
-    indices = build(prims.convert_element_type.default, build(aten.where.self, hidden, minus_one, ranked),
-                    torch.int32)
+    if indexer is not None:
+        ranked = _fused_selection(build, topk, indexer, cache_of, seq_lens, query_seq, query_pos, context)
+    else:  # the model's own top-k indices, a row per query
+        ranked = build(aten.reshape.default, match.indices, [-1, build.size(match.indices, -1)])
+    if match.block == 1:
+        # A hidden key the top-k takes (fewer visible keys than k) is hidden by the model's mask too: it becomes
+        # -1, which sparse_attention skips. where(hidden, -1, ranked), as AOTAutograd decomposes masked_fill: the
+        # graph goes to Inductor after the passes, and Inductor refuses ops it decomposes (aten.masked_fill.Scalar
+        # failed there on the H200).
+        hidden = build(aten.gt.Tensor, ranked, build(aten.unsqueeze.default, query_pos, 1))
+        minus_one = build(aten.scalar_tensor.default, -1, dtype=fake_value(ranked).dtype,
+                          device=fake_value(ranked).device)
+        ranked = build(aten.where.self, hidden, minus_one, ranked)
+    indices = build(prims.convert_element_type.default, ranked, torch.int32)
 
     # Attention: [B, H, S, D] -> [B*S, H, D]; keys [B, Hkv, T, D] -> cache [pages, page, Hkv, D].
     q = build(aten.reshape.default, build(aten.permute.default, q4, [0, 2, 1, 3]), [-1, heads, build.size(q4, 3)])
@@ -793,7 +852,10 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
     sinks = attention.sinks
     if sinks is not None and fake_value(sinks).dtype != torch.float32:
         sinks = build(prims.convert_element_type.default, sinks, torch.float32)
-    extras = (query_pos if window else None, sinks, window) if window or sinks is not None else ()
+    # Blocks: the positions of the query's own block past it are hidden by the causal mask (the op's query_pos).
+    causal = window or match.block > 1
+    extras = (query_pos if causal else None, sinks, window, match.block) \
+        if causal or sinks is not None else ()
     out = build(dzc.sparse_attention.default, q, k_cache, v_cache, k_table, seq_lens, query_seq, indices,
                 attention.scale, d_v, *extras)
     out = build(aten.permute.default, build(aten.view.default, out, [batch, queries, heads, d_v]), [0, 2, 1, 3])
@@ -801,6 +863,30 @@ def _rewrite(graph, topk, indexer: _Indexer, index_terms, attention: _Attention)
         out = build(prims.convert_element_type.default, out, fake_value(out4).dtype)
     out4.replace_all_uses_with(out)
     return out
+
+
+def _fused_selection(build, topk, indexer: _Indexer, cache_of, seq_lens, query_seq, query_pos, context):
+    """dzc.dsa_indexer's logits, ranked by the model's own top-k -> the selected positions [B*S, k]."""
+    index_cache, index_table = cache_of(indexer.keys)
+    index_q = build(aten.reshape.default, indexer.q, [-1, build.size(indexer.q, -2), build.size(indexer.q, -1)])
+    weights = build(aten.reshape.default, indexer.weights, [-1, build.size(indexer.weights, -1)])
+    if fake_value(weights).dtype != torch.float32:
+        weights = build(prims.convert_element_type.default, weights, torch.float32)
+    if indexer.weight_scale != 1.0:
+        weights = build(aten.mul.Tensor, weights, indexer.weight_scale)
+    logits = build(dzc.dsa_indexer.default, index_q, weights, index_cache, index_table, seq_lens, query_seq,
+                   query_pos, context)
+    if indexer.summed_over is not None:
+        # This rank's heads, hidden keys at -inf on every rank; summed as the model sums its partial scores (the
+        # model adds its causal mask after the sum: -inf either way, the visible keys' sums equal).
+        logits = build(_c10d.wait_tensor.default, build(_c10d.all_reduce.default, logits, "sum",
+                                                        indexer.summed_over))
+    # The selection is the model's own top-k (same k, same device) over the fused logits. Where scores tie at the
+    # k-th place (ReLU makes a key scored <= 0 by every index head exactly 0), torch.topk's choice is its own
+    # (on the CPU a partial sort's, not the smaller position): only the same op over the same order of values
+    # picks the same keys. The logits order keys as the model's scores do, and the keys the causal mask hides
+    # are -inf here, tied below every visible key as finfo.min is there.
+    return build(operator.getitem, build(aten.topk.default, logits, topk.args[1]), 1)
 
 
 def _remove_dead(graph, roots) -> None:
@@ -816,7 +902,7 @@ def _remove_dead(graph, roots) -> None:
 
 
 def _match(topk):
-    """topk -> (indexer, index terms, attention); None if this top-k does not select DSA keys."""
+    """topk -> _Match; None if this top-k does not select the keys of an attention."""
     dim = topk.args[2] if len(topk.args) > 2 else topk.kwargs.get("dim", -1)
     largest = topk.args[3] if len(topk.args) > 3 else topk.kwargs.get("largest", True)
     indices = next((u for u in topk.users if is_call(u, operator.getitem) and u.args[1] == 1), None)
@@ -861,20 +947,14 @@ def _match(topk):
     if any(u.args[1] == 0 and u.users for u in topk.users if is_call(u, operator.getitem)):
         raise Refusal("the top-k values are used")
 
-    logits, index_terms = _split_masked(topk.args[0])
-    if [term[0] for term in index_terms] != ["causal"]:
-        raise Refusal("the indexer mask is not exactly causal")
-    partial, group = _all_reduced_sum(logits)
-    indexer = _match_indexer(partial)
-    indexer.summed_over = group
-    # The top-k ranks the T keys of each query row: the masked logits are the [B, S, T] scores, not a broadcast
-    # of them; the causal mask's query positions are one per query row ([S] shared, or [B, S]).
-    batch, queries, _ = fake_value(logits).shape
-    positions = fake_value(_query_positions(index_terms, "indexer"))
-    if not (_shape_is(topk.args[0], *fake_value(logits).shape) and positions.dim() >= 2
-            and _same(positions.shape[-2], queries) and _same(positions.shape[-1], 1)
-            and (_same(positions.numel(), queries) or _same(positions.numel(), batch * queries))):
-        raise Refusal("the top-k does not rank the [B, S, T] indexer scores with one query position per row")
+    # The selection: a DSA lightning indexer under the causal mask is fused too; any other scorer (block scores,
+    # an indexer spelled otherwise) is kept as the model computes it, and only the attention is rewritten.
+    try:
+        indexer, index_positions = _match_indexer_selection(topk)
+    except (Refusal, _NotAMask) as why:
+        indexer, index_positions, own_selection = None, None, str(why)
+    else:
+        own_selection = None
 
     try:
         attention = _match_attention(masked)
@@ -882,14 +962,27 @@ def _match(topk):
         raise Refusal(f"the attention mask is not causal + top-k: {why}") from None
     terms = [t for term in attention.terms for t in (term[1] if term[0] == "any" else [term])]  # unions opened
     kinds = sorted(term[0] for term in attention.terms)
-    selected = next((term[1] for term in terms if term[0] == "topk"), None)
-    if kinds not in (["causal", "topk"], ["any", "causal"]) or selected is not indices:
+    selected = next((term for term in terms if term[0] == "topk"), None)
+    if kinds not in (["causal", "topk"], ["any", "causal"]) or selected[1] is not indices:
         raise Refusal(f"the attention mask is not exactly causal + this top-k (+ a local window) (terms: {kinds})")
-    positions = _strip(_query_positions(index_terms, "indexer"), _SHAPE_ONLY)
-    if _strip(_query_positions(attention.terms, "attention"), _SHAPE_ONLY) is not positions:
+    positions = _strip(_query_positions(attention.terms, "attention"), _SHAPE_ONLY)
+    if indexer is not None and index_positions is not positions:
         raise Refusal("the indexer and the attention use different query positions")
     if any(term[0] == "window" and _strip(term[1], _SHAPE_ONLY) is not positions for term in terms):
         raise Refusal("the local window is not relative to the causal mask's query positions")
+    # The top-k ranks units of the keys, one row per query ([B, S, U]): positions (B = 1), or blocks of B positions
+    # whose mask is cut to the T keys (a block past them selects nothing, in the model and in the op alike).
+    _, _, block, width, scatter = selected
+    batch, _, queries, context = fake_value(masked).shape
+    ranked = fake_value(topk.args[0])
+    query_rows = fake_value(_query_positions(attention.terms, "attention"))
+    if not (ranked.dim() == 3 and _same(ranked.shape[0], batch) and _same(ranked.shape[1], queries)
+            and _shape_is(scatter, batch, queries, None) and _same(width, context) and query_rows.dim() >= 2 and _same(query_rows.shape[-2], queries) and _same(query_rows.shape[-1], 1)
+            and (_same(query_rows.numel(), queries) or _same(query_rows.numel(), batch * queries))):
+        raise Refusal("the top-k does not rank [B, S, units] scores, one row per query, whose units (positions or "
+                      "blocks of them) cover the keys")
+    if indexer is not None and block != 1:
+        raise Refusal("an indexer's top-k positions are repeated in blocks")
     ancestors, pending = set(), [masked]
     while pending:
         for node in pending.pop().all_input_nodes:
@@ -900,7 +993,32 @@ def _match(topk):
     if any(user not in mask_chain and user is not masked for node in mask_chain for user in node.users):
         raise Refusal("the sparse mask has another use")
     _check_private(masked)
-    return indexer, index_terms, attention
+    return _Match(indexer, attention, indices, block, own_selection)
+
+
+@dataclass
+class _Match:
+    indexer: _Indexer | None  # None: the model's own selection is kept
+    attention: _Attention
+    indices: torch.fx.Node  # the model's top-k indices [B, S, k]
+    block: int  # positions one index selects
+    own_selection: str | None  # why the selection is kept as the model computes it
+
+
+def _match_indexer_selection(topk):
+    """The top-k's scores as a DSA lightning indexer under the causal mask -> (indexer, its query positions);
+    raises Refusal / _NotAMask with the reason otherwise."""
+    logits, index_terms = _split_masked(topk.args[0])
+    if [term[0] for term in index_terms] != ["causal"]:
+        raise Refusal("the indexer mask is not exactly causal")
+    partial, group = _all_reduced_sum(logits)
+    indexer = _match_indexer(partial)
+    indexer.summed_over = group
+    # The top-k ranks the T keys of each query row: the masked logits are the [B, S, T] scores, not a broadcast
+    # of them.
+    if not _shape_is(topk.args[0], *fake_value(logits).shape):
+        raise Refusal("the top-k does not rank the [B, S, T] indexer scores")
+    return indexer, _strip(_query_positions(index_terms, "indexer"), _SHAPE_ONLY)
 
 
 def _check_private(masked) -> None:
@@ -926,9 +1044,12 @@ def fuse_sparse_attention(graph: torch.fx.Graph) -> PassResult:
             continue
         if match is None:
             continue
-        indexer, index_terms, attention = match
-        where = location_of(attention.out)
-        _rewrite(graph, topk, indexer, index_terms, attention)
-        _remove_dead(graph, [attention.out, topk, indexer.logits])
+        where = location_of(match.attention.out)
+        _rewrite(graph, topk, match)
+        if match.indexer is not None:
+            _remove_dead(graph, [match.attention.out, topk, match.indexer.logits])
+        else:
+            _remove_dead(graph, [match.attention.out])
+            where += f" (the model's own selection: {match.own_selection})"
         result.rewrote(where)
     return result

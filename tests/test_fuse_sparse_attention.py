@@ -217,9 +217,10 @@ def test_local_window_and_sinks_fuse_into_the_op_and_match(window, sinks, spelli
     after = ir.print_graph(result.graph)
     assert "aten.cat" not in after and "aten.bmm" not in after and "aten.scatter" not in after
     call = next(line for line in after.splitlines() if "dzc.sparse_attention" in line)
-    # ..., %indices, 0.125, 8, query_pos, sinks, window): query_pos is the indexer's (%9), the sinks the parameter.
-    assert call.split("(", 1)[1].split(")")[0].split(", ")[-5:] == [
-        "0.125", "8", "%9" if window else "None", "%a6" if sinks else "None", str(window or 0)], call
+    # ..., %indices, 0.125, 8, query_pos, sinks, window, index_block): query_pos is the indexer's (%9), the sinks
+    # the parameter.
+    assert call.split("(", 1)[1].split(")")[0].split(", ")[-6:] == [
+        "0.125", "8", "%9" if window else "None", "%a6" if sinks else "None", str(window or 0), "1"], call
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -232,9 +233,70 @@ def test_refuses_a_window_that_is_not_beside_the_selection():
         assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
 
 
-def test_window_and_sinks_compile_with_the_kernels(options):
-    """dzc.compile end to end: the Triton sparse attention kernel takes the window and the sinks."""
-    model = LocalSparseSinks(3, True)
+class BlockSparse(nn.Module):
+    """Block-sparse selection (NSA's selection branch, MoBA), written as such a model would: blocks of 4 keys scored
+    by q . mean(the block's keys) summed over heads, future blocks masked, the top 2 blocks (shared by the heads)
+    repeated into a mask over the keys, causal within; optionally beside a local window. `spelling`: "expand"
+    (unsqueeze/expand/reshape), "repeat" (repeat_interleave), "per-head" (each head selects its own blocks: not
+    what the op expresses, must be refused)."""
+
+    def __init__(self, spelling="expand", window=None):
+        super().__init__()
+        self.spelling, self.window = spelling, window
+
+    def forward(self, q_index, k_index, weights, q, kv, positions):
+        batch, context = kv.shape[:2]
+        block, queries = 4, q.shape[2]
+        blocks = -(-context // block)
+        kv_idx, q_idx = torch.arange(context), positions[..., None]
+        causal = kv_idx <= q_idx
+        pooled = F.pad(kv, (0, 0, 0, blocks * block - context)).view(batch, blocks, block, -1).mean(2)
+        per_head = torch.einsum("bhsd,bnd->bhsn", q, pooled)
+        scores = per_head if self.spelling == "per-head" else per_head.sum(1)
+        future = torch.arange(blocks) * block > (q_idx.unsqueeze(1) if self.spelling == "per-head" else q_idx)
+        top = scores.masked_fill(future, NEG).topk(2, dim=-1).indices
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, top, True)
+        if self.spelling == "repeat":
+            keep = chosen.repeat_interleave(block, dim=-1)[..., :context]
+        else:
+            keep = chosen.unsqueeze(-1).expand(*chosen.shape, block).flatten(-2)[..., :context]
+        if self.window is not None:
+            keep = keep | (kv_idx > q_idx - self.window)
+        keep = causal & keep
+        mask = torch.where(keep, 0.0, NEG)
+        mask = mask if self.spelling == "per-head" else mask.unsqueeze(1)
+        attn = torch.matmul(q, kv.unsqueeze(1).transpose(-1, -2)) * 0.125 + mask
+        return torch.matmul(attn.softmax(-1), kv[..., :8].unsqueeze(1)), positions
+
+
+@pytest.mark.parametrize("spelling, window", [("expand", None), ("repeat", None), ("expand", 3)])
+def test_block_sparse_selection_fuses_the_attention_over_the_models_blocks(spelling, window):
+    """The model's block scores and top-k stay; the attention becomes sparse_attention over its blocks
+    (index_block 4, causal within the query's own block through query_pos); 14 keys: the last block is cut."""
+    gm, result, actual, expected = _fuse(BlockSparse(spelling, window), *_inputs(context=14, seed=7))
+    assert not result.refusals and len(result.rewrites) == 1, result.refusals
+    assert "(the model's own selection: " in result.rewrites[0]
+    after = ir.print_graph(result.graph)
+    assert after.count("aten.topk") == 1 and "aten.scatter" not in after and "aten.amax" not in after
+    call = next(line for line in after.splitlines() if "dzc.sparse_attention" in line)
+    arguments = call.split("(", 1)[1].split(")")[0].split(", ")
+    assert arguments[-2:] == [str(window or 0), "4"] and arguments[-4] != "None", call  # query_pos given
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_refuses_a_selection_per_head():
+    gm, result, _, _ = _fuse(BlockSparse("per-head"), *_inputs(context=14, seed=7))
+    assert not result.rewrites and [why for _, why in result.refusals] == [
+        "the top-k does not rank [B, S, units] scores, one row per query, whose units (positions or blocks of them) "
+        "cover the keys"], result.refusals
+    assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
+
+
+@pytest.mark.parametrize("model, spec", [(LocalSparseSinks(3, True), "causal+window sinks"),
+                                         (BlockSparse("expand", 3), "causal+window index_block=4")],
+                         ids=["window+sinks", "blocks+window"])
+def test_window_sinks_and_blocks_compile_with_the_kernels(model, spec, options):
+    """dzc.compile end to end: the Triton sparse attention kernel takes the window, the sinks, the blocks."""
     inputs = _inputs(batch=2, queries=5, context=40, seed=6)
     compiled = dzc.compile(model, "cuda", options)
     with torch.no_grad():
@@ -245,7 +307,7 @@ def test_window_and_sinks_compile_with_the_kernels(options):
     report = compiled.report
     assert report.passes["fuse_sparse_attention"] == 1
     attention = next(k for k in report.kernels if k.op == "sparse_attention")
-    assert attention.codegen == "triton" and "causal+window sinks" in attention.spec, attention
+    assert attention.codegen == "triton" and attention.spec.endswith(spec), attention
 
 
 class DenseCausal(nn.Module):
@@ -316,7 +378,9 @@ def test_refuses_a_mask_with_another_use_and_a_padding_mask():
     padding[0, 0, :3] = NEG
     gm, result, _, _ = _fuse(PaddingMask(), *inputs, padding)
     assert not result.rewrites
-    assert [reason for _, reason in result.refusals] == ["the indexer mask is not exactly causal"]
+    assert [reason for _, reason in result.refusals] == [
+        "the attention mask is not causal + top-k: a mask the model is given (arg2_1) is not a causal, top-k or "
+        "window additive mask"]
 
 
 @pytest.fixture
@@ -347,27 +411,33 @@ def test_golden_indexer_scores_summed_over_ranks(one_rank):
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_refuses_index_scores_reduced_otherwise_or_read_elsewhere(one_rank):
+def _keeps_the_models_selection(module, inputs, reason):
+    """The indexer is not fused (why: `reason`, in the rewrite's site), the attention over its top-k is."""
+    gm, result, actual, expected = _fuse(module, *inputs)
+    assert not result.refusals and len(result.rewrites) == 1, result.refusals
+    assert result.rewrites[0].endswith(f"(the model's own selection: {reason})"), result.rewrites
+    after = ir.print_graph(result.graph)
+    assert "dzc.dsa_indexer" not in after and "aten.relu" in after and after.count("aten.topk") == 1
+    assert "dzc.sparse_attention" in after and "aten.scatter" not in after and "aten.amax" not in after
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_index_scores_reduced_otherwise_or_read_elsewhere_keep_the_models_selection(one_rank):
     inputs = _inputs(seed=5)
     for module, reason in ((DenseDSA("merged", reduce_op="max"),
                             "the indexer scores are all-reduced with 'max', not summed over the ranks"),
                            (DenseDSA("scores escape", reduce_op="sum"),
                             "the all-reduced indexer scores have another use")):
-        gm, result, _, _ = _fuse(module, *inputs)
-        assert not result.rewrites
-        assert [why for _, why in result.refusals] == [reason]
-        assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
+        _keeps_the_models_selection(module, inputs, reason)
 
 
-def test_refuses_indexer_keys_in_another_dtype_than_q():
+def test_indexer_keys_in_another_dtype_than_q_keep_the_models_selection():
     """dsa_indexer multiplies in one dtype or reads the uint8 FP8 pool: fp32 dense keys with a bf16 q (what an FP8
     pool read the pass cannot trace back looks like) stay as written, instead of failing later in lowering."""
     q_index, k_index, *rest = _inputs(seed=3)
-    gm, result, _, _ = _fuse(DenseDSA("merged"), q_index, k_index.float(), *rest)
-    assert not result.rewrites
-    assert [reason for _, reason in result.refusals] == [
-        "the indexer keys (torch.float32) and q (torch.bfloat16) differ in dtype and are not the FP8 index page pool"]
-    assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
+    _keeps_the_models_selection(DenseDSA("merged"), (q_index, k_index.float(), *rest),
+                                "the indexer keys (torch.float32) and q (torch.bfloat16) differ in dtype and are not "
+                                "the FP8 index page pool")
 
 
 # ---------------------------------------------------------------------------------------------------------------
