@@ -617,9 +617,16 @@ def _sink_column(masked):
     rank = fake_value(masked).dim()
     if len(parts) != 2 or parts[0] is not masked or dim % rank != rank - 1 or rank != 4:
         return None
-    column, sinks = fake_value(parts[1]), _strip(parts[1], _SHAPE_ONLY)
     heads = fake_value(masked).shape[1]
-    if not (_same(column.shape[-1], 1) and _same(column.shape[1], heads) and fake_value(sinks).dim() == 1
+    # The column broadcasts a tensor whose only non-1 dim is the heads' (dim 1 once right-aligned to 4 dims):
+    # element [b, h, s, 0] is then sinks[h], whatever views made that tensor from the [H] vector.
+    broadcast = parts[1]
+    while is_call(broadcast, aten.expand.default):
+        broadcast = broadcast.args[0]
+    shape = [1] * (4 - fake_value(broadcast).dim()) + list(fake_value(broadcast).shape)
+    sinks = _strip(broadcast, _SHAPE_ONLY)
+    if not (len(shape) == 4 and _same(shape[1], heads) and all(_same(d, 1) for i, d in enumerate(shape) if i != 1)
+            and _same(fake_value(parts[1]).shape[1], heads) and fake_value(sinks).dim() == 1
             and _same(fake_value(sinks).shape[0], heads)):
         return None
     return cat, sinks
@@ -923,7 +930,7 @@ def _match(topk):
         return None
     # The attention: the add (or where) of the mask into scores that feeds a softmax. A top-k mask that reaches no
     # softmax (a group-limited MoE router's expert mask, say) is not a DSA candidate either.
-    masked = None
+    masked = near = None
     frontier, seen = [scatters[0]], set()
     for _ in range(10):
         following = []
@@ -932,10 +939,15 @@ def _match(topk):
                 if user in seen:
                     continue
                 seen.add(user)
-                if is_call(user, aten.add.Tensor, aten.where.self) and _softmax_output(user) is not None:
-                    masked = masked or user
+                if is_call(user, aten.add.Tensor, aten.where.self):
+                    if _softmax_output(user) is not None:
+                        masked = masked or user
+                    elif _feeds_exp(user):
+                        near = near or user  # a softmax this pass does not read (sinks it cannot express, say)
                 following.append(user)
         frontier = following
+    if masked is None and near is not None:
+        raise Refusal("the masked scores do not feed a softmax")
     if masked is None:
         return None
     if other_uses:
@@ -1019,6 +1031,16 @@ def _match_indexer_selection(topk):
     if not _shape_is(topk.args[0], *fake_value(logits).shape):
         raise Refusal("the top-k does not rank the [B, S, T] indexer scores")
     return indexer, _strip(_query_positions(index_terms, "indexer"), _SHAPE_ONLY)
+
+
+def _feeds_exp(node, steps: int = 6) -> bool:
+    """An exp within `steps` uses of node: the masked scores of a softmax spelled some other way."""
+    frontier = [node]
+    for _ in range(steps):
+        frontier = [user for n in frontier for user in n.users]
+        if any(is_call(n, aten.exp.default) for n in frontier):
+            return True
+    return False
 
 
 def _check_private(masked) -> None:

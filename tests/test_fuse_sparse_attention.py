@@ -169,7 +169,8 @@ class LocalSparseSinks(nn.Module):
     positions (None: no window), and per-head attention sinks (gpt-oss's spelling: a sink column joins the softmax
     and is dropped after). `spelling`: "keep" (bool keep mask, HF's sliding-window overlay kv > q - W), "drop"
     (bool drop mask, kv <= q - W), "ge" (kv >= q - W + 1), "inside" (the selected keys *within* the window: not a
-    union, must be refused), "shifted" (the window relative to positions other than the causal mask's)."""
+    union, must be refused), "shifted" (the window relative to positions other than the causal mask's), "per-query
+    sinks" (a sink logit per head and query: not what the op expresses, must be refused)."""
 
     def __init__(self, window=3, sinks=True, spelling="keep", heads=2):
         super().__init__()
@@ -202,6 +203,8 @@ class LocalSparseSinks(nn.Module):
             probs = attn.softmax(-1)
         else:
             sinks = self.sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[-2], -1)
+            if self.spelling == "per-query sinks":
+                sinks = sinks + positions[:, None, :, None] * 0.1
             combined = torch.cat([attn, sinks], dim=-1)
             combined = combined - combined.max(dim=-1, keepdim=True).values
             probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
@@ -224,10 +227,11 @@ def test_local_window_and_sinks_fuse_into_the_op_and_match(window, sinks, spelli
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_refuses_a_window_that_is_not_beside_the_selection():
+def test_refuses_a_window_not_beside_the_selection_and_sinks_per_query():
     for spelling, reason in (("inside", "the attention mask is not exactly causal + this top-k (+ a local window) "
                                         "(terms: ['causal', 'topk', 'window'])"),
-                             ("shifted", "the local window is not relative to the causal mask's query positions")):
+                             ("shifted", "the local window is not relative to the causal mask's query positions"),
+                             ("per-query sinks", "the masked scores do not feed a softmax")):
         gm, result, _, _ = _fuse(LocalSparseSinks(3, True, spelling), *_inputs(seed=4))
         assert not result.rewrites and [why for _, why in result.refusals] == [reason], result.refusals
         assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
