@@ -19,7 +19,8 @@
 # (carry .whl-gpu2). Session 12: s12-1 (carry .whl-gpu1), s12-2 (carry .whl-gpu2 and .public-kernels); after the
 # TileLang sparse attention rewrite s12b-1 (carry .whl-gpu1), s12b-2 (carry .whl-gpu2, .gpu-scratch), s12b-3
 # (carry .public-kernels). A step installs a wheel folder when its name ends in -1 or -2. Session 13: s13-1
-# (carry .whl-gpu1), s13-2 (carry .whl-gpu2 and .public-kernels).
+# (carry .whl-gpu1), s13-2 (carry .whl-gpu2 and .public-kernels): not run (session 13 had no device time, its
+# work is in s14-1). Session 14: s14-1 (carry .whl-gpu1), s14-2 (carry .whl-gpu2 and .public-kernels).
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -200,13 +201,16 @@ s12b-3)
   # (carry .public-kernels) Issue 14's table: dzc beside the public TileLang DeepSeek-V3.2 kernels in one process.
   TAIL=60 part bench_dsa_public 480 python3 tools/bench_dsa.py --quick --out "$OUT/dsa_public_h200.md"
   ;;
-s13-1)
-  # (carry .whl-gpu1) Next session: install; the fuzzer's sparse_attention cases on Triton (the spec change).
+s14-1)
+  # (carry .whl-gpu1) Install; sparse attention's window, sinks and index blocks (session 13, CPU only so far) on
+  # the GPU's Triton kernels; the fuzzer's sparse_attention cases (they draw those parts too).
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=20 part fuzz_sparse_triton 150 python3 tools/fuzz.py --ops sparse_attention --codegens triton --cases 16 \
+  TAIL=12 part gpu_tests_sparse_extras 150 python3 -m pytest -q -p no:logging -rf tests/test_dsa_kernels.py \
+    -k "window or sinks or blocks or causal"
+  TAIL=20 part fuzz_sparse_triton 200 python3 tools/fuzz.py --ops sparse_attention --codegens triton --cases 32 \
     --out "$OUT/fuzz_h200_sparse_triton.md"
   ;;
-s13-2)
+s14-2)
   # (carry .whl-gpu2 and .public-kernels) Issue 14's prefill rows beside the public kernels (session 12's run was
   # stopped in them), without the dense baselines (minutes at 4096 x 8K); then the TileLang fuzzer on the rewrite.
   TAIL=40 part bench_dsa_prefill 330 python3 tools/bench_dsa.py --quick --only prefill --no-baselines \
