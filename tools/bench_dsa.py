@@ -3,6 +3,7 @@ eager dense-masked attention, torch.compile of it and torch.topk as baselines in
 
     python tools/bench_dsa.py [--quick] [--musa-legal] [--out results.md] [--codegens triton tilelang]
                               [--fp8-cache] [--long-context [--only long]] [--public-kernels DIR | --no-public-kernels]
+                              [--extras]
 
 Shapes (DeepSeek-V3.2: indexer 64 heads × 128, FP8 key cache of 132 B/token; MLA 128 heads, Dqk 576, Dv 512, one
 latent KV head; top-k 2048; 64-token pages with a shuffled block table):
@@ -19,6 +20,10 @@ dzc.kv_cache's layout; Triton only, the TileLang template has no FP8 reader); th
 dequantized bf16 rows. --long-context: one decode step at 1M tokens of context (batch --long-context-batch, 2 query
 rows each): each kernel, then the whole step (indexer -> top-k -> sparse attention on its indices) timed, with
 its peak memory above the caches and in total.
+
+--extras: after each Triton sparse attention row, the same problem with the op's optional parts: a local window of
+128 positions beside the selection plus per-head sinks, and the selection as 32 index blocks of 64 positions (the
+same number of keys); each against the plain kernel's time.
 
 Every kernel is checked against its dzc op reference (rows of the first sequence) before it is timed. Kernels run
 through dzc's lowering (lower_op: the path a compiled graph takes) with autotuning (tuning database in
@@ -62,6 +67,9 @@ PAGE_SIZE = 64
 INDEX_HEADS, INDEX_DIM = 64, 128
 HEADS, D_QK, D_V = 128, 576, 512
 TOPK = 2048
+# --extras: a local window beside the selection (NSA's window branch is 512; a shorter one here), and index blocks
+# of NSA's selection block size.
+EXTRAS_WINDOW, EXTRAS_BLOCK = 128, 64
 # Query rows of the first sequence whose outputs are checked against the op references before timing.
 CHECK_ROWS = 2
 LONG_CONTEXT = 1 << 20  # --long-context: a decode step at 1M tokens
@@ -244,8 +252,34 @@ class Bench:
                                   metric=f"{flops / seconds / 1e12:.0f} TFLOP/s "
                                          f"({100 * flops / seconds / PEAK_BF16_FLOPS:.0f}%)",
                                   baseline=versus, config=_tuned(record)))
+        if self.args.extras and "triton" in dzc_times:
+            self.sparse_attention_extras(problem, label, args, dzc_times["triton"])
         if self.public is not None:
             self.public.sparse_attention(problem, label, dzc_times)
+
+    def sparse_attention_extras(self, problem: Problem, label: str, args: tuple, plain_seconds: float):
+        """The op's optional parts on the same problem, Triton: a local window of EXTRAS_WINDOW positions beside
+        the selection and per-head sinks, then index blocks of EXTRAS_BLOCK positions (topk / EXTRAS_BLOCK
+        indices: the same number of attended keys); each row's cost against the plain kernel's."""
+        generator = torch.Generator().manual_seed(1)
+        sinks = torch.randn(HEADS, generator=generator).to(problem.q.device)
+        query_pos = problem.query_pos.to(torch.int32)
+        blocks = (problem.indices[:, ::EXTRAS_BLOCK] // EXTRAS_BLOCK).contiguous()
+        variants = (("window+sinks", args[:6] + args[6:9] + (query_pos, sinks, EXTRAS_WINDOW), EXTRAS_WINDOW),
+                    (f"blocks of {EXTRAS_BLOCK}", args[:6] + (blocks,) + args[7:9] + (query_pos, None, 0,
+                                                                                         EXTRAS_BLOCK), 0))
+        for name, variant, window in variants:
+            run, record = self.kernel("sparse_attention", variant, "triton")
+            out = run()
+            _check(f"sparse_attention[triton, {name}] {label}", out[:problem.check_rows],
+                   sparse_attention_reference(*problem.first_sequence(variant, (0, 5, 6, 9))))
+            seconds = _time(run)
+            flops = 2 * HEADS * (TOPK + window) * (D_QK + D_V) * problem.rows
+            rate = flops / seconds
+            self.add(dict(kernel=f"sparse_attention[triton, {name}]", shape=label, us=seconds * 1e6,
+                          metric=f"{rate / 1e12:.0f} TFLOP/s ({100 * rate / PEAK_BF16_FLOPS:.0f}%)",
+                          baseline=f"plain top-k {plain_seconds * 1e6:.0f} µs ({seconds / plain_seconds:.2f}× "
+                                   f"its time)", config=_tuned(record)))
 
     def dense_baselines(self, problem: Problem) -> dict[str, float]:
         """Eager dense-masked attention and torch.compile of it, on dense per-sequence KV, where memory allows."""
@@ -819,6 +853,8 @@ def main():
     parser.add_argument("--codegens", nargs="+", default=["triton", "tilelang"],
                         help="code generators for sparse attention")
     parser.add_argument("--no-baselines", action="store_true", help="skip the dense-masked attention baselines")
+    parser.add_argument("--extras", action="store_true",
+                        help="also time sparse attention with a local window and sinks, and with index blocks")
     parser.add_argument("--prefill-chunk", type=int, default=1024, help="query rows per indexer/top-k chunk")
     parser.add_argument("--only", choices=["decode", "prefill", "long"],
                         help="run one part (the full run is long); long: only the --long-context row")

@@ -209,6 +209,9 @@ s14-1)
     -k "window or sinks or blocks or causal"
   TAIL=20 part fuzz_sparse_triton 200 python3 tools/fuzz.py --ops sparse_attention --codegens triton --cases 32 \
     --out "$OUT/fuzz_h200_sparse_triton.md"
+  # What the window + sinks and the index blocks cost beside the plain top-k kernel (decode, 64 x 2 rows at 32K).
+  TAIL=12 part bench_sparse_extras 150 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
+    --no-public-kernels --codegens triton --extras --batches 64 --contexts 32768 --out "$OUT/dsa_extras_h200.md"
   ;;
 s14-2)
   # (carry .whl-gpu2 and .public-kernels) Issue 14's prefill rows beside the public kernels (session 12's run was
