@@ -101,6 +101,7 @@ NAME = "fuse_sparse_attention"
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
           aten.clone.default, aten.alias.default)
 _SHAPE_ONLY = _VIEWS + (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default)
+_ATTENTION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what dzc.sparse_attention takes
 # Anything at or below this is a "masked out" additive value: -inf, or finfo(dtype).min (HF; fp16's is -65504).
 _MASKED = -65504.0
 _WHOLE = 9223372036854775807  # the end of an open slice `x[a:]`
@@ -737,6 +738,9 @@ def _match_attention(masked) -> _Attention:
             and _same(fake_value(masked).shape[-2], queries) and _same(fake_value(masked).shape[-1], context)):
         raise Refusal("the attention is not [B, H, S, D] queries over [B, 1 or H, T, D] keys and values, softmax "
                       "over T")
+    if fake_value(q).dtype not in _ATTENTION_DTYPES:
+        raise Refusal(f"{fake_value(q).dtype} attention: dzc.sparse_attention takes bf16, fp16 and fp32 (a float64 "
+                      "model keeps its precision, unfused)")
     return _Attention(q, k, v, scale * q_scale * k_scale, out, masked, terms, sinks)
 
 

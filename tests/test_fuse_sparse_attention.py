@@ -296,6 +296,18 @@ def test_refuses_a_selection_per_head():
     assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
 
 
+def test_refuses_float64_attention():
+    """dzc.sparse_attention takes bf16/fp16/fp32: a float64 attention stays as written (refused, not a failed pass)."""
+    inputs = list(_inputs(context=14, seed=8))
+    inputs[3], inputs[4] = inputs[3].double(), inputs[4].double()
+    for module in (DenseDSA("merged"), BlockSparse("expand")):
+        gm, result, actual, expected = _fuse(module, *inputs)
+        assert not result.rewrites and [why for _, why in result.refusals] == [
+            "torch.float64 attention: dzc.sparse_attention takes bf16, fp16 and fp32 (a float64 model keeps its "
+            "precision, unfused)"], result.refusals
+        assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
+
+
 @pytest.mark.parametrize("model, spec", [(LocalSparseSinks(3, True), "causal+window sinks"),
                                          (BlockSparse("expand", 3), "causal+window index_block=4")],
                          ids=["window+sinks", "blocks+window"])
