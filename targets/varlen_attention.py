@@ -22,12 +22,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
 import torch
 
+from dzc.ops.varlen_attention import check_varlen_attention_args
 from dzc.targets import tilelang_codegen
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.legality import config_problems
@@ -45,6 +46,12 @@ class VarlenAttentionSpec:
     head_dim: int
     dtype: torch.dtype  # of q, k, v and the output
     rope_dtype: torch.dtype | None  # of cos and sin; None: no rotary embedding
+    # Text decoders' attention (dzc.ops.varlen_attention): causal against query positions (with a local window,
+    # its size a run-time argument), per-head sinks, fewer KV heads than query heads, keys of their own segments.
+    causal: bool = field(default=False, kw_only=True)
+    sinks: bool = field(default=False, kw_only=True)
+    grouped: bool = field(default=False, kw_only=True)
+    own_keys: bool = field(default=False, kw_only=True)
 
     @property
     def rope(self) -> bool:
@@ -54,12 +61,20 @@ class VarlenAttentionSpec:
     def dtypes(self) -> tuple[torch.dtype, ...]:
         return (self.dtype,) + ((self.rope_dtype,) if self.rope else ())
 
+    @property
+    def extras(self) -> str:
+        """The text-decoder parts this spec uses ('' for vision attention)."""
+        parts = (("causal+window", self.causal), ("sinks", self.sinks), ("grouped kv", self.grouped),
+                 ("own key segments", self.own_keys))
+        return " ".join(name for name, used in parts if used)
+
     def describe(self) -> str:
         rope = f"rope={str(self.rope_dtype).removeprefix('torch.')}" if self.rope else "rope=none"
-        return f"head_dim={self.head_dim} dtype={str(self.dtype).removeprefix('torch.')} {rope}"
+        return f"head_dim={self.head_dim} dtype={str(self.dtype).removeprefix('torch.')} {rope}" \
+               f"{self.extras and ' ' + self.extras}"
 
 
-def make_spec(head_dim: int, dtype: torch.dtype, rope_dtype: torch.dtype | None) -> VarlenAttentionSpec:
+def make_spec(head_dim: int, dtype: torch.dtype, rope_dtype: torch.dtype | None, **extras) -> VarlenAttentionSpec:
     """The spec, or a ValueError naming what no kernel supports."""
     if dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"varlen_attention kernels support q/k/v dtypes {_SUPPORTED_DTYPES}, got {dtype}")
@@ -70,7 +85,7 @@ def make_spec(head_dim: int, dtype: torch.dtype, rope_dtype: torch.dtype | None)
             raise ValueError(f"rotary embedding needs an even head dim (rotate_half), got {head_dim}")
     if not 16 <= head_dim <= 256:
         raise ValueError(f"varlen_attention kernels support head dims 16..256, got {head_dim}")
-    return VarlenAttentionSpec(head_dim, dtype, rope_dtype)
+    return VarlenAttentionSpec(head_dim, dtype, rope_dtype, **extras)
 
 
 def _node_arguments(node) -> dict:
@@ -81,20 +96,25 @@ def _node_arguments(node) -> dict:
 
 
 def spec_from_node(node) -> VarlenAttentionSpec:
-    arguments = _node_arguments(node)
-    q, k, v = (arguments[name].meta["val"] for name in ("q", "k", "v"))
+    arguments = {name: value.meta["val"] if isinstance(value, torch.fx.Node) else value
+                 for name, value in _node_arguments(node).items() if name != "kernel_id"}
+    return spec_from_arguments(**arguments)
+
+
+def spec_from_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, cu_seqlens_k=None, query_pos=None,
+                        window=0, sinks=None) -> VarlenAttentionSpec:
+    """The spec of a call (real or fake tensors)."""
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"varlen_attention needs q, k, v of one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    cos, sin = arguments.get("cos"), arguments.get("sin")
     if (cos is None) != (sin is None):
         raise ValueError("varlen_attention takes cos and sin together or neither")
     rope_dtype = None
     if cos is not None:
-        cos, sin = cos.meta["val"], sin.meta["val"]
         if cos.dtype != sin.dtype:
             raise ValueError(f"varlen_attention needs cos and sin of one dtype, got {cos.dtype}, {sin.dtype}")
         rope_dtype = cos.dtype
-    return make_spec(int(q.shape[-1]), q.dtype, rope_dtype)
+    return make_spec(int(q.shape[-1]), q.dtype, rope_dtype, causal=query_pos is not None, sinks=sinks is not None,
+                     grouped=int(k.shape[1]) != int(q.shape[1]), own_keys=cu_seqlens_k is not None)
 
 
 def flops(head_dim: int, heads: int, lengths) -> int:
@@ -113,14 +133,17 @@ def token_bucket(max_seqlen: int) -> int:
     return 1 << max(max_seqlen - 1, 0).bit_length()
 
 
-def prepare(spec: VarlenAttentionSpec, q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin):
+def prepare(spec: VarlenAttentionSpec, q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, cu_seqlens_k=None,
+            query_pos=None, window=0, sinks=None):
     """Op arguments -> (kernel inputs, kernel outputs (preallocated), work size for the tuning bucket, results).
 
     The work size is max_seqlen (0 for an empty pack, which launches nothing)."""
-    if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape or q.shape[-1] != spec.head_dim:
-        raise ValueError(f"varlen_attention kernel for head_dim={spec.head_dim} needs q, k, v of one shape "
-                         f"[tokens, heads, {spec.head_dim}]; got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+    check_varlen_attention_args(q, k, v, cu_seqlens, max_seqlen, cos, sin, cu_seqlens_k, query_pos, window, sinks)
+    call = dict(causal=query_pos is not None, sinks=sinks is not None, grouped=k.shape[1] != q.shape[1],
+                own_keys=cu_seqlens_k is not None)
+    if q.shape[-1] != spec.head_dim or any(getattr(spec, name) != value for name, value in call.items()):
+        raise ValueError(f"varlen_attention kernel for {spec.describe()} got q {tuple(q.shape)}, k "
+                         f"{tuple(k.shape)}, {', '.join(f'{name}={value}' for name, value in call.items())}")
     if not (q.dtype == k.dtype == v.dtype == spec.dtype):
         raise ValueError(f"varlen_attention kernel for {spec.dtype} got q/k/v {q.dtype}/{k.dtype}/{v.dtype}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
@@ -144,7 +167,13 @@ def prepare(spec: VarlenAttentionSpec, q, k, v, cu_seqlens, max_seqlen, sm_scale
     # Kernels never trust max_seqlen for coverage (a wrong one costs speed, not results); >= 1 keeps a pack
     # with tokens from looking empty.
     work = max(int(max_seqlen), 1) if q.shape[0] and q.shape[1] else 0
-    inputs = (q, k, v, cu_seqlens.contiguous(), int(max_seqlen), float(sm_scale), cos, sin)
+    # Absent optional tensors: pointers the Triton kernel never reads (CAUSAL / HAS_SINKS off; cu_seqlens stands
+    # in for the keys' own segments).
+    cu_seqlens = cu_seqlens.contiguous()
+    extras = (cu_seqlens_k.contiguous() if cu_seqlens_k is not None else cu_seqlens,
+              query_pos.contiguous() if query_pos is not None else cu_seqlens,
+              int(window), sinks.contiguous() if sinks is not None else cu_seqlens)
+    inputs = (q, k, v, cu_seqlens, int(max_seqlen), float(sm_scale), cos, sin, *extras)
     return inputs, (out,), work, out
 
 
@@ -192,6 +221,24 @@ def random_pack(lengths, heads: int, head_dim: int, dtype: torch.dtype, rope: bo
     return q, k, v, cu_seqlens, max(lengths, default=0), 1.0 / math.sqrt(head_dim), cos, sin
 
 
+def random_decoder_pack(q_lengths, k_lengths, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                        window: int, sinks: bool, device, generator) -> tuple:
+    """The op's arguments for text-decoder attention: segments of q_lengths queries over k_lengths keys each (a KV
+    cache: the queries are the last ones, query_pos = k_len - q_len + i; keys of their own segments when the
+    lengths differ), kv_heads KV heads, a local window (0: none), random per-head sinks or None."""
+    source = generator.device
+    q = torch.randn(sum(q_lengths), heads, head_dim, generator=generator, device=source).to(device, dtype)
+    k, v = (torch.randn(sum(k_lengths), kv_heads, head_dim, generator=generator, device=source).to(device, dtype)
+            for _ in range(2))
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(q_lengths)], dtype=torch.int32, device=device)
+    cu_seqlens_k = None
+    if list(q_lengths) != list(k_lengths):
+        cu_seqlens_k = torch.tensor([0, *itertools.accumulate(k_lengths)], dtype=torch.int32, device=device)
+    query_pos = torch.cat([torch.arange(k_len - q_len, k_len, dtype=torch.int32)
+                           for q_len, k_len in zip(q_lengths, k_lengths)]).to(device)
+    sink_logits = (torch.randn(heads, generator=generator, device=source) * 2).to(device) if sinks else None
+    return (q, k, v, cu_seqlens, max(q_lengths, default=0), 1.0 / math.sqrt(head_dim), None, None, cu_seqlens_k,
+            query_pos, window, sink_logits)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -205,6 +252,7 @@ _TL_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16
 def triton_source(spec: VarlenAttentionSpec, profile: DeviceProfile) -> str:
     fields = dict(
         profile=profile.name, head_dim=spec.head_dim, dtype=spec.dtype, rope=spec.rope, rope_dtype=spec.rope_dtype,
+        extras=f"with {spec.extras}" if spec.extras else "non-causal, one KV head per query head",
         # fp32 inputs are computed in fp32 (Triton's default would be TF32 on tensor cores).
         input_precision='"ieee"' if spec.dtype == torch.float32 else "None",
     )
@@ -295,7 +343,8 @@ def triton_divisible_arguments(spec: VarlenAttentionSpec) -> tuple[str, ...]:
     return pointers + ("stride_q_token", "stride_k_token", "stride_v_token", "stride_out_token")
 
 
-def triton_launch(kernel, config: KernelConfig, q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, out):
+def triton_launch(kernel, config: KernelConfig, q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, cu_seqlens_k,
+                  query_pos, window, sinks, out):
     """Launch over (query blocks, heads). The block count is an upper bound computed from shapes alone
     (sum over segments of ceil(len / BLOCK_M) <= (tokens + segments * (BLOCK_M - 1)) / BLOCK_M), so nothing
     waits for cu_seqlens' values; max_seqlen is not trusted for the grid."""
@@ -307,9 +356,10 @@ def triton_launch(kernel, config: KernelConfig, q, k, v, cu_seqlens, max_seqlen,
         return
     stride_rope = cos.stride(0) if cos is not None else 0
     kernel[(blocks, heads)](
-        q, k, v, out, cu_seqlens, cos, sin, segments, sm_scale,
-        q.stride(0), k.stride(0), v.stride(0), out.stride(0), stride_rope,
+        q, k, v, out, cu_seqlens, cos, sin, cu_seqlens_k, query_pos, sinks, segments, sm_scale, window,
+        heads // k.shape[1], q.stride(0), k.stride(0), v.stride(0), out.stride(0), stride_rope,
         BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], D_LO=config["D_LO"], D_HI=config["D_HI"],
+        CAUSAL=query_pos is not cu_seqlens, HAS_SINKS=sinks is not cu_seqlens,
         num_warps=config.num_warps, num_stages=config.num_stages)
 
 
@@ -319,12 +369,16 @@ def triton_signature(spec: VarlenAttentionSpec, config: KernelConfig) -> tuple[d
     rope = "*" + _TL_NAMES[spec.rope_dtype] if spec.rope else "constexpr"
     signature = {
         "q_ptr": tensor, "k_ptr": tensor, "v_ptr": tensor, "out_ptr": tensor, "cu_seqlens_ptr": "*i32",
-        "cos_ptr": rope, "sin_ptr": rope, "num_segments": "i32", "sm_scale": "fp32",
+        "cos_ptr": rope, "sin_ptr": rope, "cu_seqlens_k_ptr": "*i32", "query_pos_ptr": "*i32",
+        "sinks_ptr": "*fp32" if spec.sinks else "*i32", "num_segments": "i32", "sm_scale": "fp32", "window": "i32",
+        "group": "i32",
         **{name: "i32" for name in ("stride_q_token", "stride_k_token", "stride_v_token", "stride_out_token",
                                     "stride_rope")},
         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "D_LO": "constexpr", "D_HI": "constexpr",
+        "CAUSAL": "constexpr", "HAS_SINKS": "constexpr",
     }
-    constexprs = {name: config[name] for name in ("BLOCK_M", "BLOCK_N", "D_LO", "D_HI")}
+    constexprs = {**{name: config[name] for name in ("BLOCK_M", "BLOCK_N", "D_LO", "D_HI")},
+                  "CAUSAL": spec.causal, "HAS_SINKS": spec.sinks}
     if not spec.rope:
         constexprs.update(cos_ptr=None, sin_ptr=None)
     return signature, constexprs
@@ -361,8 +415,9 @@ def _tilelang_operand(tensor: str, row: str, valid: str, rope: bool) -> str:
 
 
 def tilelang_supports(spec: VarlenAttentionSpec) -> bool:
-    """TileLang's T.gemm computes fp32 operands as TF32 on tensor cores: fp32 attention runs in Triton."""
-    return spec.dtype != torch.float32
+    """TileLang's T.gemm computes fp32 operands as TF32 on tensor cores: fp32 attention runs in Triton; so do the
+    text decoders' parts (causal, window, sinks, grouped KV, own key segments: not in the TileLang template yet)."""
+    return spec.dtype != torch.float32 and not spec.extras
 
 
 def _tilelang_key_value_loads(spec: VarlenAttentionSpec) -> str:
@@ -453,20 +508,24 @@ def tilelang_shared_memory_bytes(spec: VarlenAttentionSpec, config: KernelConfig
     return (config["BLOCK_M"] + 2 * stages * config["BLOCK_N"]) * width * item + 4 * config["THREADS"]
 
 
-def tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, out
-                              ) -> tilelang_codegen.LaunchArguments:
+def tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, _cu_seqlens_k, _query_pos,
+                              _window, _sinks, out) -> tilelang_codegen.LaunchArguments:
     """What tilelang_launch calls the kernel with: q, k, v, cu_seqlens, cos and sin where the kernel has rotary
-    embedding, out, max_seqlen, sm_scale. The kernel is compiled for dense [tokens, heads, head_dim] tensors at
-    16-byte-aligned bases and vectorises on both, so other inputs (the token-strided slices of a fused qkv
-    projection, offset views) are copied, and such an output is computed into a temporary that is copied back."""
+    embedding, out, max_seqlen, sm_scale (the text decoders' parts are absent stand-ins, see tilelang_launch). The
+    kernel is compiled for dense [tokens, heads, head_dim] tensors at 16-byte-aligned bases and vectorises on both,
+    so other inputs (the token-strided slices of a fused qkv projection, offset views) are copied, and such an
+    output is computed into a temporary that is copied back."""
     # The grid's width comes from max_seqlen; the kernel strides over longer segments, so it only has to be >= 1.
     return tilelang_codegen.launch_arguments((q, k, v, cu_seqlens, cos, sin), (out,),
                                              (max(int(max_seqlen), 1), float(sm_scale)))
 
 
-def tilelang_launch(compiled, config: KernelConfig, q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, out):
-    """Launch on [tokens, heads, head_dim] tensors (see tilelang_launch_arguments)."""
+def tilelang_launch(compiled, config: KernelConfig, q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin,
+                    _cu_seqlens_k, _query_pos, _window, _sinks, out):
+    """Launch on [tokens, heads, head_dim] tensors (see tilelang_launch_arguments). Its specs have none of the text
+    decoders' parts (tilelang_supports): the four arguments before out are their absent stand-ins."""
     if q.shape[0] == 0 or q.shape[1] == 0 or cu_seqlens.shape[0] < 2:
         return
-    arguments = tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, out)
+    arguments = tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, _cu_seqlens_k,
+                                          _query_pos, _window, _sinks, out)
     arguments.launch(compiled.kernel_for(config))

@@ -207,4 +207,6 @@ def test_reference_rejects_bad_arguments():
     with pytest.raises(ValueError, match="cos and sin must be given together"):
         varlen_attention_reference(q, k, v, cu, 4, 0.25, cos, None)
     with pytest.raises(ValueError, match="k has shape"):
+        varlen_attention_reference(q, k[..., :8], v[..., :8], cu, 4, 0.25)
+    with pytest.raises(ValueError, match="v must match k"):
         varlen_attention_reference(q, k[:, :1], v, cu, 4, 0.25)

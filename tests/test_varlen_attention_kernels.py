@@ -125,6 +125,56 @@ def test_triton_matches_reference(case_id, seed, triton_kernels):
         assert_attention_close(actual, expected, args[2], args[3], f"{case_id} {config} seed={seed}")
 
 
+# Text-decoder attention: (q lengths, k lengths, heads, kv heads, head dim, dtype, window, sinks). Prefill segments
+# (q = k) and decode/chunked segments (a few queries at the end of longer keys), grouped KV heads, windows shorter
+# and longer than the blocks, sinks.
+DECODER_CASES = {
+    "prefill-causal-gqa-bf16": ((37, 100), (37, 100), 4, 2, 64, BF16, 0, False),
+    "prefill-window-sinks-fp32": ((70, 5, 130), (70, 5, 130), 2, 1, 64, FP32, 16, True),
+    "decode-window-sinks-bf16": ((1, 2, 3), (90, 7, 150), 4, 1, 80, BF16, 40, True),
+    "chunk-causal-mha-fp16": ((20, 33), (64, 33), 2, 2, 128, FP16, 0, False),
+}
+
+
+@pytest.mark.parametrize("case_id", DECODER_CASES)
+def test_triton_decoder_attention_matches_reference(case_id, seed, triton_kernels):
+    """Causal against query positions, local windows, sinks, grouped KV heads, keys longer than the queries."""
+    q_lengths, k_lengths, heads, kv_heads, head_dim, dtype, window, sinks = DECODER_CASES[case_id]
+    generator = torch.Generator().manual_seed(seed)
+    args = family.random_decoder_pack(q_lengths, k_lengths, heads, kv_heads, head_dim, dtype, window, sinks,
+                                      DEVICE, generator)
+    spec = family.spec_from_arguments(*args)
+    assert spec.causal and spec.sinks == sinks and spec.grouped == (kv_heads < heads)
+    assert spec.own_keys == (q_lengths != k_lengths) and not family.tilelang_supports(spec)
+    kernel = triton_kernels(spec)
+    expected = varlen_attention_reference(*args)
+    tolerance = MAX_EPSILONS[dtype] * torch.finfo(dtype).eps * args[2].float().abs().max().item()
+    for config in configs_to_check(spec, SM_90):
+        actual = launch_triton(kernel, spec, config, args)
+        assert not actual.isnan().any(), f"{case_id} {config}: an element was not written"
+        torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=0,
+                                   msg=lambda m: f"{case_id} {config} seed={seed}: {m}")
+
+
+def test_decoder_attention_means_masked_dense_attention(seed):
+    """The reference's causal, window, sinks and grouped heads against dense attention per segment written out
+    independently: keys j <= pos and j > pos - window, KV head h // group, a sink column in each softmax."""
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v, cu_q, _, scale, _, _, cu_k, query_pos, window, sinks = family.random_decoder_pack(
+        (2, 5), (9, 12), 4, 2, 16, FP32, 4, True, "cpu", generator)
+    out = varlen_attention_reference(q, k, v, cu_q, 5, scale, None, None, cu_k, query_pos, window, sinks)
+    for segment in range(2):
+        for row in range(int(cu_q[segment]), int(cu_q[segment + 1])):
+            keys = torch.arange(int(cu_k[segment]), int(cu_k[segment + 1]))
+            position = int(query_pos[row])
+            visible = (keys - int(cu_k[segment]) <= position) & (keys - int(cu_k[segment]) > position - window)
+            for head in range(4):
+                scores = k[keys, head // 2] @ q[row, head] * scale
+                scores = torch.cat([scores.masked_fill(~visible, float("-inf")), sinks[head:head + 1]])
+                expected = torch.softmax(scores, dim=0)[:-1] @ v[keys, head // 2]
+                torch.testing.assert_close(out[row, head], expected, atol=1e-5, rtol=1e-5)
+
+
 GUARD_TOKENS = 3  # NaN / sentinel tokens before and after each tensor
 GUARD_HEADS = 1  # NaN / sentinel heads on each side of every token row (q/k/v/out keep dense heads)
 OUT_SENTINEL = 1234.5  # what the output's guard region holds; the kernel must never write it

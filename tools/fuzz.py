@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import faulthandler
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -251,8 +252,40 @@ def gen_add_layer_norm(rng, srng, g, size, device) -> Case:
     return case
 
 
+def gen_decoder_attention(rng, srng, g, size, device, dtype) -> Case:
+    """varlen_attention as text decoders use it: causal against query positions (the last queries of longer keys,
+    some positions past the keys or before them), a local window, sinks, grouped KV heads."""
+    head_dim = srng.choice((16, 32, 64, 80, 128))
+    kv_heads = edge_size(rng, size.attn_heads)
+    heads = kv_heads * srng.choice((1, 1, 2, 4))
+    q_lengths, k_lengths, positions = [], [], []
+    for _ in range(rng.randint(1, 4)):
+        keys = edge_count(rng, size.attn_segment)
+        queries = min(keys, rng.choice((1, 2, keys)))
+        q_lengths.append(queries)
+        k_lengths.append(keys)
+        positions += list(range(keys - queries, keys))
+    if positions and rng.random() < 0.2:  # a query before every key (sees none: 0), or past them
+        positions[rng.randrange(len(positions))] = rng.choice((-1, -5, max(k_lengths) + 3))
+    q = randn(g, sum(q_lengths), heads, head_dim, scale=rng.choice((1.0, 4.0))).to(dtype)
+    k, v = (randn(g, sum(k_lengths), kv_heads, head_dim).to(dtype) for _ in range(2))
+    window = rng.choice((0, 0, 1, 5, 64))
+    sinks = (randn(g, heads) * 3).to(device) if srng.random() < 0.4 else None
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32) for n in (q_lengths, k_lengths))
+    query_pos = torch.tensor(positions, dtype=torch.int32)
+    args = (place(q, rng, device, float("nan"), ("dense", "offset")),
+            place(k, rng, device, float("nan"), ("dense", "offset")),
+            place(v, rng, device, float("nan"), ("dense", "offset")), cu_q.to(device), max(q_lengths),
+            head_dim ** -0.5, None, None, cu_k.to(device), place(query_pos, rng, device, 0, ("dense", "offset")),
+            window, sinks)
+    return Case(args, f"varlen_attention (decoder) {short(dtype)} heads={heads}/{kv_heads} d={head_dim} "
+                      f"q={q_lengths} k={k_lengths} window={window}{' sinks' if sinks is not None else ''}")
+
+
 def gen_varlen_attention(rng, srng, g, size, device) -> Case:
     dtype = srng.choice(FLOATS)
+    if srng.random() < 0.35:
+        return gen_decoder_attention(rng, srng, g, size, device, dtype)
     rope = srng.random() < 0.5
     head_dim = srng.choice((16, 32, 64, 72, 80, 128, 256) + ((17, 31, 97) if not rope else (18, 34, 98)))
     if srng.random() < 0.05:
@@ -627,17 +660,19 @@ def _score_error(args: tuple) -> float:
     2 epsilons of q's dtype (the rotated q and k rounding the other way: a GPU's fused multiply-add, or the
     interpreter's truncating casts). A probability moves by at most about twice that."""
     from dzc.ops.varlen_attention import apply_vision_rotary
-    q, k, _, cu_seqlens, _, sm_scale, cos, sin = args
+    q, k, _, cu_seqlens, _, sm_scale, cos, sin = args[:8]
+    cu_seqlens_k = args[8] if len(args) > 8 and args[8] is not None else cu_seqlens
     u = 2 * math.sqrt(q.shape[-1]) * _eps(FP32)
     if cos is not None:
         q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
         u += 2 * _eps(args[0].dtype)
-    q, k = q.float().abs(), k.float().abs()
-    bounds = cu_seqlens.tolist()
+    # Grouped KV heads: query head h scores against KV head h // group.
+    q, k = q.float().abs(), k.float().abs().repeat_interleave(q.shape[1] // max(k.shape[1], 1), dim=1)
     largest = 0.0
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            largest = max(largest, _finite_amax(torch.einsum("shd,thd->hst", q[start:end], k[start:end])))
+    for (start, end), (key_start, key_end) in zip(zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:]),
+                                                  zip(cu_seqlens_k.tolist()[:-1], cu_seqlens_k.tolist()[1:])):
+        if end > start and key_end > key_start:
+            largest = max(largest, _finite_amax(torch.einsum("shd,thd->hst", q[start:end], k[key_start:key_end])))
     return abs(sm_scale) * u * largest
 
 
