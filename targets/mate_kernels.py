@@ -110,10 +110,12 @@ def varlen_attention_refusal(spec) -> str | None:
         return f"MATE's flash_attn_varlen_func takes bf16/fp16 only, not {spec.dtype}"
     if spec.head_dim > _FMHA_MAX_HEAD_DIM:
         return f"MATE's flash_attn_varlen_func supports head dims <= {_FMHA_MAX_HEAD_DIM}, not {spec.head_dim}"
+    if spec.extras:  # its causal mask is implicit (bottom-right), not against given query positions
+        return f"the adapter passes MATE's flash_attn_varlen_func non-causal packs only ({spec.extras} asked)"
     return None
 
 
-def varlen_attention_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin) -> dict:
+def varlen_attention_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, *_absent_extras) -> dict:
     """One pack is both the query and the key side (self-attention inside each segment), non-causal. MATE's
     varlen forward has no rotary input (its rotary applies to appended KV only), so the op's rotary embedding is
     applied first with the op's own definition."""
