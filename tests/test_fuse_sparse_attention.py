@@ -303,7 +303,7 @@ def test_refuses_float64_attention():
     for module in (DenseDSA("merged"), BlockSparse("expand")):
         gm, result, actual, expected = _fuse(module, *inputs)
         assert not result.rewrites and [why for _, why in result.refusals] == [
-            "torch.float64 attention: dzc.sparse_attention takes bf16, fp16 and fp32 (a float64 model keeps its "
+            "torch.float64 attention: dzc's attention ops take bf16, fp16 and fp32 (a float64 model keeps its "
             "precision, unfused)"], result.refusals
         assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
 

@@ -1,0 +1,594 @@
+"""Matchers for attention subgraphs in captured ATen graphs, shared by the attention passes (fuse_sparse_attention,
+fuse_windowed_attention): what a mask means, the softmax (attention sinks included), the q.k and p.v matmuls, and
+a node builder that keeps fake values.
+
+Masks: an additive float mask, or a boolean keep/drop mask, is decomposed into terms (below) that must all hold
+for a key to be visible; the passes decide which combinations they can rewrite. Attention: `match_attention(masked)`
+reads `softmax(q.k * scale + mask) . v` (eager matmul/softmax, SDPA's math decomposition, gpt-oss's sink column)
+from the masked scores into an `Attention`; anything else raises Refusal with the reason, and a mask part that
+is not one of the terms raises NotAMask.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from dzc.passes.graph_pass import Refusal, fake_value, is_call
+from dzc.passes.patterns import is_last_dim
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+# Ops that only re-view a value; the matchers look through them.
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+         aten.clone.default, aten.alias.default)
+SHAPE_ONLY = VIEWS + (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default)
+ATTENTION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what dzc's attention ops take
+# Anything at or below this is a "masked out" additive value: -inf, or finfo(dtype).min (HF; fp16's is -65504).
+MASKED = -65504.0
+WHOLE = 9223372036854775807  # the end of an open slice `x[a:]`
+
+
+def strip(node, ops=VIEWS):
+    while is_call(node, *ops):
+        node = node.args[0]
+    return node
+
+
+def strip_casts(node):
+    while is_call(node, prims.convert_element_type.default):
+        node = node.args[0]
+    return node
+
+
+def scalar(node):
+    """The value of a constant scalar (a Python number, or a 0-d full/scalar_tensor node), else None."""
+    if isinstance(node, (int, float)):
+        return float(node)
+    node = strip(node)
+    if is_call(node, aten.scalar_tensor.default):
+        return float(node.args[0])
+    if is_call(node, aten.full.default) and all(s == 1 for s in node.args[0]):
+        return float(node.args[1])
+    return None
+
+
+def fill_value(node):
+    """The value a full(...) tensor (any shape) is filled with, else None."""
+    node = strip(node)
+    if is_call(node, aten.full.default):
+        return float(node.args[1])
+    return scalar(node)
+
+
+def same(a, b) -> bool:
+    return a is b or statically_known_true(a == b)
+
+
+def shape_is(node, *dims) -> bool:
+    """node's value has exactly these sizes (ints or SymInts; None: any)."""
+    shape = fake_value(node).shape
+    return len(shape) == len(dims) and all(d is None or same(s, d) for s, d in zip(shape, dims))
+
+
+def is_whole_slice(node) -> bool:
+    """x[..., 0:end] with end past the dim's size: the same values (HF slices its masks to the key length)."""
+    if not is_call(node, aten.slice.Tensor) or len(node.args) < 4:
+        return False
+    dim, start, end = node.args[1:4]
+    size = fake_value(node.args[0]).shape[dim]
+    end = fake_value(end) if isinstance(end, torch.fx.Node) else end
+    return start in (0, None) and (end == WHOLE or same(end, size) or statically_known_true(end >= size))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Masks: an additive float mask, or a boolean keep/drop mask, is decomposed into terms, all of which must hold
+# for a key to be visible:
+#   ("causal", query_positions)     keys at positions <= the query's position are visible
+#   ("topk", indices, B, width, scatter)  the keys at these indices are visible (B > 1: index i makes the block of
+#                                   positions [i*B, i*B + B) visible: a scatter's units repeated B times); width:
+#                                   the columns of the term's mask (checked to be the keys')
+#   ("window", query_positions, W)  keys at positions > the query's position - W are visible (a local window)
+#   ("any", [term, term])           either term holds (the selected keys beside a local window)
+# Anything else (padding, a mask from a model input) is not an attention mask these passes know.
+
+
+class NotAMask(Exception):
+    pass
+
+
+def describe_mask_part(node) -> str:
+    """A mask part as a reason names it: a model input (a padding mask, say) or the op computing it."""
+    if isinstance(node, torch.fx.Node) and node.op == "placeholder":
+        return f"a mask the model is given ({node.name})"
+    return f"{node.target}" if isinstance(node, torch.fx.Node) else repr(node)
+
+
+def topk_indices(node):
+    node = strip_casts(node)
+    if is_call(node, operator.getitem) and node.args[1] == 1 and is_call(node.args[0], aten.topk.default):
+        return node
+    raise NotAMask("scatter indices do not come from a top-k")
+
+
+def key_positions(node):
+    """The arange(T) that node broadcasts (HF's [..., kv_offset:] slices with offset 0 and + 0 looked through),
+    else None."""
+    node = strip(node, SHAPE_ONLY)
+    while is_whole_slice(node):
+        node = strip(node.args[0], SHAPE_ONLY)
+    if is_call(node, aten.add.Tensor) and node.args[1] == 0:
+        node = node.args[0]
+    if is_call(node, prims.iota.default) and node.kwargs.get("start", 0) == 0 and node.kwargs.get("step", 1) == 1:
+        return node
+    return None
+
+
+def causal_term(keys, queries):
+    """('causal', q) when keys is arange(T) broadcast along the last dim and queries is constant along it."""
+    iota = key_positions(keys)
+    if iota is None:
+        raise NotAMask("the causal comparison is not against key positions arange(T)")
+    if not (isinstance(queries, torch.fx.Node) and fake_value(queries).dim() >= 1 and fake_value(keys).dim() >= 1
+            and same(fake_value(queries).shape[-1], 1)
+            and same(fake_value(keys).shape[-1], fake_value(iota).shape[0])):
+        raise NotAMask("the causal comparison does not run the key positions along the last dim")
+    return [("causal", queries)]
+
+
+def window_term(keys, shifted, wider: int):
+    """('window', q, W) when shifted = q - W' (W' a positive integer constant) and W = W' + wider."""
+    if is_call(shifted, aten.sub.Tensor) and isinstance(shifted.args[1], int):
+        queries, width = shifted.args[0], shifted.args[1] + wider
+    elif is_call(shifted, aten.add.Tensor) and isinstance(shifted.args[1], int):
+        queries, width = shifted.args[0], -shifted.args[1] + wider
+    else:
+        raise NotAMask("a comparison of key positions with something other than the query position (- a constant)")
+    if width < 1:
+        raise NotAMask(f"a local window of {width} keys")
+    (_, queries), = causal_term(keys, queries)
+    return [("window", queries, width)]
+
+
+_NEGATED = {aten.gt.Tensor: aten.le.Tensor, aten.le.Tensor: aten.gt.Tensor, aten.ge.Tensor: aten.lt.Tensor,
+            aten.lt.Tensor: aten.ge.Tensor}
+_MIRRORED = {aten.gt.Tensor: aten.lt.Tensor, aten.lt.Tensor: aten.gt.Tensor, aten.ge.Tensor: aten.le.Tensor,
+             aten.le.Tensor: aten.ge.Tensor}
+
+
+def _comparison_terms(node, keep: bool):
+    """A comparison of the key positions k with the query positions q, True where a key is visible (keep) or
+    hidden: k <= q is causal; k > q - W (or k >= q - W + 1) is a local window of W keys. Either side may hold k."""
+    compare, keys, other = node.target, node.args[0], node.args[1]
+    if key_positions(keys) is None:
+        compare, keys, other = _MIRRORED[compare], other, keys
+    if not keep:
+        compare = _NEGATED[compare]
+    if compare is aten.le.Tensor:
+        return causal_term(keys, other)
+    if compare is aten.gt.Tensor:
+        return window_term(keys, other, 0)
+    if compare is aten.ge.Tensor:
+        return window_term(keys, other, 1)
+    raise NotAMask("key positions < query positions (the query's own key hidden) is not causal")
+
+
+def _either(left: list, right: list):
+    """The union of two single terms: the selected keys and a local window (any other union is not a DSA mask)."""
+    if len(left) != 1 or len(right) != 1 or sorted(term[0] for term in left + right) != ["topk", "window"]:
+        raise NotAMask("a union of mask terms other than the selected keys and a local window")
+    return [("any", left + right)]
+
+
+_COMPARISONS = (aten.le.Tensor, aten.ge.Tensor, aten.lt.Tensor, aten.gt.Tensor)
+
+
+def _block_expansion(node):
+    """node = x [..., U] with each unit repeated B times along the last dim, [..., U*B] (optionally sliced to its
+    first T columns): x.unsqueeze(-1).expand(..., U, B).reshape(..., U*B)[..., :T], which repeat_interleave(B, -1)
+    also decomposes to -> (x, B), else None."""
+    if is_call(node, aten.slice.Tensor) and node.args[1] % fake_value(node).dim() == fake_value(node).dim() - 1 \
+            and node.args[2] in (0, None) and (len(node.args) < 5 or node.args[4] == 1):
+        node = node.args[0]
+    if not is_call(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return None
+    expanded = strip(node.args[0], (aten.clone.default,))
+    if not (is_call(expanded, aten.expand.default) and is_call(expanded.args[0], aten.unsqueeze.default)):
+        return None
+    source = expanded.args[0].args[0]
+    rank = fake_value(source).dim()
+    if expanded.args[0].args[1] % (rank + 1) != rank:
+        return None
+    units, block = fake_value(expanded).shape[-2:]
+    if not (isinstance(block, int) and block > 1 and same(units, fake_value(source).shape[-1])
+            and fake_value(node).dim() == rank and same(fake_value(node).shape[-1], units * block)
+            and all(same(a, b) for a, b in zip(fake_value(node).shape[:-1], fake_value(source).shape[:-1]))):
+        return None
+    return source, block
+
+
+def _selected_terms(node, form: str):
+    """[("topk", ...)] when node is a scatter of top-k indices into a mask of units, repeated per block or not, in
+    the `form` "keep" (True where selected), "drop" (False there) or "additive" (0 there, -inf/finfo.min
+    elsewhere); else None."""
+    width = fake_value(node).shape[-1] if isinstance(node, torch.fx.Node) and fake_value(node) is not None else None
+    expansion = _block_expansion(node)
+    block = 1
+    if expansion is not None:
+        node, block = expansion
+    while is_call(node, *SHAPE_ONLY) or (form == "additive" and is_call(node, prims.convert_element_type.default)):
+        node = node.args[0]  # the scatter's own views ([B, S, U] unsqueezed for the heads, say)
+    if not (is_call(node, aten.scatter.value) and node.args[1] == -1):
+        return None
+    fill, value = fill_value(node.args[0]), node.args[3]
+    if (form == "keep" and value is True and fill == 0.0) or (form == "drop" and value is False and fill == 1.0) \
+            or (form == "additive" and value == 0 and (fill or 0.0) <= MASKED):
+        # width: the mask's columns (units x block, or what the expansion kept of them), checked to be the keys
+        return [("topk", topk_indices(node.args[2]), block, width if block > 1 else fake_value(node).shape[-1],
+                 node)]
+    return None
+
+
+def keep_terms(node):
+    """Terms of a boolean mask that is True where a key is visible."""
+    selected = _selected_terms(node, "keep")
+    if selected is not None:
+        return selected
+    if is_call(node, *SHAPE_ONLY, aten.select.int) or is_whole_slice(node):
+        return keep_terms(node.args[0])
+    if is_call(node, aten.bitwise_and.Tensor, aten.logical_and.default):
+        return keep_terms(node.args[0]) + keep_terms(node.args[1])
+    if is_call(node, aten.bitwise_or.Tensor, aten.logical_or.default):
+        return _either(keep_terms(node.args[0]), keep_terms(node.args[1]))
+    if is_call(node, aten.bitwise_not.default, aten.logical_not.default):
+        return drop_terms(node.args[0])
+    if is_call(node, *_COMPARISONS):
+        return _comparison_terms(node, keep=True)
+    raise NotAMask(f"{describe_mask_part(node)} is not a causal, top-k or window keep mask")
+
+
+def drop_terms(node):
+    """Terms of a boolean mask that is True where a key is hidden."""
+    selected = _selected_terms(node, "drop")
+    if selected is not None:
+        return selected
+    if is_call(node, *SHAPE_ONLY, aten.select.int) or is_whole_slice(node):
+        return drop_terms(node.args[0])
+    if is_call(node, aten.bitwise_or.Tensor, aten.logical_or.default):
+        return drop_terms(node.args[0]) + drop_terms(node.args[1])
+    if is_call(node, aten.bitwise_and.Tensor, aten.logical_and.default):
+        return _either(drop_terms(node.args[0]), drop_terms(node.args[1]))
+    if is_call(node, aten.bitwise_not.default, aten.logical_not.default):
+        return keep_terms(node.args[0])
+    if is_call(node, *_COMPARISONS):
+        return _comparison_terms(node, keep=False)
+    raise NotAMask(f"{describe_mask_part(node)} is not a causal, top-k or window drop mask")
+
+
+def additive_terms(node):
+    """Terms of a float mask that is 0 where a key is visible and -inf (or finfo.min) where hidden."""
+    value = scalar(node)
+    if value == 0.0:
+        return []
+    selected = _selected_terms(node, "additive")
+    if selected is not None:
+        return selected
+    if is_call(node, *SHAPE_ONLY, aten.select.int, prims.convert_element_type.default) or is_whole_slice(node):
+        return additive_terms(node.args[0])
+    if is_call(node, aten.add.Tensor):
+        return additive_terms(node.args[0]) + additive_terms(node.args[1])
+    if is_call(node, aten.where.self):
+        condition, if_true, if_false = node.args
+        if (scalar(if_true) or 0.0) <= MASKED and scalar(if_true) is not None:
+            return drop_terms(condition) + additive_terms(if_false)
+        if scalar(if_false) is not None and scalar(if_false) <= MASKED:
+            return keep_terms(condition) + additive_terms(if_true)
+    if is_call(node, aten.masked_fill.Scalar) and node.args[2] <= MASKED:
+        return drop_terms(node.args[1]) + additive_terms(node.args[0])
+    raise NotAMask(f"{describe_mask_part(node)} is not a causal, top-k or window additive mask")
+
+
+def split_masked(node):
+    """node = x masked by a DSA mask -> (x, terms); x is the operand that is not a mask."""
+    if is_call(node, aten.add.Tensor):
+        for value, mask in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            try:
+                terms = additive_terms(mask)
+            except NotAMask:
+                continue
+            inner, more = split_masked(value)
+            return inner, terms + more
+    if is_call(node, aten.where.self) and scalar(node.args[1]) is not None and scalar(node.args[1]) <= MASKED:
+        inner, more = split_masked(node.args[2])
+        return inner, drop_terms(node.args[0]) + more
+    if is_call(node, aten.masked_fill.Scalar) and node.args[2] <= MASKED:
+        inner, more = split_masked(node.args[0])
+        return inner, drop_terms(node.args[1]) + more
+    return node, []
+
+
+def query_positions(terms, what: str):
+    causal = [term[1] for term in terms if term[0] == "causal"]
+    if not causal:
+        raise Refusal(f"the {what} mask has no causal term (key position <= query position)")
+    first = strip(causal[0], SHAPE_ONLY)
+    if any(strip(q, SHAPE_ONLY) is not first for q in causal[1:]):
+        raise Refusal(f"the {what} mask compares with different query positions")
+    return causal[0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The pieces of the pattern.
+
+
+def bmm_operands(node):
+    """node = view(bmm(a, b)) (optionally times constant scales) -> (a, b, scale)."""
+    scale = 1.0
+    while is_call(node, aten.mul.Tensor, aten.mul.Scalar) and scalar(node.args[1]) is not None:
+        scale *= scalar(node.args[1])
+        node = node.args[0]
+    node = strip(node, SHAPE_ONLY)
+    if not is_call(node, aten.bmm.default):
+        return None
+    return node.args[0], node.args[1], scale
+
+
+def scaled_source(node):
+    """Strip view plumbing and constant multiplies (SDPA's math form scales q and k by sqrt(scale) each)."""
+    scale = 1.0
+    node = strip(node)
+    while is_call(node, aten.mul.Tensor, aten.mul.Scalar) and scalar(node.args[1]) is not None:
+        scale *= scalar(node.args[1])
+        node = strip(node.args[0])
+    return node, scale
+
+
+def transposed(node):
+    """node = K^T over the last two dims -> K, else None."""
+    if is_call(node, aten.permute.default):
+        dims = [d % len(node.args[1]) for d in node.args[1]]
+        rank = len(dims)
+        if dims == list(range(rank - 2)) + [rank - 1, rank - 2]:
+            return node.args[0]
+    if is_call(node, aten.transpose.int):
+        rank = fake_value(node).dim()
+        if sorted(d % rank for d in node.args[1:3]) == [rank - 2, rank - 1]:
+            return node.args[0]
+    return None
+
+
+def whole_dim_slice(node) -> bool:
+    """aten.slice(x, dim, 0, INT64_MAX) with step 1: a no-op, which captures with symbolic sizes keep in the graph."""
+    start, end, step = (list(node.args[2:]) + [0, WHOLE, 1][len(node.args[2:]):])[:3]
+    return start in (0, None) and end in (None, WHOLE) and step == 1
+
+
+@dataclass
+class Attention:
+    q: torch.fx.Node  # [B, H, S, Dqk]
+    k: torch.fx.Node  # [B, Hkv, T, Dqk]
+    v: torch.fx.Node  # [B, Hkv, T, Dv]
+    scale: float
+    out: torch.fx.Node  # [B, H, S, Dv], replaced
+    scores: torch.fx.Node  # the masked scores (dead after the rewrite)
+    terms: list
+    sinks: torch.fx.Node | None  # [H] logits joining each softmax (attention sinks), or None
+
+
+def _reduces_last_dim(node) -> bool:
+    """node = amax/sum/max(x, dims, keepdim=True) over x's last dim only."""
+    rank = fake_value(node.args[0]).dim()
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = [dims] if isinstance(dims, int) else dims  # max.dim takes one dim
+    keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return dims is not None and is_last_dim(dims, rank) and keepdim
+
+
+def _sink_column(masked):
+    """masked's only user cat([masked, sinks], -1) with sinks a [H] vector broadcast to one column [.., H, .., 1]
+    -> (cat, the [H] vector), else None: attention sinks (a per-head logit in each softmax, no value)."""
+    users = list(masked.users)
+    if len(users) != 1 or not is_call(users[0], aten.cat.default):
+        return None
+    cat = users[0]
+    parts, dim = cat.args[0], cat.args[1] if len(cat.args) > 1 else cat.kwargs.get("dim", 0)
+    rank = fake_value(masked).dim()
+    if len(parts) != 2 or parts[0] is not masked or dim % rank != rank - 1 or rank != 4:
+        return None
+    heads = fake_value(masked).shape[1]
+    # The column broadcasts a tensor whose only non-1 dim is the heads' (dim 1 once right-aligned to 4 dims):
+    # element [b, h, s, 0] is then sinks[h], whatever views made that tensor from the [H] vector.
+    broadcast = parts[1]
+    while is_call(broadcast, aten.expand.default):
+        broadcast = broadcast.args[0]
+    shape = [1] * (4 - fake_value(broadcast).dim()) + list(fake_value(broadcast).shape)
+    sinks = strip(broadcast, SHAPE_ONLY)
+    if not (len(shape) == 4 and same(shape[1], heads) and all(same(d, 1) for i, d in enumerate(shape) if i != 1)
+            and same(fake_value(parts[1]).shape[1], heads) and fake_value(sinks).dim() == 1
+            and same(fake_value(sinks).shape[0], heads)):
+        return None
+    return cat, sinks
+
+
+def softmax_output(masked):
+    """masked -> (the probabilities of softmax over its last dim (the keys), the [H] sink logits or None), else
+    None. Softmax: exp(x - amax(x)) / sum(exp(..)), both reductions over the last dim (the amax/sub/exp/sum/div
+    decomposition). With sinks (gpt-oss's spelling): the softmax runs over cat([x, sinks], -1), optionally less its
+    max first (no change to a softmax), and the probabilities are its first T columns."""
+    start = masked
+    users = list(start.users)
+    if len(users) == 1 and is_call(users[0], prims.convert_element_type.default):
+        start = users[0]
+    sinks = None
+    with_sinks = _sink_column(start)
+    if with_sinks is not None:
+        start, sinks = with_sinks
+        shifted = [u for u in start.users if is_call(u, aten.sub.Tensor) and u.args[0] is start
+                   and is_call(u.args[1], operator.getitem) and u.args[1].args[1] == 0
+                   and is_call(u.args[1].args[0], aten.max.dim) and u.args[1].args[0].args[0] is start
+                   and _reduces_last_dim(u.args[1].args[0])]
+        if shifted:
+            start = shifted[0]
+    amax = next((u for u in start.users if is_call(u, aten.amax.default) and _reduces_last_dim(u)), None)
+    sub = next((u for u in start.users if is_call(u, aten.sub.Tensor) and u.args[0] is start and u.args[1] is amax),
+               None)
+    if amax is None or sub is None:
+        return None
+    exp = next(iter(sub.users), None)
+    if not is_call(exp, aten.exp.default):
+        return None
+    probs = next((u for u in exp.users if is_call(u, aten.div.Tensor) and u.args[0] is exp
+                  and is_call(u.args[1], aten.sum.dim_IntList) and u.args[1].args[0] is exp
+                  and _reduces_last_dim(u.args[1])), None)
+    if probs is None or sinks is None:
+        return probs and (probs, None)
+    # The key columns: probs[..., :T] (":-1" or ":T"), the sink's column dropped.
+    keys = list(probs.users)
+    context = fake_value(masked).shape[-1]
+    if len(keys) != 1 or not is_call(keys[0], aten.slice.Tensor) or keys[0].args[1] % 4 != 3 \
+            or keys[0].args[2] not in (0, None) or not shape_is(keys[0], *fake_value(masked).shape) \
+            or (len(keys[0].args) > 4 and keys[0].args[4] != 1):
+        return None
+    return (keys[0], sinks) if same(fake_value(keys[0]).shape[-1], context) else None
+
+
+def _probabilities_consumer(probs):
+    """Follow probs through casts, SDPA's all-masked-row fixup and views to the bmm with V."""
+    node = probs
+    while True:
+        users = [u for u in node.users]
+        if len(users) != 1:
+            return None
+        user = users[0]
+        if is_call(user, aten.bmm.default) and user.args[0] is node:
+            return user
+        if is_call(user, prims.convert_element_type.default, *VIEWS):
+            node = user
+            continue
+        if is_call(user, aten.where.self) and user.args[2] is node and fill_value(user.args[1]) == 0.0:
+            node = user  # SDPA: rows with every key masked give 0 instead of NaN
+            continue
+        return None
+
+
+def match_attention(masked) -> Attention:
+    scores, terms = split_masked(masked)
+    operands = bmm_operands(scores)
+    if operands is None and is_call(scores, aten.add.Tensor):
+        # q.k scores plus a mask that is not causal + top-k (+ a window): say what in the mask is not
+        mask = next((a for a in scores.args if isinstance(a, torch.fx.Node) and bmm_operands(a) is None), None)
+        try:
+            additive_terms(mask)
+        except NotAMask as why:
+            raise Refusal(f"the attention mask is not causal + top-k: {why}") from None
+    if operands is None:
+        raise Refusal("the masked values are not q.k scores")
+    q_operand, k_operand, scale = operands
+    q, q_scale = scaled_source(q_operand)
+    k_t, k_scale = scaled_source(k_operand)
+    k = transposed(k_t)
+    if k is None or fake_value(q).dim() != 4 or fake_value(k).dim() != 4:
+        raise Refusal("the attention operands are not [B, H, S, D] queries and transposed [B, H, T, D] keys")
+    softmax = softmax_output(masked)
+    if softmax is None:
+        raise Refusal("the masked scores do not feed a softmax")
+    probs, sinks = softmax
+    pv = _probabilities_consumer(probs)
+    if pv is None:
+        raise Refusal("the attention probabilities have another use than the matmul with V")
+    v = strip(pv.args[1])
+    out = next(iter(pv.users), None)
+    if (len(pv.users) != 1 or not is_call(out, aten.view.default, aten._unsafe_view.default)
+            or fake_value(out).dim() != 4 or fake_value(v).dim() != 4):
+        raise Refusal("the attention output is not [B, H, S, Dv]")
+    # The matmuls reduce over D (scores) and T (output), each query row over its own batch's keys; K and V heads
+    # are 1 (shared, MLA's latent) or H (sparse_attention's two layouts), not broadcast over the batch.
+    batch, heads, queries, head_dim = fake_value(q).shape
+    context, d_v = fake_value(k).shape[2], fake_value(v).shape[3]
+    kv_heads = fake_value(k).shape[1]
+    if not (shape_is(q_operand, batch * heads, queries, head_dim)
+            and same(fake_value(q).numel(), fake_value(q_operand).numel())
+            and shape_is(k_operand, batch * heads, head_dim, context)
+            and shape_is(k, batch, kv_heads, context, head_dim) and (same(kv_heads, 1) or same(kv_heads, heads))
+            and shape_is(v, batch, kv_heads, context, d_v)
+            and shape_is(pv.args[0], batch * heads, queries, context) and shape_is(out, batch, heads, queries, d_v)
+            and same(fake_value(masked).shape[-2], queries) and same(fake_value(masked).shape[-1], context)):
+        raise Refusal("the attention is not [B, H, S, D] queries over [B, 1 or H, T, D] keys and values, softmax "
+                      "over T")
+    if fake_value(q).dtype not in ATTENTION_DTYPES:
+        raise Refusal(f"{fake_value(q).dtype} attention: dzc's attention ops take bf16, fp16 and fp32 (a float64 "
+                      "model keeps its precision, unfused)")
+    return Attention(q, k, v, scale * q_scale * k_scale, out, masked, terms, sinks)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The rewrite.
+
+
+class Builder:
+    """Inserts nodes before `anchor`, each with meta['val'] computed from its arguments' fake values."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, stack_trace):
+        self.graph, self.anchor, self.stack_trace = graph, anchor, stack_trace
+        values = [n.meta.get("val") for n in graph.nodes]
+        self.fake_mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+
+    def __call__(self, target, *args, **kwargs):
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        node.meta["stack_trace"] = self.stack_trace
+        return node
+
+    def size(self, node, dim):
+        """A dim of node's value: an int, or a node computing the symbolic size. An existing node holding the same
+        size is preferred, so that the tensors this rewrite makes dead do not stay alive for their sizes."""
+        size = node.meta["val"].shape[dim]
+        if isinstance(size, int):
+            return size
+        for candidate in self.graph.nodes:
+            if candidate is self.anchor:
+                break
+            value = candidate.meta.get("val")
+            if isinstance(value, torch.SymInt) and candidate.op in ("placeholder", "call_function") \
+                    and str(value.node.expr) == str(size.node.expr):
+                return candidate
+        return self(aten.sym_size.int, node, dim)
+
+
+def remove_dead(graph, roots) -> None:
+    """Erase the replaced subgraph: the roots and whatever they alone used (never unrelated dead code)."""
+    pending, erased = list(roots), set()
+    while pending:
+        node = pending.pop()
+        if node in erased or node.users or node.op != "call_function":
+            continue
+        pending.extend(node.all_input_nodes)
+        graph.erase_node(node)
+        erased.add(node)
+
+
+def feeds_exp(node, steps: int = 6) -> bool:
+    """An exp within `steps` uses of node: the masked scores of a softmax spelled some other way."""
+    frontier = [node]
+    for _ in range(steps):
+        frontier = [user for n in frontier for user in n.users]
+        if any(is_call(n, aten.exp.default) for n in frontier):
+            return True
+    return False
+
+
+def check_private(masked) -> None:
+    """The masked scores feed only the softmax pattern (another use would keep the dense attention alive)."""
+    users = list(masked.users)
+    if len(users) == 1 and is_call(users[0], prims.convert_element_type.default, aten.cat.default):
+        users = list(users[0].users)  # a cast, or the sink column's cat
+    if any(not is_call(u, aten.amax.default, aten.max.dim, aten.sub.Tensor, aten.eq.Scalar) for u in users):
+        raise Refusal("the masked attention scores have another use")
