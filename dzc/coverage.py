@@ -45,12 +45,13 @@ aten = torch.ops.aten
 LARGEST = 10  # unfused ops listed per graph
 
 # Which passes' refusals can explain each kind of near-miss.
-_PASSES_FOR = {"attention": ("fuse_sparse_attention", "fuse_vision_attention"),
+_PASSES_FOR = {"attention": ("fuse_sparse_attention", "fuse_vision_attention", "fuse_windowed_attention"),
                "residual norm": ("fuse_residual_norm",),
                "MXFP4 experts": ("fuse_mxfp4_experts",)}
 # What dzc fuses of each kind, for a site no pass recorded a reason about (it may be a kind dzc has no op for).
 _CLAIMS = {"attention": "fuse_sparse_attention takes attention under a top-k selection, fuse_vision_attention "
-                        "attention over packed images (cu_seqlens)",
+                        "attention over packed images (cu_seqlens), fuse_windowed_attention causal attention with a "
+                        "local window or sinks (plain causal and non-causal attention run in the fallback's SDPA)",
            "residual norm": "fuse_residual_norm takes an add followed by an RMSNorm or LayerNorm",
            "MXFP4 experts": "fuse_mxfp4_experts takes routed MoE experts on MXFP4 weights"}
 

@@ -21,6 +21,7 @@ from dzc.passes.fuse_mxfp4_experts import fuse_mxfp4_experts
 from dzc.passes.fuse_residual_norm import fuse_residual_norm
 from dzc.passes.fuse_sparse_attention import fuse_sparse_attention
 from dzc.passes.fuse_vision_attention import fuse_vision_attention
+from dzc.passes.fuse_windowed_attention import fuse_windowed_attention
 from dzc.passes.graph_pass import PassResult
 from dzc.passes.quantize_moe_activations import quantize_moe_activations
 from dzc.passes.reinplace_cache_writes import reinplace_cache_writes
@@ -51,6 +52,10 @@ def build_pipeline(target: Target, options: CompileOptions = CompileOptions()) -
         # dzc.varlen_attention, with HF's vision RoPE folded in. After fuse_sparse_attention, which must see dense
         # attention first (this pass only claims attention delimited by cu_seqlens, so the two never compete).
         fuse_vision_attention,
+        # Causal attention with a local window or attention sinks (text decoders' sliding-window layers, gpt-oss)
+        # -> dzc.varlen_attention. After fuse_sparse_attention (an attention under a top-k mask is its; this pass
+        # leaves such masks alone) and fuse_vision_attention (non-causal packs are its; this pass takes causal only).
+        fuse_windowed_attention,
         # MoE expert matmuls on MXFP4-dequantized weights (+ routing glue, combine) -> dzc.mxfp4_moe. Independent
         # of the other fusions (it takes the normalised activations from whichever node produces them); before
         # lowering, which must never see the dequantized weights it removes.

@@ -312,6 +312,21 @@ def split_masked(node):
     return node, []
 
 
+def mask_problem(scores) -> str | None:
+    """What in the mask is not a known term, where split_masked left `scores` = q.k scores + a mask it could not
+    read; None otherwise."""
+    if not is_call(scores, aten.add.Tensor):
+        return None
+    mask = next((a for a in scores.args if isinstance(a, torch.fx.Node) and bmm_operands(a) is None), None)
+    if mask is None:
+        return None
+    try:
+        additive_terms(mask)
+    except NotAMask as why:
+        return str(why)
+    return None
+
+
 def query_positions(terms, what: str):
     causal = [term[1] for term in terms if term[0] == "causal"]
     if not causal:
@@ -434,6 +449,9 @@ def softmax_output(masked):
                    and _reduces_last_dim(u.args[1].args[0])]
         if shifted:
             start = shifted[0]
+        users = list(start.users)
+        if len(users) == 1 and is_call(users[0], prims.convert_element_type.default):
+            start = users[0]  # a 16-bit softmax runs in fp32 (its decomposition upcasts here, after the cat)
     amax = next((u for u in start.users if is_call(u, aten.amax.default) and _reduces_last_dim(u)), None)
     sub = next((u for u in start.users if is_call(u, aten.sub.Tensor) and u.args[0] is start and u.args[1] is amax),
                None)
@@ -447,8 +465,10 @@ def softmax_output(masked):
                   and _reduces_last_dim(u.args[1])), None)
     if probs is None or sinks is None:
         return probs and (probs, None)
-    # The key columns: probs[..., :T] (":-1" or ":T"), the sink's column dropped.
+    # The key columns: probs[..., :T] (":-1" or ":T"), the sink's column dropped (after the cast back to 16 bits).
     keys = list(probs.users)
+    if len(keys) == 1 and is_call(keys[0], prims.convert_element_type.default):
+        keys = list(keys[0].users)
     context = fake_value(masked).shape[-1]
     if len(keys) != 1 or not is_call(keys[0], aten.slice.Tensor) or keys[0].args[1] % 4 != 3 \
             or keys[0].args[2] not in (0, None) or not shape_is(keys[0], *fake_value(masked).shape) \
@@ -479,13 +499,9 @@ def _probabilities_consumer(probs):
 def match_attention(masked) -> Attention:
     scores, terms = split_masked(masked)
     operands = bmm_operands(scores)
-    if operands is None and is_call(scores, aten.add.Tensor):
-        # q.k scores plus a mask that is not causal + top-k (+ a window): say what in the mask is not
-        mask = next((a for a in scores.args if isinstance(a, torch.fx.Node) and bmm_operands(a) is None), None)
-        try:
-            additive_terms(mask)
-        except NotAMask as why:
-            raise Refusal(f"the attention mask is not causal + top-k: {why}") from None
+    problem = mask_problem(scores) if operands is None else None
+    if problem is not None:
+        raise Refusal(f"the attention mask is not causal + top-k: {problem}")
     if operands is None:
         raise Refusal("the masked values are not q.k scores")
     q_operand, k_operand, scale = operands
@@ -501,7 +517,11 @@ def match_attention(masked) -> Attention:
     pv = _probabilities_consumer(probs)
     if pv is None:
         raise Refusal("the attention probabilities have another use than the matmul with V")
-    v = strip(pv.args[1])
+    # V as the [B, Hkv, T, Dv] the model made: its views looked through, but not HF's repeat_kv (a reshape of a
+    # 5-d expand, which the attention passes read themselves).
+    v = pv.args[1]
+    while is_call(v, *VIEWS) and fake_value(v.args[0]).dim() == 4:
+        v = v.args[0]
     out = next(iter(pv.users), None)
     if (len(pv.users) != 1 or not is_call(out, aten.view.default, aten._unsafe_view.default)
             or fake_value(out).dim() != 4 or fake_value(v).dim() != 4):

@@ -1,0 +1,188 @@
+"""fuse_windowed_attention: causal attention with a local window or sinks -> dzc.varlen_attention. Golden IR, each
+spelling (bool keep / additive masks, window bounds >/>=, repeat_kv'd grouped heads, gpt-oss's sink column),
+what is left alone (plain causal, top-k masks) and what is refused; transformers' sliding-window and sink models
+compiled unchanged with the kernels."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.decomposition import select_decomp_table
+
+import dzc
+from dzc import ir
+from dzc.passes.fuse_windowed_attention import fuse_windowed_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import zoo  # noqa: E402
+
+NEG = torch.finfo(torch.float32).min
+
+
+def _fuse(module, *inputs):
+    """Capture as dzc does, run the pass, execute the result with the op's reference: (captured graph module,
+    PassResult, output of the rewritten graph, eager output)."""
+    captured = []
+
+    def rewrite(gm, _):
+        result = fuse_windowed_attention(gm.graph)
+        captured.append((gm, result))
+        return torch.fx.GraphModule(gm, result.graph)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=rewrite, inference_compiler=rewrite, decompositions=select_decomp_table())
+    with torch.no_grad():
+        expected = module(*inputs)
+        actual = torch.compile(module, backend=backend)(*inputs)
+    gm, result = captured[0]
+    return gm, result, actual, expected
+
+
+class LocalAttention(nn.Module):
+    """A decoder attention as transformers writes it: positions arange(S) offset by a cache of `past` keys, GQA
+    through repeat_kv, a causal mask with a sliding window (HF's overlay kv > q - W), optional gpt-oss sinks.
+    `spelling`: "keep" (where(keep, 0, min)), "ge" (kv >= q - W + 1), "drop" (masked_fill of the drop mask),
+    "causal" (no window), "padding" (a padding mask the caller gives, and-ed in: must be refused), "non-causal"
+    (a window without the causal bound: not what the op expresses)."""
+
+    def __init__(self, window=4, sinks=True, spelling="keep", heads=4, kv_heads=2):
+        super().__init__()
+        self.window, self.spelling, self.kv_heads = window, spelling, kv_heads
+        generator = torch.Generator().manual_seed(3)
+        self.sinks = nn.Parameter(torch.randn(heads, generator=generator)) if sinks else None
+
+    def forward(self, q, k, v, past, padding=None):
+        batch, heads, queries, _ = q.shape
+        context = k.shape[2]
+        q_idx = (torch.arange(queries) + past.shape[0])[:, None]  # cache_position
+        kv_idx = torch.arange(context)[None, :]
+        causal = kv_idx <= q_idx
+        if self.spelling == "ge":
+            keep = causal & (kv_idx >= q_idx - (self.window - 1))
+        elif self.spelling == "non-causal":
+            keep = kv_idx > q_idx - self.window
+        elif self.spelling == "causal":
+            keep = causal
+        else:
+            keep = causal & (kv_idx > q_idx - self.window)
+        if padding is not None:
+            keep = keep & padding[:, None, None, :]
+        group = heads // self.kv_heads
+        k = k[:, :, None].expand(batch, self.kv_heads, group, context, k.shape[-1]).reshape(batch, heads, context, -1)
+        v = v[:, :, None].expand(batch, self.kv_heads, group, context, v.shape[-1]).reshape(batch, heads, context, -1)
+        scores = torch.matmul(q, k.transpose(2, 3)) * 0.25
+        if self.spelling == "drop":
+            scores = scores.masked_fill(~keep, NEG)
+        else:
+            scores = scores + torch.where(keep, 0.0, NEG)
+        if self.sinks is not None:
+            sinks = self.sinks.reshape(1, -1, 1, 1).expand(batch, -1, queries, -1)
+            combined = torch.cat([scores, sinks], dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        return torch.matmul(probs, v)
+
+
+def _inputs(queries=6, past=5, seed=0, batch=2, heads=4, kv_heads=2):
+    generator = torch.Generator().manual_seed(seed)
+    context = queries + past
+    q = torch.randn(batch, heads, queries, 16, generator=generator)
+    k, v = (torch.randn(batch, kv_heads, context, 16, generator=generator) for _ in range(2))
+    return q, k, v, torch.zeros(past)
+
+
+def _op_call(result) -> str:
+    after = ir.print_graph(result.graph)
+    assert "aten.bmm.default" not in after and "aten.exp.default" not in after and "aten.cat.default" not in after, \
+        after
+    return next(line for line in after.splitlines() if "dzc.varlen_attention" in line)
+
+
+def test_golden_window_and_sinks_over_grouped_heads():
+    gm, result, actual, expected = _fuse(LocalAttention(4, True), *_inputs())
+    assert len(result.rewrites) == 1 and not result.refusals, result.refusals
+    before = ir.print_graph(gm.graph)
+    assert before.count("aten.bmm.default") == 2 and "aten.cat.default" in before
+    call = _op_call(result)
+    # q [B*S, H, D]; k, v [B*T, Hkv=2, D] before repeat_kv; S=6 queries over T=11 keys; window 4; the sinks
+    # parameter (placeholder %a3) as it is (already fp32).
+    arguments = call.split("(", 1)[1].split(")  #")[0].split(", ")
+    assert arguments[4] == "6" and arguments[5] == "0.25" and arguments[6:8] == ["None", "None"], call
+    assert arguments[-2:] == ["4", "%a3"] and call.endswith("# f32[12, 4, 16]"), call
+    shapes = {line.split(" = ")[0].strip(): line.rsplit("# ", 1)[-1] for line in ir.print_graph(
+        result.graph).splitlines() if " = " in line}
+    assert shapes[arguments[1]] == shapes[arguments[2]] == "f32[22, 2, 16]", (arguments, shapes)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window, sinks, spelling", [(4, False, "keep"), (3, True, "ge"), (2, False, "drop"),
+                                                     (None, True, "causal"), (100, False, "keep")])
+def test_spellings_fuse_and_match(window, sinks, spelling):
+    gm, result, actual, expected = _fuse(LocalAttention(window, sinks, spelling), *_inputs(seed=1))
+    assert len(result.rewrites) == 1 and not result.refusals, result.refusals
+    arguments = _op_call(result).split("(", 1)[1].split(")  #")[0].split(", ")
+    assert arguments[-2] == str(window or 0) and (arguments[-1] != "None") is sinks
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_plain_causal_attention_is_left_to_the_fallback():
+    gm, result, _, _ = _fuse(LocalAttention(None, False, "causal"), *_inputs(seed=2))
+    assert not result.rewrites and not result.refusals
+    assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
+
+
+def test_refuses_padding_and_a_window_without_the_causal_bound():
+    padding = torch.ones(2, 11, dtype=torch.bool)
+    padding[0, :2] = False
+    gm, result, _, _ = _fuse(LocalAttention(4, True, "padding"), *_inputs(seed=3), padding)
+    assert not result.rewrites and len(result.refusals) == 1
+    assert result.refusals[0][1].startswith("the mask beside the sinks is not causal (+ a local window): "
+                                            "a mask the model is given"), result.refusals
+    gm, result, _, _ = _fuse(LocalAttention(4, False, "non-causal"), *_inputs(seed=3))
+    assert not result.rewrites and [why for _, why in result.refusals] == [
+        "the mask is not exactly causal (+ a local window) (terms: ['window'])"]
+    assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
+
+
+def test_window_and_sinks_compile_with_the_kernel(options):
+    """dzc.compile end to end (Triton through the interpreter on the CPU): the varlen kernel takes the window, the
+    sinks, the grouped heads and the keys of a cache longer than the queries."""
+    model = LocalAttention(4, True)
+    inputs = _inputs(queries=7, past=20, seed=4)
+    compiled = dzc.compile(model, "cuda", options)
+    with torch.no_grad():
+        expected = model(*inputs)
+        for _ in range(2):  # the first call returns the captured graph's result
+            actual = compiled(*inputs)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    report = compiled.report
+    assert report.passes["fuse_windowed_attention"] == 1
+    attention = next(k for k in report.kernels if k.op == "varlen_attention")
+    assert attention.codegen == "triton" and "causal+window sinks grouped kv own key segments" in attention.spec
+
+
+@pytest.mark.parametrize("name, dtype, sites", [("GptOss", torch.float32, 2), ("GptOss", torch.bfloat16, 2),
+                                                ("Mistral", torch.float32, 1)])
+def test_hf_sliding_window_and_sink_models_fuse_unchanged(name, dtype, sites, options):
+    """transformers' GptOss (sinks on every layer, a sliding window on every other; in bf16 its softmax runs in
+    fp32 between casts) and Mistral (a sliding window, SDPA), tiny random configs, compiled unchanged: every
+    layer's attention fires and the logits match eager (the zoo's tolerances) past the tiny configs' window."""
+    torch._dynamo.reset()
+    entry = zoo.ZOO[name]
+    model = entry.build().eval().to(dtype)
+    compiled = dzc.compile(model, "cuda", options)
+    args, kwargs = entry.inputs(2, dtype)  # 20 tokens, past the window of 8
+    with torch.no_grad():
+        expected = entry.outputs(model(*args, **kwargs))
+        compiled(*args, **kwargs)  # the first call returns the captured graph's result
+        actual = entry.outputs(compiled(*args, **kwargs))
+    tolerance = zoo.TOLERANCE[dtype]
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a.float(), e.float(), atol=tolerance * e.float().abs().max().item(), rtol=0)
+    assert compiled.report.passes["fuse_windowed_attention"] == sites, compiled.report.refusals
