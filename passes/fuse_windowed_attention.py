@@ -29,9 +29,10 @@ Conditions checked on the graph (else a refusal with the reason, graph untouched
 exactly causal (+ a window relative to the same query positions); the scores are [B, H, S, D] x [B, 1 or H, T, D]
 (through repeat_kv: KV heads dividing H, the same for k and v), softmax over T, times V; the sinks (if any) are a
 [H] vector broadcast to one column; the masked scores have no other use; bf16/fp16/fp32.
-Not matched yet: SDPA's fused ops as capture keeps them on GPUs (a sliding-window mask as attn_bias of
-_scaled_dot_product_efficient_attention): such a site stays as it is on the GPU (slow, not wrong); eager
-attention (gpt-oss's default) and SDPA's math decomposition (the CPU) are matched.
+SDPA as capture keeps it is read from its arguments (a causal + window mask as attn_mask / attn_bias, no dropout,
+no is_causal on top): tested on the CPU's flash op; the GPUs' efficient and cuDNN ops take the same arguments but
+have not been run through this pass on a GPU yet (a bias SDPA pads for its kernels does not read as a mask: such a
+site stays as it is, slow, not wrong). Eager attention (gpt-oss's default) and SDPA's math form are matched too.
 
 Ordering: after fuse_sparse_attention (an attention under a top-k mask is its), before lowering.
 """
