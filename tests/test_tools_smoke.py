@@ -31,6 +31,7 @@ SMOKE = {
     "bench_dsa.py": (["--dry-run", "--quick"], "dry run: B=1 q=4096 ctx=8192"),
     "bench_multimodal.py": (["--dry-run", "--quick"], "dry run: 2 decoder layers"),
     "bench_vision_attention.py": (["--dry-run", "--quick", "--musa-legal"], "dry run: d=80 rope=False triton"),
+    "bench_windowed_attention.py": (["--dry-run", "--quick"], "dry run: decode 64x1 over 8192 window 128"),
     "diagnose_overhead.py": (["--dry-run", "--hidden", "64"], "dry run: H=64"),
     "diagnose_sparse_attention_configs.py": (["--dry-run"], "| decode | dry run:"),
     "demo.py": (["--dry-run"], "dry run: 2 requests"),

@@ -209,6 +209,11 @@ s14-1)
     -k "window or sinks or blocks or causal"
   TAIL=20 part fuzz_sparse_triton 200 python3 tools/fuzz.py --ops sparse_attention --codegens triton --cases 32 \
     --out "$OUT/fuzz_h200_sparse_triton.md"
+  # Session 13's decoder attention (varlen_attention causal + window + sinks + GQA, fuse_windowed_attention) on the
+  # GPU: kernel tests, the HF models, and its speed against eager / SDPA-with-mask.
+  TAIL=12 part gpu_tests_windowed 200 python3 -m pytest -q -p no:logging -rf tests/test_varlen_attention_kernels.py \
+    -k decoder tests/test_fuse_windowed_attention.py
+  TAIL=20 part bench_windowed 240 python3 tools/bench_windowed_attention.py --out "$OUT/windowed_attention_h200.md"
   # What the window + sinks and the index blocks cost beside the plain top-k kernel (decode, 64 x 2 rows at 32K).
   TAIL=12 part bench_sparse_extras 150 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
     --no-public-kernels --codegens triton --extras --batches 64 --contexts 32768 --out "$OUT/dsa_extras_h200.md"
