@@ -277,18 +277,28 @@ def triton_head_splits(head_dim: int) -> list[tuple[int, int]]:
 def triton_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[KernelConfig]:
     """Query block × key block × warps × pipeline stages × head-dim tiling, before legality pruning.
 
-    A warp's tensor-core tile covers 16 query rows, so num_warps * 16 <= BLOCK_M."""
+    A warp's tensor-core tile covers 16 query rows, so num_warps * 16 <= BLOCK_M. Grouped KV heads add the packed
+    variant of each (PACK_GQA: a program's rows are (query, head of the group) pairs)."""
     configs = []
-    for d_lo, d_hi in triton_head_splits(spec.head_dim):
-        for block_m, block_n, num_warps in ((64, 32, 4), (64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8)):
-            if _miscompiled(d_hi, block_n):
-                continue
-            for num_stages in (1, 2, 3):
-                configs.append(KernelConfig.make(num_warps=num_warps, num_stages=num_stages, BLOCK_M=block_m,
-                                                 BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi))
-        # The smallest tile, unpipelined, for tight shared memory (fp32 with RoPE on mp_22's 72 KiB).
-        configs.append(KernelConfig.make(num_warps=2, num_stages=1, BLOCK_M=32, BLOCK_N=16, D_LO=d_lo, D_HI=d_hi))
+    for pack in _pack_choices(spec):
+        for d_lo, d_hi in triton_head_splits(spec.head_dim):
+            for block_m, block_n, num_warps in ((64, 32, 4), (64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8)):
+                if _miscompiled(d_hi, block_n):
+                    continue
+                for num_stages in (1, 2, 3):
+                    configs.append(KernelConfig.make(num_warps=num_warps, num_stages=num_stages, BLOCK_M=block_m,
+                                                     BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi, **pack))
+            # The smallest tile, unpipelined, for tight shared memory (fp32 with RoPE on mp_22's 72 KiB).
+            configs.append(KernelConfig.make(num_warps=2, num_stages=1, BLOCK_M=32, BLOCK_N=16, D_LO=d_lo, D_HI=d_hi,
+                                             **pack))
     return configs
+
+
+def _pack_choices(spec: VarlenAttentionSpec) -> list[dict]:
+    """The PACK_GQA values a spec's configs take, preferred first: packed for grouped KV heads (each K/V tile read
+    once per group; a decode step's single query fills the MMA rows with the group's heads), the parameter absent
+    otherwise (the vision specs' configs are unchanged)."""
+    return [dict(PACK_GQA=1), dict(PACK_GQA=0)] if spec.grouped else [{}]
 
 
 def _miscompiled(d_hi: int, block_n: int) -> bool:
@@ -317,7 +327,7 @@ def triton_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -> 
             if _miscompiled(d_hi, block_n):
                 continue
             config = KernelConfig.make(num_warps=num_warps, num_stages=num_stages, BLOCK_M=block_m,
-                                       BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi)
+                                       BLOCK_N=block_n, D_LO=d_lo, D_HI=d_hi, **_pack_choices(spec)[0])
             if _legal_triton(spec, profile, config):
                 return config
     raise ValueError(f"no legal Triton varlen_attention config for {spec.describe()} on {profile.name}")
@@ -351,16 +361,23 @@ def triton_launch(kernel, config: KernelConfig, q, k, v, cu_seqlens, max_seqlen,
     block_m = config["BLOCK_M"]
     tokens, heads = q.shape[0], q.shape[1]
     segments = cu_seqlens.shape[0] - 1
-    blocks = (tokens + segments * (block_m - 1)) // block_m
+    pack = _packs_gqa(config)  # rows are (query, head of a KV group) pairs, one program per KV head
+    group = heads // k.shape[1] if k.shape[1] else 1
+    rows = tokens * group if pack else tokens
+    blocks = (rows + segments * (block_m - 1)) // block_m
     if blocks == 0 or heads == 0:
         return
     stride_rope = cos.stride(0) if cos is not None else 0
-    kernel[(blocks, heads)](
+    kernel[(blocks, k.shape[1] if pack else heads)](
         q, k, v, out, cu_seqlens, cos, sin, cu_seqlens_k, query_pos, sinks, segments, sm_scale, window,
-        heads // k.shape[1], q.stride(0), k.stride(0), v.stride(0), out.stride(0), stride_rope,
+        group, q.stride(0), k.stride(0), v.stride(0), out.stride(0), stride_rope,
         BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], D_LO=config["D_LO"], D_HI=config["D_HI"],
-        CAUSAL=query_pos is not cu_seqlens, HAS_SINKS=sinks is not cu_seqlens,
+        CAUSAL=query_pos is not cu_seqlens, HAS_SINKS=sinks is not cu_seqlens, PACK_GQA=pack,
         num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _packs_gqa(config: KernelConfig) -> bool:
+    return bool(dict(config.params).get("PACK_GQA", 0))
 
 
 def triton_signature(spec: VarlenAttentionSpec, config: KernelConfig) -> tuple[dict, dict]:
@@ -375,10 +392,10 @@ def triton_signature(spec: VarlenAttentionSpec, config: KernelConfig) -> tuple[d
         **{name: "i32" for name in ("stride_q_token", "stride_k_token", "stride_v_token", "stride_out_token",
                                     "stride_rope")},
         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "D_LO": "constexpr", "D_HI": "constexpr",
-        "CAUSAL": "constexpr", "HAS_SINKS": "constexpr",
+        "CAUSAL": "constexpr", "HAS_SINKS": "constexpr", "PACK_GQA": "constexpr",
     }
     constexprs = {**{name: config[name] for name in ("BLOCK_M", "BLOCK_N", "D_LO", "D_HI")},
-                  "CAUSAL": spec.causal, "HAS_SINKS": spec.sinks}
+                  "CAUSAL": spec.causal, "HAS_SINKS": spec.sinks, "PACK_GQA": _packs_gqa(config)}
     if not spec.rope:
         constexprs.update(cos_ptr=None, sin_ptr=None)
     return signature, constexprs

@@ -524,9 +524,10 @@ _AOT_SCRIPT = textwrap.dedent("""
     compile_one(dsa_topk, spec, dsa_topk.TRITON_KERNEL_NAME, *dsa_topk.triton_signature(spec, config),
                 config.num_warps)
     results[-1].append(dsa_topk.triton_shared_memory_bytes(spec, config))
-    for fp8_cache in (False, True):  # the bf16 and the FP8 (656 B/token) latent cache
+    # The bf16 and the FP8 (656 B/token) latent cache; the bf16 one with a window, sinks and index blocks too.
+    for fp8_cache, extras in ((False, {}), (True, {}), (False, dict(causal=True, sinks=True, index_block=64))):
         spec = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, fp8_cache, topk=2048,
-                                                    page_size=64)
+                                                    page_size=64, **extras)
         prefill = sparse_attention.triton_default_config(spec, SM_90)
         decode = sparse_attention.configs_for_bucket(spec, SM_90, 1, [], prefill)[1]
         for config in (prefill, decode):

@@ -27,6 +27,7 @@ from conftest import run_ahead_of_time_script
 from dzc.ops.varlen_attention import varlen_attention_reference
 from dzc.targets import TARGETS, tilelang_codegen, triton_codegen
 from dzc.targets import varlen_attention as family
+from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.launch import legal_configs
 from dzc.targets.legality import config_problems
 from dzc.targets.profiles import SM_90
@@ -149,7 +150,12 @@ def test_triton_decoder_attention_matches_reference(case_id, seed, triton_kernel
     kernel = triton_kernels(spec)
     expected = varlen_attention_reference(*args)
     tolerance = MAX_EPSILONS[dtype] * torch.finfo(dtype).eps * args[2].float().abs().max().item()
-    for config in configs_to_check(spec, SM_90):
+    configs = configs_to_check(spec, SM_90)
+    if spec.grouped:  # both layouts: the group's heads packed into a program's rows, and one head a program
+        default = family.triton_default_config(spec, SM_90)
+        configs.append(KernelConfig.make(default.num_warps, default.num_stages, **{**dict(default.params),
+                                                                                  "PACK_GQA": 0}))
+    for config in configs:
         actual = launch_triton(kernel, spec, config, args)
         assert not actual.isnan().any(), f"{case_id} {config}: an element was not written"
         torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=0,
@@ -378,16 +384,18 @@ _AOT_SCRIPT = textwrap.dedent("""
 
     assert not triton_codegen.interpreting()
     out = Path(sys.argv[1])
-    # The default config of the model head dims (bf16, with and without RoPE), and the largest legal one.
-    CASES = ((80, torch.float32, "default"), (72, None, "default"), (80, None, "largest"))
+    # The default config of the model head dims (bf16, with and without RoPE), and the largest legal one; a text
+    # decoder's (causal, window, sinks, grouped KV heads packed per program, keys of their own).
+    CASES = ((80, torch.float32, "default"), (72, None, "default"), (80, None, "largest"), (64, None, "decoder"))
+    DECODER = dict(causal=True, sinks=True, grouped=True, own_keys=True)
 
     def compile_case(index):
         head_dim, rope, which = CASES[index]
-        spec = family.make_spec(head_dim, torch.bfloat16, rope)
+        spec = family.make_spec(head_dim, torch.bfloat16, rope, **(DECODER if which == "decoder" else {}))
         legal, _ = legal_configs(family, "triton", spec, SM_90)
-        config = (family.triton_default_config(spec, SM_90) if which == "default" else
-                  max(legal, key=lambda c: family.triton_shared_memory_bytes(spec, c)))
-        path = out / f"varlen_attention_{head_dim}_{rope is not None}.py"
+        config = (max(legal, key=lambda c: family.triton_shared_memory_bytes(spec, c)) if which == "largest" else
+                  family.triton_default_config(spec, SM_90))
+        path = out / f"varlen_attention_{head_dim}_{rope is not None}_{which}.py"
         path.write_text(family.triton_source(spec, SM_90))
         kernel = triton_codegen.compile_ahead_of_time(path, family.TRITON_KERNEL_NAME,
                                                       *family.triton_signature(spec, config),
@@ -410,7 +418,7 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 def test_triton_compiles_ahead_of_time_for_sm_90(tmp_path):
     results = run_ahead_of_time_script(_AOT_SCRIPT, tmp_path, TRITON_DEFAULT_FP_FUSION="1")
-    assert len(results) == 3
+    assert len(results) == 4 and "PACK_GQA=1" in results[3]["config"], results[3]
     for r in results:
         # Tensor cores, and (with more than one stage) key/value tiles loaded asynchronously ahead of use.
         assert r["legal"] and r["mma"] and r["pipelined"] and r["warps"] == r["expected_warps"], r
