@@ -149,7 +149,8 @@ def _static(size) -> int | None:
 
 
 def spec_from_node(node) -> SparseAttentionSpec:
-    arguments = node.normalized_arguments(node.graph.owning_module, normalize_to_only_use_kwargs=True).kwargs
+    names = [argument.name for argument in node.target._schema.arguments]
+    arguments = {**dict(zip(names, node.args)), **node.kwargs}
 
     def value(name):
         argument = arguments.get(name)
