@@ -133,3 +133,26 @@ def compile_tuned_and_check(model, cache_dir, tokens_list):
         assert_add_rms_norm_matches_eager(model, x, residual, y, h)
     assert compiled.report.fired() == {"fuse_residual_norm": 1}
     return compiled, (x, residual)
+
+
+def run_pass_on_capture(graph_pass, module, *inputs, dynamic=False):
+    """Capture `module` as dzc does (AOTAutograd, Inductor's decompositions), run `graph_pass` on the graph and
+    execute its result (dzc ops as their references, no kernels: fast): (captured GraphModule, PassResult, output
+    of the rewritten graph, eager output)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+
+    captured = []
+
+    def rewrite(gm, _):
+        result = graph_pass(gm.graph)
+        captured.append((gm, result))
+        return torch.fx.GraphModule(gm, result.graph)
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=rewrite, inference_compiler=rewrite, decompositions=select_decomp_table())
+    with torch.no_grad():
+        expected = module(*inputs)
+        actual = torch.compile(module, backend=backend, dynamic=dynamic)(*inputs)
+    gm, result = captured[0]
+    return gm, result, actual, expected

@@ -7,9 +7,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch import nn
+from conftest import run_pass_on_capture
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.decomposition import select_decomp_table
+from torch import nn
 
 import dzc
 from dzc import ir
@@ -19,21 +20,9 @@ NEG = float("-inf")
 
 
 def _fuse(module, *inputs, dynamic=False):
-    """Capture module as dzc does (AOTAutograd, Inductor's decompositions), run fuse_sparse_attention on the graph
-    and execute the result (reference ops): (captured GraphModule, PassResult, fused output, eager output)."""
-    captured = []
-
-    def rewrite(gm, _):
-        result = fuse_sparse_attention(gm.graph)
-        captured.append((gm, result))
-        return torch.fx.GraphModule(gm, result.graph)
-
-    torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=rewrite, inference_compiler=rewrite, decompositions=select_decomp_table())
-    with torch.no_grad():
-        expected = module(*inputs)
-        actual = torch.compile(module, backend=backend, dynamic=dynamic)(*inputs)
-    gm, result = captured[0]
+    """fuse_sparse_attention on module's captured graph: (captured GraphModule, PassResult, fused output, eager
+    output), the outputs' first tensor where the module returns a tuple."""
+    gm, result, actual, expected = run_pass_on_capture(fuse_sparse_attention, module, *inputs, dynamic=dynamic)
     first = (lambda out: out[0] if isinstance(out, tuple) else out)
     return gm, result, first(actual), first(expected)
 
@@ -250,7 +239,7 @@ class BlockSparse(nn.Module):
 
     def forward(self, q_index, k_index, weights, q, kv, positions):
         batch, context = kv.shape[:2]
-        block, queries = 4, q.shape[2]
+        block = 4
         blocks = -(-context // block)
         kv_idx, q_idx = torch.arange(context), positions[..., None]
         causal = kv_idx <= q_idx

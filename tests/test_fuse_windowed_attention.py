@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import run_pass_on_capture
 from torch import nn
-from torch._dynamo.backends.common import aot_autograd
-from torch._inductor.decomposition import select_decomp_table
 
 import dzc
 from dzc import ir
@@ -24,22 +23,9 @@ NEG = torch.finfo(torch.float32).min
 
 
 def _fuse(module, *inputs):
-    """Capture as dzc does, run the pass, execute the result with the op's reference: (captured graph module,
-    PassResult, output of the rewritten graph, eager output)."""
-    captured = []
-
-    def rewrite(gm, _):
-        result = fuse_windowed_attention(gm.graph)
-        captured.append((gm, result))
-        return torch.fx.GraphModule(gm, result.graph)
-
-    torch._dynamo.reset()
-    backend = aot_autograd(fw_compiler=rewrite, inference_compiler=rewrite, decompositions=select_decomp_table())
-    with torch.no_grad():
-        expected = module(*inputs)
-        actual = torch.compile(module, backend=backend)(*inputs)
-    gm, result = captured[0]
-    return gm, result, actual, expected
+    """fuse_windowed_attention on module's captured graph: (captured GraphModule, PassResult, fused output, eager
+    output)."""
+    return run_pass_on_capture(fuse_windowed_attention, module, *inputs)
 
 
 class LocalAttention(nn.Module):
