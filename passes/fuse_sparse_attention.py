@@ -68,12 +68,14 @@ dim against one query position per row); the top-k is over the last dim, largest
 attention is [B, H, S, D] x [B, 1 or H, T, D] scores, softmax over T, times [B, 1 or H, T, Dv]; its mask is
 exactly causal (the same query positions) + a scatter of this top-k's indices.
 
-Refusals (recorded with the reason, graph untouched at that site): a mask that is not exactly causal + top-k (+ a
-local window beside it: a padding mask, a window intersected with the selection, a window relative to other
-positions than the causal mask's), top-k indices or the sparse mask or the scores with another use, an indexer
-scale that is not a positive constant, a top-k over something other than an indexer score. A dense attention
-without a top-k mask has no topk node and is never looked at; a top-k scattered into a mask that reaches no
-softmax (a group-limited MoE router's expert mask) is not a candidate either: neither is reported.
+Refusals (recorded with the reason, graph untouched at that site): an attention mask that is not exactly causal +
+top-k (+ a local window beside it: a padding mask, a window intersected with the selection, a window relative to
+other positions than the causal mask's), top-k indices or the sparse mask or the scores with another use, a
+selection per head, sinks per query, float64 attention. An indexer the pass cannot fuse (a scale that is not a
+positive constant, a mask that is not exactly causal, another scorer) is not a refusal: the model's selection is
+kept and the attention fused, the site saying why. A dense attention without a top-k mask has no topk node and is
+never looked at; a top-k scattered into a mask that reaches no softmax (a group-limited MoE router's expert mask)
+is not a candidate either: neither is reported.
 
 Ordering: runs on the captured ATen graph, before lowering. It does not depend on fuse_residual_norm.
 """
