@@ -105,6 +105,12 @@ class _Printer:
         return "\n".join(lines) + "\n"
 
 
+def call_arguments(node: torch.fx.Node) -> dict:
+    """An op call's arguments by their schema names, positional and keyword alike (defaults not filled in)."""
+    names = [argument.name for argument in node.target._schema.arguments]
+    return {**dict(zip(names, node.args)), **node.kwargs}
+
+
 def print_graph(graph: torch.fx.Graph, title: str | None = None) -> str:
     """Deterministic readable text of an ATen-level fx graph."""
     return _Printer().print(graph, title)

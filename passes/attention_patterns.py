@@ -28,6 +28,10 @@ prims = torch.ops.prims
 VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
          aten.clone.default, aten.alias.default)
 SHAPE_ONLY = VIEWS + (aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default)
+# SDPA as capture keeps it (the generic op, or its CPU / GPU kernels' ops): read from its arguments.
+SDPA_OPS = (aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default,
+            aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default)
 ATTENTION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what dzc's attention ops take
 # Anything at or below this is a "masked out" additive value: -inf, or finfo(dtype).min (HF; fp16's is -65504).
 MASKED = -65504.0
@@ -583,7 +587,31 @@ class Builder:
         return self(aten.sym_size.int, node, dim)
 
 
-def remove_dead(graph, roots) -> None:
+def one_position_per_query(positions, batch, queries) -> bool:
+    """The causal mask's query positions (a node of [..., S, 1]) are one per query row: [S] shared by the batch,
+    or [B, S]."""
+    rows = fake_value(positions)
+    return (rows.dim() >= 2 and same(rows.shape[-2], queries) and same(rows.shape[-1], 1)
+            and (same(rows.numel(), queries) or same(rows.numel(), batch * queries)))
+
+
+def flat_query_positions(build: Builder, positions, batch, queries):
+    """Those positions as the ops take them: int32 [B*S], contiguous (a reshape of an expand can be a stride-0
+    view at batch 1, and kernels index it flat)."""
+    positions = build(aten.expand.default, build(aten.view.default, positions, [-1, queries]), [batch, queries])
+    return build(aten.clone.default, build(prims.convert_element_type.default,
+                                           build(aten.reshape.default, positions, [-1]), torch.int32),
+                 memory_format=torch.contiguous_format)
+
+
+def fp32_sinks(build: Builder, sinks):
+    """The [H] sink logits as the ops take them (fp32), or None."""
+    if sinks is not None and fake_value(sinks).dtype != torch.float32:
+        sinks = build(prims.convert_element_type.default, sinks, torch.float32)
+    return sinks
+
+
+def erase_replaced(graph, roots) -> None:
     """Erase the replaced subgraph: the roots and whatever they alone used (never unrelated dead code)."""
     pending, erased = list(roots), set()
     while pending:

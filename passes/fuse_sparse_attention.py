@@ -89,7 +89,8 @@ import torch
 import torch.fx
 
 from dzc.passes.attention_patterns import (SHAPE_ONLY, Attention, Builder, NotAMask, bmm_operands, check_private,
-                                          feeds_exp, match_attention, query_positions, remove_dead, same, shape_is,
+                                          erase_replaced, feeds_exp, flat_query_positions, fp32_sinks,
+                                          match_attention, one_position_per_query, query_positions, same, shape_is,
                                           softmax_output, split_masked, strip, strip_casts, transposed,
                                           whole_dim_slice)
 from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
@@ -260,13 +261,8 @@ def _rewrite(graph, topk, match: _Match):
     batch, heads, queries = build.size(q4, 0), build.size(q4, 1), build.size(q4, 2)
 
     # Which sequence each query row belongs to, and its position (from the causal mask).
-    positions = query_positions(attention.terms, "attention")
-    positions = build(aten.view.default, positions, [-1, queries])
-    positions = build(aten.expand.default, positions, [batch, queries])
-    # Contiguous copies: a reshape of an expand can be a stride-0 view (batch 1), and kernels index these flat.
-    query_pos = build(aten.clone.default, build(prims.convert_element_type.default,
-                                                build(aten.reshape.default, positions, [-1]), torch.int32),
-                      memory_format=torch.contiguous_format)
+    query_pos = flat_query_positions(build, query_positions(attention.terms, "attention"), batch, queries)
+    # query_seq contiguous too (a reshape of an expand can be a stride-0 view at batch 1; kernels index it flat).
     sequence = build(prims.iota.default, batch, start=0, step=1, dtype=torch.int32, device=fake_value(q4).device,
                      requires_grad=False)
     query_seq = build(aten.clone.default, build(aten.reshape.default, build(
@@ -323,9 +319,7 @@ def _rewrite(graph, topk, match: _Match):
     # A local window beside the selected keys: the op attends it itself, relative to the query positions.
     window = next((term[2] for term in attention.terms if term[0] == "any" for term in term[1]
                    if term[0] == "window"), 0)
-    sinks = attention.sinks
-    if sinks is not None and fake_value(sinks).dtype != torch.float32:
-        sinks = build(prims.convert_element_type.default, sinks, torch.float32)
+    sinks = fp32_sinks(build, attention.sinks)
     # Blocks: the positions of the query's own block past it are hidden by the causal mask (the op's query_pos).
     causal = window or match.block > 1
     extras = (query_pos if causal else None, sinks, window, match.block) \
@@ -442,10 +436,9 @@ def _match(topk):
     _, _, block, width, scatter = selected
     batch, _, queries, context = fake_value(masked).shape
     ranked = fake_value(topk.args[0])
-    query_rows = fake_value(query_positions(attention.terms, "attention"))
     if not (ranked.dim() == 3 and same(ranked.shape[0], batch) and same(ranked.shape[1], queries)
-            and shape_is(scatter, batch, queries, None) and same(width, context) and query_rows.dim() >= 2 and same(query_rows.shape[-2], queries) and same(query_rows.shape[-1], 1)
-            and (same(query_rows.numel(), queries) or same(query_rows.numel(), batch * queries))):
+            and shape_is(scatter, batch, queries, None) and same(width, context)
+            and one_position_per_query(query_positions(attention.terms, "attention"), batch, queries)):
         raise Refusal("the top-k does not rank [B, S, units] scores, one row per query, whose units (positions or "
                       "blocks of them) cover the keys")
     if indexer is not None and block != 1:
@@ -505,9 +498,9 @@ def fuse_sparse_attention(graph: torch.fx.Graph) -> PassResult:
         where = location_of(match.attention.out)
         _rewrite(graph, topk, match)
         if match.indexer is not None:
-            remove_dead(graph, [match.attention.out, topk, match.indexer.logits])
+            erase_replaced(graph, [match.attention.out, topk, match.indexer.logits])
         else:
-            remove_dead(graph, [match.attention.out])
+            erase_replaced(graph, [match.attention.out])
             where += f" (the model's own selection: {match.own_selection})"
         result.rewrote(where)
     return result

@@ -57,6 +57,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 from torch.fx.operator_schemas import normalize_function
 
+from dzc.passes.attention_patterns import SDPA_OPS, VIEWS
 from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
 from dzc.passes.patterns import remove_dead
 
@@ -66,15 +67,6 @@ dzc = torch.ops.dzc
 
 NAME = "fuse_vision_attention"
 _END = 9223372036854775807  # aten.slice's "to the end"
-
-# Ops that only reinterpret a tensor's elements (no arithmetic); the pass looks through them.
-_VIEW_LIKE = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-              aten.clone.default, aten.alias.default)
-_SDPA_OPS = (aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention.default,
-             aten._scaled_dot_product_flash_attention_for_cpu.default,
-             aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default)
-
-
 
 
 def _same_size(a, b) -> bool:
@@ -153,7 +145,7 @@ def _is_full_row_guard(cond) -> bool:
 
 # What SDPA does to a mask before a fused kernel reads it: broadcast it to 4-D, pad its last dim for alignment
 # and slice the padding off again (efficient attention).
-_MASK_LAYOUT = (*_VIEW_LIKE, aten.unsqueeze.default, aten.slice.Tensor, aten.constant_pad_nd.default)
+_MASK_LAYOUT = (*VIEWS, aten.unsqueeze.default, aten.slice.Tensor, aten.constant_pad_nd.default)
 
 
 def _bool_mask_of(mask) -> torch.fx.Node | None:
@@ -176,7 +168,7 @@ def _match_math_core(pv) -> _Core | None:
     eager attention and CPU SDPA. pv is the second bmm."""
     if not is_call(pv, aten.bmm.default):
         return None
-    probs = _skip_casts(_skip(pv.args[0], *_VIEW_LIKE))
+    probs = _skip_casts(_skip(pv.args[0], *VIEWS))
     if is_call(probs, aten.where.self) and _is_full_row_guard(probs.args[0]) and _scalar(probs.args[1]) is None:
         probs = _skip_casts(probs.args[2])
     if is_call(probs, aten._softmax.default):
@@ -203,12 +195,12 @@ def _match_math_core(pv) -> _Core | None:
         if not is_call(keep, aten.bitwise_not.default, aten.logical_not.default):
             return None
         mask, mask_use, logits = keep.args[0], keep, logits.args[2]
-    logits, scale = _peel_scale(_skip(logits, *_VIEW_LIKE), 1.0)
-    logits = _skip(logits, *_VIEW_LIKE)
+    logits, scale = _peel_scale(_skip(logits, *VIEWS), 1.0)
+    logits = _skip(logits, *VIEWS)
     if not is_call(logits, aten.bmm.default):
         return None
-    q, scale = _peel_scale(_skip(logits.args[0], *_VIEW_LIKE), scale)
-    k_t, scale = _peel_scale(_skip(logits.args[1], *_VIEW_LIKE), scale)
+    q, scale = _peel_scale(_skip(logits.args[0], *VIEWS), scale)
+    k_t, scale = _peel_scale(_skip(logits.args[1], *VIEWS), scale)
     rank = fake_value(k_t).dim()
     if is_call(k_t, aten.permute.default) and list(k_t.args[1]) == [*range(rank - 2), rank - 1, rank - 2]:
         k = k_t.args[0]
@@ -217,7 +209,7 @@ def _match_math_core(pv) -> _Core | None:
     else:
         return None
     k, scale = _peel_scale(k, scale)
-    v = _skip(pv.args[1], *_VIEW_LIKE)
+    v = _skip(pv.args[1], *VIEWS)
     q, k, v = (_skip_upcast(n) for n in (q, k, v))
     out = pv
     while len(out.users) == 1 and is_call(next(iter(out.users)), aten.view.default, aten._unsafe_view.default):
@@ -238,7 +230,7 @@ def _skip_upcast(node):
 
 def _match_sdpa_core(node) -> _Core | None:
     """A fused SDPA op (what capture keeps on GPUs): its normalised arguments."""
-    if not is_call(node, *_SDPA_OPS):
+    if not is_call(node, *SDPA_OPS):
         return None
     normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
     if normalized is None:
@@ -253,7 +245,7 @@ def _match_sdpa_core(node) -> _Core | None:
     if mask is not None:
         bool_mask = _bool_mask_of(mask)
         if bool_mask is None:
-            mask_node = _skip(mask, *_VIEW_LIKE)
+            mask_node = _skip(mask, *VIEWS)
             if fake_value(mask_node) is None or fake_value(mask_node).dtype != torch.bool:
                 return None
             bool_mask = mask_node

@@ -46,9 +46,10 @@ import torch
 import torch.fx
 from torch.fx.operator_schemas import normalize_function
 
-from dzc.passes.attention_patterns import (ATTENTION_DTYPES, SHAPE_ONLY, Attention, Builder, NotAMask,
-                                          additive_terms, check_private, is_whole_slice, keep_terms, mask_problem,
-                                          match_attention, query_positions, remove_dead, same, softmax_output,
+from dzc.passes.attention_patterns import (ATTENTION_DTYPES, SDPA_OPS, SHAPE_ONLY, Attention, Builder, NotAMask,
+                                          additive_terms, check_private, erase_replaced, flat_query_positions,
+                                          fp32_sinks, is_whole_slice, keep_terms, mask_problem, match_attention,
+                                          one_position_per_query, query_positions, same, softmax_output,
                                           split_masked, strip)
 from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
 
@@ -125,21 +126,13 @@ def _site(attention: Attention, terms: list, window: int) -> _Site:
     if any(term[0] == "window" and strip(term[1], SHAPE_ONLY) is not strip(positions, SHAPE_ONLY) for term in terms):
         raise Refusal("the local window is not relative to the causal mask's query positions")
     batch, heads, queries, _ = fake_value(attention.q).shape
-    rows = fake_value(positions)
-    if not (rows.dim() >= 2 and same(rows.shape[-2], queries) and same(rows.shape[-1], 1)
-            and (same(rows.numel(), queries) or same(rows.numel(), batch * queries))):
+    if not one_position_per_query(positions, batch, queries):
         raise Refusal("the causal mask does not compare one query position per query row")
     k, v = _repeated_kv(attention.k), _repeated_kv(attention.v)
     kv_heads = fake_value(k).shape[1]
     if not (same(fake_value(v).shape[1], kv_heads) and heads % kv_heads == 0):
         raise Refusal("the keys and values have other KV heads, or KV heads that do not divide the query heads")
     return _Site(attention, positions, window, k, v)
-
-
-# SDPA as capture keeps it (the CPU's flash op with a mask, the GPUs' efficient / cuDNN ops with a bias): its
-# arguments say the same as the matmul/softmax spelling, without sinks.
-_SDPA_OPS = (aten.scaled_dot_product_attention.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
-             aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_cudnn_attention.default)
 
 
 def _match_sdpa(node) -> _Site | None:
@@ -195,14 +188,8 @@ def _rewrite(graph: torch.fx.Graph, site: _Site) -> None:
                        requires_grad=False)
         return build(prims.convert_element_type.default, build(aten.mul.Tensor, starts, length), torch.int32)
 
-    positions = build(aten.expand.default, build(aten.view.default, site.positions, [-1, queries]), [batch, queries])
-    # Contiguous: a reshape of an expand can be a stride-0 view (batch 1), and the kernel indexes it flat.
-    query_pos = build(aten.clone.default, build(prims.convert_element_type.default,
-                                                build(aten.reshape.default, positions, [-1]), torch.int32),
-                      memory_format=torch.contiguous_format)
-    sinks = attention.sinks
-    if sinks is not None and fake_value(sinks).dtype != torch.float32:
-        sinks = build(prims.convert_element_type.default, sinks, torch.float32)
+    query_pos = flat_query_positions(build, site.positions, batch, queries)
+    sinks = fp32_sinks(build, attention.sinks)
     out = build(dzc.varlen_attention.default, tokens_first(q4), tokens_first(site.k), tokens_first(site.v),
                 segment_starts(queries), queries, attention.scale, None, None, segment_starts(context), query_pos,
                 site.window, sinks)
@@ -217,12 +204,12 @@ def fuse_windowed_attention(graph: torch.fx.Graph) -> PassResult:
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
     candidates = [n for n in graph.nodes if (is_call(n, aten.add.Tensor, aten.where.self, aten.masked_fill.Scalar)
-                                             and softmax_output(n) is not None) or is_call(n, *_SDPA_OPS)]
+                                             and softmax_output(n) is not None) or is_call(n, *SDPA_OPS)]
     for candidate in candidates:
         if candidate.graph is not graph or not candidate.users:  # erased with an earlier site
             continue
         try:
-            site = _match_sdpa(candidate) if is_call(candidate, *_SDPA_OPS) else _match(candidate)
+            site = _match_sdpa(candidate) if is_call(candidate, *SDPA_OPS) else _match(candidate)
         except (Refusal, NotAMask) as refusal:
             result.refused(location_of(candidate), str(refusal))
             continue
@@ -230,6 +217,6 @@ def fuse_windowed_attention(graph: torch.fx.Graph) -> PassResult:
             continue
         where = location_of(site.attention.out)
         _rewrite(graph, site)
-        remove_dead(graph, [site.attention.out])
+        erase_replaced(graph, [site.attention.out])
         result.rewrote(where)
     return result

@@ -30,7 +30,7 @@ from string import Template
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from dzc import kv_cache
+from dzc import ir, kv_cache
 from dzc.ops import dsa as dsa_ops
 from dzc.targets import dsa_cases, tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
@@ -149,8 +149,7 @@ def _static(size) -> int | None:
 
 
 def spec_from_node(node) -> SparseAttentionSpec:
-    names = [argument.name for argument in node.target._schema.arguments]
-    arguments = {**dict(zip(names, node.args)), **node.kwargs}
+    arguments = ir.call_arguments(node)
 
     def value(name):
         argument = arguments.get(name)

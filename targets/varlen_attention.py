@@ -19,6 +19,7 @@ values are validated by the op's reference, not here (that would need a sync per
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from string import Template
 
 import torch
 
+from dzc import ir
 from dzc.ops.varlen_attention import check_varlen_attention_args
 from dzc.targets import tilelang_codegen
 from dzc.targets.kernel_config import KernelConfig
@@ -88,16 +90,9 @@ def make_spec(head_dim: int, dtype: torch.dtype, rope_dtype: torch.dtype | None,
     return VarlenAttentionSpec(head_dim, dtype, rope_dtype, **extras)
 
 
-def _node_arguments(node) -> dict:
-    names = [argument.name for argument in node.target._schema.arguments]
-    values = dict(zip(names, node.args))
-    values.update(node.kwargs)
-    return values
-
-
 def spec_from_node(node) -> VarlenAttentionSpec:
     arguments = {name: value.meta["val"] if isinstance(value, torch.fx.Node) else value
-                 for name, value in _node_arguments(node).items() if name != "kernel_id"}
+                 for name, value in ir.call_arguments(node).items() if name != "kernel_id"}
     return spec_from_arguments(**arguments)
 
 
@@ -139,11 +134,13 @@ def prepare(spec: VarlenAttentionSpec, q, k, v, cu_seqlens, max_seqlen, sm_scale
 
     The work size is max_seqlen (0 for an empty pack, which launches nothing)."""
     check_varlen_attention_args(q, k, v, cu_seqlens, max_seqlen, cos, sin, cu_seqlens_k, query_pos, window, sinks)
-    call = dict(causal=query_pos is not None, sinks=sinks is not None, grouped=k.shape[1] != q.shape[1],
-                own_keys=cu_seqlens_k is not None)
-    if q.shape[-1] != spec.head_dim or any(getattr(spec, name) != value for name, value in call.items()):
+    # The call's spec, its dtypes aside (checked below, each with its own message).
+    call = dataclasses.replace(spec_from_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, cu_seqlens_k,
+                                                   query_pos, window, sinks), dtype=spec.dtype,
+                               rope_dtype=spec.rope_dtype)
+    if call != spec:
         raise ValueError(f"varlen_attention kernel for {spec.describe()} got q {tuple(q.shape)}, k "
-                         f"{tuple(k.shape)}, {', '.join(f'{name}={value}' for name, value in call.items())}")
+                         f"{tuple(k.shape)}: {call.describe()}")
     if not (q.dtype == k.dtype == v.dtype == spec.dtype):
         raise ValueError(f"varlen_attention kernel for {spec.dtype} got q/k/v {q.dtype}/{k.dtype}/{v.dtype}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
