@@ -199,9 +199,15 @@ DECODE_PROGRAMS_WITHOUT_SPLITS = 128
 def _decode_splits(spec: SparseAttentionSpec, config: KernelConfig, bucket: int) -> int:
     """Splits of the untuned decode choice: none once query rows x head blocks give enough programs by themselves
     (H200, 64 sequences x 2 rows at 32K context, 64 x 64 tiles: 1 split 435 µs, 2 460, 4 523, 8 644;
-    tools/diagnose_sparse_attention_configs.py), else 4."""
-    head_blocks = -(-spec.heads // config["BLOCK_H"])
-    return 1 if bucket * head_blocks >= DECODE_PROGRAMS_WITHOUT_SPLITS else 4
+    tools/diagnose_sparse_attention_configs.py), else enough to make that many programs, at most one per BLOCK_N
+    tile of the selected slots (H200, 1 sequence x 2 rows, top-k 2048: 4 splits, 8 programs, took 194 µs)."""
+    programs = bucket * -(-spec.heads // config["BLOCK_H"])
+    if programs >= DECODE_PROGRAMS_WITHOUT_SPLITS:
+        return 1
+    splits = -(-DECODE_PROGRAMS_WITHOUT_SPLITS // programs)
+    if spec.topk is not None:  # a symbolic top-k: the window and run-time width decide, splits may be empty
+        splits = min(splits, max(-(-(spec.topk * spec.index_block) // config["BLOCK_N"]), 1))
+    return splits
 
 
 def prepare(spec: SparseAttentionSpec, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, sm_scale,
@@ -279,7 +285,7 @@ def triton_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[Ke
     else:
         head_blocks, row_blocks, warp_counts = (1, 2, 4), (16, 32), (2, 4)
     configs = []
-    for splits in (0, 1, 2, 4, 8, 16):
+    for splits in (0, 1, 2, 4, 8, 16, 32):
         for block_h in head_blocks:
             for block_n in row_blocks:
                 for num_warps in warp_counts:

@@ -161,12 +161,14 @@ ATTENTION_SHAPES = {
 
 
 def _attention_configs(spec, uneven_splits):
-    """The prefill default, the decode default (4 splits) and, if asked, 3 splits (a split of padding tiles)."""
+    """The prefill default, the decode default, 4 splits and, if asked, 3 splits (a split of padding tiles)."""
     default = sparse_attention.triton_default_config(spec, SM_90)
     decode = sparse_attention.configs_for_bucket(spec, SM_90, 1, sparse_attention.triton_configs(spec, SM_90),
                                                  default)[1]
-    split3 = KernelConfig.make(decode.num_warps, decode.num_stages, **{**dict(decode.params), "SPLITS": 3})
-    return [default, decode] + ([split3] if uneven_splits else [])
+    splits = [4, 3] if uneven_splits else [4]
+    return [default, decode] + [KernelConfig.make(decode.num_warps, decode.num_stages,
+                                                  **{**dict(decode.params), "SPLITS": n}) for n in splits
+                                if n != decode["SPLITS"]]
 
 
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
@@ -211,6 +213,29 @@ def test_sparse_attention_with_window_sinks_and_blocks_matches_reference(shape, 
         assert not out.isnan().any(), f"{config}: unwritten output"
         torch.testing.assert_close(out.float(), expected.float(), atol=2**-6, rtol=2**-7,
                                    msg=lambda m: f"{config}: {m}")
+
+
+@pytest.mark.parametrize("separate_v", [False, True], ids=["v-from-k", "v-cache"])
+def test_index_blocks_over_rows_of_odd_stride(separate_v, seed, tmp_path):
+    """Index blocks of 2 over fp32 caches whose token rows are one element longer than a row (an odd stride): the
+    fuzzer's case that faulted on the H200 (misaligned address) when Triton 3.6 assumed pairs of positions were
+    8-byte aligned rows; padding elements are NaN, so a row read from the wrong place shows."""
+    args = list(dsa_cases.sparse_attention_args([37, 100, 5], [1, 4, 2], 16, 1, 48, 32, separate_v, topk=24,
+                                                page_size=16, device=DEVICE, generator=_generator(seed),
+                                                dtype=torch.float32, index_block=2))
+    for i in (1, 2) if separate_v else (1,):
+        padded = torch.full((*args[i].shape[:-1], args[i].shape[-1] + 1), float("nan"), device=DEVICE)
+        padded[..., :-1] = args[i]
+        args[i] = padded[..., :-1]
+        assert args[i].stride(1) % 2 == 1
+    spec = sparse_attention.spec_for(*args[:3], args[6], args[8], args[9], args[10], *args[12:])
+    assert spec.index_block == 2 and not spec.causal
+    kernels = _load_triton(sparse_attention, spec, tmp_path)
+    expected = sparse_attention_reference(*args)
+    for config in _attention_configs(spec, uneven_splits=True):
+        out = _run_triton(sparse_attention, spec, kernels, config, args)
+        assert not out.isnan().any(), f"{config}: unwritten output"
+        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4, msg=lambda m: f"{config}: {m}")
 
 
 def test_window_and_sinks_mean_what_dense_masked_attention_computes(seed):

@@ -27,7 +27,8 @@ same number of keys); each against the plain kernel's time.
 
 Every kernel is checked against its dzc op reference (rows of the first sequence) before it is timed. Kernels run
 through dzc's lowering (lower_op: the path a compiled graph takes) with autotuning (tuning database in
---cache-dir; --quick uses the untuned defaults). Times: medians of triton.testing.do_bench.
+--cache-dir; --quick uses the untuned defaults). Times: medians of triton.testing.do_bench (--cuda-graphs: of CUDA
+graph replays, do_bench_cudagraph, which leaves the host's launch work out).
 
 --public-kernels DIR (default .public-kernels/deepseek_v32 when it exists; made by tools/fetch_public_kernels.sh,
 git-ignored, never committed): the public TileLang DeepSeek-V3.2 example kernels run in the same process on the same
@@ -77,8 +78,14 @@ LONG_CONTEXT = 1 << 20  # --long-context: a decode step at 1M tokens
 BASELINE_SCORE_BYTES = 20 << 30
 
 
+# --cuda-graphs: every timed call replayed from a CUDA graph (a decode step's GPU work can be less than its host work).
+CUDA_GRAPHS = False
+
+
 def _time(fn) -> float:
     with torch.no_grad():
+        if CUDA_GRAPHS:
+            return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
         return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3
 
 
@@ -872,9 +879,13 @@ def main():
                              ".public-kernels/deepseek_v32 at the repository root if it exists, made by "
                              "tools/fetch_public_kernels.sh)")
     parser.add_argument("--no-public-kernels", action="store_true", help="do not run the public TileLang kernels")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="time CUDA graph replays of each call (GPU time without the host's launch work)")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: check the arguments, build what needs no device, print the plan")
     args = parser.parse_args()
+    global CUDA_GRAPHS
+    CUDA_GRAPHS = args.cuda_graphs
     torch._dynamo.config.recompile_limit = 64
     bench = Bench(args)
     if args.dry_run:
@@ -891,7 +902,8 @@ def main():
             f"{tilelang_codegen.VERSION}, python {platform.python_version()}, "
             f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC. Profile {bench.target.profile.name}"
             f"{' (MUSA mp_22 rules: <= 8 warps, 72 KiB, BF16 indexer)' if args.musa_legal else ''}; "
-            f"{'untuned defaults' if args.quick else 'autotuned'}. Indexer: {'FP8' if bench.fp8 else 'BF16'} cache, "
+            f"{'untuned defaults' if args.quick else 'autotuned'}"
+            f"{'; times of CUDA graph replays' if args.cuda_graphs else ''}. Indexer: {'FP8' if bench.fp8 else 'BF16'} cache, "
             f"TB/s = cached-token bytes read per query row ÷ time, % of 4.8 TB/s. Top-k: time ÷ one read of the "
             f"fp32 logits at 4.8 TB/s. Sparse attention: useful FLOPs 2·H·topk·(Dqk+Dv) per query row, % of "
             f"{PEAK_BF16_FLOPS / 1e12:.0f} TFLOP/s dense bf16; baselines: time (their time ÷ dzc's).")

@@ -17,7 +17,7 @@ What a sliding-window / sink layer runs without dzc (the baselines, same inputs,
                 attention, the cost of the full causal attention flash kernels run (for scale)
 dzc's Triton kernel is lowered as a compiled graph lowers it (autotuned unless --quick) and checked against the
 op's reference (the first sequence, or the first 256 query rows) before it is timed. TFLOP/s counts the useful
-work: 4·H·D per visible (query, key) pair. Times: triton.testing.do_bench medians.
+work: 4·H·D per visible (query, key) pair. Times: medians of CUDA graph replays (triton.testing.do_bench_cudagraph).
 """
 
 from __future__ import annotations
@@ -91,8 +91,10 @@ def eager_attention(q4, k4, v4, keep, sinks, scale):
 
 
 def _time(fn) -> float:
+    """GPU time of one call, replayed from a CUDA graph (as a server runs decode steps): a decode call's GPU work
+    is a few µs, less than the host's launch work, which do_bench would time instead."""
     with torch.no_grad():
-        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e-3
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
 
 
 def measure(kind: str, batch: int, q_len: int, k_len: int, window: int, device, target, options) -> str:

@@ -20,7 +20,8 @@
 # TileLang sparse attention rewrite s12b-1 (carry .whl-gpu1), s12b-2 (carry .whl-gpu2, .gpu-scratch), s12b-3
 # (carry .public-kernels). A step installs a wheel folder when its name ends in -1 or -2. Session 13: s13-1
 # (carry .whl-gpu1), s13-2 (carry .whl-gpu2 and .public-kernels): not run (session 13 had no device time, its
-# work is in s14-1). Session 14: s14-1 (carry .whl-gpu1), s14-2 (carry .whl-gpu2 and .public-kernels).
+# work is in s14-1). Session 14: s14-1 (carry .whl-gpu1), s14-2 (carry .whl-gpu2 and .public-kernels); after
+# their fixes s14-3 (carry .whl-gpu1), s14-4 (carry .whl-gpu2 and .public-kernels).
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -203,28 +204,49 @@ s12b-3)
   ;;
 s14-1)
   # (carry .whl-gpu1) Install; sparse attention's window, sinks and index blocks (session 13, CPU only so far) on
-  # the GPU's Triton kernels; the fuzzer's sparse_attention cases (they draw those parts too).
+  # the GPU's Triton kernels; session 13's decoder attention (varlen_attention causal + window + sinks + GQA,
+  # fuse_windowed_attention): kernel tests, the HF models, and its speed against eager / SDPA-with-mask.
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=12 part gpu_tests_sparse_extras 150 python3 -m pytest -q -p no:logging -rf tests/test_dsa_kernels.py \
+  TAIL=12 part gpu_tests_sparse_extras 130 python3 -m pytest -q -p no:logging -rf tests/test_dsa_kernels.py \
     -k "window or sinks or blocks or causal"
-  TAIL=20 part fuzz_sparse_triton 200 python3 tools/fuzz.py --ops sparse_attention --codegens triton --cases 32 \
-    --out "$OUT/fuzz_h200_sparse_triton.md"
-  # Session 13's decoder attention (varlen_attention causal + window + sinks + GQA, fuse_windowed_attention) on the
-  # GPU: kernel tests, the HF models, and its speed against eager / SDPA-with-mask.
-  TAIL=12 part gpu_tests_windowed 200 python3 -m pytest -q -p no:logging -rf tests/test_varlen_attention_kernels.py \
+  TAIL=12 part gpu_tests_windowed 160 python3 -m pytest -q -p no:logging -rf tests/test_varlen_attention_kernels.py \
     -k decoder tests/test_fuse_windowed_attention.py
-  TAIL=20 part bench_windowed 240 python3 tools/bench_windowed_attention.py --out "$OUT/windowed_attention_h200.md"
-  # What the window + sinks and the index blocks cost beside the plain top-k kernel (decode, 64 x 2 rows at 32K).
-  TAIL=12 part bench_sparse_extras 150 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
-    --no-public-kernels --codegens triton --extras --batches 64 --contexts 32768 --out "$OUT/dsa_extras_h200.md"
+  TAIL=20 part bench_windowed 200 python3 tools/bench_windowed_attention.py --out "$OUT/windowed_attention_h200.md"
   ;;
 s14-2)
   # (carry .whl-gpu2 and .public-kernels) Issue 14's prefill rows beside the public kernels (session 12's run was
-  # stopped in them), without the dense baselines (minutes at 4096 x 8K); then the TileLang fuzzer on the rewrite.
-  TAIL=40 part bench_dsa_prefill 330 python3 tools/bench_dsa.py --quick --only prefill --no-baselines \
+  # stopped in them), without the dense baselines (minutes at 4096 x 8K); the fuzzers' sparse_attention cases (they
+  # draw window, sinks and index blocks too); what the extras cost beside the plain top-k decode kernel.
+  TAIL=40 part bench_dsa_prefill 220 python3 tools/bench_dsa.py --quick --only prefill --no-baselines \
     --out "$OUT/dsa_public_prefill_h200.md"
-  TAIL=20 part fuzz_sparse_tilelang 240 python3 tools/fuzz.py --ops sparse_attention --codegens tilelang \
+  TAIL=20 part fuzz_sparse_triton 110 python3 tools/fuzz.py --ops sparse_attention --codegens triton --cases 32 \
+    --out "$OUT/fuzz_h200_sparse_triton.md"
+  TAIL=20 part fuzz_sparse_tilelang 130 python3 tools/fuzz.py --ops sparse_attention --codegens tilelang \
     --cases 12 --out "$OUT/fuzz_h200_sparse_tilelang.md"
+  TAIL=12 part bench_sparse_extras 100 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
+    --no-public-kernels --codegens triton --extras --batches 64 --contexts 32768 --out "$OUT/dsa_extras_h200.md"
+  ;;
+s14-3)
+  # (carry .whl-gpu1) The fixes of s14-2's findings: index blocks over rows of an odd stride (Triton 3.6's false
+  # alignment: misaligned address), the fuzzer's sparse cases again; decode splits at small batches and the
+  # windowed decode, timed as CUDA graph replays.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=12 part gpu_tests_sparse 150 python3 -m pytest -q -p no:logging -rf tests/test_dsa_kernels.py \
+    -k "sparse_attention and not tilelang and not sm90"
+  TAIL=12 part fuzz_sparse_triton 120 python3 tools/fuzz.py --ops sparse_attention --codegens triton --cases 32 \
+    --out "$OUT/fuzz_h200_sparse_triton.md"
+  TAIL=14 part bench_sparse_decode 120 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
+    --no-public-kernels --codegens triton --extras --batches 1 64 --contexts 32768 --cuda-graphs \
+    --out "$OUT/dsa_decode_graphs_h200.md"
+  TAIL=12 part bench_windowed 150 python3 tools/bench_windowed_attention.py --out "$OUT/windowed_attention_h200.md"
+  ;;
+s14-4)
+  # (carry .whl-gpu2 and .public-kernels) TileLang's sparse cases in the fuzzer (now without the parts it declines);
+  # decode beside the public kernels at 1 and 64 sequences, as CUDA graph replays.
+  TAIL=12 part fuzz_sparse_tilelang 150 python3 tools/fuzz.py --ops sparse_attention --codegens tilelang \
+    --cases 12 --out "$OUT/fuzz_h200_sparse_tilelang.md"
+  TAIL=20 part bench_sparse_decode_public 200 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
+    --batches 1 64 --contexts 32768 --cuda-graphs --out "$OUT/dsa_decode_public_h200.md"
   ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
