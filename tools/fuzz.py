@@ -843,7 +843,14 @@ class Runner:
                 expected = OPS[op][1](*case.args)
             except Exception as err:
                 return "crash", _describe_exception(err, "the reference, on input inside the domain"), str(config)
-        why = compare(results, expected, tolerance(op, case.args, expected, config), case.overflows)
+        try:
+            why = compare(results, expected, tolerance(op, case.args, expected, config), case.overflows)
+            if self.device.type == "cuda":
+                # A fault of the reference's or the comparison's GPU work is this case's, not the next one's (it
+                # would surface at the next case's first checked CUDA call).
+                torch.cuda.synchronize(self.device)
+        except Exception as err:
+            return "crash", _describe_exception(err, "the reference or the comparison"), str(config)
         return ("mismatch", why, str(config)) if why else ("match", "", str(config))
 
 

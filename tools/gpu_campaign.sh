@@ -39,7 +39,8 @@ if [ "$wheels" = 1 ] || [ "$wheels" = 2 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-gpu$wheels .whl-gpu$wheels/*.whl 2>&1 \
     | grep -v WARNING
 fi
-python3 -c "import tilelang" 2>/dev/null && echo "tilelang: importable" || echo "tilelang: not importable (carry .whl-gpu1 and .whl-gpu2 on this machine)"
+python3 -c "import tilelang" > /tmp/tilelang-import.log 2>&1 && echo "tilelang: importable" \
+  || { echo "tilelang: not importable (carry .whl-gpu1 and .whl-gpu2 on this machine):"; tail -n 2 /tmp/tilelang-import.log; }
 # Each part gets a time limit so that one slow part cannot take the rest of the call with it.
 part() {  # part NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
@@ -247,6 +248,18 @@ s14-4)
     --cases 12 --out "$OUT/fuzz_h200_sparse_tilelang.md"
   TAIL=20 part bench_sparse_decode_public 200 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
     --batches 1 64 --contexts 32768 --cuda-graphs --out "$OUT/dsa_decode_public_h200.md"
+  ;;
+s14-5-1)
+  # (carry .whl-gpu1) s14-3's fuzzer crash (case 21: an illegal address at a kernel load, not seen when the case
+  # runs alone, with Triton's JIT launches too): the cases up to it in one process, each now synchronised after its
+  # reference and comparison too, so that an asynchronous fault is reported by the case that made it.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=12 part fuzz_sparse_in_process 150 python3 tools/fuzz.py --ops sparse_attention --codegens triton \
+    --cases 22 --in-process
+  ;;
+s14-5-2)
+  # (carry .whl-gpu2 and .public-kernels) as s14-4.
+  bash tools/gpu_campaign.sh s14-4
   ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
