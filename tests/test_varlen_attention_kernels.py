@@ -134,6 +134,9 @@ DECODER_CASES = {
     "prefill-window-sinks-fp32": ((70, 5, 130), (70, 5, 130), 2, 1, 64, FP32, 16, True),
     "decode-window-sinks-bf16": ((1, 2, 3), (90, 7, 150), 4, 1, 80, BF16, 40, True),
     "chunk-causal-mha-fp16": ((20, 33), (64, 33), 2, 2, 128, FP16, 0, False),
+    # A window longer than the blocks over 300 tokens: blocks every row of a query block sees whole (run without
+    # masks) between masked edge blocks on both sides.
+    "prefill-long-window-fp32": ((300,), (300,), 2, 2, 32, FP32, 100, False),
 }
 
 
