@@ -205,7 +205,7 @@ def _decode_splits(spec: SparseAttentionSpec, config: KernelConfig, bucket: int)
     if programs >= DECODE_PROGRAMS_WITHOUT_SPLITS:
         return 1
     splits = -(-DECODE_PROGRAMS_WITHOUT_SPLITS // programs)
-    if spec.topk is not None:  # a symbolic top-k: the window and run-time width decide, splits may be empty
+    if spec.topk is not None:  # a symbolic top-k leaves the count uncapped (splits past the last tile find no slot)
         splits = min(splits, max(-(-(spec.topk * spec.index_block) // config["BLOCK_N"]), 1))
     return splits
 
