@@ -949,7 +949,7 @@ def make_plan(args, device: torch.device) -> list[tuple[str, str, int]]:
     time limit has covered every op evenly (a case's inputs depend only on the seed, op, codegen and index)."""
     pairs = [(op, codegen) for op in args.ops for codegen in codegens_for(op, device)
              if not args.codegens or codegen in args.codegens]
-    indices = [args.only] if args.only is not None else range(args.cases)
+    indices = args.only if args.only is not None else range(args.cases)
     return [(op, codegen, i) for i in indices for op, codegen in pairs]
 
 
@@ -1110,7 +1110,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: every code generator that runs here")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", type=int, help="cases per op and codegen (default: 8 quick, 32 large)")
-    parser.add_argument("--only", type=int, help="run only this case index (a repro)")
+    parser.add_argument("--only", type=int, nargs="+",
+                        help="run only these case indices, in this order (a repro; with --in-process in one process)")
     parser.add_argument("--target", default="cuda", help="the profile kernels are generated for (default cuda)")
     parser.add_argument("--out", help="write the table and the failures as markdown")
     parser.add_argument("--cache-dir", help="generated kernels (default: a fresh temp dir)")

@@ -21,7 +21,8 @@
 # (carry .public-kernels). A step installs a wheel folder when its name ends in -1 or -2. Session 13: s13-1
 # (carry .whl-gpu1), s13-2 (carry .whl-gpu2 and .public-kernels): not run (session 13 had no device time, its
 # work is in s14-1). Session 14: s14-1 (carry .whl-gpu1), s14-2 (carry .whl-gpu2 and .public-kernels); after
-# their fixes s14-3 (carry .whl-gpu1), s14-4 (carry .whl-gpu2 and .public-kernels).
+# their fixes s14-3 (carry .whl-gpu1), s14-4 (carry .whl-gpu2 and .public-kernels). Session 15: s15-1 (carry
+# .whl-gpu1), s15-2 (carry .whl-gpu2 and .public-kernels).
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -249,16 +250,24 @@ s14-4)
   TAIL=20 part bench_sparse_decode_public 200 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
     --batches 1 64 --contexts 32768 --cuda-graphs --out "$OUT/dsa_decode_public_h200.md"
   ;;
-s14-5-1)
-  # (carry .whl-gpu1) s14-3's fuzzer crash (case 21: an illegal address at a kernel load, not seen when the case
-  # runs alone, with Triton's JIT launches too): the cases up to it in one process, each now synchronised after its
-  # reference and comparison too, so that an asynchronous fault is reported by the case that made it.
+s15-1)
+  # (carry .whl-gpu1) Session 14's open fuzzer crash: sparse_attention/triton case 21 faults (illegal address,
+  # reported at the next kernel load) only after cases 0-20 ran in the same process; alone it passes, under
+  # compute-sanitizer too, with every config. Bisect: case 21 after each earlier case of its spec (3, 9, 15) and
+  # after case 20, each pair in a fresh process. Then the windowed attention benchmark (tuned) after the causal
+  # kernel's unmasked interior blocks (session 14, measured untuned only), and the TileLang-free fuzz round.
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=12 part fuzz_sparse_in_process 150 python3 tools/fuzz.py --ops sparse_attention --codegens triton \
-    --cases 22 --in-process
+  for first in 3 9 15 20; do
+    TAIL=4 part "fuzz_case21_after_$first" 60 python3 tools/fuzz.py --ops sparse_attention --codegens triton \
+      --only $first 21 --in-process
+  done
+  TAIL=12 part bench_windowed 200 python3 tools/bench_windowed_attention.py --out "$OUT/windowed_attention_h200.md"
+  TAIL=12 part fuzz_sparse_triton 150 python3 tools/fuzz.py --ops sparse_attention --codegens triton --cases 32 \
+    --out "$OUT/fuzz_h200_sparse_triton.md"
   ;;
-s14-5-2)
-  # (carry .whl-gpu2 and .public-kernels) as s14-4.
+s15-2)
+  # (carry .whl-gpu2 and .public-kernels) what s14-4 could not run (its machine lacked the first wheel folder):
+  # TileLang's sparse cases in the fuzzer, decode beside the public kernels at 1 and 64 sequences (CUDA graphs).
   bash tools/gpu_campaign.sh s14-4
   ;;
 tp-1)
