@@ -58,7 +58,7 @@ from dzc import mxfp4
 from dzc.lowering import PREFERRED_CODEGENS, Execution, NoLegalConfig, dzc_op_name, lower_graph
 from dzc.ops import OPS
 from dzc.options import CompileOptions
-from dzc.targets import INTERPRETER, KERNEL_FAMILIES, resolve_target
+from dzc.targets import INTERPRETER, KERNEL_FAMILIES, resolve_target, tilelang_codegen
 from dzc.targets.launch import legal_configs
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -877,10 +877,12 @@ def _device_lost(text: str) -> bool:
 
 
 def codegens_for(op: str, device: torch.device) -> list[str]:
-    """The op's code generators that run where we are: Triton everywhere, TileLang on a GPU only."""
+    """The op's code generators that run where we are: Triton everywhere, TileLang on a GPU where it imports (the
+    report says why not otherwise)."""
     family = KERNEL_FAMILIES[op]
     names = [name for name in PREFERRED_CODEGENS[op] if hasattr(family, f"{name}_source")]
-    return sorted(name for name in names if name == "triton" or device.type == "cuda")
+    return sorted(name for name in names
+                  if name == "triton" or (device.type == "cuda" and tilelang_codegen.import_problem() is None))
 
 
 # Large mode on a GPU: what a kernel is specialised on (its spec: dtypes, head dims, hidden size, ...) is drawn from
@@ -1082,6 +1084,8 @@ def table(results: list[Outcome], ops: list[str], device: torch.device, args) ->
 def report(results: list[Outcome], args, device: torch.device, seconds: float, partial: bool = False) -> str:
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else "CPU (Triton interpreter; TileLang needs a GPU)")
+    if device.type == "cuda" and tilelang_codegen.import_problem() is not None:
+        where += f" (TileLang not run: {tilelang_codegen.import_problem()})"
     text = [f"# dzc op fuzzer: {'--quick' if args.quick else 'large'} mode, seed {args.seed}"
             + (" (partial: still running or stopped)" if partial else ""), "",
             f"{where}; target {args.target}; torch {torch.__version__}; {len(results)} cases in {seconds:.0f} s", "",
