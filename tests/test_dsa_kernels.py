@@ -314,6 +314,26 @@ def test_prefill_and_decode_buckets_pick_their_kernels():
         assert "prefill" in sparse_attention.describe_config(prefill_default)
 
 
+def test_untuned_decode_splits_fill_the_gpu_at_small_batches():
+    """The untuned decode choice: at 1-2 query rows enough splits for DECODE_PROGRAMS_WITHOUT_SPLITS programs (the
+    H200 took 194 µs for one sequence on 8 programs), never more splits than BLOCK_N tiles of selected slots, and
+    none once rows x head blocks fill the GPU by themselves."""
+    spec = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, **DSA_V32)
+    default = sparse_attention.triton_default_config(spec, SM_90)
+    tiles = DSA_V32["topk"] // default["BLOCK_N"]
+    head_blocks = -(-128 // default["BLOCK_H"])
+    for bucket in (1, 2, 4, 8, 16, 32, 64, 128):
+        splits = sparse_attention.configs_for_bucket(spec, SM_90, bucket, [], default)[1]["SPLITS"]
+        programs = bucket * head_blocks
+        if programs >= sparse_attention.DECODE_PROGRAMS_WITHOUT_SPLITS:
+            assert splits == 1, bucket
+        else:
+            assert 1 <= splits <= tiles, bucket
+            assert programs * splits >= min(sparse_attention.DECODE_PROGRAMS_WITHOUT_SPLITS, programs * tiles), bucket
+    narrow = dataclasses.replace(spec, topk=24)  # one tile of selected slots: splitting it finds nothing to share
+    assert sparse_attention.configs_for_bucket(narrow, SM_90, 1, [], default)[1]["SPLITS"] == 1
+
+
 def _every_other(vector: torch.Tensor, fill: int) -> torch.Tensor:
     """`vector` as every other element of a buffer holding `fill` in between (stride 2)."""
     buffer = torch.full((2 * vector.shape[0],), fill, dtype=vector.dtype, device=vector.device)
