@@ -269,8 +269,9 @@ s15-1)
     --out "$OUT/fuzz_h200_sparse_triton.md"
   ;;
 s15-2)
-  # (carry .whl-gpu2 and .public-kernels) what s14-4 could not run (its machine lacked the first wheel folder):
-  # TileLang's sparse cases in the fuzzer, decode beside the public kernels at 1 and 64 sequences (CUDA graphs).
+  # (carry .whl-gpu2 and .public-kernels) what s14-4 could not run: TileLang's sparse cases in the fuzzer, decode
+  # beside the public kernels at 1 and 64 sequences (CUDA graphs). s14-3 and s14-4 installed no wheels (their
+  # names do not end in -1 / -2), so TileLang did not import there (libz3 missing).
   bash tools/gpu_campaign.sh s14-4
   ;;
 tp-1)
