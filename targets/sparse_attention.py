@@ -199,11 +199,16 @@ DECODE_PROGRAMS_WITHOUT_SPLITS = 128
 def _decode_splits(spec: SparseAttentionSpec, config: KernelConfig, bucket: int) -> int:
     """Splits of the untuned decode choice: none once query rows x head blocks give enough programs by themselves
     (H200, 64 sequences x 2 rows at 32K context, 64 x 64 tiles: 1 split 435 µs, 2 460, 4 523, 8 644;
-    tools/diagnose_sparse_attention_configs.py), else enough to make that many programs, at most one per BLOCK_N
-    tile of the selected slots (H200, 1 sequence x 2 rows, top-k 2048: 4 splits, 8 programs, took 194 µs)."""
+    tools/diagnose_sparse_attention_configs.py), else (Triton) enough to make that many programs, at most one per
+    BLOCK_N tile of the selected slots (H200, 1 sequence x 2 rows, top-k 2048: 4 splits, 8 programs, took 194 µs; 32
+    splits 20 µs as a CUDA graph replay), or (TileLang) 4."""
     programs = bucket * -(-spec.heads // config["BLOCK_H"])
     if programs >= DECODE_PROGRAMS_WITHOUT_SPLITS:
         return 1
+    if "NUM_STAGES" in dict(config.params):
+        # TileLang's split kernel keeps its earlier default: more splits (each a pipelined loop of fewer tiles)
+        # have not run on a GPU yet; Triton's have, at 32 splits of one tile.
+        return 4
     splits = -(-DECODE_PROGRAMS_WITHOUT_SPLITS // programs)
     if spec.topk is not None:  # a symbolic top-k leaves the count uncapped (splits past the last tile find no slot)
         splits = min(splits, max(-(-(spec.topk * spec.index_block) // config["BLOCK_N"]), 1))

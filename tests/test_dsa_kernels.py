@@ -332,6 +332,9 @@ def test_untuned_decode_splits_fill_the_gpu_at_small_batches():
             assert programs * splits >= min(sparse_attention.DECODE_PROGRAMS_WITHOUT_SPLITS, programs * tiles), bucket
     narrow = dataclasses.replace(spec, topk=24)  # one tile of selected slots: splitting it finds nothing to share
     assert sparse_attention.configs_for_bucket(narrow, SM_90, 1, [], default)[1]["SPLITS"] == 1
+    # TileLang keeps 4 splits below the threshold until its split kernel runs more on a GPU.
+    tilelang = sparse_attention.tilelang_default_config(spec, SM_90)
+    assert sparse_attention.configs_for_bucket(spec, SM_90, 2, [], tilelang)[1]["SPLITS"] == 4
 
 
 def _every_other(vector: torch.Tensor, fill: int) -> torch.Tensor:
