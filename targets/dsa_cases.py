@@ -164,9 +164,15 @@ def sparse_attention_args(seq_lens: list[int], per_seq: list[int], heads: int, k
     for t in range(rows):
         if t % 7 == 3:
             continue  # a row with no valid index: its output is 0
-        visible = torch.randperm(positions[t] // index_block + 1, generator=generator)[:topk]
+        visible = torch.randperm(positions[t] // index_block + 1, generator=generator)
+        if index_block > 1:  # the block holding the query (partly in its future) first, kept valid below
+            own = positions[t] // index_block
+            visible = torch.cat([visible.new_tensor([own]), visible[visible != own]])
+        visible = visible[:topk]
         indices[t, :visible.numel()] = visible.int()
         invalid = torch.rand(topk, generator=generator) < 0.15
+        if index_block > 1:
+            invalid[0] = False
         beyond = -(-seq_lens[seqs[t]] // index_block) + torch.randint(0, 50, (topk,), generator=generator,
                                                                         dtype=torch.int32)
         indices[t] = torch.where(invalid, torch.where(torch.rand(topk, generator=generator) < 0.5, -1, beyond),
