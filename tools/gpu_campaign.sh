@@ -261,10 +261,13 @@ s15-1)
     TAIL=4 part "fuzz_case21_after_$first" 40 python3 tools/fuzz.py --ops sparse_attention --codegens triton \
       --only $first 21 --in-process
   done
+  # The pair under memcheck with launches serialised: which kernel faults, at which address (if it still does there).
+  TAIL=25 part sanitize_case21_after_15 60 env CUDA_LAUNCH_BLOCKING=1 compute-sanitizer --tool memcheck \
+    --print-limit 5 python3 tools/fuzz.py --ops sparse_attention --codegens triton --only 15 21 --in-process
   # fuse_windowed_attention on the GPU (HF GptOss / Mistral through the CUDA SDPA ops): s14-1's run selected
   # these tests out with its -k filter.
-  TAIL=12 part gpu_tests_windowed_pass 150 python3 -m pytest -q -p no:logging -rf tests/test_fuse_windowed_attention.py
-  TAIL=12 part bench_windowed 150 python3 tools/bench_windowed_attention.py --out "$OUT/windowed_attention_h200.md"
+  TAIL=12 part gpu_tests_windowed_pass 130 python3 -m pytest -q -p no:logging -rf tests/test_fuse_windowed_attention.py
+  TAIL=12 part bench_windowed 130 python3 tools/bench_windowed_attention.py --out "$OUT/windowed_attention_h200.md"
   TAIL=12 part fuzz_sparse_triton 110 python3 tools/fuzz.py --ops sparse_attention --codegens triton --cases 32 \
     --out "$OUT/fuzz_h200_sparse_triton.md"
   ;;
