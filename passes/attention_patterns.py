@@ -240,38 +240,37 @@ def _selected_terms(node, form: str):
 
 def keep_terms(node):
     """Terms of a boolean mask that is True where a key is visible."""
-    selected = _selected_terms(node, "keep")
-    if selected is not None:
-        return selected
-    if is_call(node, *SHAPE_ONLY, aten.select.int) or is_whole_slice(node):
-        return keep_terms(node.args[0])
-    if is_call(node, aten.bitwise_and.Tensor, aten.logical_and.default):
-        return keep_terms(node.args[0]) + keep_terms(node.args[1])
-    if is_call(node, aten.bitwise_or.Tensor, aten.logical_or.default):
-        return _either(keep_terms(node.args[0]), keep_terms(node.args[1]))
-    if is_call(node, aten.bitwise_not.default, aten.logical_not.default):
-        return drop_terms(node.args[0])
-    if is_call(node, *_COMPARISONS):
-        return _comparison_terms(node, keep=True)
-    raise NotAMask(f"{describe_mask_part(node)} is not a causal, top-k or window keep mask")
+    return _boolean_terms(node, keep=True)
 
 
 def drop_terms(node):
     """Terms of a boolean mask that is True where a key is hidden."""
-    selected = _selected_terms(node, "drop")
+    return _boolean_terms(node, keep=False)
+
+
+_AND = (aten.bitwise_and.Tensor, aten.logical_and.default)
+_OR = (aten.bitwise_or.Tensor, aten.logical_or.default)
+
+
+def _boolean_terms(node, keep: bool):
+    """keep_terms (keep=True) and drop_terms: one walk, De Morgan's duals. Every term must hold for a key to be
+    visible, so a keep mask's `and` and a drop mask's `or` concatenate terms, the other connective is _either's,
+    and `not` turns one form into the other."""
+    form = "keep" if keep else "drop"
+    selected = _selected_terms(node, form)
     if selected is not None:
         return selected
     if is_call(node, *SHAPE_ONLY, aten.select.int) or is_whole_slice(node):
-        return drop_terms(node.args[0])
-    if is_call(node, aten.bitwise_or.Tensor, aten.logical_or.default):
-        return drop_terms(node.args[0]) + drop_terms(node.args[1])
-    if is_call(node, aten.bitwise_and.Tensor, aten.logical_and.default):
-        return _either(drop_terms(node.args[0]), drop_terms(node.args[1]))
+        return _boolean_terms(node.args[0], keep)
+    if is_call(node, *(_AND if keep else _OR)):
+        return _boolean_terms(node.args[0], keep) + _boolean_terms(node.args[1], keep)
+    if is_call(node, *(_OR if keep else _AND)):
+        return _either(_boolean_terms(node.args[0], keep), _boolean_terms(node.args[1], keep))
     if is_call(node, aten.bitwise_not.default, aten.logical_not.default):
-        return keep_terms(node.args[0])
+        return _boolean_terms(node.args[0], not keep)
     if is_call(node, *_COMPARISONS):
-        return _comparison_terms(node, keep=False)
-    raise NotAMask(f"{describe_mask_part(node)} is not a causal, top-k or window drop mask")
+        return _comparison_terms(node, keep=keep)
+    raise NotAMask(f"{describe_mask_part(node)} is not a causal, top-k or window {form} mask")
 
 
 def additive_terms(node):

@@ -661,7 +661,7 @@ def _score_error(args: tuple) -> float:
     from dzc.ops.varlen_attention import apply_vision_rotary
     q, k, _, cu_seqlens, _, sm_scale, cos, sin = args[:8]
     cu_seqlens_k = args[8] if len(args) > 8 and args[8] is not None else cu_seqlens
-    u = 2 * math.sqrt(q.shape[-1]) * _eps(FP32)
+    u = _summation_units(q.shape[-1])
     if cos is not None:
         q, k = apply_vision_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
         u += 2 * _eps(args[0].dtype)
@@ -675,14 +675,18 @@ def _score_error(args: tuple) -> float:
     return abs(sm_scale) * u * largest
 
 
+def _summation_units(head_dim: int) -> float:
+    """u of the score bounds: 2 sqrt(head_dim) fp32 epsilons (a dot product summed in another order)."""
+    return 2 * math.sqrt(head_dim) * _eps(FP32)
+
+
 def _sparse_score_error(args: tuple) -> float:
     """sparse_attention: a bound on the change of a score the kernel may make (another summation order), sm_scale
-    * u * max over rows and heads of sum_d |q_d| * the largest |k|, with u as in _score_error."""
+    * u * max over rows and heads of sum_d |q_d| * the largest |k| (u: _summation_units)."""
     q, k_cache, sm_scale = args[0], args[1], args[7]
     if q.numel() == 0:
         return 0.0
-    u = 2 * math.sqrt(q.shape[-1]) * _eps(FP32)
-    return abs(sm_scale) * u * _finite_amax(q.float().abs().sum(-1)) * _finite_amax(k_cache)
+    return abs(sm_scale) * _summation_units(q.shape[-1]) * _finite_amax(q.float().abs().sum(-1)) * _finite_amax(k_cache)
 
 
 def _w4a8_magnitude(args: tuple) -> torch.Tensor:
