@@ -90,6 +90,24 @@ def is_whole_slice(node) -> bool:
     return start in (0, None) and (end == WHOLE or same(end, size) or statically_known_true(end >= size))
 
 
+def unpadded_bias(node):
+    """x where node is x padded at the end of its last dim and sliced back to x's length (what SDPA does to a bias
+    whose rows do not meet its memory-efficient kernel's alignment, on GPUs): the same values; else None."""
+    if not is_call(node, aten.slice.Tensor) or len(node.args) < 4 or node.args[2] not in (0, None) \
+            or (len(node.args) > 4 and node.args[4] != 1):
+        return None
+    padded = node.args[0]
+    if not is_call(padded, aten.constant_pad_nd.default):
+        return None
+    rank = fake_value(padded).dim()
+    pad = list(padded.args[1])
+    if node.args[1] not in (-1, rank - 1) or len(pad) != 2 or pad[0] != 0:
+        return None  # a pad before the data, or of another dim, moves or adds values
+    x = padded.args[0]
+    end = fake_value(node.args[3]) if isinstance(node.args[3], torch.fx.Node) else node.args[3]
+    return x if same(end, fake_value(x).shape[-1]) else None
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Masks: an additive float mask, or a boolean keep/drop mask, is decomposed into terms, all of which must hold
 # for a key to be visible:
@@ -283,6 +301,9 @@ def additive_terms(node):
         return selected
     if is_call(node, *SHAPE_ONLY, aten.select.int, prims.convert_element_type.default) or is_whole_slice(node):
         return additive_terms(node.args[0])
+    unpadded = unpadded_bias(node)
+    if unpadded is not None:
+        return additive_terms(unpadded)
     if is_call(node, aten.add.Tensor):
         return additive_terms(node.args[0]) + additive_terms(node.args[1])
     if is_call(node, aten.where.self):

@@ -57,7 +57,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 from torch.fx.operator_schemas import normalize_function
 
-from dzc.passes.attention_patterns import SDPA_OPS, VIEWS
+from dzc.passes.attention_patterns import SDPA_OPS, VIEWS, is_whole_slice, unpadded_bias
 from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
 from dzc.passes.patterns import remove_dead
 
@@ -143,15 +143,23 @@ def _is_full_row_guard(cond) -> bool:
     return is_call(cond, aten.logical_not.default) and is_call(cond.args[0], aten.any.dim)
 
 
-# What SDPA does to a mask before a fused kernel reads it: broadcast it to 4-D, pad its last dim for alignment
-# and slice the padding off again (efficient attention).
-_MASK_LAYOUT = (*VIEWS, aten.unsqueeze.default, aten.slice.Tensor, aten.constant_pad_nd.default)
+def _mask_values(mask):
+    """The node whose values `mask` has: through views, unsqueezes, slices over whole dims and the padding SDPA adds
+    for its GPU kernel (each checked to keep the values where they were; a slice of part of a dim is not)."""
+    while True:
+        if is_call(mask, *VIEWS, aten.unsqueeze.default) or is_whole_slice(mask):
+            mask = mask.args[0]
+        elif (unpadded := unpadded_bias(mask)) is not None:
+            mask = unpadded
+        else:
+            return mask
 
 
 def _bool_mask_of(mask) -> torch.fx.Node | None:
     """The bool mask m behind an additive mask: where(m, 0, -inf) (SDPA's CPU decomposition) or
-    where(~m, -inf, 0) (SDPA's own conversion of a bool mask, user code); None if it is not one."""
-    mask = _skip(mask, *_MASK_LAYOUT)
+    where(~m, -inf, 0) (SDPA's own conversion of a bool mask, user code), also as SDPA pads it for its GPU kernel;
+    None if it is not one."""
+    mask = _mask_values(mask)
     if not is_call(mask, aten.where.self):
         return None
     condition, if_true, if_false = mask.args[:3]

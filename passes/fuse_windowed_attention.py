@@ -30,9 +30,9 @@ exactly causal (+ a window relative to the same query positions); the scores are
 (through repeat_kv: KV heads dividing H, the same for k and v), softmax over T, times V; the sinks (if any) are a
 [H] vector broadcast to one column; the masked scores have no other use; bf16/fp16/fp32.
 SDPA as capture keeps it is read from its arguments (a causal + window mask as attn_mask / attn_bias, no dropout,
-no is_causal on top): tested on the CPU's flash op; the GPUs' efficient and cuDNN ops take the same arguments but
-have not been run through this pass on a GPU yet (a bias SDPA pads for its kernels does not read as a mask: such a
-site stays as it is, slow, not wrong). Eager attention (gpt-oss's default) and SDPA's math form are matched too.
+no is_causal on top): the CPU's flash op, and the GPUs' efficient op, whose bias SDPA pads to an aligned width and
+slices back (read through that; the H200 run of HF Mistral found the pass blind to it before). Eager attention
+(gpt-oss's default) and SDPA's math form are matched too.
 
 Ordering: after fuse_sparse_attention (an attention under a top-k mask is its), before lowering.
 """

@@ -102,13 +102,24 @@ class SparseAttentionSpec:
         return max(16, _pow2_at_least(self.d_tail)) if self.d_tail else 0
 
     @property
-    def block_dv(self) -> int:
-        return max(16, _pow2_at_least(self.d_v))
-
-    @property
     def v_is_k_main(self) -> bool:
         """V is exactly the gathered K tile's main part (MLA: d_v = 512 = d_main): no second load."""
         return self.shared_kv and not self.separate_v and self.d_v == self.d_main
+
+    # Shared KV: the Triton kernels' P·V is an MMA whose V tile [BLOCK_N, BLOCK_DV] sits in shared memory with
+    # BLOCK_DV contiguous. With rows narrower than 128 bytes there, Triton 3.6's Hopper wgmma reads outside the tile
+    # (stale shared memory: NaN; past the allocation: illegal address; H200, D_V 16 fp16, fuzz seed 0 case 21), so
+    # V is padded to 128-byte rows (loads and stores masked to D_V), and a K tile narrower than that is not reused
+    # as V. The FP8 cache's V is its 512-wide NoPE part.
+    @property
+    def triton_v_is_k_main(self) -> bool:
+        return self.v_is_k_main and (self.fp8_cache or self.d_main * self.dtype.itemsize >= 128)
+
+    @property
+    def block_dv(self) -> int:
+        """The Triton kernels' V tile width."""
+        narrowest = 128 // self.dtype.itemsize if self.shared_kv else 16
+        return self.d_main if self.triton_v_is_k_main else max(narrowest, _pow2_at_least(self.d_v))
 
     def describe(self) -> str:
         values = "v_cache" if self.separate_v else f"K[..., :{self.d_v}]"
@@ -270,7 +281,7 @@ def triton_source(spec: SparseAttentionSpec, profile: DeviceProfile) -> str:
 def _attend_constexprs(spec: SparseAttentionSpec, config: KernelConfig, mma_in_fp32: bool) -> dict:
     return dict(HEADS=spec.heads, BLOCK_H=config["BLOCK_H"], SHARED_KV=spec.shared_kv, D_MAIN=spec.d_main,
                 D_TAIL=spec.d_tail, BLOCK_TAIL=spec.block_tail, D_V=spec.d_v, BLOCK_DV=spec.block_dv,
-                V_IS_K_MAIN=spec.v_is_k_main, V_FROM_K=not spec.separate_v, BLOCK_N=config["BLOCK_N"],
+                V_IS_K_MAIN=spec.triton_v_is_k_main, V_FROM_K=not spec.separate_v, BLOCK_N=config["BLOCK_N"],
                 FP8_GROUPS=spec.fp8_groups, MMA_IN_FP32=mma_in_fp32, CAUSAL=spec.causal, INDEX_BLOCK=spec.index_block,
                 # fp32 caches multiply in full precision (Triton's default for fp32 operands is TF32).
                 DOT_PRECISION="ieee" if spec.dtype == torch.float32 else "tf32")
@@ -324,7 +335,7 @@ def triton_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) 
     width = spec.d_main + spec.block_tail
     if not spec.shared_kv:
         return 4 * block_h * block_n * config.num_warps
-    v_tile = 0 if spec.v_is_k_main else block_n * spec.block_dv * item
+    v_tile = 0 if spec.triton_v_is_k_main else block_n * spec.block_dv * item
     if spec.fp8_cache:
         # The dequantized K operand, and the loaded bytes (e4m3, scales, bf16 rope) of the stages ahead: the loads
         # go through registers to be converted (sm_90: ld.global.v4, no cp.async; 189696 B at 64 x 64, 2 stages).

@@ -153,6 +153,10 @@ ATTENTION_SHAPES = {
     # heads, kv_heads, d_qk, d_v, separate v_cache, FP8 latent cache
     "mla": (16, 1, 80, 64, False, False),  # latent MQA: V = K[..., :64] (64 + 16 rope, FlashMLA's 512 + 64 in small)
     "mla-narrow-v": (16, 1, 80, 32, False, False),  # V = K[..., :32]: a second gather
+    # V rows narrower than 128 bytes: the Triton V tile is padded to 64 columns (Triton 3.6's Hopper wgmma read
+    # past a 32-byte-row tile: the fuzzer's crash), and a 64-byte K tile is not reused as V.
+    "mqa-v16": (16, 1, 64, 16, False, False),
+    "mqa-v-is-k32": (16, 1, 32, 32, False, False),
     "mqa-v-cache": (4, 1, 48, 32, True, False),
     "mha": (4, 4, 64, 64, True, False),
     # The FP8 latent layout (e4m3 + a scale per 128 values + bf16 rope): 2 scale tiles + a 16-wide rope.

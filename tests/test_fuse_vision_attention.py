@@ -27,8 +27,11 @@ class PackedAttention(nn.Module):
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, tokens, head_dim]
         if self.spelling == "mask":
             out = attend(q, k, v, block_diagonal_mask(cu_seqlens, q.shape[1]), 0.25, self.sdpa)
-        elif self.spelling == "bias":  # the bool mask turned into an additive bias, as SDPA itself does on GPUs
-            bias = torch.where(~block_diagonal_mask(cu_seqlens, q.shape[1]), float("-inf"), 0.0)
+        elif self.spelling in ("bias", "padded-bias"):  # the bool mask as an additive bias, as SDPA does on GPUs
+            tokens = q.shape[1]
+            bias = torch.where(~block_diagonal_mask(cu_seqlens, tokens), float("-inf"), 0.0)
+            if self.spelling == "padded-bias":  # and padded for its memory-efficient kernel, sliced back
+                bias = F.pad(bias, (0, 8 - tokens % 8))[..., :tokens]
             out = torch.softmax(q @ k.transpose(1, 2) * 0.25 + bias, dim=-1) @ v
         else:
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
@@ -124,9 +127,10 @@ def test_split_with_rotary_folds_and_matches_in_bf16(options, seed):
     torch.testing.assert_close(out.float(), module(*inputs).float(), atol=2e-2, rtol=2e-2)
 
 
-def test_additive_block_diagonal_bias_fires(options, seed):
-    inputs = _pack([3, 9, 4])
-    module = PackedAttention("bias", sdpa=False)
+@pytest.mark.parametrize("spelling", ["bias", "padded-bias"])
+def test_additive_block_diagonal_bias_fires(spelling, options, seed):
+    inputs = _pack([3, 9, 5])
+    module = PackedAttention(spelling, sdpa=False)
     compiled, out = _compile(module, options, *inputs)
     after = dict(compiled.report.graphs[0].stages)["fuse_vision_attention"]
     assert compiled.report.passes["fuse_vision_attention"] == 1

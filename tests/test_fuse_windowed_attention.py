@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import run_pass_on_capture
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import dzc
 from dzc import ir
@@ -117,6 +118,63 @@ def test_spellings_fuse_and_match(window, sinks, spelling):
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+class EfficientSdpaForm(nn.Module):
+    """A windowed decoder attention in the form CUDA SDPA's memory-efficient choice leaves in a captured graph
+    (ATen's attention.cpp: the bool mask turned into a -inf / 0 bias, padded to a multiple of 8 columns and sliced
+    back, expanded to [B, H, S, T], then _scaled_dot_product_efficient_attention), written out so that a CPU
+    capture sees it; eager runs F.scaled_dot_product_attention on the bool mask, which that form computes."""
+
+    def __init__(self, window=3, pad=True):
+        super().__init__()
+        self.window, self.pad = window, pad
+
+    def forward(self, q, k, v, past):
+        batch, heads, queries, _ = q.shape
+        context = k.shape[2]
+        q_idx = (torch.arange(queries) + past.shape[0])[:, None]
+        kv_idx = torch.arange(context)[None, :]
+        keep = (kv_idx <= q_idx) & (kv_idx > q_idx - self.window)
+        if not torch.compiler.is_compiling():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.25)
+        bias = torch.where(keep.logical_not(), float("-inf"), torch.scalar_tensor(0.0, dtype=q.dtype))
+        if self.pad:
+            bias = F.pad(bias, (0, 8 - context % 8))[..., :context]
+        bias = bias.expand(batch, heads, queries, context)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, False, scale=0.25)[0]
+
+
+@pytest.mark.parametrize("pad", [True, False])
+def test_cuda_sdpa_form_with_a_padded_bias_fuses(pad):
+    """The bias SDPA pads for its GPU kernel reads as the mask it was (before, such a site stayed as it was: HF
+    Mistral on the H200 fused nothing)."""
+    gm, result, actual, expected = _fuse(EfficientSdpaForm(pad=pad), *_inputs(seed=5, kv_heads=4))
+    before = ir.print_graph(gm.graph)
+    assert "_scaled_dot_product_efficient_attention" in before and ("constant_pad_nd" in before) is pad, before
+    assert len(result.rewrites) == 1 and not result.refusals, result.refusals
+    assert "efficient_attention" not in ir.print_graph(result.graph)
+    assert _op_call(result).split("(", 1)[1].split(")  #")[0].split(", ")[-2:] == ["3", "None"]
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_bias_padded_before_its_data_is_not_read_as_the_mask():
+    """Padding at the start of the key dim shifts the bias: not the mask it came from (no site, nothing wrong)."""
+
+    def shifted_bias(q, k, v):
+        q_idx = (torch.arange(q.shape[2]) + 5)[:, None]
+        kv_idx = torch.arange(k.shape[2])[None, :]
+        keep = (kv_idx <= q_idx) & (kv_idx > q_idx - 3)
+        bias = torch.where(keep.logical_not(), float("-inf"), torch.scalar_tensor(0.0, dtype=q.dtype))
+        bias = F.pad(bias, (1, 0))[..., :k.shape[2]].expand(*q.shape[:3], k.shape[2])
+        return (torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, False, scale=0.25)[0],)
+
+    q, k, v, _ = _inputs(seed=6, kv_heads=4)
+    gm = make_fx(shifted_bias, tracing_mode="fake")(q, k, v)  # the GPU op has no CPU kernel: capture only
+    assert "constant_pad_nd" in ir.print_graph(gm.graph)
+    result = fuse_windowed_attention(gm.graph)
+    assert not result.rewrites and not result.refusals
+    assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
+
+
 def test_plain_causal_attention_is_left_to_the_fallback():
     gm, result, _, _ = _fuse(LocalAttention(None, False, "causal"), *_inputs(seed=2))
     assert not result.rewrites and not result.refusals
@@ -153,17 +211,21 @@ def test_window_and_sinks_compile_with_the_kernel(options):
     assert attention.codegen == "triton" and "causal+window sinks grouped kv own key segments" in attention.spec
 
 
+@pytest.mark.anydevice
 @pytest.mark.parametrize("name, dtype, sites", [("GptOss", torch.float32, 2), ("GptOss", torch.bfloat16, 2),
                                                 ("Mistral", torch.float32, 1)])
 def test_hf_sliding_window_and_sink_models_fuse_unchanged(name, dtype, sites, options):
     """transformers' GptOss (sinks on every layer, a sliding window on every other; in bf16 its softmax runs in
     fp32 between casts) and Mistral (a sliding window, SDPA), tiny random configs, compiled unchanged: every
-    layer's attention fires and the logits match eager (the zoo's tolerances) past the tiny configs' window."""
+    layer's attention fires and the logits match eager (the zoo's tolerances) past the tiny configs' window. On a
+    GPU the models' attention is CUDA SDPA's, whose captured form the pass must recognise too."""
     torch._dynamo.reset()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     entry = zoo.ZOO[name]
-    model = entry.build().eval().to(dtype)
+    model = entry.build().eval().to(device=device, dtype=dtype)
     compiled = dzc.compile(model, "cuda", options)
     args, kwargs = entry.inputs(2, dtype)  # 20 tokens, past the window of 8
+    args, kwargs = tuple(a.to(device) for a in args), {k: v.to(device) for k, v in kwargs.items()}
     with torch.no_grad():
         expected = entry.outputs(model(*args, **kwargs))
         compiled(*args, **kwargs)  # the first call returns the captured graph's result
