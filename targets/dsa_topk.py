@@ -4,10 +4,13 @@ Each fp32 logit maps to a uint32 key with the same order. Histogram passes over 
 restricted to the keys that start with the threshold prefix found so far, find the k-th largest key among
 positions [0, lengths[t]); a last pass writes every key above it and the first equal ones (smaller position
 first) in position order, so the output is ascending and deterministic, −1-padded when fewer than k exist.
-A pass stops early once every key with the prefix is a winner. One program per row: the row is read
-1 + (passes run) times, at most 32 / RADIX_BITS + 1.
+A pass stops early once every key with the prefix is a winner. One program per row: a row of at most BLOCK
+positions is read once and kept in registers through every pass; a longer one is read 1 + (passes run) times, at
+most 32 / RADIX_BITS + 1 (H200, session 15: the streamed form, 4096-position chunks, took 102 µs for 2 rows of
+32K where the public TileLang tl_topk took 25; the resident form is what the next measurement compares).
 
-Tuning bucket: rows × row width (the logits read), rounded up to a power of two.
+Tuning bucket: the row width rounded up to a power of two (the config is a per-row choice; rows only fill the
+grid).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def spec_from_node(node) -> DsaTopkSpec:
 
 
 def token_bucket(tokens: int) -> int:
-    """`tokens` is rows × width; tuning results are kept per power of two of it."""
+    """`tokens` is the row width (prepare's work); tuning results are kept per power of two of it."""
     return 1 << max(tokens - 1, 0).bit_length()
 
 
@@ -62,24 +65,42 @@ def triton_source(spec: DsaTopkSpec, profile: DeviceProfile) -> str:
     return Template((TEMPLATES / "dsa_topk.triton.py.tmpl").read_text()).substitute(profile=profile.name)
 
 
+# Widest row kept in registers by the untuned choice: 32 positions per thread at 32 warps (Triton 3.6, sm_90:
+# 64 registers a thread, 1.9 KB of spills; 16 warps x 64 positions spill 3.3 KB).
+RESIDENT_ROWS = 32768
+
+
 def triton_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelConfig]:
     """Elements per chunk × digit width (8 bits: 4 histogram passes of 256 bins; 4 bits: 8 passes of 16) ×
-    warps. A chunk gives each thread 4..32 elements."""
+    warps. A chunk gives each thread 4..64 elements; rows up to the chunk stay in registers."""
     configs = []
-    for block in (1024, 2048, 4096, 8192):
+    for block in (1024, 2048, 4096, 8192, 16384, 32768):
         for radix_bits in (4, 8):
             for num_warps in (4, 8, 16, 32):
                 per_thread = block // (num_warps * profile.warp_size)
-                if 4 <= per_thread <= 32:
+                if 4 <= per_thread <= 64:
                     configs.append(KernelConfig.make(num_warps=num_warps, num_stages=1, BLOCK=block,
                                                      RADIX_BITS=radix_bits))
     return configs
 
 
 def triton_default_config(spec: DsaTopkSpec, profile: DeviceProfile) -> KernelConfig:
-    """Untuned choice: 4096-element chunks, 8-bit digits, 8 elements per thread."""
+    """Untuned choice without a width: 4096-element chunks, 8-bit digits, 8 elements per thread."""
     num_warps = min(profile.max_num_warps, 4096 // (8 * profile.warp_size))
     return KernelConfig.make(num_warps=num_warps, num_stages=1, BLOCK=4096, RADIX_BITS=8)
+
+
+def configs_for_bucket(spec: DsaTopkSpec, profile: DeviceProfile, bucket: int, configs: list[KernelConfig],
+                       default: KernelConfig) -> tuple[list[KernelConfig], KernelConfig]:
+    """Every config stays a candidate; the untuned choice for rows of up to `bucket` positions keeps rows up to
+    RESIDENT_ROWS in registers (one read instead of one per pass) with 16..32 positions per thread, where such a
+    config is legal on the profile (its shared memory), else the streamed default."""
+    if bucket > RESIDENT_ROWS:
+        return configs, default
+    block = max(bucket, 1024)
+    num_warps = min(profile.max_num_warps, max(4, block // (16 * profile.warp_size)))
+    resident = KernelConfig.make(num_warps=num_warps, num_stages=1, BLOCK=block, RADIX_BITS=8)
+    return configs, resident if resident in configs else default
 
 
 def triton_shared_memory_bytes(spec: DsaTopkSpec, config: KernelConfig) -> int:
@@ -104,12 +125,14 @@ def triton_signature(spec: DsaTopkSpec, config: KernelConfig) -> tuple[dict, dic
 
 
 def prepare(spec: DsaTopkSpec, logits, lengths, k, *_static):
-    """Op arguments -> (kernel inputs, kernel outputs (preallocated), logits count, the op's result)."""
+    """Op arguments -> (kernel inputs, kernel outputs (preallocated), the row width (0 without rows), the op's
+    result)."""
     dsa_ops.check_dsa_topk_args(logits, lengths, k)
     k = int(k)
     indices = torch.empty(logits.shape[0], k, dtype=torch.int32, device=logits.device)
     # The kernel indexes lengths as a dense vector (a strided one was read at the wrong elements).
-    return (logits, lengths.contiguous(), k), (indices,), logits.shape[0] * max(logits.shape[1], 1), indices
+    work = max(logits.shape[1], 1) if logits.shape[0] else 0  # the row width picks the config (token_bucket)
+    return (logits, lengths.contiguous(), k), (indices,), work, indices
 
 
 def selftest_cases(profile: DeviceProfile):

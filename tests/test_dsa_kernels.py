@@ -119,6 +119,7 @@ def test_indexer_rejects_mismatched_q_and_cache():
 TOPK_CONFIGS = [
     KernelConfig.make(num_warps=4, num_stages=1, BLOCK=128, RADIX_BITS=8),
     KernelConfig.make(num_warps=4, num_stages=1, BLOCK=64, RADIX_BITS=4),  # 8 passes, chunks that end mid-row
+    KernelConfig.make(num_warps=4, num_stages=1, BLOCK=256, RADIX_BITS=8),  # every row kept in registers
 ]
 
 
@@ -144,6 +145,25 @@ def test_topk_all_equal_row_takes_smallest_positions(tmp_path):
     indices = _run_triton(dsa_topk, spec, _load_triton(dsa_topk, spec, tmp_path), TOPK_CONFIGS[0], args)
     torch.testing.assert_close(indices, dsa_topk_reference(*args), atol=0, rtol=0)
     assert indices[0].tolist() == list(range(160))
+
+
+@pytest.mark.parametrize("profile", [SM_90, MP_22], ids=lambda p: p.name)
+def test_topk_untuned_choice_keeps_rows_up_to_32k_in_registers(profile):
+    """The untuned choice per row width: up to RESIDENT_ROWS the whole row in one chunk (read once), wider rows
+    streamed in 4096-position chunks; where the profile cannot take the resident config (its shared memory), the
+    streamed one."""
+    spec = dsa_topk.DsaTopkSpec()
+    configs, _ = legal_configs(dsa_topk, "triton", spec, profile)
+    default = dsa_topk.triton_default_config(spec, profile)
+    chosen = {width: dsa_topk.configs_for_bucket(spec, profile, dsa_topk.token_bucket(width), configs, default)[1]
+              for width in (100, 8192, 20000, 32768, 32769, 131072)}
+    for width, config in chosen.items():
+        assert config in configs, (width, config)
+        resident = width <= dsa_topk.RESIDENT_ROWS and config != default
+        assert config["BLOCK"] >= width if resident else config == default, (width, config)
+        assert config["BLOCK"] // (config.num_warps * profile.warp_size) <= 64
+    if profile is SM_90:  # sm_90 takes every resident config
+        assert [chosen[w]["BLOCK"] for w in chosen] == [1024, 8192, 32768, 32768, 4096, 4096]
 
 
 # ---------------------------------------------------------------------------------------------------------
