@@ -21,8 +21,9 @@
 # (carry .public-kernels). A step installs a wheel folder when its name ends in -1 or -2. Session 13: s13-1
 # (carry .whl-gpu1), s13-2 (carry .whl-gpu2 and .public-kernels): not run (session 13 had no device time, its
 # work is in s14-1). Session 14: s14-1 (carry .whl-gpu1), s14-2 (carry .whl-gpu2 and .public-kernels); after
-# their fixes s14-3 (carry .whl-gpu1), s14-4 (carry .whl-gpu2 and .public-kernels). Session 15: s15-1 (carry
-# .whl-gpu1), s15-2 (carry .whl-gpu2 and .public-kernels).
+# their fixes s14-3 (carry .whl-gpu1), s14-4 (carry .whl-gpu2 and .public-kernels). Session 15 ran s15-1 and
+# s15-2 (now removed: their results are in docs/results). Session 16: s16-1 (carry .whl-gpu1), s16-2 (carry
+# .whl-gpu2 and .public-kernels).
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -250,32 +251,29 @@ s14-4)
   TAIL=20 part bench_sparse_decode_public 200 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
     --batches 1 64 --contexts 32768 --cuda-graphs --out "$OUT/dsa_decode_public_h200.md"
   ;;
-s15-1)
-  # (carry .whl-gpu1) Session 14's open fuzzer crash: sparse_attention/triton case 21 faults (illegal address,
-  # reported at the next kernel load) only after cases 0-20 ran in the same process; alone it passes, under
-  # compute-sanitizer too, with every config. Bisect: case 21 after each earlier case of its spec (3, 9, 15) and
-  # after case 20, each pair in a fresh process. Then the windowed attention benchmark (tuned) after the causal
-  # kernel's unmasked interior blocks (session 14, measured untuned only), and the TileLang-free fuzz round.
+s16-1)
+  # (carry .whl-gpu1) Session 15's CPU-only work on the H200: HF Mistral through CUDA SDPA's efficient op (its
+  # padded bias; session 15 saw it fuse nothing there), the sparse-attention kernels with narrow V tiles (padded
+  # to 128-byte rows; a 64-byte K tile no longer reused as V), top-k with rows kept in registers (against the
+  # streamed form in the same run), and the tuned indexer / top-k / sparse attention configs at decode.
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  for first in 3 9 15 20; do
-    TAIL=4 part "fuzz_case21_after_$first" 40 python3 tools/fuzz.py --ops sparse_attention --codegens triton \
-      --only $first 21 --in-process
-  done
-  # The pair under memcheck with launches serialised: which kernel faults, at which address (if it still does there).
-  TAIL=25 part sanitize_case21_after_15 60 env CUDA_LAUNCH_BLOCKING=1 compute-sanitizer --tool memcheck \
-    --print-limit 5 python3 tools/fuzz.py --ops sparse_attention --codegens triton --only 15 21 --in-process
-  # fuse_windowed_attention on the GPU (HF GptOss / Mistral through the CUDA SDPA ops): s14-1's run selected
-  # these tests out with its -k filter.
-  TAIL=12 part gpu_tests_windowed_pass 130 python3 -m pytest -q -p no:logging -rf tests/test_fuse_windowed_attention.py
-  TAIL=12 part bench_windowed 130 python3 tools/bench_windowed_attention.py --out "$OUT/windowed_attention_h200.md"
-  TAIL=12 part fuzz_sparse_triton 110 python3 tools/fuzz.py --ops sparse_attention --codegens triton --cases 32 \
-    --out "$OUT/fuzz_h200_sparse_triton.md"
+  TAIL=12 part gpu_tests_windowed_pass 110 python3 -m pytest -q -p no:logging -rf -m anydevice \
+    tests/test_fuse_windowed_attention.py
+  TAIL=12 part gpu_tests_dsa 160 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" -k "not tilelang" \
+    tests/test_dsa_kernels.py
+  TAIL=12 part fuzz_dsa_triton 90 python3 tools/fuzz.py --ops sparse_attention dsa_topk --codegens triton \
+    --cases 24 --out "$OUT/fuzz_h200_dsa_triton.md"
+  TAIL=20 part bench_dsa_decode_tuned 200 python3 tools/bench_dsa.py --only decode --no-baselines \
+    --no-public-kernels --codegens triton --batches 1 64 --contexts 32768 --cuda-graphs \
+    --out "$OUT/dsa_decode_tuned_h200.md"
   ;;
-s15-2)
-  # (carry .whl-gpu2 and .public-kernels) what s14-4 could not run: TileLang's sparse cases in the fuzzer, decode
-  # beside the public kernels at 1 and 64 sequences (CUDA graphs). s14-3 and s14-4 installed no wheels (their
-  # names do not end in -1 / -2), so TileLang did not import there (libz3 missing).
-  bash tools/gpu_campaign.sh s14-4
+s16-2)
+  # (carry .whl-gpu2 and .public-kernels) TileLang's sparse fuzz cases, and decode beside the public kernels
+  # (tl_topk against the resident top-k).
+  TAIL=12 part fuzz_sparse_tilelang 150 python3 tools/fuzz.py --ops sparse_attention --codegens tilelang \
+    --cases 12 --out "$OUT/fuzz_h200_sparse_tilelang.md"
+  TAIL=20 part bench_sparse_decode_public 200 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
+    --batches 1 64 --contexts 32768 --cuda-graphs --out "$OUT/dsa_decode_public_h200.md"
   ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
