@@ -11,6 +11,11 @@ Triton's line info carries), run one config under compute-sanitizer:
 
     compute-sanitizer --tool memcheck --print-limit 5 python tools/diagnose_varlen_attention_configs.py \\
         --rope --config "BLOCK_M=64 BLOCK_N=64 D_HI=16 D_LO=64 num_warps=4 num_stages=1" --in-process
+
+--poison-shared first runs a kernel that leaves NaN across every SM's shared memory: a config whose MMAs read
+shared memory outside their tiles (the Triton 3.6 fault of a V tile with 32-byte rows, session 15) then returns
+NaN instead of passing by luck on clean memory. --config takes configs the family excludes too (a positive
+control: "BLOCK_M=64 BLOCK_N=64 D_HI=16 D_LO=64 num_warps=4 num_stages=2").
 """
 
 from __future__ import annotations
@@ -23,21 +28,54 @@ from pathlib import Path
 
 import dzc  # noqa: F401  (first: it decides Triton's mode)
 import torch
+import triton
+import triton.language as tl
 
 from dzc.ops.varlen_attention import varlen_attention_reference
 from dzc.targets import triton_codegen
 from dzc.targets import varlen_attention as family
+from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.launch import legal_configs
 from dzc.targets.profiles import SM_90
 
 # Without a GPU the kernels run in Triton's interpreter (a smoke test of this script on small --lengths).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+
+@triton.jit
+def _nan_matmul(a_ptr, b_ptr, out_ptr, K, M: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A pipelined matmul of NaN tiles: its stages fill the SM's shared memory with NaN."""
+    rows = tl.arange(0, M)
+    cols = tl.arange(0, N)
+    acc = tl.zeros((M, N), tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        acc = tl.dot(tl.load(a_ptr + rows[:, None] * K + ks[None, :]), tl.load(b_ptr + ks[:, None] * N + cols[None, :]),
+                     acc)
+    tl.store(out_ptr + tl.program_id(0) * M * N + rows[:, None] * N + cols[None, :], acc)
+
+
+def poison_shared_memory() -> None:
+    """Leave NaN in (nearly) all of every SM's shared memory: 4 stages of 128x64 + 64x256 bf16 tiles, 192 KiB."""
+    m, n, k, block_k = 128, 256, 1024, 64
+    a = torch.full((m, k), float("nan"), dtype=torch.bfloat16, device="cuda")
+    b = torch.full((k, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
+    out = torch.empty(programs, m, n, device="cuda")
+    _nan_matmul[(programs,)](a, b, out, k, M=m, N=n, BLOCK_K=block_k, num_warps=8, num_stages=4)
+
+
+def _parse_config(text: str):
+    values = dict(item.split("=") for item in text.split())
+    return KernelConfig.make(num_warps=int(values.pop("num_warps")), num_stages=int(values.pop("num_stages")),
+                             **{name: int(value) for name, value in values.items()})
+
+
 def run_config(args, config_text: str) -> str:
     """Launch one config on the pack and compare with the reference; a fault raises on the synchronize."""
     dtype = getattr(torch, args.dtype)
     spec = family.make_spec(args.head_dim, dtype, torch.float32 if args.rope else None)
-    [config] = [c for c in legal_configs(family, "triton", spec, SM_90)[0] if str(c) == config_text]
+    config = _parse_config(config_text)
     generator = torch.Generator(device=DEVICE).manual_seed(args.seed)
     pack = family.random_pack(tuple(args.lengths), args.heads, args.head_dim, dtype, args.rope, DEVICE, generator)
     path = Path(tempfile.mkdtemp()) / "varlen_attention.py"
@@ -45,6 +83,8 @@ def run_config(args, config_text: str) -> str:
     kernel = triton_codegen.load(family, path, spec, SM_90)
     inputs, (out,), _work, result = family.prepare(spec, *pack)
     out.fill_(float("nan"))
+    if args.poison_shared and DEVICE == "cuda":
+        poison_shared_memory()
     family.triton_launch(kernel, config, *inputs, out)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
@@ -61,22 +101,28 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1, 1000, 0, 257, 4096, 64, 64, 7, 2304])
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--config", help="one config as printed (str(KernelConfig)); default: every legal one")
-    parser.add_argument("--in-process", action="store_true", help="run --config here (for compute-sanitizer)")
+    parser.add_argument("--config", nargs="+",
+                        help="configs as printed (str(KernelConfig)), excluded ones too; default: every legal one")
+    parser.add_argument("--poison-shared", action="store_true",
+                        help="fill shared memory with NaN before each launch (shows reads outside a tile)")
+    parser.add_argument("--in-process", action="store_true", help="run one --config here (for compute-sanitizer)")
     args = parser.parse_args()
     if args.in_process:
-        print(run_config(args, args.config))
+        [config] = args.config
+        print(run_config(args, config))
         return
     spec = family.make_spec(args.head_dim, getattr(torch, args.dtype), torch.float32 if args.rope else None)
-    configs = [args.config] if args.config else [str(c) for c in legal_configs(family, "triton", spec, SM_90)[0]]
+    configs = args.config or [str(c) for c in legal_configs(family, "triton", spec, SM_90)[0]]
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (Triton interpreter)"
-    print(f"{device}, torch {torch.__version__}, triton {__import__('triton').__version__}; "
-          f"{spec.describe()}, lengths {args.lengths}, {args.heads} heads, seed {args.seed}\n")
+    print(f"{device}, torch {torch.__version__}, triton {triton.__version__}; {spec.describe()}, lengths "
+          f"{args.lengths}, {args.heads} heads, seed {args.seed}"
+          f"{'; shared memory poisoned with NaN before each launch' if args.poison_shared else ''}\n")
     print("| config | result |\n|---|---|")
     child = [sys.executable, __file__, "--head-dim", str(args.head_dim), "--dtype", args.dtype, "--heads",
              str(args.heads), "--seed", str(args.seed), "--lengths", *map(str, args.lengths), "--in-process"]
     for config in configs:
-        proc = subprocess.run([*child, *(["--rope"] if args.rope else []), "--config", config],
+        flags = [*(["--rope"] if args.rope else []), *(["--poison-shared"] if args.poison_shared else [])]
+        proc = subprocess.run([*child, *flags, "--config", config],
                               capture_output=True, text=True, timeout=600)
         lines = (proc.stdout + proc.stderr).strip().splitlines() or ["(no output)"]
         verdict = lines[-1] if proc.returncode == 0 else "FAILED: " + next(

@@ -268,12 +268,20 @@ s16-1)
     --out "$OUT/dsa_decode_tuned_h200.md"
   ;;
 s16-2)
-  # (carry .whl-gpu2 and .public-kernels) TileLang's sparse fuzz cases, and decode beside the public kernels
-  # (tl_topk against the resident top-k).
+  # (carry .whl-gpu2 and .public-kernels) TileLang's sparse fuzz cases, decode beside the public kernels
+  # (tl_topk against the resident top-k), and the vision tiling's narrow-V check.
   TAIL=12 part fuzz_sparse_tilelang 150 python3 tools/fuzz.py --ops sparse_attention --codegens tilelang \
     --cases 12 --out "$OUT/fuzz_h200_sparse_tilelang.md"
   TAIL=20 part bench_sparse_decode_public 200 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
     --batches 1 64 --contexts 32768 --cuda-graphs --out "$OUT/dsa_decode_public_h200.md"
+  # Is the vision default (head dim 80 as 64 + 16 columns, 32-key blocks) safe from the narrow-V fault session 15
+  # found in sparse attention? Shared memory poisoned with NaN first, so that a read outside a tile shows; the
+  # excluded 64-key split tiling is the positive control, the padded tiling the negative one.
+  TAIL=10 part diagnose_narrow_v 150 python3 tools/diagnose_varlen_attention_configs.py --poison-shared \
+    --head-dim 80 --config "BLOCK_M=64 BLOCK_N=32 D_HI=16 D_LO=64 num_warps=4 num_stages=3" \
+    "BLOCK_M=64 BLOCK_N=32 D_HI=16 D_LO=64 num_warps=4 num_stages=1" \
+    "BLOCK_M=128 BLOCK_N=64 D_HI=16 D_LO=64 num_warps=8 num_stages=2" \
+    "BLOCK_M=128 BLOCK_N=64 D_HI=0 D_LO=128 num_warps=8 num_stages=2"
   ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
