@@ -93,7 +93,7 @@ def triton_default_config(spec: DsaTopkSpec, profile: DeviceProfile) -> KernelCo
 def configs_for_bucket(spec: DsaTopkSpec, profile: DeviceProfile, bucket: int, configs: list[KernelConfig],
                        default: KernelConfig) -> tuple[list[KernelConfig], KernelConfig]:
     """Every config stays a candidate; the untuned choice for rows of up to `bucket` positions keeps rows up to
-    RESIDENT_ROWS in registers (one read instead of one per pass) with 16..32 positions per thread, where such a
+    RESIDENT_ROWS in registers (one read instead of one per pass) with 8..32 positions per thread, where such a
     config is legal on the profile (its shared memory), else the streamed default."""
     if bucket > RESIDENT_ROWS:
         return configs, default
