@@ -31,6 +31,7 @@ from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.launch import legal_configs
 from dzc.targets.legality import config_problems
 from dzc.targets.profiles import MP_22, MP_31, SM_80, SM_90
+from dzc.targets.stale_shared_memory import poison_shared_memory
 
 # DeepSeek-V3.2's selection width and cache page size (the sparse attention specs' static sizes).
 DSA_V32 = dict(topk=2048, page_size=64)
@@ -688,6 +689,32 @@ def test_full_size_sparse_attention_on_gpu(codegen, rows_per_seq, seed, tmp_path
                                    rtol=2**-6, msg=lambda m: f"rows {rows}: {m}")
     [(_, tuned)] = record.tuned.items()
     assert ("decode" if sum(rows_per_seq) <= sparse_attention.DECODE_MAX_ROWS else "prefill") in tuned["path"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d_qk, d_v, dtype", [(64, 16, torch.float16), (32, 32, torch.bfloat16),
+                                              (80, 32, torch.bfloat16)], ids=["v16-fp16", "v-is-k32", "v32-rope"])
+def test_narrow_values_read_only_their_own_shared_memory(d_qk, d_v, dtype, seed, tmp_path):
+    """Values narrower than 128-byte rows, V = K's first columns, 64 heads over one KV head (the fuzzer's case 21:
+    d_v 16 in fp16 read outside its V tile, Triton 3.6's wgmma over 32-byte rows): the untuned configs and the 64 x
+    64 tiles without splits or with one (case 21's), each launched right after a kernel that leaves NaN in every
+    SM's shared memory, so that a read outside a tile shows as NaN (or faults) instead of passing on clean memory."""
+    args = dsa_cases.sparse_attention_args([37, 300, 5], [1, 4, 2], 64, 1, d_qk, d_v, False, topk=70, page_size=16,
+                                           device=DEVICE, generator=_generator(seed), dtype=dtype)
+    spec = sparse_attention.spec_for(args[0], args[1], args[2], args[6], args[8])
+    kernels = _load_triton(sparse_attention, spec, tmp_path)
+    expected = sparse_attention_reference(*args)
+    configs, _ = legal_configs(sparse_attention, "triton", spec, SM_90)
+    chosen = _attention_configs(spec, uneven_splits=False)
+    chosen += [c for c in configs if (c["BLOCK_H"], c["BLOCK_N"]) == (64, 64) and c["SPLITS"] in (0, 1)
+               and c not in chosen]
+    for config in chosen:
+        poison_shared_memory(DEVICE)
+        out = _run_triton(sparse_attention, spec, kernels, config, args)
+        torch.cuda.synchronize()
+        assert not out.isnan().any(), f"{config}: NaN (a read of stale shared memory, or an unwritten output)"
+        torch.testing.assert_close(out.float(), expected.float(), atol=2**-6, rtol=2**-7,
+                                   msg=lambda m: f"{config}: {m}")
 
 
 @pytest.mark.gpu

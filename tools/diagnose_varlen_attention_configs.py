@@ -29,7 +29,6 @@ from pathlib import Path
 import dzc  # noqa: F401  (first: it decides Triton's mode)
 import torch
 import triton
-import triton.language as tl
 
 from dzc.ops.varlen_attention import varlen_attention_reference
 from dzc.targets import triton_codegen
@@ -37,32 +36,10 @@ from dzc.targets import varlen_attention as family
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.launch import legal_configs
 from dzc.targets.profiles import SM_90
+from dzc.targets.stale_shared_memory import poison_shared_memory
 
 # Without a GPU the kernels run in Triton's interpreter (a smoke test of this script on small --lengths).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@triton.jit
-def _nan_matmul(a_ptr, b_ptr, out_ptr, K, M: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A pipelined matmul of NaN tiles: its stages fill the SM's shared memory with NaN."""
-    rows = tl.arange(0, M)
-    cols = tl.arange(0, N)
-    acc = tl.zeros((M, N), tl.float32)
-    for k in range(0, K, BLOCK_K):
-        ks = k + tl.arange(0, BLOCK_K)
-        acc = tl.dot(tl.load(a_ptr + rows[:, None] * K + ks[None, :]), tl.load(b_ptr + ks[:, None] * N + cols[None, :]),
-                     acc)
-    tl.store(out_ptr + tl.program_id(0) * M * N + rows[:, None] * N + cols[None, :], acc)
-
-
-def poison_shared_memory() -> None:
-    """Leave NaN in (nearly) all of every SM's shared memory: 4 stages of 128x64 + 64x256 bf16 tiles, 192 KiB."""
-    m, n, k, block_k = 128, 256, 1024, 64
-    a = torch.full((m, k), float("nan"), dtype=torch.bfloat16, device="cuda")
-    b = torch.full((k, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    programs = 2 * torch.cuda.get_device_properties(0).multi_processor_count
-    out = torch.empty(programs, m, n, device="cuda")
-    _nan_matmul[(programs,)](a, b, out, k, M=m, N=n, BLOCK_K=block_k, num_warps=8, num_stages=4)
 
 
 def _parse_config(text: str):
