@@ -118,6 +118,13 @@ def test_spellings_fuse_and_match(window, sinks, spelling):
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+def _sliding_window(queries, past, context, window):
+    """Keep mask [queries, context] of queries at positions past, past + 1, ...: causal, within `window`."""
+    q_idx = (torch.arange(queries) + past)[:, None]
+    kv_idx = torch.arange(context)[None, :]
+    return (kv_idx <= q_idx) & (kv_idx > q_idx - window)
+
+
 class EfficientSdpaForm(nn.Module):
     """A windowed decoder attention in the form CUDA SDPA's memory-efficient choice leaves in a captured graph
     (ATen's attention.cpp: the bool mask turned into a -inf / 0 bias, padded to a multiple of 8 columns and sliced
@@ -131,9 +138,7 @@ class EfficientSdpaForm(nn.Module):
     def forward(self, q, k, v, past):
         batch, heads, queries, _ = q.shape
         context = k.shape[2]
-        q_idx = (torch.arange(queries) + past.shape[0])[:, None]
-        kv_idx = torch.arange(context)[None, :]
-        keep = (kv_idx <= q_idx) & (kv_idx > q_idx - self.window)
+        keep = _sliding_window(queries, past.shape[0], context, self.window)
         if not torch.compiler.is_compiling():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.25)
         bias = torch.where(keep.logical_not(), float("-inf"), torch.scalar_tensor(0.0, dtype=q.dtype))
@@ -160,9 +165,7 @@ def test_a_bias_padded_before_its_data_is_not_read_as_the_mask():
     """Padding at the start of the key dim shifts the bias: not the mask it came from (no site, nothing wrong)."""
 
     def shifted_bias(q, k, v):
-        q_idx = (torch.arange(q.shape[2]) + 5)[:, None]
-        kv_idx = torch.arange(k.shape[2])[None, :]
-        keep = (kv_idx <= q_idx) & (kv_idx > q_idx - 3)
+        keep = _sliding_window(q.shape[2], 5, k.shape[2], 3)
         bias = torch.where(keep.logical_not(), float("-inf"), torch.scalar_tensor(0.0, dtype=q.dtype))
         bias = F.pad(bias, (1, 0))[..., :k.shape[2]].expand(*q.shape[:3], k.shape[2])
         return (torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, False, scale=0.25)[0],)
