@@ -152,14 +152,20 @@ def test_topk_all_equal_row_takes_smallest_positions(tmp_path):
 def test_topk_untuned_choice_keeps_rows_up_to_32k_in_registers(profile):
     """The untuned choice per row width: up to RESIDENT_ROWS the whole row in one chunk (read once), wider rows
     streamed in 4096-position chunks; where the profile cannot take the resident config (its shared memory), the
-    streamed one."""
+    streamed one. Tuning narrows the candidates the same way."""
     spec = dsa_topk.DsaTopkSpec()
     configs, _ = legal_configs(dsa_topk, "triton", spec, profile)
     default = dsa_topk.triton_default_config(spec, profile)
-    chosen = {width: dsa_topk.configs_for_bucket(spec, profile, dsa_topk.token_bucket(width), configs, default)[1]
-              for width in (100, 8192, 20000, 32768, 32769, 131072)}
-    for width, config in chosen.items():
-        assert config in configs, (width, config)
+    narrowed = {width: dsa_topk.configs_for_bucket(spec, profile, dsa_topk.token_bucket(width), configs, default)
+                for width in (100, 8192, 20000, 32768, 32769, 131072)}
+    chosen = {width: config for width, (_, config) in narrowed.items()}
+    for width, (candidates, config) in narrowed.items():
+        assert config in candidates and set(candidates) <= set(configs), (width, config)
+        # tuning times the resident chunk's configs and the streamed default; wider rows every config
+        block = max(dsa_topk.token_bucket(width), 1024)
+        expected = (configs if width > dsa_topk.RESIDENT_ROWS
+                    else [c for c in configs if c["BLOCK"] == block or c == default])
+        assert candidates == expected and default in candidates, width
         resident = width <= dsa_topk.RESIDENT_ROWS and config != default
         assert config["BLOCK"] >= width if resident else config == default, (width, config)
         assert config["BLOCK"] // (config.num_warps * profile.warp_size) <= 64

@@ -285,6 +285,32 @@ s16-2)
     "BLOCK_M=128 BLOCK_N=64 D_HI=16 D_LO=64 num_warps=8 num_stages=2" \
     "BLOCK_M=128 BLOCK_N=64 D_HI=0 D_LO=128 num_warps=8 num_stages=2"
   ;;
+s16-3)
+  # (carry .whl-gpu1) s16-1's tuned decode run timed out tuning top-k (about 40 configs compiled for one 32K
+  # bucket): now only the resident chunk's configs and the streamed default. The tuning database stays in
+  # /tmp/dzc-bench-dsa-cache for s16-4 and comes back with the logs.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  DZC_AUTOTUNE_LOG=1 TAIL=20 part bench_dsa_decode_tuned 330 python3 tools/bench_dsa.py --only decode \
+    --no-baselines --no-public-kernels --codegens triton --batches 1 64 --contexts 32768 --cuda-graphs \
+    --out "$OUT/dsa_decode_tuned_h200.md"
+  cp -r /tmp/dzc-bench-dsa-cache "$OUT/tuning_cache" 2>/dev/null
+  # Is the vision default (head dim 80 as 64 + 16 columns, 32-key blocks) safe from the narrow-V fault session 15
+  # found in sparse attention? Shared memory poisoned with NaN first, so that a read outside a tile shows; the
+  # excluded 64-key split tiling is the positive control, the padded tiling the negative one.
+  TAIL=10 part diagnose_narrow_v 130 python3 tools/diagnose_varlen_attention_configs.py --poison-shared \
+    --head-dim 80 --config "BLOCK_M=64 BLOCK_N=32 D_HI=16 D_LO=64 num_warps=4 num_stages=3" \
+    "BLOCK_M=64 BLOCK_N=32 D_HI=16 D_LO=64 num_warps=4 num_stages=1" \
+    "BLOCK_M=128 BLOCK_N=64 D_HI=16 D_LO=64 num_warps=8 num_stages=2" \
+    "BLOCK_M=128 BLOCK_N=64 D_HI=0 D_LO=128 num_warps=8 num_stages=2"
+  ;;
+s16-4)
+  # (carry .whl-gpu2 and .public-kernels) TileLang's sparse fuzz cases; dzc's tuned Triton decode (s16-3's
+  # tuning database) beside the public TileLang kernels in one run.
+  TAIL=12 part fuzz_sparse_tilelang 150 python3 tools/fuzz.py --ops sparse_attention --codegens tilelang \
+    --cases 12 --out "$OUT/fuzz_h200_sparse_tilelang.md"
+  TAIL=20 part bench_sparse_decode_public 220 python3 tools/bench_dsa.py --only decode --no-baselines \
+    --codegens triton --batches 1 64 --contexts 32768 --cuda-graphs --out "$OUT/dsa_decode_public_h200.md"
+  ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # no NVLink multicast on these machines
