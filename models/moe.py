@@ -19,7 +19,7 @@ The expert loop has two spellings (`expert_loop`):
 - "gathered_bmm": every (token, slot) pair gathers its expert's weights (`w[topk_ids.flatten()]`) and runs one
   bmm (transformers' batched_mm experts); no data-dependent shapes, so it captures without special settings.
 
-Activations: "silu_glu" (silu(gate) * up) and "gptoss_clamped_glu" (gpt-oss: gate = min(gate, limit),
+Activations: "silu_glu" (silu(gate) * up) and "clamped_swiglu" (gpt-oss: gate = min(gate, limit),
 up = clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1)).
 """
 
@@ -42,7 +42,7 @@ class MoEConfig:
     top_k: int
     scoring: str = "softmax"  # "softmax" | "sigmoid" over all experts, before top-k
     renormalize: bool = True  # divide the k weights by their sum
-    activation: str = "gptoss_clamped_glu"  # "silu_glu" | "gptoss_clamped_glu"
+    activation: str = "clamped_swiglu"  # "silu_glu" | "clamped_swiglu"
     gate_up_interleaved: bool = True
     expert_bias: bool = True
     router_bias: bool = True

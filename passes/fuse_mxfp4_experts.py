@@ -45,7 +45,7 @@ The routing (router GEMM, scoring, top-k, renormalisation) stays as it is: the o
 Activations (fp32 casts between the ops are ignored; mul and add match in either operand order):
     gate/up split: slices 0::2 / 1::2 of gu (interleaved), or split/chunk into halves (concatenated)
     "silu_glu":           silu(gate) * up, silu spelled aten.silu, gate * sigmoid(gate) or gate / (1 + exp(-gate))
-    "gptoss_clamped_glu": g = clamp_max(gate, L); (clamp_max(clamp_min(up, -L), L) + 1) * (g * sigmoid(g * alpha))
+    "clamped_swiglu": g = clamp_max(gate, L); (clamp_max(clamp_min(up, -L), L) + 1) * (g * sigmoid(g * alpha))
 
 Every node between the layer's inputs and its output must be accounted for by the match, so nothing the op would
 not compute is dropped. Every dequantized weight left in the graph afterwards is reported as a refusal too,
@@ -215,7 +215,7 @@ def _clamp_bounds(t: _Tracker, node) -> tuple[torch.fx.Node, float | None, float
         node = t.strip_casts(node.args[0])
 
 
-def _match_gptoss_glu(t: _Tracker, out) -> tuple[torch.fx.Node, torch.fx.Node, float, float] | None:
+def _match_clamped_swiglu(t: _Tracker, out) -> tuple[torch.fx.Node, torch.fx.Node, float, float] | None:
     # (clamped_up + 1) * (g * sigmoid(g * alpha)), g = clamp_max(gate, limit)
     for up_plus_one, glu in _operands(t, out, aten.mul.Tensor):
         if not (is_call(up_plus_one, aten.add.Tensor) and up_plus_one.args[1] == 1
@@ -269,10 +269,10 @@ def _split_of(t: _Tracker, gate, up, gu) -> bool:
 def _match_activation(t: _Tracker, a, gu) -> tuple[str, bool, float, float]:
     """The activation between gu (the gate_up GEMM + bias) and a (the down GEMM's input)."""
     before = t.snapshot()
-    gptoss = _match_gptoss_glu(t, a)
-    if gptoss is not None:
-        gate, up, alpha, limit = gptoss
-        return "gptoss_clamped_glu", _split_of(t, gate, up, gu), alpha, limit
+    clamped = _match_clamped_swiglu(t, a)
+    if clamped is not None:
+        gate, up, alpha, limit = clamped
+        return "clamped_swiglu", _split_of(t, gate, up, gu), alpha, limit
     t.restore(before)
     silu = _match_silu_glu(t, a)
     if silu is not None:

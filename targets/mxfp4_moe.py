@@ -343,7 +343,7 @@ DEQUANT_NUM_WARPS = 4
 
 _TRITON_ACTIVATIONS = {
     "silu_glu": ["act = gate / (1.0 + tl.exp(-gate)) * up"],
-    "gptoss_clamped_glu": [
+    "clamped_swiglu": [
         "gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)",
         "up = tl.minimum(tl.maximum(up, -limit, propagate_nan=tl.PropagateNan.ALL), limit,",
         "                propagate_nan=tl.PropagateNan.ALL)",
@@ -647,7 +647,7 @@ _TILELANG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bf
 _ACTIVATION_TERMS = {torch.bfloat16: 1, torch.float16: 2}
 _TILELANG_ACTIVATIONS = {
     "silu_glu": ["return gate / (1.0 + T.exp(-gate)) * up"],
-    "gptoss_clamped_glu": [
+    "clamped_swiglu": [
         "gate = T.if_then_else(gate > limit, limit, gate)",
         "up = T.if_then_else(up > limit, limit, T.if_then_else(up < -limit, -limit, up))",
         "return gate / (1.0 + T.exp(-alpha * gate)) * (up + 1.0)",
@@ -772,7 +772,7 @@ def tilelang_launch(compiled, config: KernelConfig, hidden, topk_ids, topk_weigh
 
 
 def random_moe_args(device, generator: torch.Generator, *, tokens: int, hidden: int, inter: int, experts: int,
-                    top_k: int, dtype: torch.dtype = torch.bfloat16, activation: str = "gptoss_clamped_glu",
+                    top_k: int, dtype: torch.dtype = torch.bfloat16, activation: str = "clamped_swiglu",
                     interleaved: bool = True, bias: bool = True, skew: float = 0.0,
                     weights_dtype: torch.dtype = torch.float32) -> tuple:
     """The op's arguments (without kernel_id) for a random MoE layer: weights quantized from random floats by

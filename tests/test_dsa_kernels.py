@@ -118,9 +118,12 @@ def test_indexer_rejects_mismatched_q_and_cache():
 # dsa_topk
 
 TOPK_CONFIGS = [
-    KernelConfig.make(num_warps=4, num_stages=1, BLOCK=128, RADIX_BITS=8),
-    KernelConfig.make(num_warps=4, num_stages=1, BLOCK=64, RADIX_BITS=4),  # 8 passes, chunks that end mid-row
-    KernelConfig.make(num_warps=4, num_stages=1, BLOCK=256, RADIX_BITS=8),  # every row kept in registers
+    # sampled bounds: a sample of 64 keys, at most 128 candidates (rows of 200: the bracket holds)
+    KernelConfig.make(num_warps=4, num_stages=1, BLOCK=128, RADIX_BITS=8, SAMPLE=64, CANDIDATES=128),
+    # 4-bit digits (8 passes), chunks that end mid-row, room for 16 candidates only: most rows overflow it and
+    # take the whole-row radix select
+    KernelConfig.make(num_warps=4, num_stages=1, BLOCK=64, RADIX_BITS=4, SAMPLE=32, CANDIDATES=16),
+    KernelConfig.make(num_warps=4, num_stages=1, BLOCK=256, RADIX_BITS=8, SAMPLE=0, CANDIDATES=0),  # radix only
 ]
 
 
@@ -149,28 +152,49 @@ def test_topk_all_equal_row_takes_smallest_positions(tmp_path):
 
 
 @pytest.mark.parametrize("profile", [SM_90, MP_22], ids=lambda p: p.name)
-def test_topk_untuned_choice_keeps_rows_up_to_32k_in_registers(profile):
-    """The untuned choice per row width: up to RESIDENT_ROWS the whole row in one chunk (read once), wider rows
-    streamed in 4096-position chunks; where the profile cannot take the resident config (its shared memory), the
-    streamed one. Tuning narrows the candidates the same way."""
+def test_topk_untuned_choice_and_candidates_per_row_width(profile):
+    """The untuned choice per row width: sampled bounds, chunks as wide as the row up to 4096 positions, 8 a thread;
+    tuning times chunks no wider than the row, and the whole-row radix select beside them."""
     spec = dsa_topk.DsaTopkSpec()
     configs, _ = legal_configs(dsa_topk, "triton", spec, profile)
     default = dsa_topk.triton_default_config(spec, profile)
-    narrowed = {width: dsa_topk.configs_for_bucket(spec, profile, dsa_topk.token_bucket(width), configs, default)
-                for width in (100, 8192, 20000, 32768, 32769, 131072)}
-    chosen = {width: config for width, (_, config) in narrowed.items()}
-    for width, (candidates, config) in narrowed.items():
-        assert config in candidates and set(candidates) <= set(configs), (width, config)
-        # tuning times the resident chunk's configs and the streamed default; wider rows every config
-        block = max(dsa_topk.token_bucket(width), 1024)
-        expected = (configs if width > dsa_topk.RESIDENT_ROWS
-                    else [c for c in configs if c["BLOCK"] == block or c == default])
-        assert candidates == expected and default in candidates, width
-        resident = width <= dsa_topk.RESIDENT_ROWS and config != default
-        assert config["BLOCK"] >= width if resident else config == default, (width, config)
-        assert config["BLOCK"] // (config.num_warps * profile.warp_size) <= 64
-    if profile is SM_90:  # sm_90 takes every resident config
-        assert [chosen[w]["BLOCK"] for w in chosen] == [1024, 8192, 32768, 32768, 4096, 4096]
+    assert default in configs and dsa_topk.radix_config(profile) in configs
+    chosen = {}
+    for width in (100, 2000, 8192, 32768, 131072):
+        candidates, chosen[width] = dsa_topk.configs_for_bucket(spec, profile, dsa_topk.token_bucket(width),
+                                                                configs, default)
+        assert chosen[width] in candidates and set(candidates) <= set(configs), width
+        assert dsa_topk.radix_config(profile) in candidates, width
+        narrowest = min(c["BLOCK"] for c in configs if c["SAMPLE"])
+        widest = max(dsa_topk.token_bucket(width), narrowest)
+        assert all(c["BLOCK"] <= widest for c in candidates if c["SAMPLE"]), width
+        assert chosen[width]["SAMPLE"] == dsa_topk.SAMPLE, width
+    expected = [1024, 2048, 4096, 4096, 4096] if profile is SM_90 else [2048, 2048, 4096, 4096, 4096]
+    assert [chosen[w]["BLOCK"] for w in chosen] == expected
+    for config in configs:
+        per_thread = config["BLOCK"] // (config.num_warps * profile.warp_size)
+        assert per_thread <= 16 or config == dsa_topk.radix_config(profile), config
+
+
+def test_topk_sampled_bounds_on_long_rows_match_reference(tmp_path):
+    """Rows of thousands of positions with the shipped sample and candidate sizes: the sampled path on random
+    rows, and rows it cannot bracket (all keys equal: every key is a candidate, more than fit) through the
+    whole-row radix select; both exact."""
+    generator = _generator(3)
+    width, k = 6000, 300
+    logits = torch.randn(4, width, generator=generator, device=DEVICE)
+    logits[2] = 0.25  # ties everywhere: 6000 candidates > CANDIDATES
+    logits[3, ::2] = logits[3, 1::2]  # pairs of equal keys
+    lengths = torch.tensor([width, 4500, width, 5999], dtype=torch.int32, device=DEVICE)
+    spec = dsa_topk.DsaTopkSpec()
+    kernel = _load_triton(dsa_topk, spec, tmp_path)
+    config = dsa_topk.configs_for_bucket(spec, SM_90, dsa_topk.token_bucket(width),
+                                         dsa_topk.triton_configs(spec, SM_90),
+                                         dsa_topk.triton_default_config(spec, SM_90))[1]
+    assert config["SAMPLE"] == dsa_topk.SAMPLE and config["CANDIDATES"] == dsa_topk.CANDIDATES
+    args = (logits, lengths, k)
+    torch.testing.assert_close(_run_triton(dsa_topk, spec, kernel, config, args), dsa_topk_reference(*args),
+                               atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------

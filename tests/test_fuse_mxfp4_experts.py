@@ -130,7 +130,7 @@ graph(%a0: sym s0, %a1: bf16[s0, 64], %a2: bf16[2, 64], %a3: bf16[2], %a4: u8[2,
   %12 = aten.sum.dim_IntList(%10, [-1], True)  # f32[s0, 1]
   %13 = aten.div.Tensor(%10, %12)  # f32[s0, 1]
   %14 = prims.convert_element_type.default(%13, bf16)  # bf16[s0, 1]
-  %15 = dzc.mxfp4_moe.default(%0, %11, %14, %a4, %a5, %a8, %a6, %a7, %a9, 'gptoss_clamped_glu', True, 1.702, 7.0)  # bf16[s0, 64]
+  %15 = dzc.mxfp4_moe.default(%0, %11, %14, %a4, %a5, %a8, %a6, %a7, %a9, 'clamped_swiglu', True, 1.702, 7.0)  # bf16[s0, 64]
   %16 = aten.view.default(%15, [%a0, 64])  # bf16[s0, 64]
   return (%16,)
 """

@@ -268,7 +268,7 @@ def _op_args(tokens=5, k=2):
     ids = torch.randint(0, E, (tokens, k))
     return (torch.randn(tokens, H).bfloat16(), ids, torch.rand(tokens, k).bfloat16(), experts.gate_up_blocks,
             experts.gate_up_scales, experts.gate_up_bias, experts.down_blocks, experts.down_scales, experts.down_bias,
-            "gptoss_clamped_glu", True, 1.702, 7.0)
+            "clamped_swiglu", True, 1.702, 7.0)
 
 
 def test_mxfp4_moe_op_fake_matches_reference(seed):

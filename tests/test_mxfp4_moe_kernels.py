@@ -220,11 +220,11 @@ def test_prepare_rejects_arguments_of_another_spec(seed, tmp_path):
 
 SPECS = {
     "gptoss-120b": mxfp4_moe.MXFP4MoESpec(2880, 2880, 128, 4, torch.bfloat16, torch.float32, torch.bfloat16,
-                                          torch.bfloat16, "gptoss_clamped_glu", True),
+                                          torch.bfloat16, "clamped_swiglu", True),
     "deepseek": mxfp4_moe.MXFP4MoESpec(7168, 2048, 256, 8, torch.bfloat16, torch.float32, None, None, "silu_glu",
                                        False),
     "fp32-tiny": mxfp4_moe.MXFP4MoESpec(96, 64, 4, 2, torch.float32, torch.float32, torch.float32, None,
-                                        "gptoss_clamped_glu", True),
+                                        "clamped_swiglu", True),
 }
 
 
@@ -321,7 +321,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     # fp32-operand variant that fp16 activations take.
     specs = {
         "gptoss-bf16": family.MXFP4MoESpec(2880, 2880, 128, 4, torch.bfloat16, torch.float32, torch.bfloat16,
-                                           torch.bfloat16, "gptoss_clamped_glu", True),
+                                           torch.bfloat16, "clamped_swiglu", True),
         "deepseek-fp16": family.MXFP4MoESpec(7168, 2048, 256, 8, torch.float16, torch.bfloat16, None, None,
                                              "silu_glu", False),
     }

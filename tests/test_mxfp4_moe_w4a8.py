@@ -270,7 +270,7 @@ def test_w4a8_layer_matches_reference(name, changes, config, seed, tmp_path):
 
 def test_fp8_configs_only_where_e4m3_is_native():
     spec = dataclasses.replace(mxfp4_moe.MXFP4MoESpec(2880, 2880, 128, 4, torch.bfloat16, torch.float32,
-                                                      torch.bfloat16, torch.bfloat16, "gptoss_clamped_glu", True),
+                                                      torch.bfloat16, torch.bfloat16, "clamped_swiglu", True),
                                fp8_activations=True)
     for name, target in TARGETS.items():
         legal, illegal = legal_configs(mxfp4_moe, "triton", spec, target.profile)
@@ -300,7 +300,7 @@ _AOT_SCRIPT = textwrap.dedent("""
     from dzc.targets.profiles import SM_90
 
     spec = family.MXFP4MoESpec(2880, 2880, 128, 4, torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16,
-                               "gptoss_clamped_glu", True, fp8_activations=True)
+                               "clamped_swiglu", True, fp8_activations=True)
     path = Path(sys.argv[1]) / "w4a8.py"
     path.write_text(family.triton_source(spec, SM_90))
     kernels = triton_codegen.load(family, path, spec, SM_90)

@@ -34,7 +34,8 @@ SMOKE = {
     "bench_windowed_attention.py": (["--dry-run", "--quick"], "dry run: decode 64x1 over 8192 window 128"),
     "diagnose_overhead.py": (["--dry-run", "--hidden", "64"], "dry run: H=64"),
     "diagnose_sparse_attention_configs.py": (["--dry-run"], "| decode | dry run:"),
-    "demo.py": (["--dry-run"], "dry run: 2 requests"),
+    # Runs for real: one request (its prefill) and a decode step, then the reports and their coverage.
+    "demo.py": (["--requests", "1", "--decode-steps", "1"], "largest unfused ops (left to the fallback)"),
     # Runs for real: world size 1, gloo, tiny sizes through the interpreter (torchrun adds ranks on GPUs).
     "bench_distributed.py": (["--quick"], "| all_reduce_add_rms_norm | 64 | 8 |"),
     # Runs for real through the interpreter (the lookup-table decoders need the GPU's inline PTX).
@@ -44,7 +45,7 @@ SMOKE = {
     "diagnose_varlen_attention_configs.py": (["--head-dim", "16", "--dtype", "float32", "--lengths", "1", "5", "0",
                                               "--heads", "1", "--in-process", "--config",
                                               "BLOCK_M=64 BLOCK_N=32 D_HI=0 D_LO=16 num_warps=4 num_stages=1"],
-                                             "ok: max abs error"),
+                                             "matches: max abs error"),
     # W4A8 has no legal config on mp_22 (no FP8): listed as not on this profile, not a crash; add_rms_norm runs.
     "musa_constrained_runs.py": (["--device", "cpu", "--quick", "--family", "mxfp4_moe_w4a8", "--family",
                                   "add_rms_norm", "--profile", "musa:mp_22", "--out", "{tmp}/musa.md"],
@@ -70,8 +71,8 @@ def _env(tmp_path) -> dict:
 
 # Most tools are CPU-bound; bench_compile mostly waits on its own child processes.
 AT_ONCE = 4
-# The longest runs (~15-20 s each on two cores), started first so that the others fill in around them.
-FIRST = ("bench_compile.py", "bench_distributed.py")
+# The longest runs (~15-30 s each on two cores), started first so that the others fill in around them.
+FIRST = ("bench_compile.py", "demo.py", "bench_distributed.py")
 
 
 @pytest.fixture(scope="module")

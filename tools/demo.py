@@ -28,6 +28,9 @@ def main():
     parser.add_argument("--dry-run", action="store_true",
                         help="build the model, the compiled session and the first request's inputs; run nothing "
                              "(the whole demo takes minutes through Triton's interpreter)")
+    parser.add_argument("--requests", type=int, default=len(REQUESTS), choices=range(1, len(REQUESTS) + 1),
+                        help="how many of the requests to run (default: all)")
+    parser.add_argument("--decode-steps", type=int, default=DECODE_STEPS, help="decode steps after each prefill")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = CONFIGS["tiny"]
@@ -39,22 +42,22 @@ def main():
     if args.dry_run:
         grids, text = REQUESTS[0]
         ids = request_ids(cfg, grids, text, torch.Generator().manual_seed(0))
-        print(f"dry run: {len(REQUESTS)} requests (the first: {len(grids)} images, {ids.shape[1]} tokens), "
-              f"{DECODE_STEPS} decode steps each, on {device} for target {args.target}")
+        print(f"dry run: {args.requests} requests (the first: {len(grids)} images, {ids.shape[1]} tokens), "
+              f"{args.decode_steps} decode steps each, on {device} for target {args.target}")
         return
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for sequence, (grids, text) in enumerate(REQUESTS):
+        for sequence, (grids, text) in enumerate(REQUESTS[:args.requests]):
             images = pack_images(grids, cfg.vision, torch.bfloat16, generator)
             images = type(images)(*(t.to(device) for t in images.inputs()))
             input_ids = request_ids(cfg, grids, text, generator).to(device)
             label = f"request {sequence}: {len(grids)} image(s) {grids} + text, {input_ids.shape[1]} tokens, prefill"
             expected, actual = eager.prefill(sequence, input_ids, images), compiled.prefill(sequence, input_ids, images)
-            for step in range(DECODE_STEPS + 1):
+            for step in range(args.decode_steps + 1):
                 error = (actual.float() - expected.float()).abs().max().item()
                 print(f"{label}: max |dzc - eager| = {error:.3g} (logits up to {expected.abs().max().item():.3g}, "
                       f"{actual.dtype})")
-                if step == DECODE_STEPS:
+                if step == args.decode_steps:
                     break
                 tokens = expected.argmax(-1, keepdim=True)
                 label = f"request {sequence}: decode step {step + 1}"

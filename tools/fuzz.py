@@ -356,7 +356,7 @@ def gen_moe(rng, srng, g, size, device, op: str) -> Case:
     top_k = srng.randint(1, min(experts, 4))
     tokens = edge_count(rng, size.moe_tokens)
     dtype = srng.choice(FLOATS)
-    activation = srng.choice(("silu_glu", "gptoss_clamped_glu"))
+    activation = srng.choice(("silu_glu", "clamped_swiglu"))
     interleaved = srng.random() < 0.5
     scale_edges = rng.random() < 0.15
     w13_blocks, w13_scales = _moe_weights(g, experts, 2 * inter, hidden, scale_edges, rng)

@@ -27,7 +27,7 @@ to the model. Its rounding points where FP8 applies, on top of the above:
 Activations (gate, up = the two halves of x @ W13^T + b13: rows 0::2 / 1::2 if gate_up_interleaved, else the
 first / last I rows):
     "silu_glu":            silu(gate) * up                                  (alpha, limit unused)
-    "gptoss_clamped_glu":  g = min(gate, limit); u = clamp(up, -limit, limit); g * sigmoid(alpha * g) * (u + 1)
+    "clamped_swiglu":  g = min(gate, limit); u = clamp(up, -limit, limit); g * sigmoid(alpha * g) * (u + 1)
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 
 from dzc import mxfp4, runtime
 
-ACTIVATIONS = ("silu_glu", "gptoss_clamped_glu")
+ACTIVATIONS = ("silu_glu", "clamped_swiglu")
 HIDDEN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
