@@ -158,7 +158,8 @@ def _run_passes(graph: torch.fx.Graph, passes: list[GraphPass], verify: bool, ti
 def pass_results(stages: list[Stage]) -> list[PassResult]:
     """One result per pass that ran, in pipeline order, over the whole graph: a site rewritten in a region body
     counts once per call of the body (the counts are those of the same model captured without regions), named
-    "<site> [body <attribute>]"."""
+    "<site> [body <attribute>]". Refusals are the flat graph's: it holds every body's sites again (a site refused
+    in a body is fused there where the other side of the body's boundary completes it, else refused again)."""
     merged: dict[str, PassResult] = {}
     for stage in stages:
         result = stage.result
@@ -172,5 +173,4 @@ def pass_results(stages: list[Stage]) -> list[PassResult]:
             continue
         attribute, calls = stage.region
         into.rewrites += [f"{site} [body {attribute}]" for site in result.rewrites for _ in range(calls)]
-        into.refusals += [(f"{where} [body {attribute}]", why) for where, why in result.refusals]
     return list(merged.values())
