@@ -79,7 +79,9 @@ class CompileOptions:
     # instead of every layer, dzc's passes rewrite each body once, and the bodies are inlined at their calls
     # before the passes run over the whole graph (layer-crossing fusions), so the fusions are those of a plain
     # capture. A capture with regions that fails or cannot be trusted is retried without them (the report's
-    # nested_regions says why). None = $DZC_NESTED_REGIONS (on unless set to 0).
+    # nested_regions says why). Off by default for now: with regions, torch 2.13 recompiles where a plain capture
+    # goes dynamic (tests/test_multimodal_model.py's decoder step: 5 graphs for 2 prefills and 3 decodes instead of
+    # 2). None = $DZC_NESTED_REGIONS (off unless set to 1).
     nested_regions: bool | None = None
 
     def resolved_cache_dir(self) -> str:

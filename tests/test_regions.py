@@ -1,6 +1,7 @@
-"""Nested compile regions (dzc/regions.py): repeated layers captured once fuse as a plain capture does and match
-eager, the report says the regions were used, a capture with regions that fails or cannot be trusted is refused
-and captured again without them, the option and knob turn them off, and the warm-compile cache still hits."""
+"""Nested compile regions (dzc/regions.py, opt-in): repeated layers captured once fuse as a plain capture does
+and match eager, the report says the regions were used, a capture with regions that fails or cannot be trusted is
+refused and captured again without them, the knob and the option turn them on, and the warm-compile cache still
+hits."""
 
 import dataclasses
 import gc
@@ -108,7 +109,7 @@ class _Stack(nn.Module):
 
 def test_a_graph_break_inside_a_layer_refuses_regions(options, seed):
     model = _Stack()
-    compiled = dzc.compile(model, "cuda", options)
+    compiled = dzc.compile(model, "cuda", dataclasses.replace(options, nested_regions=True))
     x = torch.randn(4, 16)
     with pytest.warns(RuntimeWarning, match="nested compile regions refused"):
         actual = compiled(x)
@@ -138,23 +139,23 @@ def test_region_calls_reading_another_layers_parameters_are_refused(seed):
     assert found and "both read the parameters of layers.0" in found[0], found
 
 
-def test_the_option_and_the_knob_turn_regions_off(options):
+def test_regions_are_off_by_default_and_the_knob_turns_them_on(options):
     model, (tokens,) = build_model("llama_decoder")
-    with config.scope(DZC_NESTED_REGIONS="0"):
-        compiled = dzc.compile(model, "cuda", options)
-        compiled(tokens)
+    compiled = dzc.compile(model, "cuda", options)
+    compiled(tokens)
     assert compiled.report.nested_regions == "off"
     assert "invoke_subgraph" not in dict(compiled.report.graphs[0].stages)["capture"]
     assert all(type(layer) is HFLayer for layer in model.layers)
-    with config.scope(DZC_NESTED_REGIONS="0"):  # the option wins over the knob
-        assert dataclasses.replace(options, nested_regions=True).resolved_nested_regions()
+    with config.scope(DZC_NESTED_REGIONS="1"):
+        assert options.resolved_nested_regions()
+        assert not dataclasses.replace(options, nested_regions=False).resolved_nested_regions()  # the option wins
 
 
 _WORKER = """
 import json, sys, torch, dzc
 from dzc.models import build_model
 model, (tokens,) = build_model("llama_decoder", layers=3)
-compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=sys.argv[1], autotune=False))
+compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=sys.argv[1], autotune=False, nested_regions=True))
 with torch.no_grad():
     logits = compiled(tokens)
 torch.save(logits, sys.argv[2])
