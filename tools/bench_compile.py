@@ -12,7 +12,8 @@ Models are dzc.models names (their example inputs), on CUDA when there is a GPU,
 through Triton's interpreter; torch.compile's fallback is Inductor's C++ backend there). dzc tunes nothing
 (autotune off): tuning is per device and has its own database. --quick: llama_decoder, dzc only. --layers: build
 the models with N layers (llama_decoder: decoder layers; multimodal: decoder and vision layers each). --regions:
-dzc with CompileOptions.nested_regions on (the default), off, or both (a row each). --cold-only: skip the warm run.
+dzc with CompileOptions.nested_regions on (the bench's default; dzc's is off), off, or both (a row each). --cold-only:
+skip the warm run.
 """
 
 from __future__ import annotations
