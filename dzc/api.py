@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+import weakref
 
 import torch
 from torch._dynamo.exc import BackendCompilerFailed
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
 
-from dzc import autotune, config, hf_attention, runtime
+from dzc import autotune, config, hf_attention, regions, runtime
 from dzc.capture import DzcBackend
 from dzc.options import CompileOptions
 from dzc.targets import resolve_target
@@ -60,6 +61,16 @@ class CompiledModel:
         self.model = model
         self.options = options
         self.backend = backend(target, options)
+        # Repeated layers captured once (dzc/regions.py): marked while this CompiledModel lives (Dynamo guards the
+        # layers' classes), put back when it is garbage-collected or when a capture with regions is refused.
+        if options.resolved_nested_regions():
+            self.backend.marking = regions.mark_repeated_layers(model)
+            weakref.finalize(self, self.backend.marking.restore)
+            self.backend.report.nested_regions = self.backend.marking.describe() or "none (no repeated layers)"
+            if self.backend.marking.refused:
+                self.backend.report.nested_regions += "; not marked: " + "; ".join(self.backend.marking.refused)
+        else:
+            self.backend.report.nested_regions = "off"
         self._compiled = torch.compile(model, backend=self.backend, dynamic=None if options.dynamic_tokens else False,
                                        **_OWN_RECOMPILE_BUDGET)
         # Dynamo reads these when it traces, which any call may do (a guard fails). Entering a config.patch around
@@ -126,6 +137,8 @@ class CompiledModel:
             if inner is self.backend.failure:
                 # dzc's own stage failed: its error as it is, not inside Dynamo's "report a bug to PyTorch" text
                 raise inner.with_traceback(inner.__traceback__) from inner.__cause__
+            if self._refuse_regions(inner, frames_tried):
+                return self._run_compiled(*args, **kwargs)
             if not self._retry_capture(inner, frames_tried):
                 raise
             return self._run_compiled(*args, **kwargs)
@@ -134,6 +147,23 @@ class CompiledModel:
                           "(the report's eager_runs says so too)", RuntimeWarning, stacklevel=3)
         return result
 
+
+    def _refuse_regions(self, error: Exception, frames_tried: int) -> bool:
+        """After a capture with nested compile regions failed (a graph break inside a region, which Dynamo cannot
+        split) or was refused by dzc's backend (regions.RegionRefusal), put the layers' classes back and say so:
+        the call is then retried, captured without regions. Whether to retry: where layers are marked and the
+        capture failed during the call."""
+        marking = self.backend.marking
+        if not marking or not (isinstance(error, regions.RegionRefusal) or (
+                self.backend.frames_tried_since(frames_tried) and isinstance(error, _CAPTURE_FAILURES))):
+            return False
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        why = first_line if isinstance(error, regions.RegionRefusal) else f"{type(error).__name__}: {first_line}"
+        message = (f"refused for {marking.describe()} ({why}); captured again without them")
+        marking.restore()
+        self.backend.report.nested_regions = message
+        warnings.warn(f"dzc.compile: nested compile regions {message}", RuntimeWarning, stacklevel=4)
+        return True
 
     def _retry_capture(self, error: Exception, frames_tried: int) -> bool:
         """After a capture (Dynamo or AOTAutograd tracing) failed with Dynamo's scalar and dynamic-shape captures

@@ -26,12 +26,12 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from dzc import compile_cache, config, distributed, ir, runtime
+from dzc import compile_cache, config, distributed, ir, regions, runtime
 from dzc.coverage import GraphCoverage, graph_coverage
 from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph
 from dzc.options import CompileOptions
 from dzc.passes.graph_pass import PassResult, copy_graph
-from dzc.pipeline import Stage, build_pipeline, run_pipeline
+from dzc.pipeline import Stage, build_pipeline, pass_results, run_pipeline
 from dzc.report import CompileReport, CompileTimer, GraphRecord
 from dzc.targets import INTERPRETER, Target, triton_codegen
 from dzc.targets.launch import KernelRecord
@@ -176,6 +176,8 @@ class DzcBackend:
         self.options = options
         self.check_rewrites = options.resolved_check_rewrites()
         self.report = CompileReport(target.name, repr(options))
+        # The layers dzc.compile marked as nested compile regions (dzc/regions.py); none for a plain backend.
+        self.marking = regions.Marking()
         # This model's kernels: they carry its tuning options, database and report (one table per backend).
         self.kernels = KernelTable(f"m{next(_BACKEND_SERIAL)}")
         # The exception dzc's own stages (passes, lowering, fallback compile) raised last: dzc.compile re-raises
@@ -197,6 +199,10 @@ class DzcBackend:
                                  decompositions=_DECOMPOSITIONS, keep_inference_input_mutations=True)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        if self.marking:
+            misplaced = regions.misplaced_parameters(gm, example_inputs, self.marking)
+            if misplaced:  # dzc.compile restores the layers' classes and captures again
+                raise regions.RegionRefusal(misplaced)
         self._graph_break = _graph_break(gm)  # read by _compile_graph, which AOTAutograd calls from here
         self._timer = CompileTimer()
         self._timer.add("dynamo", _dynamo_seconds())
@@ -268,7 +274,9 @@ class DzcBackend:
     def _compile_captured(self, gm: torch.fx.GraphModule, example_inputs, hit: _CaptureHit | None = None):
         """Compile AOTAutograd's graph `gm` (or, on a capture-level cache hit, the cached graph of `hit`, whose
         rewrite check ran when its entry was built)."""
-        written = hit.entry.written if hit else _written_inputs(gm.graph)  # before passes touch the graph
+        # as captured, region bodies inlined, for the rewrite check (lowering binds kernels in place)
+        captured = regions.inlined(gm) if hit is None else None
+        written = hit.entry.written if hit else _written_inputs(captured)  # before passes touch the graph
         dynamo_id = torch._guards.CompileContext.current_compile_id()
         compile_id = str(dynamo_id) if dynamo_id is not None else "0/0"
         # A recompile is a second graph for a frame this backend already compiled (Dynamo's own compile counter
@@ -278,8 +286,6 @@ class DzcBackend:
         self._frames_compiled.add(frame)
         device = _input_device(example_inputs)
         execution = _execution_for(self.target, device)
-        # as captured, for the rewrite check (lowering binds kernels in place)
-        captured = copy_graph(gm.graph) if hit is None else None
         skip_check = ("done when the compile cache entry was built" if hit is not None
                       else "" if self.check_rewrites else "off (CompileOptions.check_rewrites)")
         if not skip_check and execution.runtime is None:
@@ -336,12 +342,12 @@ class DzcBackend:
         graph, stages = cached.passes()
         created = lower_graph(graph, self.target, self.options, execution, device, self.kernels, timer=timer)
         uses = kernel_uses(graph)
+        results = pass_results(stages)
         references = [record for record in created if record.codegen == "reference"]
         with timer.stage("ir text"):
             stages.append(Stage("lowered", ir.print_graph(graph, f"lowered for {self.target.name}"), None))
         with timer.stage("coverage"):
-            coverage = graph_coverage(graph, [(s.name, where, why) for s in stages if s.result is not None
-                                              for where, why in s.result.refusals])
+            coverage = graph_coverage(graph, [(r.name, where, why) for r in results for where, why in r.refusals])
         fallback = self.options.fallback
         if fallback == "auto":
             fallback = "inductor" if device is not None and device.type != "cpu" else "eager"
@@ -359,7 +365,6 @@ class DzcBackend:
         if cached.state != "off":
             with timer.stage("compile cache"):
                 cached.store(fallback == "inductor")
-        results = [stage.result for stage in stages if stage.result is not None]
         return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, cached.state,
                       cached.key if cached.state in ("hit", "miss") else None)
 
@@ -548,7 +553,7 @@ class _CachedPasses:
             return
         with timer.stage("compile cache"):
             self.cache = compile_cache.CompileCache(options.resolved_cache_dir())
-            self.captured_text = ir.print_graph(gm.graph, "captured by Dynamo + AOTAutograd")
+            self.captured_text = regions.captured_text(gm, "captured by Dynamo + AOTAutograd")
             self.key, self.parts = compile_cache.entry_key(self.captured_text, gm, example_inputs, target, options,
                                                            _enabled_passes(target, options))
             fake_mode = torch._guards.detect_fake_mode(example_inputs)
@@ -559,16 +564,17 @@ class _CachedPasses:
     def passes(self) -> tuple[torch.fx.Graph, list[Stage]]:
         if self.entry is not None:
             graph = self.entry.graph
-            stages = [Stage(name, text, None if rewrites is None else PassResult(name, graph, rewrites, refusals))
-                      for name, text, rewrites, refusals in self.entry.stages]
+            stages = [Stage(name, text, None if rewrites is None else PassResult(name.rpartition(".")[2], graph,
+                                                                                 rewrites, refusals), region)
+                      for name, text, rewrites, refusals, region in self.entry.stages]
             return graph, stages
         graph, stages = run_pipeline(self.gm.graph, self.target, self.options, timer=self.timer,
-                                     captured_text=self.captured_text)
+                                     captured_text=self.captured_text, root=self.gm)
         if self.state != "off":
             with self.timer.stage("compile cache"):
                 pickled = compile_cache.pickle_graph(graph, self.gm)  # before lowering binds kernels into it
                 saved = [(s.name, s.text, None if s.result is None else s.result.rewrites,
-                          None if s.result is None else s.result.refusals) for s in stages]
+                          None if s.result is None else s.result.refusals, s.region) for s in stages]
                 if isinstance(pickled, str):
                     self.state = pickled
                 else:
@@ -600,6 +606,22 @@ def _describe(record: GraphRecord, build: _Build) -> None:
     record.stages = [(s.name, s.text) for s in build.stages]
     record.coverage = dataclasses.replace(build.coverage, compile_id=record.compile_id)
     record.compile_cache = build.compile_cache
+    record.regions = _regions(build.stages)
+
+
+def _regions(stages: list[Stage]) -> list[str]:
+    """One line per region body the passes rewrote: its calls, and the sites each pass rewrote in it."""
+    bodies: dict[str, tuple[int, list[str]]] = {}
+    for stage in stages:
+        if stage.region is None:
+            continue
+        attribute, calls = stage.region
+        fired = bodies.setdefault(attribute, (calls, []))[1]
+        if stage.result is not None and stage.result.rewrites:
+            sites = len(stage.result.rewrites)
+            fired.append(f"{stage.result.name} {sites} site{'s' if sites > 1 else ''}")
+    return [f"body {attribute} called {calls} time{'s' if calls > 1 else ''}: {', '.join(fired) or 'nothing fused'}"
+            for attribute, (calls, fired) in bodies.items()]
 
 
 def _draws_random_numbers(node: torch.fx.Node) -> bool:

@@ -59,7 +59,8 @@ from dzc import config
 FORMAT_VERSION = 1
 # Options that do not change what the passes and lowering make of a graph: where the cache lives (a copied
 # directory must still hit) and the shipped tuning database (read by tuning, at the first call).
-_KEY_EXCLUDED_OPTIONS = ("cache_dir", "tuning_db")
+# nested_regions changes what the captured graph is made of (region calls or not), which the key hashes itself.
+_KEY_EXCLUDED_OPTIONS = ("cache_dir", "tuning_db", "nested_regions")
 
 
 @functools.cache
@@ -105,6 +106,9 @@ def _constants(gm: torch.fx.GraphModule) -> list[str]:
             if node.op != "get_attr":
                 continue
             value = getattr(gm, node.target, None)
+            if isinstance(value, torch.fx.GraphModule):  # a region body (invoke_subgraph): its own constants
+                described += [f"{node.target}.{constant}" for constant in _constants(value)]
+                continue
             if isinstance(value, torch.Tensor) and not value.is_meta and not isinstance(value, FakeTensor):
                 data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                 described.append(f"{node.target}: {_describe_input(value)} {hashlib.sha256(data).hexdigest()[:16]}")
@@ -336,7 +340,10 @@ def capture_key(gm: torch.fx.GraphModule, example_inputs, target, options, passe
     if any(isinstance(v, torch.Tensor) and type(v) not in (torch.Tensor, torch.nn.Parameter) for v in example_inputs):
         return None, "its inputs include tensor subclasses (AOTAutograd unwraps them)"
     functions = []
-    for node in gm.graph.nodes:
+    # Region bodies (invoke_subgraph's GraphModule attributes) are part of the graph: their code goes in the key.
+    bodies = sorted((name, module) for name, module in gm.named_modules() if isinstance(module, torch.fx.GraphModule)
+                    and module is not gm)
+    for node in (node for module in [gm, *(m for _, m in bodies)] for node in module.graph.nodes):
         if node.op == "call_module":
             return None, f"it calls submodule {node.target} (its code is not in the key)"
         if node.op == "call_function" and not isinstance(node.target, (torch._ops.OpOverload,
@@ -366,7 +373,8 @@ def capture_key(gm: torch.fx.GraphModule, example_inputs, target, options, passe
                                torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.cudnn_sdp_enabled)],
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
-    return entry_key("captured by Dynamo\n" + gm.code, gm, values, target, options, passes,
+    code = "".join([gm.code, *(f"\n# body {name}\n{module.code}" for name, module in bodies)])
+    return entry_key("captured by Dynamo\n" + code, gm, values, target, options, passes,
                      extra_parts={"kind": "capture", "aliasing": aliasing, "functions": functions,
                                   "global state": repr(sorted(state.items()))})
 

@@ -72,6 +72,17 @@ class CompileOptions:
     # CompiledModel is garbage-collected; "calls": selected during each compiled call only, the user's setting put
     # back after it (a few attribute writes per call); "off": the model's attention as configured.
     hf_attention: HfAttention = "compiled"
+    # Capture repeated layers once: the children of an nn.ModuleList that share a class (defined outside torch)
+    # and appear at least twice are marked as nested compile regions (torch.compiler.nested_compile_region) while
+    # the CompiledModel lives, without changing the model's code (dzc/regions.py: each instance's class is swapped
+    # for a same-named subclass; eager results are unchanged). Dynamo and AOTAutograd then trace one layer body
+    # instead of every layer, dzc's passes rewrite each body once, and the bodies are inlined at their calls
+    # before the passes run over the whole graph (layer-crossing fusions), so the fusions are those of a plain
+    # capture. A capture with regions that fails or cannot be trusted is retried without them (the report's
+    # nested_regions says why). Off by default for now: with regions, torch 2.13 recompiles where a plain capture
+    # goes dynamic (tests/test_multimodal_model.py's decoder step: 5 graphs for 2 prefills and 3 decodes instead of
+    # 2). None = $DZC_NESTED_REGIONS (off unless set to 1).
+    nested_regions: bool | None = None
 
     def resolved_cache_dir(self) -> str:
         return self.cache_dir or config.CACHE_DIR.get()
@@ -80,6 +91,11 @@ class CompileOptions:
         if self.check_rewrites is not None:
             return self.check_rewrites
         return config.CHECK_REWRITES.get() == "1"
+
+    def resolved_nested_regions(self) -> bool:
+        if self.nested_regions is not None:
+            return self.nested_regions
+        return config.NESTED_REGIONS.get() == "1"
 
     def __post_init__(self):
         if self.codegen not in ("auto", "triton", "tilelang"):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.fx
 
-from dzc import ir
+from dzc import ir, regions
 from dzc.options import CompileOptions
 from dzc.passes.canonicalize_graph import canonicalize_graph
 from dzc.passes.fuse_all_reduce_residual_norm import fuse_all_reduce_residual_norm
@@ -82,13 +82,20 @@ class Stage:
     name: str
     text: str
     result: PassResult | None  # None for the captured graph
+    # (attribute, calls) of the region body this stage rewrote (dzc/regions.py); None for the whole graph
+    region: tuple[str, int] | None = None
 
 
 def run_pipeline(graph: torch.fx.Graph, target: Target, options: CompileOptions = CompileOptions(),
-                 verify: bool = True, timer: CompileTimer | None = None,
-                 captured_text: str | None = None) -> tuple[torch.fx.Graph, list[Stage]]:
+                 verify: bool = True, timer: CompileTimer | None = None, captured_text: str | None = None,
+                 root: torch.nn.Module | None = None) -> tuple[torch.fx.Graph, list[Stage]]:
     """Run the passes over `graph`; `timer` gets each pass's seconds ("pass <name>", its verify included) and the
-    stages' dumps' ("ir text"). captured_text: the capture stage's dump, where the caller printed it already."""
+    stages' dumps' ("ir text"). captured_text: the capture stage's dump, where the caller printed it already.
+
+    root: the module holding the bodies of `graph`'s invoke_subgraph calls (nested compile regions). Each distinct
+    body is rewritten once (stages "<attribute>.<pass>"), the calls are replaced by their rewritten bodies (stage
+    "inline_regions"), and the passes run over the flat graph: they find the sites that cross a body's boundary
+    there. A body that writes its inputs or calls bodies of its own is inlined as captured, left to that run."""
     timer = timer or CompileTimer()
     passes = build_pipeline(target, options)
     disabled = options.disable_passes
@@ -96,13 +103,39 @@ def run_pipeline(graph: torch.fx.Graph, target: Target, options: CompileOptions 
     unknown = set(disabled) - set(names)
     if unknown:
         raise ValueError(f"unknown passes {sorted(unknown)} in disable_passes; passes: {', '.join(names)}")
+    passes = [p for p in passes if p.__name__ not in disabled]
+    bodies = regions.body_calls(graph, root) if root is not None else []
     if captured_text is None:
         with timer.stage("ir text"):
-            captured_text = ir.print_graph(graph, "captured by Dynamo + AOTAutograd")
+            captured_text = (regions.captured_text(root, "captured by Dynamo + AOTAutograd") if bodies
+                             else ir.print_graph(graph, "captured by Dynamo + AOTAutograd"))
     stages = [Stage("capture", captured_text, None)]
+    if bodies:
+        rewritten = {}
+        for body in bodies:
+            body_graph = body.module.graph
+            if regions.writes_inputs(body_graph) or regions.body_calls(body_graph, body.module):
+                continue
+            region = (body.attribute, len(body.calls))
+            body_graph, body_stages = _run_passes(body_graph, passes, verify, timer, f"in body {body.attribute}")
+            rewritten[body.attribute] = body_graph
+            stages += [Stage(f"{body.attribute}.{s.name}", s.text, s.result, region) for s in body_stages]
+        with timer.stage("inline regions"):
+            graph = regions.flatten(graph, root, rewritten)
+            if verify:
+                ir.verify(graph)
+        with timer.stage("ir text"):
+            stages.append(Stage("inline_regions", ir.print_graph(graph, "region bodies inlined at their calls"),
+                                None))
+    graph, flat_stages = _run_passes(graph, passes, verify, timer)
+    return graph, stages + flat_stages
+
+
+def _run_passes(graph: torch.fx.Graph, passes: list[GraphPass], verify: bool, timer: CompileTimer,
+                where: str = "") -> tuple[torch.fx.Graph, list[Stage]]:
+    """Run `passes` in order over `graph`: the graph after the last, and a stage per pass."""
+    stages = []
     for graph_pass in passes:
-        if graph_pass.__name__ in disabled:
-            continue
         try:
             with timer.stage(f"pass {graph_pass.__name__}"):
                 result = graph_pass(graph)
@@ -112,9 +145,32 @@ def run_pipeline(graph: torch.fx.Graph, target: Target, options: CompileOptions 
             # A pass that fails (a structure it did not expect) costs a fusion, not the compile: the graph goes on
             # as it was (passes never mutate their input), and the report and a warning say why.
             why = f"the pass failed ({type(error).__name__}: {error}); the graph is left as it was"
-            warnings.warn(f"dzc: {graph_pass.__name__}: {why}", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"dzc: {graph_pass.__name__}{f' ({where})' if where else ''}: {why}", RuntimeWarning,
+                          stacklevel=3)
             result = PassResult(graph_pass.__name__, graph, refusals=[("graph", why)])
         graph = result.graph
         with timer.stage("ir text"):
-            stages.append(Stage(result.name, ir.print_graph(graph, f"built by {result.name}"), result))
+            title = f"built by {result.name}" + (f" {where}" if where else "")
+            stages.append(Stage(result.name, ir.print_graph(graph, title), result))
     return graph, stages
+
+
+def pass_results(stages: list[Stage]) -> list[PassResult]:
+    """One result per pass that ran, in pipeline order, over the whole graph: a site rewritten in a region body
+    counts once per call of the body (the counts are those of the same model captured without regions), named
+    "<site> [body <attribute>]". Refusals are the flat graph's: it holds every body's sites again (a site refused
+    in a body is fused there where the other side of the body's boundary completes it, else refused again)."""
+    merged: dict[str, PassResult] = {}
+    for stage in stages:
+        result = stage.result
+        if result is None:
+            continue
+        into = merged.setdefault(result.name, PassResult(result.name, result.graph))
+        if stage.region is None:
+            into.graph = result.graph
+            into.rewrites += result.rewrites
+            into.refusals += result.refusals
+            continue
+        attribute, calls = stage.region
+        into.rewrites += [f"{site} [body {attribute}]" for site in result.rewrites for _ in range(calls)]
+    return list(merged.values())

@@ -80,6 +80,9 @@ class GraphRecord:
     # rewrite check skipped), "hit after AOTAutograd (...)" (the rewritten graph's entry only, and why),
     # "miss" (built and stored), "off", or what went wrong.
     compile_cache: str = ""
+    # The graph's nested compile region bodies (dzc/regions.py), one line each: its calls and the sites the passes
+    # rewrote in it ("body repeated_subgraph0 called 8 times: fuse_residual_norm 1 site").
+    regions: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +103,9 @@ class CompileReport:
     # Seconds of the calls that compiled something, less the compile stages of their graphs: the first run of the
     # new graphs (kernel builds and tuning on first launch, the run itself), one entry per such call.
     first_run_seconds: list[float] = field(default_factory=list)
+    # CompileOptions.nested_regions: the layers marked as nested compile regions ("layers: 8 x HFLayer"), "off",
+    # "none" (no repeated layers), or why a capture with regions was refused and captured again without them.
+    nested_regions: str = ""
 
     @property
     def compiles(self) -> int:
@@ -176,6 +182,8 @@ class CompileReport:
             lines.append(f"  NOT COMPILED: {reason}")
         for retry in self.capture_retries:
             lines.append(f"  capture retried: {retry}")
+        if self.nested_regions:
+            lines.append(f"  nested compile regions: {self.nested_regions}")
         for dropped in self.dropped_rewrites:
             lines.append(f"  REWRITE DROPPED: {dropped['pass']} in graph {dropped['graph']} at "
                          f"{', '.join(dropped['sites'])}: {dropped['error']}")
@@ -185,6 +193,8 @@ class CompileReport:
                          f"kernels run on: {graph.execution}")
             if graph.not_runnable_reason:
                 lines.append(f"    why: {graph.not_runnable_reason}")
+            for region in graph.regions:
+                lines.append(f"    region {region}")
             if graph.coverage is not None:
                 lines.append(f"    {graph.coverage.summary()} (report.coverage: what was left and why)")
             if graph.unfused_ops:

@@ -20,8 +20,8 @@ from dzc.models.vision import TINY_MOONVIT, TINY_QWEN_VISION, build_vision_examp
 
 
 def _decoder(norm_style: str, dtype: torch.dtype):
-    def build(seq: int = 16, batch: int = 2):
-        cfg = DecoderConfig(norm_style=norm_style)
+    def build(seq: int = 16, batch: int = 2, layers: int = 2):
+        cfg = DecoderConfig(norm_style=norm_style, layers=layers)
         model = build_decoder(cfg, dtype)
         tokens = torch.randint(0, cfg.vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
         return model, (tokens,)

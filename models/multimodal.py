@@ -266,10 +266,14 @@ class MultimodalSession:
         return self.decoder(*self.pages.inputs(embeds, sequences)[:4])
 
 
-def build_multimodal_example(grids=((2, 2), (2, 4), (4, 4)), text=(3, 5, 4, 6), device="cpu"):
+def build_multimodal_example(grids=((2, 2), (2, 4), (4, 4)), text=(3, 5, 4, 6), device="cpu",
+                             layers: int | None = None):
     """(tiny MultimodalModel in bf16, inputs of MultimodalModel.forward: a prefill of 3 images and text into a fresh
-    cache): the MODELS entry. `device`: where the cache lives (move the model and the tensor inputs there too)."""
+    cache): the MODELS entry. `device`: where the cache lives (move the model and the tensor inputs there too).
+    layers: decoder and vision layers each (compile-time measurements at depth); None = the tiny config's 2."""
     cfg = CONFIGS["tiny"]
+    if layers is not None:
+        cfg = replace(cfg, layers=layers, vision=replace(cfg.vision, layers=layers))
     model = build_multimodal(cfg)
     generator = torch.Generator().manual_seed(1)
     images = pack_images(list(grids), cfg.vision, torch.bfloat16, generator)

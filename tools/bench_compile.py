@@ -2,6 +2,7 @@
 process, with dzc's compile-time breakdown.
 
     python tools/bench_compile.py [--quick] [--models llama_decoder multimodal ...] [--no-torch] [--out table.md]
+                                  [--layers N] [--regions on|off|both] [--cold-only]
 
 cold = the first call in a fresh process with an empty cache directory (dzc: DZC_CACHE_DIR; torch.compile:
 TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR); warm = the first call in another fresh process with the same
@@ -9,7 +10,10 @@ directories (dzc: compile cache and tuning database hit; torch.compile: its FX g
 first call is what a user waits for: capture, compile, and the first run (kernel builds, dzc's rewrite check).
 Models are dzc.models names (their example inputs), on CUDA when there is a GPU, else on the CPU (dzc's kernels
 through Triton's interpreter; torch.compile's fallback is Inductor's C++ backend there). dzc tunes nothing
-(autotune off): tuning is per device and has its own database. --quick: llama_decoder, dzc only.
+(autotune off): tuning is per device and has its own database. --quick: llama_decoder, dzc only. --layers: build
+the models with N layers (llama_decoder: decoder layers; multimodal: decoder and vision layers each). --regions:
+dzc with CompileOptions.nested_regions on (the bench's default; dzc's is off), off, or both (a row each). --cold-only:
+skip the warm run.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ def child(args) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # Models whose inputs hold objects (a paged cache) build those on the device themselves.
     wants_device = "device" in inspect.signature(MODELS[args.model][0]).parameters
-    model, inputs = build_model(args.model, **({"device": device} if wants_device else {}))
+    depth = {"layers": args.layers} if args.layers else {}
+    model, inputs = build_model(args.model, **({"device": device} if wants_device else {}), **depth)
     model = model.to(device)
     inputs = [i.to(device) if isinstance(i, torch.Tensor) else i for i in inputs]
     if args.child == "dzc":
-        runnable = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=args.cache_dir, autotune=False))
+        runnable = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=args.cache_dir, autotune=False,
+                                                                 nested_regions=args.regions == "on"))
     else:
         torch._dynamo.config.capture_dynamic_output_shape_ops = True
         torch._dynamo.config.capture_scalar_outputs = True
@@ -55,15 +61,18 @@ def child(args) -> None:
     if args.child == "dzc":
         report = runnable.report
         result.update(breakdown=format_seconds(report.compile_seconds()),
-                      cache=[g.compile_cache for g in report.graphs], graphs=len(report.graphs))
+                      cache=[g.compile_cache for g in report.graphs], graphs=len(report.graphs),
+                      regions=report.nested_regions, fired=report.fired(),
+                      stages={name: round(seconds, 2) for name, seconds in report.compile_seconds().items()})
     print(TAG + json.dumps(result), flush=True)
 
 
-def run(kind: str, model: str, cache_dir: str) -> dict:
+def run(kind: str, model: str, cache_dir: str, layers: int | None = None, regions: str = "on") -> dict:
     env = dict(os.environ, DZC_CACHE_DIR=os.path.join(cache_dir, "dzc"),
                TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
                TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
-    command = [sys.executable, __file__, "--child", kind, "--model", model, "--cache-dir", env["DZC_CACHE_DIR"]]
+    command = [sys.executable, __file__, "--child", kind, "--model", model, "--cache-dir", env["DZC_CACHE_DIR"],
+               "--regions", regions, *(["--layers", str(layers)] if layers else [])]
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(TAG):
@@ -79,6 +88,10 @@ def main() -> None:
                                                          "multimodal"])
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--out", help="write the markdown table here too")
+    parser.add_argument("--layers", type=int, help="build the models with this many layers")
+    parser.add_argument("--regions", choices=["on", "off", "both"], default="on",
+                        help="dzc's nested compile regions (CompileOptions.nested_regions)")
+    parser.add_argument("--cold-only", action="store_true", help="skip the warm run")
     parser.add_argument("--child", choices=["dzc", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
@@ -88,21 +101,26 @@ def main() -> None:
         return
     models = ["llama_decoder"] if args.quick else args.models
     kinds = ["dzc"] if args.quick or args.no_torch else ["dzc", "torch"]
+    settings = ["on", "off"] if args.regions == "both" else [args.regions]
     lines = ["| model | compiler | cold s | warm s | warm/cold | dzc breakdown (cold; warm) | dzc compile cache (warm) |",
              "|---|---|---|---|---|---|---|"]
     device = "?"
+    label = f" ({args.layers} layers)" if args.layers else ""
     for model in models:
-        for kind in kinds:
+        for kind, regions in [(kind, r) for kind in kinds for r in (settings if kind == "dzc" else ["on"])]:
             with tempfile.TemporaryDirectory(prefix="dzc-bench-compile-") as cache_dir:
-                cold, warm = run(kind, model, cache_dir), run(kind, model, cache_dir)
+                cold = run(kind, model, cache_dir, args.layers, regions)
+                warm = cold if args.cold_only else run(kind, model, cache_dir, args.layers, regions)
+            print(TAG + json.dumps({"model": model, "layers": args.layers, "kind": kind, "regions": regions,
+                                    "cold": cold, "warm": None if args.cold_only else warm}), flush=True)
             device = cold.get("device", device)
             if "failed" in cold or "failed" in warm:
-                lines.append(f"| {model} | {kind} | {cold.get('failed', '')} | {warm.get('failed', '')} | | | |")
+                lines.append(f"| {model}{label} | {kind} | {cold.get('failed', '')} | {warm.get('failed', '')} | | | |")
                 continue
-            name = "dzc" if kind == "dzc" else "torch.compile"
+            name = f"dzc, regions {regions}" if kind == "dzc" else "torch.compile"
             breakdown = f"{cold['breakdown']}; {warm['breakdown']}" if kind == "dzc" else ""
             cache = ", ".join(warm.get("cache", []))
-            lines.append(f"| {model} | {name} | {cold['seconds']:.1f} | {warm['seconds']:.1f} | "
+            lines.append(f"| {model}{label} | {name} | {cold['seconds']:.1f} | {warm['seconds']:.1f} | "
                          f"{warm['seconds'] / cold['seconds']:.2f} | {breakdown} | {cache} |")
             print(lines[-1], flush=True)
     import torch
