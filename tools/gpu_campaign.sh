@@ -23,7 +23,8 @@
 # work is in s14-1). Session 14: s14-1 (carry .whl-gpu1), s14-2 (carry .whl-gpu2 and .public-kernels); after
 # their fixes s14-3 (carry .whl-gpu1), s14-4 (carry .whl-gpu2 and .public-kernels). Session 15 ran s15-1 and
 # s15-2 (now removed: their results are in docs/results). Session 16: s16-1 (carry .whl-gpu1), s16-2 (carry
-# .whl-gpu2 and .public-kernels).
+# .whl-gpu2 and .public-kernels), then s16-3 and s16-4 (now removed; results in docs/results). Session 17: s17-1
+# (carry .whl-gpu1), s17-2 (carry .whl-gpu2 and .public-kernels).
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -251,65 +252,21 @@ s14-4)
   TAIL=20 part bench_sparse_decode_public 200 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
     --batches 1 64 --contexts 32768 --cuda-graphs --out "$OUT/dsa_decode_public_h200.md"
   ;;
-s16-1)
-  # (carry .whl-gpu1) Session 15's CPU-only work on the H200: HF Mistral through CUDA SDPA's efficient op (its
-  # padded bias; session 15 saw it fuse nothing there), the sparse-attention kernels with narrow V tiles (padded
-  # to 128-byte rows; a 64-byte K tile no longer reused as V), top-k with rows kept in registers (against the
-  # streamed form in the same run), and the tuned indexer / top-k / sparse attention configs at decode.
+s17-1)
+  # (carry .whl-gpu1) Session 16's top-k (sampled bounds, radix select over the candidates; CPU-checked only):
+  # its GPU tests and fuzz cases, then the nested-regions tests on the GPU.
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=12 part gpu_tests_windowed_pass 110 python3 -m pytest -q -p no:logging -rf -m anydevice \
-    tests/test_fuse_windowed_attention.py
-  # This session's changes first: the narrow-V shared-memory check, top-k (resident and streamed), the sparse
-  # kernels' numerics with the padded V tiles.
-  TAIL=12 part gpu_tests_dsa 160 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
-    -k "(narrow or topk or matches_reference or odd_stride) and not tilelang" tests/test_dsa_kernels.py
-  TAIL=12 part fuzz_dsa_triton 90 python3 tools/fuzz.py --ops sparse_attention dsa_topk --codegens triton \
-    --cases 24 --out "$OUT/fuzz_h200_dsa_triton.md"
-  TAIL=20 part bench_dsa_decode_tuned 200 python3 tools/bench_dsa.py --only decode --no-baselines \
-    --no-public-kernels --codegens triton --batches 1 64 --contexts 32768 --cuda-graphs \
-    --out "$OUT/dsa_decode_tuned_h200.md"
+  TAIL=12 part gpu_tests_topk 150 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" -k topk \
+    tests/test_dsa_kernels.py
+  TAIL=12 part fuzz_topk 120 python3 tools/fuzz.py --ops dsa_topk --codegens triton --cases 24 \
+    --out "$OUT/fuzz_h200_topk.md"
+  TAIL=12 part gpu_tests_regions 150 python3 -m pytest -q -p no:logging -rf tests/test_regions.py
   ;;
-s16-2)
-  # (carry .whl-gpu2 and .public-kernels) TileLang's sparse fuzz cases, decode beside the public kernels
-  # (tl_topk against the resident top-k), and the vision tiling's narrow-V check.
-  TAIL=12 part fuzz_sparse_tilelang 150 python3 tools/fuzz.py --ops sparse_attention --codegens tilelang \
-    --cases 12 --out "$OUT/fuzz_h200_sparse_tilelang.md"
-  TAIL=20 part bench_sparse_decode_public 200 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
-    --batches 1 64 --contexts 32768 --cuda-graphs --out "$OUT/dsa_decode_public_h200.md"
-  # Is the vision default (head dim 80 as 64 + 16 columns, 32-key blocks) safe from the narrow-V fault session 15
-  # found in sparse attention? Shared memory poisoned with NaN first, so that a read outside a tile shows; the
-  # excluded 64-key split tiling is the positive control, the padded tiling the negative one.
-  TAIL=10 part diagnose_narrow_v 150 python3 tools/diagnose_varlen_attention_configs.py --poison-shared \
-    --head-dim 80 --config "BLOCK_M=64 BLOCK_N=32 D_HI=16 D_LO=64 num_warps=4 num_stages=3" \
-    "BLOCK_M=64 BLOCK_N=32 D_HI=16 D_LO=64 num_warps=4 num_stages=1" \
-    "BLOCK_M=128 BLOCK_N=64 D_HI=16 D_LO=64 num_warps=8 num_stages=2" \
-    "BLOCK_M=128 BLOCK_N=64 D_HI=0 D_LO=128 num_warps=8 num_stages=2"
-  ;;
-s16-3)
-  # (carry .whl-gpu1) s16-1's tuned decode run timed out tuning top-k (about 40 configs compiled for one 32K
-  # bucket): now only the resident chunk's configs and the streamed default. The tuning database stays in
-  # /tmp/dzc-bench-dsa-cache for s16-4 and comes back with the logs.
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  DZC_AUTOTUNE_LOG=1 TAIL=20 part bench_dsa_decode_tuned 330 python3 tools/bench_dsa.py --only decode \
-    --no-baselines --no-public-kernels --codegens triton --batches 1 64 --contexts 32768 --cuda-graphs \
-    --out "$OUT/dsa_decode_tuned_h200.md"
-  cp -r /tmp/dzc-bench-dsa-cache "$OUT/tuning_cache" 2>/dev/null
-  # Is the vision default (head dim 80 as 64 + 16 columns, 32-key blocks) safe from the narrow-V fault session 15
-  # found in sparse attention? Shared memory poisoned with NaN first, so that a read outside a tile shows; the
-  # excluded 64-key split tiling is the positive control, the padded tiling the negative one.
-  TAIL=10 part diagnose_narrow_v 130 python3 tools/diagnose_varlen_attention_configs.py --poison-shared \
-    --head-dim 80 --config "BLOCK_M=64 BLOCK_N=32 D_HI=16 D_LO=64 num_warps=4 num_stages=3" \
-    "BLOCK_M=64 BLOCK_N=32 D_HI=16 D_LO=64 num_warps=4 num_stages=1" \
-    "BLOCK_M=128 BLOCK_N=64 D_HI=16 D_LO=64 num_warps=8 num_stages=2" \
-    "BLOCK_M=128 BLOCK_N=64 D_HI=0 D_LO=128 num_warps=8 num_stages=2"
-  ;;
-s16-4)
-  # (carry .whl-gpu2 and .public-kernels) TileLang's sparse fuzz cases; dzc's tuned Triton decode (s16-3's
-  # tuning database) beside the public TileLang kernels in one run.
-  TAIL=12 part fuzz_sparse_tilelang 150 python3 tools/fuzz.py --ops sparse_attention --codegens tilelang \
-    --cases 12 --out "$OUT/fuzz_h200_sparse_tilelang.md"
-  TAIL=20 part bench_sparse_decode_public 220 python3 tools/bench_dsa.py --only decode --no-baselines \
-    --codegens triton --batches 1 64 --contexts 32768 --cuda-graphs --out "$OUT/dsa_decode_public_h200.md"
+s17-2)
+  # (carry .whl-gpu2 and .public-kernels) Top-k beside tl_topk and its own whole-row radix form in one run (untuned
+  # defaults), 32K and 128K contexts; the indexer and sparse attention rows come with it.
+  TAIL=24 part bench_decode_topk 300 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
+    --codegens triton --batches 1 64 --contexts 32768 131072 --cuda-graphs --out "$OUT/dsa_decode_topk_h200.md"
   ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
