@@ -137,7 +137,7 @@ class CompiledModel:
             if inner is self.backend.failure:
                 # dzc's own stage failed: its error as it is, not inside Dynamo's "report a bug to PyTorch" text
                 raise inner.with_traceback(inner.__traceback__) from inner.__cause__
-            if self._refuse_regions(inner, frames_tried):
+            if self._refuse_regions(inner, frames_tried) or self._give_back_attention(error):
                 return self._run_compiled(*args, **kwargs)
             if not self._retry_capture(inner, frames_tried):
                 raise
@@ -163,6 +163,23 @@ class CompiledModel:
         marking.restore()
         self.backend.report.nested_regions = message
         warnings.warn(f"dzc.compile: nested compile regions {message}", RuntimeWarning, stacklevel=4)
+        return True
+
+    def _give_back_attention(self, error: Exception) -> bool:
+        """After dzc's attention implementation refused a packed call it cannot compute as the model's own
+        implementation would (hf_attention.PackedCallRefusal, raised while tracing or running the call), put the
+        model's own implementation back for good and say so (report.attention_given_back): the call is then retried, and the model computes what
+        it computes uncompiled (its attention left to the fallback)."""
+        refusal = error
+        while refusal is not None and not isinstance(refusal, hf_attention.PackedCallRefusal):
+            refusal = getattr(refusal, "inner_exception", None) or refusal.__cause__ or refusal.__context__
+        if refusal is None or not self.hf_attention or not self.hf_attention.configs:
+            return False
+        self.hf_attention.restore()
+        self.hf_attention.configs.clear()  # nothing is selected again: neither per call ("calls") nor at exit
+        message = f"{refusal}; the model's own attention implementation was put back and the call retried"
+        self.backend.report.attention_given_back = message
+        warnings.warn(f"dzc.compile: {message}", RuntimeWarning, stacklevel=4)
         return True
 
     def _retry_capture(self, error: Exception, frames_tried: int) -> bool:

@@ -105,6 +105,11 @@ def _per_segment(base, module, query, key, value, kwargs):
     return torch.cat(pieces, dim=1), None
 
 
+class PackedCallRefusal(ValueError):
+    """A packed call dzc's attention implementation cannot compute as the model's own would. dzc.compile then puts
+    the model's own implementation back (CompiledModel: the report's capture_retries says so) and calls again."""
+
+
 # Packed-call arguments that apply to the whole pack: the base implementations, called per segment, cannot take
 # them (sdpa ignores sliding_window and s_aux, leaving them to the mask and to eager).
 _WHOLE_PACK_ARGUMENTS = ("sliding_window", "s_aux", "position_bias")
@@ -119,9 +124,8 @@ def _implementation(base: str):
             return varlen_attention_forward(module, query, key, value, kwargs["cu_seq_lens_q"],
                                             kwargs.get("max_length_q"), kwargs.get("scaling"))
         if attention_mask is not None or any(kwargs.get(name) is not None for name in _WHOLE_PACK_ARGUMENTS):
-            raise ValueError(f"dzc's attention: {type(module).__qualname__} made a packed call ({reason}) that "
-                             f"neither dzc.varlen_attention nor {base} per segment computes; compile it with "
-                             "CompileOptions(hf_attention='off')")
+            raise PackedCallRefusal(f"dzc's attention: {type(module).__qualname__} made a packed call ({reason}) "
+                                    f"that neither dzc.varlen_attention nor {base} per segment computes")
         return _per_segment(base, module, query, key, value, kwargs)
 
     attention.__name__ = attention.__qualname__ = f"dzc_attention_{base}"

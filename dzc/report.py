@@ -100,6 +100,9 @@ class CompileReport:
     dropped_rewrites: list[dict] = field(default_factory=list)
     # Captures that failed with dzc's capture settings and were retried without them (graph breaks accepted).
     capture_retries: list[str] = field(default_factory=list)
+    # Why dzc's attention implementation was taken off a transformers model after a call it could not compute as
+    # the model's own (dzc.hf_attention.PackedCallRefusal); "" while it is on (or was never selected).
+    attention_given_back: str = ""
     # Seconds of the calls that compiled something, less the compile stages of their graphs: the first run of the
     # new graphs (kernel builds and tuning on first launch, the run itself), one entry per such call.
     first_run_seconds: list[float] = field(default_factory=list)
@@ -182,6 +185,8 @@ class CompileReport:
             lines.append(f"  NOT COMPILED: {reason}")
         for retry in self.capture_retries:
             lines.append(f"  capture retried: {retry}")
+        if self.attention_given_back:
+            lines.append(f"  attention given back: {self.attention_given_back}")
         if self.nested_regions:
             lines.append(f"  nested compile regions: {self.nested_regions}")
         for dropped in self.dropped_rewrites:

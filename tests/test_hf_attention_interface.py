@@ -171,3 +171,27 @@ def test_a_model_that_branches_on_the_implementation_name_is_left_alone(options)
     assert "DeepseekV32Config" in left and "modeling_deepseek_v32" in left, left
     assert compiled.report.passes["fuse_sparse_attention"] == 1
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["compiled", "calls"])
+def test_a_packed_call_dzc_cannot_compute_gives_the_model_its_own_attention_back(mode, options, seed):
+    """A model whose packed call carries a sliding window (no per-segment or varlen form): the call is not an
+    error; dzc puts the model's own implementation back, calls again, matches the model uncompiled, and says so."""
+    from hf_packed_window import build
+
+    eager = build(seed)
+    model = copy.deepcopy(eager)
+    compiled = dzc.compile(model, "cuda", replace(options, hf_attention=mode))
+    if mode == "compiled":
+        assert model.config._attn_implementation == hf_attention.NAMES["sdpa"]
+    hidden = torch.randn(11, 16, generator=torch.Generator().manual_seed(seed))
+    cu_seqlens = torch.tensor([0, 3, 9, 11], dtype=torch.int32)
+    with torch.no_grad():
+        expected = eager(hidden, cu_seqlens)
+    with pytest.warns(RuntimeWarning, match="attention implementation was put back"):
+        actual = compiled(hidden, cu_seqlens)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert "sliding_window" in compiled.report.attention_given_back
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(compiled(hidden, cu_seqlens), expected, atol=1e-5, rtol=1e-5)  # no second refusal
+    assert "attention given back" in str(compiled.report)
