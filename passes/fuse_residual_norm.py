@@ -29,7 +29,9 @@ One rule per meaning; each pattern's alternatives are the spellings of that mean
   without the sum (Gemma's `1 + w.float()`, hoisted before the add), or absent (a norm without weight).
 - the residual sum: `cast(x + residual, f32)` (HF), `x.float() + residual.float()` (DeepSeek: sum_in_fp32, h is
   the sum cast back), or `x + residual` read as is (fp32 models, bf16 math); read through a copy (`clone`:
-  capture's LayerNorm makes a transposed sum contiguous, SigLIP) or not.
+  capture's LayerNorm makes a transposed sum contiguous, SigLIP) or not, and through a view that keeps the last
+  dim (`h.reshape(-1, H)`, before or after the upcast: the same rows, so the fused op runs on the sum's shape and
+  its y takes the view: `norm(view(h)) = view(norm(h))`).
 - LayerNorm (vision encoders), as capture decomposes torch.nn.LayerNorm: var_mean, `(v - mean) * rsqrt(var +
   eps)`, then optional weight multiply and bias add in fp32 and one cast => dzc.add_layer_norm.
 
@@ -118,27 +120,39 @@ class _ResidualSum:
     and the norm (which must serve the norm only) and the operands' upcasts (erased where nothing else reads them)."""
 
     def __init__(self, v: torch.fx.Node, norm_nodes: list[torch.fx.Node]):
+        # A view of the sum that only regroups its rows (leading dims flattened or split, the last dim kept): the
+        # norm of each row is the same, so the fused op runs on the sum's shape and its y is viewed the same way
+        # (self.view; `norm(view(h)) = view(norm(h))`). Before or after the upcast.
+        self.view = None
+        if _is_row_view(v):
+            self.view, v = v, v.args[0]
         # A copy of the sum between the add and the norm (capture's LayerNorm over a permuted sum makes it
         # contiguous) holds the same values: the fused op reads the add's operands and writes contiguous outputs.
         copies = []
         inner = v.args[0] if cast_dtype(v) is not None else v
+        if self.view is None and _is_row_view(inner):
+            self.view, inner = inner, inner.args[0]
+        views = [self.view] if self.view is not None else []
+        if views and outside_users(views, [*norm_nodes, v]):
+            raise Refusal("the view of the sum the norm reads has another use")
         if _is_copy(inner) and is_call(inner.args[0], aten.add.Tensor):
             copies, inner = [inner], inner.args[0]
             if outside_users(copies, [*norm_nodes, v]):
                 raise Refusal("the copy of the sum has another use")
         if cast_dtype(v) is not None and is_call(inner, aten.add.Tensor):
             # HF: the norm upcasts the sum the residual stream carries.
-            self.add, self.sum_in_fp32, self.h, self.nodes, self.upcasts = inner, False, inner, [v, *copies], []
-            if outside_users([v], norm_nodes):
+            self.add, self.sum_in_fp32, self.h = inner, False, inner
+            self.nodes, self.upcasts = [*views, v, *copies], []
+            if outside_users([v], [*norm_nodes, *views]):
                 raise Refusal("the fp32 copy of the sum has another use")
         elif is_call(inner, aten.add.Tensor):
             v = inner
-            self.add, self.nodes, self.upcasts = v, [v, *copies], []
+            self.add, self.nodes, self.upcasts = v, [*views, v, *copies], []
             x, residual = v.args[:2]
             if cast_dtype(x) is not None and cast_dtype(residual) is not None and dtype_of(v) == torch.float32:
                 # DeepSeek: x.float() + residual.float(); the residual stream is the sum cast back.
                 self.sum_in_fp32 = True
-                downcasts = outside_users([v], norm_nodes)
+                downcasts = outside_users([v], [*norm_nodes, *views])
                 if len(downcasts) > 1 or any(cast_dtype(u) is None for u in downcasts):
                     raise Refusal("the fp32 sum has a use the fused op cannot serve")
                 self.h = downcasts[0] if downcasts else None
@@ -155,11 +169,24 @@ class _ResidualSum:
             self.x, self.residual = self.x.args[0], self.residual.args[0]
         if not all(isinstance(fake_value(n), torch.Tensor) for n in (self.x, self.residual)):
             raise Refusal("an operand of the residual add is not a tensor")
-        v_value = fake_value(v)
-        if not (same_sizes(fake_value(self.x).shape, v_value.shape)
-                and same_sizes(fake_value(self.residual).shape, v_value.shape)):
+        sum_value = fake_value(self.add)
+        if not (same_sizes(fake_value(self.x).shape, sum_value.shape)
+                and same_sizes(fake_value(self.residual).shape, sum_value.shape)):
             raise Refusal("the residual add broadcasts")
         self.dtype = dtype_of(self.h) if self.h is not None else dtype_of(self.x)
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _is_row_view(node) -> bool:
+    """A view that keeps the last dim (of a tensor with more than one element per row): its rows are its input's
+    rows, in order."""
+    if not is_call(node, *_VIEWS) or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    value, source = fake_value(node), fake_value(node.args[0])
+    return (isinstance(value, torch.Tensor) and isinstance(source, torch.Tensor) and value.dim() >= 1
+            and source.dim() >= 1 and same_sizes((value.shape[-1],), (source.shape[-1],)))
 
 
 def _is_copy(node) -> bool:
@@ -179,9 +206,9 @@ def _replace_with_fused(op, args: tuple, y: torch.fx.Node, total: _ResidualSum, 
     """Insert `op(*args)` where the residual add is, make its outputs replace y and h, and erase what is dead."""
     graph = y.graph
     # The ops' outputs are dense (their fake implementations and kernels): a sum that was a transposed view (read
-    # through a copy) is now a dense tensor of the same values.
+    # through a copy) is now a dense tensor of the same values. Under a view, y has the sum's shape until viewed.
     y_value = fake_value(y)
-    y_value = y_value.new_empty(y_value.shape)
+    y_value = y_value.new_empty(fake_value(total.add).shape if total.view is not None else y_value.shape)
     h_value = fake_value(total.h) if total.h is not None else y_value
     h_value = h_value.new_empty(h_value.shape, dtype=total.dtype if total.h is None else h_value.dtype)
     with graph.inserting_before(total.add):
@@ -192,6 +219,11 @@ def _replace_with_fused(op, args: tuple, y: torch.fx.Node, total: _ResidualSum, 
         y_out.meta["val"] = y_value
         h_out = graph.call_function(operator.getitem, (fused, 1))
         h_out.meta["val"] = h_value
+    if total.view is not None:  # y as the model viewed the sum: the view's own arguments, after it
+        with graph.inserting_after(total.view):
+            y_view = graph.call_function(total.view.target, (y_out, *total.view.args[1:]), dict(total.view.kwargs))
+            y_view.meta["val"] = fake_value(y).new_empty(fake_value(y).shape)
+        y_out = y_view
     y.replace_all_uses_with(y_out)
     if total.h is not None:
         total.h.replace_all_uses_with(h_out)

@@ -501,3 +501,50 @@ def test_a_copy_of_the_sum_read_elsewhere_is_refused(options):
                         torch.randn(6, 3, 64))
     assert report.passes["fuse_residual_norm"] == 0
     assert [reason for _, reason in report.refusals["fuse_residual_norm"]] == ["the copy of the sum has another use"]
+
+
+class FlattenedRowsNorm(ResidualNorm):
+    """The norm reads the sum through a view that flattens the leading dims (the rows are the same rows)."""
+
+    def norm(self, h):
+        v = h.reshape(-1, H).float()
+        return self.weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
+class FlattenedThenUpcastNorm(ResidualNorm):
+    def norm(self, h):
+        v = h.float().view(-1, H)
+        return self.weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
+@pytest.mark.parametrize("model_class", [FlattenedRowsNorm, FlattenedThenUpcastNorm], ids=lambda c: c.__name__)
+def test_a_norm_read_through_a_row_view_fuses_and_matches_eager(model_class, options, seed):
+    """norm(view(x + residual)) = view(norm(x + residual)) when the view keeps the last dim: the fused op runs on
+    the sum's shape and its y is viewed as the model viewed the sum."""
+    model = model_class()
+    x, residual = _bf16(2, 5, H), _bf16(2, 5, H)
+    compiled = dzc.compile(model, "cuda", options)
+    y, h = compiled(x, residual)
+    assert compiled.report.fired()["fuse_residual_norm"] == 1
+    stages = dict(compiled.report.graphs[0].stages)
+    assert "rsqrt" not in stages["fuse_residual_norm"]
+    assert y.shape == (10, H) and h.shape == (2, 5, H)
+    with torch.no_grad():
+        expected_y, expected_h = model(x, residual)
+    assert_close_for_dtype(h, expected_h, max_bf16_ulps=1.0)
+    _assert_y_close(y, _eager_y_from(model, h), 3)
+
+
+class ColumnsViewNorm(ResidualNorm):
+    """A view that splits the hidden dim: the norm's rows are no longer the sum's rows."""
+
+    def norm(self, h):
+        v = h.reshape(-1, H // 2).float()
+        return (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype)
+
+
+def test_a_view_that_splits_the_hidden_dim_is_not_fused(options):
+    stages, report = _stages(ColumnsViewNorm(), options, _bf16(4, H), _bf16(4, H))
+    assert report.passes["fuse_residual_norm"] == 0
+    [(_, why)] = report.refusals["fuse_residual_norm"]
+    assert "no residual add feeds this norm" in why or "view" in why, why
