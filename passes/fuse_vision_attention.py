@@ -20,6 +20,13 @@ matmul/softmax/matmul, in any dtype):
     %m = aten.eq.Tensor(unsqueeze(%seg, 1), unsqueeze(%seg, 0))                   # bool [tokens, tokens]
     %o = <attention(%q, %k, %v) with %m as additive (where(%m, 0, -inf)) or masked_fill(~%m, -inf) mask>
 
+   The masked value may be finfo(dtype).min instead of -inf (HF's masks: where(%m, 0, finfo.min), masked_fill(~%m,
+   finfo.min), where(%m, s, finfo.min)): anything at or below attention_patterns.MASKED counts as masked. Exact
+   because no query row is fully masked: %m is [tokens, tokens] (checked) of one %seg compared with itself, so
+   query i always sees key i, the row's max is a visible score, and exp(masked - max) underflows to 0 as with
+   -inf (unless scores reach ~65000 in magnitude, fp16's finfo.min: the bound every attention pass takes). A fully
+   masked row would differ (finfo.min: uniform; -inf: NaN, or 0 through SDPA; the op: 0), and cannot occur here.
+
 3. dzc.varlen_attention already in the graph (HF models entered through dzc's AttentionInterface function,
    dzc.hf_attention, or code calling the op): only the rotary fold below applies.
 
@@ -35,11 +42,26 @@ or computed in the graph from cu_seqlens (spelling 2). Rotary fold: when q and k
 embedding — `(x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)` with the same fp32 cos/sin [tokens,
 head_dim] — the op takes the unrotated q, k and cos, sin, and applies the rotation as it loads q and k.
 
+Interleaved (pairwise) rotary, rot = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) (or the pairs read by
+select/unbind of x viewed as [..., head_dim/2, 2]), rotates pairs (2i, 2i+1) where the op rotates (i, i + d/2):
+
+    %r = (x * cos + rot(x) * sin).to(dtype)  for q and k, same cos, sin
+  =>
+    %x' = aten.cat.default([aten.slice(%x, -1, 0, end, 2), aten.slice(%x, -1, 1, end, 2)], -1)  # q, k, cos, sin
+    dzc.varlen_attention.default(%q', %k', %v, ..., %cos', %sin')
+
+Exact for any cos, sin (no pair-repeat needed): with P the column order [0, 2, .., d-2, 1, 3, .., d-1],
+rotate_half(x[P]) = rot(x)[P], so rope_half(x[P], cos[P], sin[P]) = rope_interleaved(x, cos, sin)[P], element
+by element the same fp32 products and sum; and the scores sum q.k over the head dim, which the same P on q and k
+leaves unchanged (up to summation order, as any kernel). v, and so the output, keep their order.
+
 Refusals (reported): causal or dropout attention over a split; a split whose pieces are not all attended in order
 and concatenated along the token dim in the same order; an intermediate of an attention with a use outside it;
-a layout the pass cannot map to [tokens, heads, head_dim]. Silently skipped (not packed attention): attention
-without a split by cu_seqlens lengths or a block-diagonal cu_seqlens mask — a causal text attention, a plain ViT
-attention over one image.
+a layout the pass cannot map to [tokens, heads, head_dim]; a block-diagonal mask not [tokens, tokens] over the
+attended tokens. Silently skipped (not packed attention): attention without a split by cu_seqlens lengths or a
+block-diagonal cu_seqlens mask — a causal text attention, a plain ViT attention over one image — or with a bias
+above MASKED (-1e4: hidden keys keep some weight). Not folded (the op gets the model's rotated q, k): rotaries of
+other spellings, or q and k rotated by different spellings or tables.
 
 Ordering: after fuse_residual_norm (independent patterns; the norm pass never touches attention), before
 lowering. It needs Dynamo's capture_scalar_outputs (dzc's default) for spelling 1 to be one graph at all.
@@ -48,7 +70,6 @@ lowering. It needs Dynamo's capture_scalar_outputs (dzc's default) for spelling 
 from __future__ import annotations
 
 import contextlib
-import math
 import operator
 from dataclasses import dataclass, field
 
@@ -57,7 +78,8 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 from torch.fx.operator_schemas import normalize_function
 
-from dzc.passes.attention_patterns import SDPA_OPS, VIEWS, is_whole_slice, unpadded_bias
+from dzc.passes.attention_patterns import (MASKED, SDPA_OPS, VIEWS, fill_value, is_whole_slice, scalar,
+                                           unpadded_bias)
 from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
 from dzc.passes.patterns import remove_dead
 
@@ -155,17 +177,29 @@ def _mask_values(mask):
             return mask
 
 
+def _is_masked_value(node) -> bool:
+    """node is a constant at or below attention_patterns.MASKED: -inf, or finfo(dtype).min of a float dtype (also
+    cast: a cast of such a value to a float dtype stays at or below it, or becomes -inf)."""
+    value = scalar(_skip_casts(node))
+    return value is not None and value <= MASKED
+
+
+def _is_zero(node) -> bool:
+    """node is a constant 0: a scalar, or a full(shape, 0) (torch.zeros(..).masked_fill(..)), also cast."""
+    return fill_value(_skip_casts(node)) == 0.0
+
+
 def _bool_mask_of(mask) -> torch.fx.Node | None:
-    """The bool mask m behind an additive mask: where(m, 0, -inf) (SDPA's CPU decomposition) or
-    where(~m, -inf, 0) (SDPA's own conversion of a bool mask, user code), also as SDPA pads it for its GPU kernel;
-    None if it is not one."""
+    """The bool mask m behind an additive mask: where(m, 0, M) (SDPA's CPU decomposition, HF) or where(~m, M, 0)
+    (SDPA's own conversion of a bool mask, zeros().masked_fill(~m, M) in user code), M -inf or finfo.min (see
+    _is_masked_value), also as SDPA pads it for its GPU kernel; None if it is not one."""
     mask = _mask_values(mask)
     if not is_call(mask, aten.where.self):
         return None
     condition, if_true, if_false = mask.args[:3]
-    if _scalar(if_true) == 0.0 and _scalar(if_false) == -math.inf:
+    if _is_zero(if_true) and _is_masked_value(if_false):
         return condition
-    if _scalar(if_true) == -math.inf and _scalar(if_false) == 0.0 \
+    if _is_masked_value(if_true) and _is_zero(if_false) \
             and is_call(condition, aten.logical_not.default, aten.bitwise_not.default):
         return condition.args[0]
     return None
@@ -198,11 +232,14 @@ def _match_math_core(pv) -> _Core | None:
         if mask is None:
             return None  # another additive bias (relative positions, a causal mask): not ours
         logits = logits.args[0]
-    elif is_call(logits, aten.where.self) and _scalar(logits.args[1]) == -math.inf:
-        keep = logits.args[0]  # masked_fill(~m, -inf) = where(~m, -inf, s)
+    elif is_call(logits, aten.where.self) and _is_masked_value(logits.args[1]):
+        keep = logits.args[0]  # masked_fill(~m, M) = where(~m, M, s), M -inf or finfo.min
         if not is_call(keep, aten.bitwise_not.default, aten.logical_not.default):
             return None
         mask, mask_use, logits = keep.args[0], keep, logits.args[2]
+    elif is_call(logits, aten.where.self) and _is_masked_value(logits.args[2]):
+        mask = mask_use = logits.args[0]  # where(m, s, M)
+        logits = logits.args[1]
     logits, scale = _peel_scale(_skip(logits, *VIEWS), 1.0)
     logits = _skip(logits, *VIEWS)
     if not is_call(logits, aten.bmm.default):
@@ -422,6 +459,68 @@ def _rotate_half_input(node) -> torch.fx.Node | None:
     return x
 
 
+def _pair_column(node, rank):
+    """(x, p) for node = x[..., p::2] (p 0 or 1), x [..., d] with d even, read as aten.slice(x, -1, p, end, 2) or as
+    select / unbind of x viewed as [..., d/2, 2] at p; else None."""
+    if is_call(node, aten.slice.Tensor) and len(node.args) == 5 and node.args[4] == 2:
+        x, dim, start, end = node.args[:4]
+        width = fake_value(x).shape[-1]
+        if fake_value(x).dim() != rank or dim % rank != rank - 1 or start not in (0, 1) \
+                or not isinstance(width, int) or width % 2 \
+                or not (end == _END or (isinstance(end, int) and end >= width)):
+            return None
+        return x, start
+    if is_call(node, aten.select.int):
+        pairs, dim, parity = node.args[:3]
+    elif is_call(node, operator.getitem) and is_call(node.args[0], aten.unbind.int):
+        pairs, dim = node.args[0].args[0], node.args[0].args[1] if len(node.args[0].args) > 1 else 0
+        parity = node.args[1]
+    else:
+        return None
+    if not is_call(pairs, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return None
+    x = pairs.args[0]
+    shape, pair_shape = fake_value(x).shape, fake_value(pairs).shape
+    if len(shape) != rank or len(pair_shape) != rank + 1 or dim % (rank + 1) != rank or parity not in (0, 1, -1, -2) \
+            or not _same_size(pair_shape[-1], 2) or not isinstance(shape[-1], int) \
+            or not _same_size(pair_shape[-2], shape[-1] // 2) or shape[-1] % 2 \
+            or not all(_same_size(a, b) for a, b in zip(shape[:-1], pair_shape[:-2])):
+        return None  # not the last dim split into pairs (a view keeps the row-major order: pair i = (2i, 2i+1))
+    return x, parity % 2
+
+
+def _rotate_pairs_input(node) -> torch.fx.Node | None:
+    """x for the interleaved rotation stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) (pair (2i, 2i+1) ->
+    (-x[2i+1], x[2i])), capture spelling the stack as a cat of unsqueezes along a new last dim, the flatten as a
+    view; else None."""
+    if not is_call(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+        return None
+    stacked, shape = node.args[0], fake_value(node).shape
+    rank = len(shape)
+    stacked_shape = fake_value(stacked).shape
+    if len(stacked_shape) != rank + 1 or not _same_size(stacked_shape[-1], 2) \
+            or not all(_same_size(a, b) for a, b in zip(shape[:-1], stacked_shape[:-2])) \
+            or not isinstance(shape[-1], int) or not _same_size(stacked_shape[-2] * 2, shape[-1]):
+        return None  # not the flatten of [..., d/2, 2] into [..., d]
+    dim = stacked.args[1] if len(stacked.args) > 1 else 0
+    if is_call(stacked, aten.stack.default) and dim % (rank + 1) == rank:
+        parts = list(stacked.args[0])
+    elif is_call(stacked, aten.cat.default) and dim % (rank + 1) == rank \
+            and all(is_call(p, aten.unsqueeze.default) and p.args[1] % (rank + 1) == rank for p in stacked.args[0]):
+        parts = [p.args[0] for p in stacked.args[0]]
+    else:
+        return None
+    if len(parts) != 2 or not is_call(parts[0], aten.neg.default):
+        return None
+    odd, even = _pair_column(parts[0].args[0], rank), _pair_column(parts[1], rank)
+    if odd is None or even is None or odd[0] is not even[0] or (odd[1], even[1]) != (1, 0):
+        return None
+    x = odd[0]
+    if not all(_same_size(a, b) for a, b in zip(fake_value(x).shape, shape)):
+        return None
+    return x
+
+
 def _table(node):
     """cos/sin [tokens, head_dim] behind its fp32, head-broadcast form unsqueeze(cos, -2).float()."""
     node = _skip_casts(node)
@@ -434,7 +533,8 @@ def _table(node):
 
 
 def _match_rotary(node):
-    """(x, cos, sin) if node = (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype) in fp32, else None."""
+    """(x, cos, sin, interleaved) if node = (x.float() * cos + rot(x.float()) * sin).to(x.dtype) in fp32, rot
+    rotate_half (interleaved False) or the interleaved pairs rotation (True), else None."""
     out_dtype = fake_value(node).dtype
     total = node.args[0] if _cast_dtype(node) is not None else node
     if not is_call(total, aten.add.Tensor) or fake_value(total).dtype != torch.float32:
@@ -444,7 +544,8 @@ def _match_rotary(node):
             continue
         for x32, cos in (direct.args[:2], direct.args[1::-1]):
             for rot, sin in (rotated.args[:2], rotated.args[1::-1]):
-                if _rotate_half_input(rot) is not x32 or fake_value(x32).dtype != torch.float32:
+                interleaved = _rotate_half_input(rot) is not x32
+                if (interleaved and _rotate_pairs_input(rot) is not x32) or fake_value(x32).dtype != torch.float32:
                     continue
                 cos_table, sin_table = _table(cos), _table(sin)
                 if cos_table is None or sin_table is None or fake_value(cos).dtype != torch.float32 \
@@ -453,12 +554,20 @@ def _match_rotary(node):
                 x = x32.args[0] if _cast_dtype(x32) == torch.float32 else x32
                 if fake_value(x).dtype != out_dtype or fake_value(x).dim() != 3:
                     continue
-                return x, cos_table, sin_table
+                return x, cos_table, sin_table, interleaved
     return None
 
 
+def _half_split_order(graph, node):
+    """node [..., d] with its columns in the order [0, 2, .., d-2, 1, 3, .., d-1]: the even columns, then the odd."""
+    rank = fake_value(node).dim()
+    columns = [_call(graph, aten.slice.Tensor, (node, rank - 1, start, _END, 2)) for start in (0, 1)]
+    return _call(graph, aten.cat.default, (columns, rank - 1))
+
+
 def _fold_rotary(graph, op) -> bool:
-    """Give dzc.varlen_attention node `op` the unrotated q, k and cos, sin when both are HF's vision rotary."""
+    """Give dzc.varlen_attention node `op` the unrotated q, k and cos, sin when both are HF's vision rotary; when
+    both are the interleaved rotary, q, k, cos and sin in half-split column order (exact: module docstring)."""
     q, k, v, cu, max_seqlen, scale, cos, sin = op.args[:8]
     if cos is not None:
         return False
@@ -469,9 +578,12 @@ def _fold_rotary(graph, op) -> bool:
         if rotary is None:
             return False
         found.append(rotary)
-    (q_x, q_cos, q_sin), (k_x, k_cos, k_sin) = found
-    if q_cos is not k_cos or q_sin is not k_sin:
+    (q_x, q_cos, q_sin, q_pairs), (k_x, k_cos, k_sin, k_pairs) = found
+    if q_cos is not k_cos or q_sin is not k_sin or q_pairs != k_pairs:
         return False
+    if q_pairs:
+        with graph.inserting_before(op):
+            q_x, k_x, q_cos, q_sin = (_half_split_order(graph, n) for n in (q_x, k_x, q_cos, q_sin))
     op.args = (q_x, k_x, v, cu, max_seqlen, scale, q_cos, q_sin, *op.args[8:])
     return True
 
@@ -688,6 +800,12 @@ def _match_masked(core: _Core) -> _Packed | None:
     cu, mask_nodes = found
     if core.causal or core.dropout:
         raise Refusal("causal or dropout attention with a block-diagonal mask")
+    # [tokens, tokens] over q's and k's tokens, as the attention reads it too: then query i sees key i (every row
+    # sees a key, which masking by finfo.min needs to be exact) and the mask's segments are the op's.
+    tokens = (fake_value(core.q).shape[-2], fake_value(core.k).shape[-2])
+    for shape in (fake_value(core.mask).shape, fake_value(core.mask_use).shape):
+        if len(shape) < 2 or not all(_same_size(a, b) for a, b in zip(shape[-2:], tokens)):
+            raise Refusal("the block-diagonal mask is not [tokens, tokens] over the attended tokens")
     heads = _heads_of(core)
     if heads is None:
         raise Refusal("more than one non-unit dim before the tokens")

@@ -13,6 +13,23 @@ from dzc.ops.varlen_attention import apply_vision_rotary, varlen_attention_refer
 from tests.conftest import assert_close_for_dtype
 
 
+def rotate_pairs(x, spelling="slice"):
+    """The interleaved (pairwise) rotation: pair (x[2i], x[2i+1]) -> (-x[2i+1], x[2i]), as models spell it."""
+    if spelling == "slice":
+        return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    if spelling == "unbind":
+        even, odd = x.unflatten(-1, (-1, 2)).unbind(-1)
+        return torch.stack((-odd, even), dim=-1).flatten(-2)
+    pairs = x.reshape(*x.shape[:-1], -1, 2)  # "reshape"
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).reshape(x.shape)
+
+
+def apply_interleaved_rotary(x, cos, sin, spelling="slice"):
+    """apply_vision_rotary with the interleaved rotation: fp32, rounded back to x's dtype."""
+    x32 = x.float()
+    return (x32 * cos.float().unsqueeze(-2) + rotate_pairs(x32, spelling) * sin.float().unsqueeze(-2)).to(x.dtype)
+
+
 class PackedAttention(nn.Module):
     """q, k, v [tokens, heads, head_dim] of a pack -> attention restricted to each segment of cu_seqlens, spelled
     as the vision encoders (models/vision.py, transformers) spell it; optionally with HF's vision rotary first."""
@@ -33,6 +50,28 @@ class PackedAttention(nn.Module):
             if self.spelling == "padded-bias":  # and padded for its memory-efficient kernel, sliced back
                 bias = F.pad(bias, (0, 8 - tokens % 8))[..., :tokens]
             out = torch.softmax(q @ k.transpose(1, 2) * 0.25 + bias, dim=-1) @ v
+        elif self.spelling.startswith("min-"):  # HF's masks: finfo.min where a key is hidden, not -inf
+            tokens, lowest = q.shape[1], torch.finfo(q.dtype).min
+            mask = block_diagonal_mask(cu_seqlens, tokens)
+            scores = q @ k.transpose(1, 2) * 0.25
+            if self.spelling == "min-bias":
+                scores = scores + torch.where(mask, 0.0, lowest).to(q.dtype)
+            elif self.spelling == "min-zeros-bias":
+                scores = scores + torch.zeros(tokens, tokens, dtype=q.dtype).masked_fill(~mask, lowest)
+            elif self.spelling == "min-masked-fill":
+                scores = scores.masked_fill(~mask, lowest)
+            elif self.spelling == "min-where-scores":
+                scores = torch.where(mask, scores, lowest)
+            elif self.spelling == "min-sdpa-bias":
+                bias = torch.where(mask, 0.0, lowest).to(q.dtype)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.25).transpose(0, 1)
+            out = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+        elif self.spelling == "soft-bias":  # a bias of -1e4: above attention_patterns.MASKED, so not a mask
+            mask = block_diagonal_mask(cu_seqlens, q.shape[1])
+            scores = q @ k.transpose(1, 2) * 0.25 + torch.where(mask, 0.0, -1e4)
+            out = torch.softmax(scores, dim=-1) @ v
+        elif self.spelling == "one-token-mask":  # the mask of a 1-token pack broadcast over all: no mask at all
+            out = attend(q, k, v, block_diagonal_mask(cu_seqlens, 1), 0.25, self.sdpa)
         else:
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
             pieces = zip(*(torch.split(t, lengths, dim=1) for t in (q, k, v)))
@@ -214,3 +253,146 @@ def test_reference_rejects_bad_arguments():
         varlen_attention_reference(q, k[..., :8], v[..., :8], cu, 4, 0.25)
     with pytest.raises(ValueError, match="v must match k"):
         varlen_attention_reference(q, k[:, :1], v, cu, 4, 0.25)
+
+
+@pytest.mark.parametrize("spelling", ["min-bias", "min-zeros-bias", "min-masked-fill", "min-where-scores",
+                                      "min-sdpa-bias"])
+def test_finfo_min_masks_fire(spelling, options, seed):
+    """finfo.min in place of -inf: exact here, as every query sees at least its own key (no fully masked row)."""
+    inputs = _pack([3, 9, 5])
+    module = PackedAttention(spelling, sdpa=False)
+    compiled, out = _compile(module, options, *inputs)
+    after = dict(compiled.report.graphs[0].stages)["fuse_vision_attention"]
+    assert compiled.report.passes["fuse_vision_attention"] == 1, compiled.report.refusals["fuse_vision_attention"]
+    assert "aten.bmm" not in after and "aten.where" not in after and "searchsorted" not in after
+    assert_close_for_dtype(out, module(*inputs))
+
+
+def test_finfo_min_mask_fires_in_bf16(options, seed):
+    """bf16's finfo.min (-3.39e38), the mask built in the attention's dtype."""
+    inputs = _pack([4, 12], dtype=torch.bfloat16)
+    module = PackedAttention("min-masked-fill", sdpa=False)
+    compiled, out = _compile(module, options, *inputs)
+    assert compiled.report.passes["fuse_vision_attention"] == 1
+    torch.testing.assert_close(out.float(), module(*inputs).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_soft_bias_above_the_masked_threshold_is_left_alone(options, seed):
+    """-1e4 is a bias, not a mask (attention_patterns.MASKED is -65504): hidden keys keep some weight."""
+    inputs = _pack([3, 9, 5])
+    module = PackedAttention("soft-bias", sdpa=False)
+    compiled, out = _compile(module, options, *inputs)
+    assert compiled.report.passes["fuse_vision_attention"] == 0
+    assert "dzc.varlen_attention" not in dict(compiled.report.graphs[0].stages)["fuse_vision_attention"]
+    assert_close_for_dtype(out, module(*inputs))
+
+
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_refuses_mask_that_is_not_tokens_by_tokens(sdpa, options, seed):
+    """A [1, 1] segment mask broadcast over the pack hides nothing: the op's segments would hide keys."""
+    inputs = _pack([5, 7])
+    module = PackedAttention("one-token-mask", sdpa=sdpa)
+    compiled, out = _compile(module, options, *inputs)
+    report = compiled.report
+    assert report.passes["fuse_vision_attention"] == 0
+    reasons = {reason for _, reason in report.refusals["fuse_vision_attention"]}
+    assert reasons == {"the block-diagonal mask is not [tokens, tokens] over the attended tokens"}
+    assert_close_for_dtype(out, module(*inputs))
+
+
+class InterleavedRotaryAttention(PackedAttention):
+    """PackedAttention after the interleaved rotary on q and k, the pairs read as `pairs` says ("slice", "unbind",
+    "reshape"; "mixed": interleaved on q, HF's half-split on k)."""
+
+    def __init__(self, spelling: str, sdpa: bool, pairs: str):
+        super().__init__(spelling, sdpa)
+        self.pairs = pairs
+
+    def forward(self, q, k, v, cu_seqlens, cos, sin):
+        if self.pairs == "mixed":
+            q, k = apply_interleaved_rotary(q, cos, sin), apply_vision_rotary(k, cos, sin)
+        else:
+            q, k = apply_interleaved_rotary(q, cos, sin, self.pairs), apply_interleaved_rotary(k, cos, sin, self.pairs)
+        return super().forward(q, k, v, cu_seqlens, cos, sin)
+
+
+def _interleaved_pack(lengths, pair_repeated=True, dtype=torch.float32):
+    """_pack with cos, sin for the interleaved rotary: angles repeated per pair (or, pair_repeated=False, all
+    head_dim angles different)."""
+    q, k, v, cu, _, _ = _pack(lengths, dtype=dtype)
+    angles = torch.randn(q.shape[0], q.shape[2] // 2)
+    angles = angles.repeat_interleave(2, -1) if pair_repeated else torch.randn(q.shape[0], q.shape[2])
+    return q, k, v, cu, angles.cos(), angles.sin()
+
+
+AFTER_INTERLEAVED_ROTARY = """\
+  %5 = aten.slice.Tensor(%a2, 2, 0, 9223372036854775807, 2)  # f32[s0, s1, 8]
+  %6 = aten.slice.Tensor(%a2, 2, 1, 9223372036854775807, 2)  # f32[s0, s1, 8]
+  %7 = aten.cat.default([%5, %6], 2)  # f32[s0, s1, 16]
+  %8 = aten.slice.Tensor(%a6, 2, 0, 9223372036854775807, 2)  # f32[s0, s1, 8]
+  %9 = aten.slice.Tensor(%a6, 2, 1, 9223372036854775807, 2)  # f32[s0, s1, 8]
+  %10 = aten.cat.default([%8, %9], 2)  # f32[s0, s1, 16]
+  %11 = aten.slice.Tensor(%a3, 1, 0, 9223372036854775807, 2)  # f32[s0, 8]
+  %12 = aten.slice.Tensor(%a3, 1, 1, 9223372036854775807, 2)  # f32[s0, 8]
+  %13 = aten.cat.default([%11, %12], 1)  # f32[s0, 16]
+  %14 = aten.slice.Tensor(%a5, 1, 0, 9223372036854775807, 2)  # f32[s0, 8]
+  %15 = aten.slice.Tensor(%a5, 1, 1, 9223372036854775807, 2)  # f32[s0, 8]
+  %16 = aten.cat.default([%14, %15], 1)  # f32[s0, 16]
+  %17 = dzc.varlen_attention.default(%7, %10, %a7, %a9, %4, 0.25, %13, %16)  # f32[s0, s1, 16]
+  %18 = aten.permute.default(%17, [1, 0, 2])  # f32[s1, s0, 16]
+  %19 = aten.clone.default(%18, memory_format=torch.contiguous_format)  # f32[s1, s0, 16]
+  %20 = aten.permute.default(%19, [1, 0, 2])  # f32[s0, s1, 16]
+  return (%20,)
+"""
+
+
+def test_golden_interleaved_rotary_folds_in_half_split_order(options, seed):
+    """q, k, cos, sin handed to the op with their columns reordered evens-then-odds: the op's half-split rotary
+    on them is the interleaved rotary reordered, and q.k (so the attention) does not see the order; v keeps it."""
+    inputs = _interleaved_pack([5, 11, 8])
+    module = InterleavedRotaryAttention("mask", sdpa=True, pairs="slice")
+    compiled, out = _compile(module, options, *inputs)
+    stages = dict(compiled.report.graphs[0].stages)
+    assert "aten.neg" in stages["capture"]
+    after = stages["fuse_vision_attention"]
+    assert after.endswith(AFTER_INTERLEAVED_ROTARY), after
+    assert "aten.neg" not in after and "aten.mul" not in after
+    assert compiled.report.passes["fuse_vision_attention"] == 1
+    assert_close_for_dtype(out, module(*inputs))
+
+
+@pytest.mark.parametrize("pair_repeated", [True, False])
+@pytest.mark.parametrize("rotary", ["slice", "unbind", "reshape"])
+def test_interleaved_rotary_folds_and_matches(rotary, pair_repeated, options, seed):
+    """Every spelling of the pairs; cos/sin need not be pair-repeated (the reordering is exact for any)."""
+    inputs = _interleaved_pack([3, 9, 5], pair_repeated)
+    module = InterleavedRotaryAttention("mask", sdpa=False, pairs=rotary)
+    compiled, out = _compile(module, options, *inputs)
+    after = dict(compiled.report.graphs[0].stages)["fuse_vision_attention"]
+    [op_line] = [line for line in after.splitlines() if "dzc.varlen_attention" in line]
+    assert "None" not in op_line and "aten.neg" not in after
+    assert compiled.report.passes["fuse_vision_attention"] == 1
+    assert_close_for_dtype(out, module(*inputs))
+
+
+def test_interleaved_rotary_per_image_split_in_bf16(options, seed):
+    inputs = _interleaved_pack([4, 12], dtype=torch.bfloat16)
+    module = InterleavedRotaryAttention("split", sdpa=True, pairs="unbind")
+    compiled, out = _compile(module, options, *inputs)
+    after = dict(compiled.report.graphs[0].stages)["fuse_vision_attention"]
+    [op_line] = [line for line in after.splitlines() if "dzc.varlen_attention" in line]
+    assert "None" not in op_line and "aten.neg" not in after
+    torch.testing.assert_close(out.float(), module(*inputs).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_mixed_rotaries_are_not_folded(options, seed):
+    """Interleaved on q, half-split on k: no one column order makes both the op's rotary. The attention is still
+    fused, on the q and k the model rotated itself."""
+    inputs = _interleaved_pack([3, 9, 5])
+    module = InterleavedRotaryAttention("mask", sdpa=False, pairs="mixed")
+    compiled, out = _compile(module, options, *inputs)
+    after = dict(compiled.report.graphs[0].stages)["fuse_vision_attention"]
+    [op_line] = [line for line in after.splitlines() if "dzc.varlen_attention" in line]
+    assert op_line.rstrip().split("  #")[0].endswith("None, None)") and "aten.neg" in after
+    assert compiled.report.passes["fuse_vision_attention"] == 1
+    assert_close_for_dtype(out, module(*inputs))
