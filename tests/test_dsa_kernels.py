@@ -496,8 +496,11 @@ def test_decode_at_1m_context_with_offsets_past_2_31(seed, tmp_path):
 
     topk_args = (expected_logits, seq_lens, topk)
     spec = dsa_topk.DsaTopkSpec()
-    indices = _run_triton(dsa_topk, spec, _load_triton(dsa_topk, spec, tmp_path),
-                          KernelConfig.make(num_warps=4, num_stages=1, BLOCK=16384, RADIX_BITS=8), topk_args)
+    # The shipped sample and candidate sizes: over 1M positions the bracket holds ~7K candidates, more than fit, so
+    # the row takes the whole-row radix select (after the sampled sweep).
+    config = KernelConfig.make(num_warps=4, num_stages=1, BLOCK=16384, RADIX_BITS=8, SAMPLE=dsa_topk.SAMPLE,
+                               CANDIDATES=dsa_topk.CANDIDATES)
+    indices = _run_triton(dsa_topk, spec, _load_triton(dsa_topk, spec, tmp_path), config, topk_args)
     assert torch.equal(indices, dsa_topk_reference(*topk_args))
 
     # The FP8 latent rows of the selected tokens only (the rest of the 1M stay unwritten holes), two beyond the

@@ -1,10 +1,12 @@
 """Benchmark dzc's mxfp4_moe kernels (Triton: online dequant and workspace paths; TileLang: online dequant) against
-eager dequantize-then-matmul, torch.compile of it, and BF16 weights through torch._grouped_mm, in one run (H200).
+eager dequantize-then-matmul, torch.compile of it, BF16 weights through torch._grouped_mm and, where it is there,
+OpenAI's triton_kernels MXFP4 MoE (matmul_ogs), in one run (H200).
 
     python tools/bench_mxfp4_moe.py [--quick] [--musa-legal] [--models gpt-oss-120b deepseek-style]
                                     [--tokens 1 2 4 8 16 32 64 2048 8192] [--routing uniform skewed] [--out results.md]
     python tools/bench_mxfp4_moe.py --w4a8 --tokens 2048 8192 --codegens triton   # W4A8 (FP8) beside W4A16
     python tools/bench_mxfp4_moe.py --memory-only [--memory-layers 2] [--models ...]   # peak memory, no timings
+    python tools/bench_mxfp4_moe.py --dry-run [--quick] [--triton-kernels DIR]   # CPU: the plan, no launches
 
 Shapes are dzc.models.moe.CONFIGS (gpt-oss-120b: E=128, top-4, H=I=2880, clamped SwiGLU, biases, gate/up
 interleaved; deepseek-style: E=256, top-8, H=7168, I=2048, SwiGLU, no biases). Weights are random MXFP4 (uniform
@@ -22,6 +24,18 @@ against the op's reference (dzc.ops.mxfp4_moe_reference) once before it is timed
 launched with the same thread counts on the H200 (num_warps x4): validates the algorithm and its tiling as the
 MUSA card would run it; it does not measure MUSA speed, code generation or its compilers.
 
+triton_kernels (OpenAI's MXFP4 MoE kernels, used by gpt-oss and vLLM): a baseline where the package is there,
+--triton-kernels DIR or .triton-kernels/ at the repo root (tools/fetch_triton_kernels.sh copies it from a triton
+snapshot: it must match the Triton installed, 3.6 on the H200). The same random weights, dequantized and
+re-quantized by its own downcast_to_mxfp (exact: they are MXFP4 values already), in its Hopper swizzled value and
+scale layouts (HopperMXValueLayout / HopperMXScaleLayout, as its bench_mlp.py builds them); the whole layer as
+gpt-oss runs it, from a CUDA graph: routing metadata from topk_ids (its topk with the given indices, then
+make_ragged_tensor_metadata), matmul_ogs gathering the tokens into the gate/up GEMM with its SwiGLU fused, and
+matmul_ogs into the down GEMM scaled by topk_weights (gammas) and scattered back, summed over the top-k.
+DeepSeek's silu(gate) * up runs as the same fused SwiGLU (alpha 1, no clamp) on gate/up rows interleaved offline
+with a bias of -1 on the up rows: gate * sigmoid(gate) * ((up - 1) + 1). Skipped, with the reason printed, where
+the package is absent, does not import, or fails to build, run or match the reference.
+
 Memory: peak torch.cuda.max_memory_allocated of L stacked MoE layers run on a prefill batch: packed weights + one
 workspace (shared by the layers) + activations, against the same layers with an offline BF16 copy of the experts
 (run through torch._grouped_mm) and an offline FP8 copy (e4m3 + one fp32 scale per row: its storage, plus the
@@ -33,9 +47,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import platform
 import sys
 import tempfile
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +80,8 @@ MODEL_LAYERS = {"gpt-oss-120b": 36, "deepseek-style": 58}
 MEMORY_TOKENS = 8192
 # Configs timed per token bucket: the cost model's default plus up to this many more of the bucket's tier.
 TUNED_CONFIGS = {"quick": 3, "full": 8}
+# Where tools/fetch_triton_kernels.sh puts OpenAI's triton_kernels (git-ignored; carried to the GPU machine).
+TRITON_KERNELS_DIR = Path(__file__).resolve().parent.parent / ".triton-kernels"
 
 
 @dataclass
@@ -84,6 +102,13 @@ class Layer:
                 self.w2_scales, self.w2_bias, self.spec.activation, self.spec.interleaved, self.alpha, self.limit)
 
 
+def model_spec(name: str) -> family.MXFP4MoESpec:
+    cfg = CONFIGS[name]
+    return family.MXFP4MoESpec(cfg.hidden, cfg.intermediate, cfg.experts, cfg.top_k, torch.bfloat16, torch.float32,
+                               torch.bfloat16 if cfg.expert_bias else None,
+                               torch.bfloat16 if cfg.expert_bias else None, cfg.activation, cfg.gate_up_interleaved)
+
+
 def random_layer(name: str, device, generator) -> Layer:
     cfg = CONFIGS[name]
     e, h, i = cfg.experts, cfg.hidden, cfg.intermediate
@@ -97,10 +122,7 @@ def random_layer(name: str, device, generator) -> Layer:
     w13_blocks, w13_scales = packed(2 * i, h)
     w2_blocks, w2_scales = packed(h, i)
     bias = (lambda rows: 0.1 * torch.randn(e, rows, **on).bfloat16()) if cfg.expert_bias else (lambda rows: None)
-    spec = family.MXFP4MoESpec(h, i, e, cfg.top_k, torch.bfloat16, torch.float32,
-                               torch.bfloat16 if cfg.expert_bias else None, torch.bfloat16 if cfg.expert_bias else None,
-                               cfg.activation, cfg.gate_up_interleaved)
-    return Layer(name, spec, w13_blocks, w13_scales, bias(2 * i), w2_blocks, w2_scales, bias(h), cfg.alpha,
+    return Layer(name, model_spec(name), w13_blocks, w13_scales, bias(2 * i), w2_blocks, w2_scales, bias(h), cfg.alpha,
                  cfg.limit)
 
 
@@ -188,8 +210,161 @@ class GroupedMMBaseline:
         return out.index_add_(0, order // spec.top_k, y).to(hidden.dtype)
 
 
+def load_triton_kernels(directory: str | None) -> tuple[types.SimpleNamespace | None, str]:
+    """OpenAI's triton_kernels from `directory` (--triton-kernels; default .triton-kernels/ at the repo root, 'none'
+    skips it), put first on sys.path and imported: (its functions, a line saying where from and which commit) or
+    (None, why not). Imported here, not at the top: the CPU paths (--help, --dry-run) must not depend on it."""
+    if directory is not None and directory.lower() == "none":
+        return None, "skipped (--triton-kernels none)"
+    path = Path(directory) if directory is not None else TRITON_KERNELS_DIR
+    if not (path / "triton_kernels" / "__init__.py").is_file():
+        how = "--triton-kernels" if directory is not None else "default"
+        return None, (f"not found ({how} {path} has no triton_kernels/ package; bash tools/fetch_triton_kernels.sh "
+                      f"copies it from a triton snapshot)")
+    source = {}
+    if (path / "SOURCE").is_file():
+        for line in (path / "SOURCE").read_text().splitlines():
+            key, _, value = line.partition(": ")
+            source[key] = value
+    origin = f"{path}, commit {source.get('commit', 'unknown (no SOURCE file)')[:12]}"
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+    try:
+        matmul = importlib.import_module("triton_kernels.matmul_ogs")
+        tk = types.SimpleNamespace(
+            matmul_ogs=matmul.matmul_ogs, PrecisionConfig=matmul.PrecisionConfig, RoutingData=matmul.RoutingData,
+            GatherIndx=matmul.GatherIndx, ScatterIndx=matmul.ScatterIndx, FusedActivation=matmul.FusedActivation,
+            FnSpecs=matmul.FnSpecs,
+            swiglu_fn=importlib.import_module("triton_kernels.swiglu").swiglu_fn,
+            topk=importlib.import_module("triton_kernels.topk").topk,
+            downcast_to_mxfp=importlib.import_module("triton_kernels.numerics_details.mxfp").downcast_to_mxfp,
+            layout=importlib.import_module("triton_kernels.tensor_details.layout"),
+            **{name: getattr(importlib.import_module("triton_kernels.tensor"), name)
+               for name in ("convert_layout", "wrap_torch_tensor", "FP4", "make_ragged_tensor_metadata")})
+    except Exception as err:  # a package for another Triton: missing names, changed signatures
+        return None, f"{origin}: does not import with Triton {triton.__version__}: {type(err).__name__}: {err}"
+    return tk, f"{origin} ({matmul.__file__}), imported with Triton {triton.__version__}"
+
+
+class TritonKernelsMoE:
+    """The MoE layer on OpenAI's triton_kernels, as gpt-oss runs it (module docstring): MXFP4 weights in its Hopper
+    swizzled layouts, routing metadata from topk_ids, two matmul_ogs calls (gather + gate/up GEMM + fused SwiGLU;
+    down GEMM + gammas + scatter, summed over the top-k)."""
+
+    def __init__(self, tk: types.SimpleNamespace, layer: Layer, experts_at_once: int = 8):
+        self.tk, self.layer = tk, layer
+        spec = layer.spec
+        device = layer.w13_blocks.device
+        w13_bias = layer.w13_bias
+        w13_rows = None
+        if spec.activation == "silu_glu":
+            # silu(gate) * up as triton_kernels' fused SwiGLU: gate/up rows interleaved (its activation pairs
+            # adjacent output columns), no clamp, alpha 1, and a bias of -1 on the up rows (it computes
+            # gate * sigmoid(alpha * gate) * (up + 1)).
+            if spec.interleaved or w13_bias is not None:
+                raise NotImplementedError("silu_glu with interleaved gate/up or expert biases")
+            i = spec.inter
+            w13_rows = torch.stack((torch.arange(i, device=device), i + torch.arange(i, device=device)), -1).flatten()
+            self.b13 = torch.zeros(spec.experts, 2 * i, dtype=torch.float32, device=device)
+            self.b13[:, 1::2] = -1.0
+            self.activation_args = (1.0, None)
+            self.activation_name = "silu_glu as swiglu fused (alpha 1, no clamp, up bias -1)"
+        else:
+            if not spec.interleaved:
+                raise NotImplementedError("clamped SwiGLU with gate and up halves not interleaved")
+            self.b13 = None if w13_bias is None else w13_bias.float()
+            self.activation_args, self.activation_name = (layer.alpha, layer.limit), "swiglu fused"
+        self.b2 = None if layer.w2_bias is None else layer.w2_bias.float()
+        self.w13_values, self.w13_scales = self._quantize(layer.w13_blocks, layer.w13_scales, w13_rows,
+                                                          experts_at_once)
+        self.w2_values, self.w2_scales = self._quantize(layer.w2_blocks, layer.w2_scales, None, experts_at_once)
+        self.scale_layouts: dict[int, tuple] = {}  # num_warps -> (w13 scales, w2 scales) in that layout
+        self.activation = tk.FusedActivation(tk.FnSpecs("swiglu", tk.swiglu_fn, ("alpha", "limit"), reduction_n=2),
+                                             self.activation_args)
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def _quantize(self, blocks, scales, rows, experts_at_once):
+        """dzc's packed weight [E, N, K] (its rows reordered by `rows` if given) -> triton_kernels' MXFP4 of its
+        transpose [E, K, N] (what matmul_ogs multiplies, x [M, K] @ w [K, N]): values in HopperMXValueLayout,
+        scales (E8M0 [E, K/32, N]) left strided until a num_warps picks their layout."""
+        tk = self.tk
+        values, block_scales = [], []
+        for first in range(0, blocks.shape[0], experts_at_once):
+            chunk = slice(first, first + experts_at_once)
+            weight = mxfp4.dequantize(blocks[chunk], scales[chunk], torch.bfloat16)
+            if rows is not None:
+                weight = weight[:, rows]
+            weight = weight.transpose(-2, -1)
+            v, sc = tk.downcast_to_mxfp(weight, torch.uint8, axis=1)
+            values.append(v.transpose(-2, -1).contiguous())  # [e, N, K/2]: K-major, as downcast_to_mxfp gives it
+            block_scales.append(sc.transpose(-2, -1).contiguous())
+        values = torch.cat(values).transpose(-2, -1)  # [E, K/2, N], K contiguous
+        block_scales = torch.cat(block_scales).transpose(-2, -1)  # [E, K/32, N]
+        layout_cls, layout_opts = tk.layout.HopperMXValueLayout, {"mx_axis": 1}
+        return tk.convert_layout(tk.wrap_torch_tensor(values, dtype=tk.FP4), layout_cls, **layout_opts), block_scales
+
+    @staticmethod
+    def num_warps(tokens: int) -> int:
+        """Its bench_mlp.py's choice for MXFP4 on Hopper (the scale layout is swizzled for the kernel's warps)."""
+        return 4 if tokens <= 512 else 8
+
+    def _precision(self, num_warps: int):
+        if num_warps not in self.scale_layouts:
+            tk = self.tk
+            self.scale_layouts[num_warps] = tuple(
+                tk.PrecisionConfig(weight_scale=tk.convert_layout(
+                    tk.wrap_torch_tensor(scales), tk.layout.HopperMXScaleLayout, mx_axis=1, num_warps=num_warps))
+                for scales in (self.w13_scales, self.w2_scales))
+        return self.scale_layouts[num_warps]
+
+    def describe(self, tokens: int) -> str:
+        return f"HOPPER_VALUE/HOPPER_SCALE w{self.num_warps(tokens)}, {self.activation_name}"
+
+    def __call__(self, hidden, topk_ids, topk_weights, *_):
+        tk, spec = self.tk, self.layer.spec
+        tokens = hidden.shape[0]
+        pc13, pc2 = self._precision(self.num_warps(tokens))
+        if tokens not in self.logits:  # its topk reads values at the given indices: they are unused here
+            self.logits[tokens] = torch.zeros(tokens, spec.experts, dtype=torch.float32, device=hidden.device)
+        routed = tk.topk(self.logits[tokens], spec.top_k, apply_softmax=False, y_indx=topk_ids.to(torch.int16))
+        meta = routed.mask_metadata
+        dispatch, combine = meta.row_sorted_indx, meta.col_sorted_indx  # slot -> row of its expert; row -> slot
+        ragged = tk.make_ragged_tensor_metadata(meta.col_sum, dispatch.shape[0])
+        routing = tk.RoutingData(None, ragged.slice_sizes, spec.experts, spec.top_k, ragged)
+        gammas = topk_weights.reshape(-1).index_select(0, combine)
+        act = tk.matmul_ogs(hidden, self.w13_values, self.b13, routing, gather_indx=tk.GatherIndx(combine, dispatch),
+                            precision_config=pc13, fused_activation=self.activation)
+        return tk.matmul_ogs(act, self.w2_values, self.b2, routing, scatter_indx=tk.ScatterIndx(dispatch, combine),
+                             precision_config=pc2, gammas=gammas)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # dzc kernels
+
+
+def bucket_configs(spec, codegen: str, bucket: int, musa_legal: bool,
+                   how_many: int) -> list[tuple[str, KernelConfig]]:
+    """[("default", config), ("tuned candidates"...)] for the bucket: the cost model's choice first (no compile:
+    the dry run lists them too)."""
+    if musa_legal:
+        legal, _ = legal_configs(family, codegen, spec, MP_22)
+        # The same threads per block on 32-lane warps.
+        legal = [KernelConfig(c.params, c.num_warps * MP_22.warp_size // SM_90.warp_size, c.num_stages)
+                 for c in legal]
+    else:
+        legal, _ = legal_configs(family, codegen, spec, SM_90)
+    default = getattr(family, f"{codegen}_default_config")(spec, SM_90)
+    tier, default = family.configs_for_bucket(spec, SM_90, bucket, legal,
+                                              default if default in legal else legal[0])
+    others = [c for c in tier if c != default]
+    # The default's tile with every other split of the reduction (a same-run A/B of split-K), then a spread
+    # of the rest of the tier.
+    tile = {k: v for k, v in default.params if k != "SPLIT_K"}
+    splits = [c for c in others if {k: v for k, v in c.params if k != "SPLIT_K"} == tile
+              and (c.num_warps, c.num_stages) == (default.num_warps, default.num_stages)]
+    rest = [c for c in others if c not in splits]
+    step = max(1, len(rest) // max(how_many, 1))
+    return [("default", default)] + [("candidate", c) for c in splits + rest[::step][:how_many]]
 
 
 class DzcKernels:
@@ -206,25 +381,7 @@ class DzcKernels:
 
     def configs(self, bucket: int, musa_legal: bool, how_many: int) -> list[tuple[str, KernelConfig]]:
         """[("default", config), ("tuned candidates"...)] for the bucket: the cost model's choice first."""
-        if musa_legal:
-            legal, _ = legal_configs(family, self.codegen, self.spec, MP_22)
-            # The same threads per block on 32-lane warps.
-            legal = [KernelConfig(c.params, c.num_warps * MP_22.warp_size // SM_90.warp_size, c.num_stages)
-                     for c in legal]
-        else:
-            legal, _ = legal_configs(family, self.codegen, self.spec, SM_90)
-        default = getattr(family, f"{self.codegen}_default_config")(self.spec, SM_90)
-        tier, default = family.configs_for_bucket(self.spec, SM_90, bucket, legal,
-                                                  default if default in legal else legal[0])
-        others = [c for c in tier if c != default]
-        # The default's tile with every other split of the reduction (a same-run A/B of split-K), then a spread
-        # of the rest of the tier.
-        tile = {k: v for k, v in default.params if k != "SPLIT_K"}
-        splits = [c for c in others if {k: v for k, v in c.params if k != "SPLIT_K"} == tile
-                  and (c.num_warps, c.num_stages) == (default.num_warps, default.num_stages)]
-        rest = [c for c in others if c not in splits]
-        step = max(1, len(rest) // max(how_many, 1))
-        return [("default", default)] + [("candidate", c) for c in splits + rest[::step][:how_many]]
+        return bucket_configs(self.spec, self.codegen, bucket, musa_legal, how_many)
 
     def run(self, config, args):
         inputs, (out,), _, result = family.prepare(self.spec, *args)
@@ -279,6 +436,47 @@ def check(name: str, actual: torch.Tensor, expected: torch.Tensor, relative: flo
     return error / max(scale, 1e-30)
 
 
+def time_triton_kernels(tk_moe: "TritonKernelsMoE | None", op_args, expected, errors) -> tuple[float, str]:
+    """The triton_kernels layer checked against the op's reference (its error appended to `errors`) and timed
+    from a CUDA graph (plainly, with the L2 flushed, where capture fails): (seconds, its config), NaN and why
+    where it is not there or fails."""
+    if tk_moe is None:
+        return float("nan"), "-"
+    hidden = op_args[0]
+    config = tk_moe.describe(hidden.shape[0])
+    try:
+        error = check("triton_kernels", tk_moe(*op_args), expected)
+    except Exception as err:  # a kernel that does not compile or launch here, or a wrong result
+        print(f"triton_kernels baseline failed ({config}): {type(err).__name__}: {str(err)[:300]}", file=sys.stderr)
+        return float("nan"), f"failed: {type(err).__name__}"
+    errors.append(error)
+    try:
+        return graph_time(lambda: tk_moe(*op_args)), config
+    except RuntimeError as err:
+        print(f"triton_kernels: no CUDA graph ({str(err)[:200]}); timed call by call", file=sys.stderr)
+        torch.cuda.synchronize()
+        return plain_time(lambda: tk_moe(*op_args)), config + " (no graph)"
+
+
+def dry_run(args, how_many: int, tk, tk_origin: str) -> None:
+    """--dry-run: the arguments, each model's spec and the configs each token count would time (no compile),
+    whether triton_kernels imports and from which commit; nothing touches a GPU."""
+    print(f"dry run: triton_kernels {'found' if tk is not None else 'not used'}: {tk_origin}")
+    for model in args.models:
+        spec = model_spec(model)
+        for tokens in args.tokens:
+            bucket = family.token_bucket(tokens)
+            plans = []
+            for codegen in args.codegens:
+                if codegen == "tilelang" and bucket > 64:
+                    continue
+                configs = bucket_configs(spec, codegen, bucket, args.musa_legal, how_many if codegen == "triton" else 0)
+                plans.append(f"{codegen}: {len(configs)} configs (default {configs[0][1]})")
+            tk_plan = (f"HOPPER_VALUE/HOPPER_SCALE w{TritonKernelsMoE.num_warps(tokens)}" if tk is not None else "-")
+            print(f"dry run: {model} T={tokens} bucket {bucket}: {spec.describe()}; {'; '.join(plans)}; "
+                  f"triton_kernels: {tk_plan}")
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -296,14 +494,26 @@ def main():
                         help="also time the W4A8 op (dzc.mxfp4_moe_w4a8: FP8 activations on the workspace path at "
                              "prefill sizes, W4A16 online at decode sizes)")
     parser.add_argument("--memory-only", action="store_true", help="only the memory measurement (no timings)")
+    parser.add_argument("--triton-kernels", metavar="DIR",
+                        help="OpenAI's triton_kernels package folder (holding triton_kernels/), timed as a baseline; "
+                             "default: .triton-kernels/ at the repo root where present (tools/fetch_triton_kernels.sh)"
+                             "; 'none': skip it")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU: check the arguments, list the specs and the configs each token count would time "
+                             "and whether triton_kernels imports; no GPU, nothing launched")
     parser.add_argument("--out", help="write the markdown report here too")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench_mxfp4_moe needs a CUDA GPU")
     if args.quick:
         args.models, args.tokens, args.routing = ["gpt-oss-120b"], [1, 8, 64, 2048], ["uniform"]
         args.codegens = ["triton"]
     how_many = TUNED_CONFIGS["quick" if args.quick else "full"]
+    tk, tk_origin = load_triton_kernels(args.triton_kernels)
+    if args.dry_run:
+        dry_run(args, how_many, tk, tk_origin)
+        return
+    if not torch.cuda.is_available():
+        sys.exit("bench_mxfp4_moe needs a CUDA GPU (--dry-run checks the arguments without one)")
+    print(f"triton_kernels baseline: {tk_origin}", file=sys.stderr, flush=True)
     device = torch.device("cuda")
     torch._dynamo.config.recompile_limit = 256
     workdir = Path(tempfile.mkdtemp(prefix="dzc-bench-mxfp4-moe-"))
@@ -312,18 +522,22 @@ def main():
              f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}; Triton {triton.__version__}; "
              f"TileLang {tilelang_codegen.VERSION}; Python {platform.python_version()}; "
              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", "",
+             f"triton_kernels: {tk_origin if tk is not None else 'not timed: ' + tk_origin}", "",
              "Effective bandwidth = packed weight + scale bytes of the experts touched / time (4.8 TB/s datasheet). "
              "dzc times: whole op from a CUDA graph. eager = dequantize-then-matmul per activated expert; "
              "compile = torch.compile of its per-expert body; grouped_mm = offline BF16 weights, torch._grouped_mm "
-             "(CUDA graph). Ratios: baseline time / dzc tuned time.", ""]
+             "(CUDA graph); triton_kernels = OpenAI's MXFP4 MoE (matmul_ogs), the whole layer as gpt-oss runs it "
+             "(CUDA graph; its weights re-quantized by its downcast_to_mxfp into its Hopper swizzled layouts; "
+             "config = value/scale layouts, warps, activation). Ratios: baseline time / dzc tuned time.", ""]
     if args.memory_only:
         lines += memory_report(args.models, args.memory_layers, device, generator, workdir)
         if args.out:
             Path(args.out).write_text("\n".join(lines) + "\n")
         return
     header = ("| model | routing | T | experts touched | path (tuned) | dzc default µs | dzc tuned µs | TB/s | % of 4.8 "
-              "| TFLOP/s | tilelang µs | W4A8 op µs | W4A8 op path | W4A8 TFLOP/s | eager µs | compile µs | grouped_mm µs | vs eager "
-              "| vs compile | vs grouped_mm | rel. err |")
+              "| TFLOP/s | tilelang µs | W4A8 op µs | W4A8 op path | W4A8 TFLOP/s | eager µs | compile µs "
+              "| grouped_mm µs | triton_kernels µs | triton_kernels config | vs eager | vs compile | vs grouped_mm "
+              "| vs triton_kernels | rel. err |")
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     print("\n".join(lines), flush=True)
     compiled_body = torch.compile(_expert_body, dynamic=True)
@@ -334,6 +548,13 @@ def main():
         w4a8_kernels = (DzcKernels(dataclasses.replace(spec, fp8_activations=True), "triton", workdir)
                         if args.w4a8 else None)
         grouped = GroupedMMBaseline(layer)
+        tk_moe = None
+        if tk is not None:
+            try:
+                tk_moe = TritonKernelsMoE(tk, layer)
+            except Exception as err:  # e.g. a layout or kernel this Triton or GPU lacks
+                print(f"triton_kernels baseline unavailable for {model}: {type(err).__name__}: {str(err)[:300]}",
+                      file=sys.stderr)
         for routing in args.routing:
             for tokens in args.tokens:
                 hidden, topk_ids, topk_weights = random_routing(spec, tokens, routing == "skewed", device, generator)
@@ -377,6 +598,7 @@ def main():
                 except (RuntimeError, AssertionError) as err:
                     print(f"grouped_mm baseline unavailable: {err}", file=sys.stderr)
                     grouped_s = float("nan")
+                tk_s, tk_config = time_triton_kernels(tk_moe, op_args, expected, errors)
                 bandwidth = useful_bytes / tuned_s
                 row = (f"| {model} | {routing} | {tokens} | {touched} | "
                        f"{family.describe_config(tuned_config).split(' (')[0] if tuned_config else '-'} | "
@@ -385,11 +607,14 @@ def main():
                        f"{tilelang_s * 1e6:.1f} | {w4a8_s * 1e6:.1f} | {w4a8_path} | "
                        f"{family.flops(spec, tokens) / w4a8_s / 1e12:.1f} | "
                        f"{eager_s * 1e6:.1f} | {compile_s * 1e6:.1f} | {grouped_s * 1e6:.1f} | "
+                       f"{tk_s * 1e6:.1f} | {tk_config} | "
                        f"{eager_s / tuned_s:.1f}x | {compile_s / tuned_s:.1f}x | {grouped_s / tuned_s:.2f}x | "
-                       f"{max(errors):.1e} |")
+                       f"{tk_s / tuned_s:.2f}x | {max(errors):.1e} |")
                 lines.append(row)
                 print(row, f"  [tuned: {tuned_config}]", flush=True)
-        grouped = kernels = None  # free the BF16 copy before the next model
+                if args.out:  # the rows so far survive a run that dies later (a baseline's kernel crashing the GPU)
+                    Path(args.out).write_text("\n".join(lines) + "\n")
+        grouped = kernels = tk_moe = None  # free the BF16 and triton_kernels copies before the next model
         torch.cuda.empty_cache()
     if args.memory_layers:
         lines += ["", *memory_report(args.models, args.memory_layers, device, generator, workdir)]

@@ -24,7 +24,7 @@
 # their fixes s14-3 (carry .whl-gpu1), s14-4 (carry .whl-gpu2 and .public-kernels). Session 15 ran s15-1 and
 # s15-2 (now removed: their results are in docs/results). Session 16: s16-1 (carry .whl-gpu1), s16-2 (carry
 # .whl-gpu2 and .public-kernels), then s16-3 and s16-4 (now removed; results in docs/results). Session 17: s17-1
-# (carry .whl-gpu1), s17-2 (carry .whl-gpu2 and .public-kernels).
+# (carry .whl-gpu1), s17-2 (carry .whl-gpu2 and .public-kernels), s17-3 (carry .triton-kernels).
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -261,6 +261,13 @@ s17-1)
   TAIL=12 part fuzz_topk 120 python3 tools/fuzz.py --ops dsa_topk --codegens triton --cases 24 \
     --out "$OUT/fuzz_h200_topk.md"
   TAIL=12 part gpu_tests_regions 150 python3 -m pytest -q -p no:logging -rf tests/test_regions.py
+  ;;
+s17-3)
+  # (carry .triton-kernels: bash tools/fetch_triton_kernels.sh first) Issue 15's baseline: OpenAI's triton_kernels
+  # MXFP4 MoE (matmul_ogs) beside dzc's Triton kernels in one run, first time on a GPU.
+  python3 tools/bench_mxfp4_moe.py --dry-run --quick | head -1
+  TAIL=30 part bench_mxfp4_moe_tk 300 python3 tools/bench_mxfp4_moe.py --quick --codegens triton --memory-layers 0 \
+    --out "$OUT/mxfp4_moe_tk_h200.md"
   ;;
 s17-2)
   # (carry .whl-gpu2 and .public-kernels) Top-k beside tl_topk and its own whole-row radix form in one run (untuned
