@@ -203,6 +203,16 @@ class DzcBackend:
             misplaced = regions.misplaced_parameters(gm, example_inputs, self.marking)
             if misplaced:  # dzc.compile restores the layers' classes and captures again
                 raise regions.RegionRefusal(misplaced)
+            fake_mode = torch._guards.detect_fake_mode(example_inputs)
+            relating = regions.relating_guards(fake_mode.shape_env if fake_mode is not None else None)
+            if relating:  # dzc.compile marks fewer layers, or none, and captures again
+                why = (f"region calls compare inputs of other dynamic sizes, which guards their relation "
+                       f"({', '.join(str(guard.expr) for guard in relating)}): a plain capture would not recompile "
+                       "where it flips")
+                narrowed = regions.narrowing(gm, example_inputs, self.marking, relating)
+                if narrowed:
+                    raise regions.RegionNarrowing(why, narrowed)
+                raise regions.RegionRefusal(why)
         self._graph_break = _graph_break(gm)  # read by _compile_graph, which AOTAutograd calls from here
         self._timer = CompileTimer()
         self._timer.add("dynamo", _dynamo_seconds())

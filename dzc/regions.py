@@ -52,6 +52,15 @@ class RegionRefusal(Exception):
     by dzc.compile, which restores the model's classes and captures again without regions."""
 
 
+class RegionNarrowing(RegionRefusal):
+    """A capture with nested compile regions that would recompile where a plain capture does not, fixed by marking
+    fewer layers: dzc.compile puts back the classes of `layers` only and captures again (`relating_guards`)."""
+
+    def __init__(self, message: str, layers: list[torch.nn.Module]):
+        super().__init__(message)
+        self.layers = layers
+
+
 def _region_class(cls: type) -> type:
     if cls not in _REGION_CLASSES:
         region = torch.compiler.nested_compile_region(cls.forward)
@@ -92,6 +101,17 @@ class Marking:
         return {id(tensor): f"{path}.{index}" for path, _, layers in self.groups
                 for index, layer in enumerate(layers)
                 for tensor in [*layer.parameters(), *layer.buffers()]}
+
+    def unmark(self, unmarked: list[torch.nn.Module]) -> None:
+        """Put back the classes of the layers `unmarked`, and of every layer left alone in its group."""
+        ids = {id(layer) for layer in unmarked}
+        groups, self.groups = self.groups, []
+        for path, name, layers in groups:
+            kept = [layer for layer in layers if id(layer) not in ids]
+            self.groups.append((path, name, kept if len(kept) > 1 else []))
+            for layer in layers if len(kept) < 2 else [layer for layer in layers if id(layer) in ids]:
+                layer.__class__ = vars(type(layer)).get("_dzc_region_of", type(layer))
+        self.groups = [group for group in self.groups if group[2]]
 
     def restore(self) -> None:
         """Put the marked layers' classes back (those still marked by this marking)."""
@@ -157,6 +177,99 @@ def misplaced_parameters(gm: torch.fx.GraphModule, example_inputs, marking: Mark
                 return f"the region calls {read_by[layer]} and {node.name} both read the parameters of {layer}"
             read_by[layer] = node.name
     return ""
+
+
+def relating_guards(shape_env) -> list:
+    """The shape guards Dynamo's reuse check of region calls added (torch 2.13, invoke_subgraph.is_reusable): it
+    compares a call's input metadata with the traced call's, and where two calls pass inputs of different dynamic
+    sizes (a window layer's cu_seqlens and a full-attention layer's), the comparison guards their relation
+    (Eq(s32, s33), or Ne where they differ). A plain capture guards no such thing: the next call where the
+    relation flips would recompile."""
+    def from_reuse_check(guard) -> bool:
+        where = guard.sloc.framework_loc
+        return (getattr(where, "name", None) if not isinstance(where, str) else where.rsplit(" ", 1)[-1]) \
+            == "is_reusable"
+    return [guard for guard in getattr(shape_env, "guards", ()) if from_reuse_check(guard)]
+
+
+def _symbols(value) -> set:
+    """The size symbols (as first created, before replacements) of a fake tensor's or SymInt's sizes."""
+    sizes = value.shape if isinstance(value, torch.Tensor) else [value] if isinstance(value, torch.SymInt) else []
+    found = set()
+    for size in sizes:
+        if isinstance(size, torch.SymInt):
+            found |= size.node._expr.free_symbols
+    return found
+
+
+def narrowing(gm: torch.fx.GraphModule, example_inputs, marking: Marking, guards: list) -> list[torch.nn.Module]:
+    """The layers to unmark so that no region call compares inputs whose sizes `guards` relate: per group of
+    marked layers, the calls are told apart by which of the guards' symbols their inputs' sizes hold; the layers
+    of the most common kind stay marked, the others are put back (captured as a plain capture does). Empty where
+    no group of two calls or more could stay apart from the others: then refuse the regions."""
+    related = set().union(*(guard.expr.free_symbols for guard in guards))
+    owners = marking.owners()
+    values = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+    kind: dict[str, frozenset] = {}  # layer path -> the related symbols its call's inputs hold
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not INVOKE_SUBGRAPH:
+            continue
+        layers = {owners[id(values[a])] for a in node.args[2:] if a in values and id(values[a]) in owners}
+        symbols = frozenset(set().union(*(_symbols(a.meta.get("example_value")) for a in node.args[2:]
+                                          if isinstance(a, torch.fx.Node))) & related)
+        for layer in layers:
+            kind[layer] = symbols
+    unmarked: list[torch.nn.Module] = []
+    for path, _, layers in marking.groups:
+        kinds = [kind.get(f"{path}.{index}") for index in range(len(layers))]
+        counts = collections.Counter(k for k in kinds if k is not None)
+        if len(counts) < 2:
+            continue  # one kind of call: marking fewer of these layers changes nothing
+        common, count = counts.most_common(1)[0]
+        unmarked += [layer for layer, k in zip(layers, kinds) if k != common] if count > 1 else list(layers)
+    still_marked = sum(len(layers) for _, _, layers in marking.groups) - len(unmarked)
+    return unmarked if unmarked and still_marked > 1 else []
+
+
+def unmark_specialized_dims(error: BaseException) -> list[str]:
+    """After a capture with regions failed in Dynamo's stamp-out of a region call (torch 2.13: `KeyError: 2` in
+    invoke_subgraph.stamp_out_subgraph): an input dim marked dynamic (maybe_mark_dynamic, dzc's hint for every dim
+    of an integer input) that the first layer's body specialised to a constant (a (row, column) pair's 2), and that
+    the body reads as a size, leaves the stamp-out looking up a symbol that has become a number. A plain capture
+    specialises such a dim silently. Here the hints of the dims the failed trace specialised to a constant are
+    taken off the inputs (the same tensors the call is retried with); returns their names, empty where the error
+    is another one or nothing could be taken off."""
+    stamp_out = None  # the locals of the stamp-out that raised
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen and stamp_out is None:
+        seen.add(id(error))
+        trace = error.__traceback__
+        while trace is not None:
+            if trace.tb_frame.f_code.co_name == "stamp_out_subgraph" and isinstance(error, KeyError):
+                stamp_out = trace.tb_frame.f_locals
+            trace = trace.tb_next
+        error = error.__cause__ or error.__context__
+    if stamp_out is None:
+        return []
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
+    try:
+        # the traced frame's globals and locals as the stamp-out resolves sources ({"G": ..., "L": ...})
+        shape_env, scope = stamp_out["tx"].output.shape_env, stamp_out["resolve_globals"]
+        names = []
+        for symbol, value in list(shape_env.replacements.items()):
+            if not value.is_number:
+                continue
+            for source in shape_env.var_to_sources.get(symbol, ()):
+                if not (isinstance(source, TensorPropertySource) and source.prop is TensorProperty.SIZE):
+                    continue
+                tensor = source.base.get_value(scope, {}, {})
+                hints = getattr(tensor, "_dynamo_weak_dynamic_indices", None)
+                if hints and source.idx in hints:
+                    hints.discard(source.idx)
+                    names.append(source.name)
+        return names
+    except Exception:  # noqa: BLE001  (torch's internals moved: refuse the regions instead)
+        return []
 
 
 @dataclass
