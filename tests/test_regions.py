@@ -68,7 +68,8 @@ def test_the_multimodal_model_fuses_as_without_regions(options):
     patch positions' (row, column) dim, marked dynamic, is specialised inside the first block), so dzc takes that
     dim's hint off and captures again; then the reuse check of the vision blocks guards cu_seqlens' size against
     cu_window_seqlens' (one window block, one full-attention block), so dzc keeps only the decoder layers marked.
-    Same fusions and results as without regions, one graph."""
+    Same fusions and results as without regions, one graph. (The decoder layers write the paged cache: AOTAutograd
+    inlines their bodies, so Dynamo traces one layer, AOTAutograd every layer.)"""
     fired, logits = {}, {}
     for nested in (False, True):
         torch._dynamo.reset()
@@ -87,7 +88,6 @@ def test_the_multimodal_model_fuses_as_without_regions(options):
     assert "KeyError: 2" in report.region_retries[0] and "L['patch_positions'].size()[1]" in report.region_retries[0]
     assert report.region_retries[1].startswith("vision.blocks: 2 x VisionBlock, language.layers: 2 x DecoderLayer "
                                                "narrowed to language.layers: 2 x DecoderLayer")
-    assert report.graphs[0].regions and report.graphs[0].regions[0].startswith("body repeated_subgraph0 called 2")
     assert all(type(block).__name__ == "VisionBlock" and "_dzc_region_of" not in vars(type(block))
                for block in model.vision.blocks)
 
