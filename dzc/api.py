@@ -177,7 +177,7 @@ class CompiledModel:
         message = (f"refused for {marking.describe()} ({why}); captured again without them")
         marking.restore()
         report.nested_regions = message
-        if self.options.nested_regions or config.NESTED_REGIONS.get() == "1":  # asked for, not dzc's default
+        if self.options.nested_regions:  # asked for in the options, not dzc's default
             warnings.warn(f"dzc.compile: nested compile regions {message}", RuntimeWarning, stacklevel=4)
         return True
 

@@ -224,7 +224,13 @@ class DzcBackend:
                 self.failure = error
                 raise
         self._aot_start = time.perf_counter()
-        return self._aot(gm, example_inputs)
+        try:
+            return self._aot(gm, example_inputs)
+        except regions.WritingRegions as found:  # nothing compiled yet: inline those calls, trace again
+            regions.inline_calls(gm, found.identifiers)
+            self.report.region_retries.append(f"{found}: inlined in Dynamo's graph, AOTAutograd traced again")
+            self._aot_start = time.perf_counter()
+            return self._aot(gm, example_inputs)
 
     @staticmethod
     def _refuse_training(gm, example_inputs):
@@ -275,6 +281,9 @@ class DzcBackend:
     def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs):
         self._timer.add("aot_autograd", time.perf_counter() - self._aot_start)
         self._capture.convention = _direct_convention(gm, example_inputs, self._capture.inputs)
+        functionalized = regions.functionalized_calls(gm.graph) if self.marking else set()
+        if functionalized:
+            raise regions.WritingRegions(functionalized)
         try:
             return self._compile_captured(gm, example_inputs)
         except Exception as error:

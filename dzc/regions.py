@@ -179,6 +179,41 @@ def misplaced_parameters(gm: torch.fx.GraphModule, example_inputs, marking: Mark
     return ""
 
 
+class WritingRegions(Exception):
+    """AOTAutograd kept region calls whose bodies write their inputs (a layer writing its KV cache, where Dynamo
+    stamped out one body for several calls) as auto_functionalized_v2(invoke_subgraph, ...): clones of the written
+    inputs, which dzc's passes do not rewrite. Raised by dzc's backend on AOTAutograd's graph; the backend inlines
+    those calls in Dynamo's graph (`inline_calls`) and runs AOTAutograd again, which then traces the layers as a
+    plain capture does (Dynamo still traced one body)."""
+
+    def __init__(self, identifiers: set[str]):
+        super().__init__("AOTAutograd functionalized region calls that write their inputs "
+                         f"({', '.join(sorted(identifiers))})")
+        self.identifiers = identifiers
+
+
+def functionalized_calls(graph: torch.fx.Graph) -> set[str]:
+    """The identifiers (as Dynamo named them) of the region calls AOTAutograd wrapped in auto_functionalized_v2."""
+    found = set()
+    for node in graph.nodes:
+        if (node.op == "call_function" and node.target is torch.ops.higher_order.auto_functionalized_v2
+                and node.args and node.args[0] is INVOKE_SUBGRAPH):
+            found.add(str(node.kwargs.get("identifier", "")).removeprefix("auto_functionalized_"))
+    return found
+
+
+def inline_calls(gm: torch.fx.GraphModule, identifiers: set[str]) -> None:
+    """Replace the region calls of Dynamo's graph `gm` with `identifiers` (all, where none of them matches) by
+    their bodies."""
+    from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph_nodes
+
+    calls = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is INVOKE_SUBGRAPH]
+    chosen = [node for node in calls if node.args[1] in identifiers] or calls
+    inline_invoke_subgraph_nodes(gm, chosen)
+    gm.graph.lint()
+    gm.recompile()
+
+
 def relating_guards(shape_env) -> list:
     """The shape guards Dynamo's reuse check of region calls added (torch 2.13, invoke_subgraph.is_reusable): it
     compares a call's input metadata with the traced call's, and where two calls pass inputs of different dynamic
