@@ -178,7 +178,7 @@ def _slice_as_pytree_node():
     after, which changes torch.utils._pytree.SUPPORTED_NODES. Dynamo guards that dict's version (PEP 509) wherever
     it traced pytree.tree_flatten, as it does for each call of a nested compile region given a kwarg or an object
     (a cache) in torch 2.13: every graph pickled or loaded would then fail the guards of every graph compiled
-    before it, and the frame recompile (dzc/regions.py; /tmp repro in docs/results/compile_time_cpu.md). Here
+    before it, and the frame recompile (dzc/regions.py; repro in docs/results/compile_time_cpu.md). Here
     the module's SUPPORTED_NODES is a copy with `slice` in it while GraphPickler runs (GraphPickler then registers
     nothing), and the dict Dynamo guards is put back untouched."""
     registry = pytree.SUPPORTED_NODES

@@ -23,6 +23,15 @@ GraphModule attribute). Two halves here:
   nothing else to do inside the bodies. Inlining loses nothing at run time: the fallback would run each body as
   a graph anyway, and the flat graph is what lowering, coverage, the dumps and the compile cache already take.
 
+Regions are on by default, and must never cost a graph or a recompile a plain capture does not (torch 2.13):
+- a dim marked dynamic (dzc's hint) that a layer body specialises makes Dynamo's stamp-out fail (`KeyError: 2`):
+  the hint is taken off and the capture retried with the same marks (`unmark_specialized_dims`);
+- where two calls of a region pass inputs of other dynamic sizes (window and full-attention vision blocks),
+  Dynamo's reuse check guards the sizes' relation: only the most common kind of call stays marked (`narrowing`);
+- a body that writes its inputs (a KV cache) AOTAutograd wraps in auto_functionalized_v2, with clones dzc's
+  passes do not rewrite: those calls are inlined in Dynamo's graph and AOTAutograd traces again;
+- Dynamo guards pytree's registry for region calls taking kwargs or objects: dzc's compile cache pickles graphs
+  without touching it (compile_cache._slice_as_pytree_node).
 A capture with regions is refused, and the model captured again without them, where the region capture raises
 (a graph break inside a region: Dynamo cannot split a region) or where a call of a region reads the parameters
 of several marked layers or of a layer another call read (`misplaced_parameters`): a wrong answer is the worst
