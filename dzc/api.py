@@ -117,8 +117,8 @@ class CompiledModel:
             self._replayable_at = (len(graphs), bool(graphs) and not any(g.host_syncs for g in graphs))
         return self._replayable_at[1]
 
-    def _run_compiled(self, *args, **kwargs):
-        if self.options.dynamic_tokens and not self.backend.report.graphs:
+    def _run_compiled(self, *args, _retry: bool = False, **kwargs):
+        if self.options.dynamic_tokens and not self.backend.report.graphs and not _retry:
             # A hint for the first compile; later compiles of the frame keep what Dynamo learnt was dynamic.
             hf_attention.mark_varying_dims(args)
             hf_attention.mark_varying_dims(kwargs)
@@ -138,7 +138,8 @@ class CompiledModel:
                 # dzc's own stage failed: its error as it is, not inside Dynamo's "report a bug to PyTorch" text
                 raise inner.with_traceback(inner.__traceback__) from inner.__cause__
             if self._refuse_regions(inner, frames_tried) or self._give_back_attention(error):
-                return self._run_compiled(*args, **kwargs)
+                # the same inputs: their dynamic-dim hints stay as marked (or as _refuse_regions took some off)
+                return self._run_compiled(*args, _retry=True, **kwargs)
             if not self._retry_capture(inner, frames_tried):
                 raise
             return self._run_compiled(*args, **kwargs)
@@ -159,10 +160,25 @@ class CompiledModel:
             return False
         first_line = (str(error).strip().splitlines() or [""])[0]
         why = first_line if isinstance(error, regions.RegionRefusal) else f"{type(error).__name__}: {first_line}"
+        report = self.backend.report
+        if not isinstance(error, regions.RegionRefusal):
+            unmarked = regions.unmark_specialized_dims(error)
+            if unmarked:  # the same layers, captured again without those dims' dynamic hints
+                report.region_retries.append(f"{why}: dims specialised inside a region no longer marked "
+                                             f"dynamic ({', '.join(unmarked)})")
+                return True
+        if isinstance(error, regions.RegionNarrowing):
+            before = marking.describe()
+            marking.unmark(error.layers)
+            if marking:
+                report.region_retries.append(f"{before} narrowed to {marking.describe()} ({why})")
+                report.nested_regions = f"{marking.describe()} (narrowed: {why})"
+                return True
         message = (f"refused for {marking.describe()} ({why}); captured again without them")
         marking.restore()
-        self.backend.report.nested_regions = message
-        warnings.warn(f"dzc.compile: nested compile regions {message}", RuntimeWarning, stacklevel=4)
+        report.nested_regions = message
+        if self.options.nested_regions:  # asked for in the options, not dzc's default
+            warnings.warn(f"dzc.compile: nested compile regions {message}", RuntimeWarning, stacklevel=4)
         return True
 
     def _give_back_attention(self, error: Exception) -> bool:

@@ -203,6 +203,16 @@ class DzcBackend:
             misplaced = regions.misplaced_parameters(gm, example_inputs, self.marking)
             if misplaced:  # dzc.compile restores the layers' classes and captures again
                 raise regions.RegionRefusal(misplaced)
+            fake_mode = torch._guards.detect_fake_mode(example_inputs)
+            relating = regions.relating_guards(fake_mode.shape_env if fake_mode is not None else None)
+            if relating:  # dzc.compile marks fewer layers, or none, and captures again
+                why = (f"region calls compare inputs of other dynamic sizes, which guards their relation "
+                       f"({', '.join(str(guard.expr) for guard in relating)}): a plain capture would not recompile "
+                       "where it flips")
+                narrowed = regions.narrowing(gm, example_inputs, self.marking, relating)
+                if narrowed:
+                    raise regions.RegionNarrowing(why, narrowed)
+                raise regions.RegionRefusal(why)
         self._graph_break = _graph_break(gm)  # read by _compile_graph, which AOTAutograd calls from here
         self._timer = CompileTimer()
         self._timer.add("dynamo", _dynamo_seconds())
@@ -214,7 +224,13 @@ class DzcBackend:
                 self.failure = error
                 raise
         self._aot_start = time.perf_counter()
-        return self._aot(gm, example_inputs)
+        try:
+            return self._aot(gm, example_inputs)
+        except regions.WritingRegions as found:  # nothing compiled yet: inline those calls, trace again
+            regions.inline_calls(gm, found.identifiers)
+            self.report.region_retries.append(f"{found}: inlined in Dynamo's graph, AOTAutograd traced again")
+            self._aot_start = time.perf_counter()
+            return self._aot(gm, example_inputs)
 
     @staticmethod
     def _refuse_training(gm, example_inputs):
@@ -265,6 +281,9 @@ class DzcBackend:
     def _compile_graph(self, gm: torch.fx.GraphModule, example_inputs):
         self._timer.add("aot_autograd", time.perf_counter() - self._aot_start)
         self._capture.convention = _direct_convention(gm, example_inputs, self._capture.inputs)
+        functionalized = regions.functionalized_calls(gm.graph) if self.marking else set()
+        if functionalized:
+            raise regions.WritingRegions(functionalized)
         try:
             return self._compile_captured(gm, example_inputs)
         except Exception as error:

@@ -35,6 +35,7 @@ Entries are pickles: load only cache directories you trust, as with torch's own 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -51,6 +52,7 @@ import torch
 import torch._functorch.config
 import torch.fx
 import torch.fx.experimental.symbolic_shapes as symbolic_shapes
+import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx._graph_pickler import GraphPickler, Options
 
@@ -170,6 +172,27 @@ def _no_mode() -> None:
     return None
 
 
+@contextlib.contextmanager
+def _slice_as_pytree_node():
+    """GraphPickler maps over slices with pytree: dumps and loads register `slice` as a pytree node and deregister it
+    after, which changes torch.utils._pytree.SUPPORTED_NODES. Dynamo guards that dict's version (PEP 509) wherever
+    it traced pytree.tree_flatten, as it does for each call of a nested compile region given a kwarg or an object
+    (a cache) in torch 2.13: every graph pickled or loaded would then fail the guards of every graph compiled
+    before it, and the frame recompile (dzc/regions.py; repro in docs/results/compile_time_cpu.md). Here
+    the module's SUPPORTED_NODES is a copy with `slice` in it while GraphPickler runs (GraphPickler then registers
+    nothing), and the dict Dynamo guards is put back untouched."""
+    registry = pytree.SUPPORTED_NODES
+    if slice in registry:
+        yield
+        return
+    pytree.SUPPORTED_NODES = {**registry, slice: pytree.NodeDef(slice, lambda x: ([x.start, x.stop, x.step], None),
+                                                                lambda x, c: slice(*x), None)}
+    try:
+        yield
+    finally:
+        pytree.SUPPORTED_NODES = registry
+
+
 class _GraphPickler(GraphPickler):
     """GraphPickler, where a fake view's base (torch 2.13 clears the fake mode of the view's own description, not of
     its base's) does not pickle the mode either: unpickling puts the loading fake mode on both."""
@@ -186,7 +209,8 @@ def pickle_graph(graph: torch.fx.Graph, root: torch.nn.Module) -> bytes | str:
     the entry's key; a hit's graph reads those of the module being compiled, or of its capture entry)."""
     options = Options(ops_filter=None, node_metadata_key_filter=_KEPT_METADATA.__contains__)
     try:
-        return _GraphPickler.dumps(torch.fx.GraphModule(root, graph), options)
+        with _slice_as_pytree_node():
+            return _GraphPickler.dumps(torch.fx.GraphModule(root, graph), options)
     except Exception as err:  # noqa: BLE001  (a graph GraphPickler cannot write is only not cached)
         return f"not stored: the graph cannot be pickled ({type(err).__name__}: {str(err)[:200]})"
 
@@ -205,7 +229,7 @@ class CompileCache:
         then rebuilt: the caller's store replaces it), with a warning unless `warn` is off."""
 
         def entry(stored: dict) -> Entry:
-            with fake_mode:
+            with fake_mode, _slice_as_pytree_node():
                 module = GraphPickler.loads(stored["graph"], fake_mode)
             return Entry(module.graph, stored["stages"], stored["torch_artifacts"])
 

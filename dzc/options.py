@@ -78,10 +78,12 @@ class CompileOptions:
     # for a same-named subclass; eager results are unchanged). Dynamo and AOTAutograd then trace one layer body
     # instead of every layer, dzc's passes rewrite each body once, and the bodies are inlined at their calls
     # before the passes run over the whole graph (layer-crossing fusions), so the fusions are those of a plain
-    # capture. A capture with regions that fails or cannot be trusted is retried without them (the report's
-    # nested_regions says why). Off by default for now: with regions, torch 2.13 recompiles where a plain capture
-    # goes dynamic (tests/test_multimodal_model.py's decoder step: 5 graphs for 2 prefills and 3 decodes instead of
-    # 2). None = $DZC_NESTED_REGIONS (off unless set to 1).
+    # capture. On by default: where regions would cost a graph or a recompile a plain capture does not, dzc marks
+    # fewer layers or none (a dim specialised inside a layer is no longer marked dynamic; layers whose calls take
+    # inputs of other dynamic sizes, such as window and full-attention vision blocks, are not marked alongside
+    # each other: Dynamo's reuse check would guard their sizes' relation), and a capture with regions that fails
+    # or cannot be trusted is retried without them; the report's nested_regions and region_retries say which.
+    # None = $DZC_NESTED_REGIONS (on unless set to 0).
     nested_regions: bool | None = None
 
     def resolved_cache_dir(self) -> str:

@@ -23,6 +23,15 @@ GraphModule attribute). Two halves here:
   nothing else to do inside the bodies. Inlining loses nothing at run time: the fallback would run each body as
   a graph anyway, and the flat graph is what lowering, coverage, the dumps and the compile cache already take.
 
+Regions are on by default, and must never cost a graph or a recompile a plain capture does not (torch 2.13):
+- a dim marked dynamic (dzc's hint) that a layer body specialises makes Dynamo's stamp-out fail (`KeyError: 2`):
+  the hint is taken off and the capture retried with the same marks (`unmark_specialized_dims`);
+- where two calls of a region pass inputs of other dynamic sizes (window and full-attention vision blocks),
+  Dynamo's reuse check guards the sizes' relation: only the most common kind of call stays marked (`narrowing`);
+- a body that writes its inputs (a KV cache) AOTAutograd wraps in auto_functionalized_v2, with clones dzc's
+  passes do not rewrite: those calls are inlined in Dynamo's graph and AOTAutograd traces again;
+- Dynamo guards pytree's registry for region calls taking kwargs or objects: dzc's compile cache pickles graphs
+  without touching it (compile_cache._slice_as_pytree_node).
 A capture with regions is refused, and the model captured again without them, where the region capture raises
 (a graph break inside a region: Dynamo cannot split a region) or where a call of a region reads the parameters
 of several marked layers or of a layer another call read (`misplaced_parameters`): a wrong answer is the worst
@@ -50,6 +59,15 @@ _REGION_CLASSES: dict[type, type] = {}
 class RegionRefusal(Exception):
     """A capture with nested compile regions cannot be trusted; the message says why. Raised by dzc's backend, caught
     by dzc.compile, which restores the model's classes and captures again without regions."""
+
+
+class RegionNarrowing(RegionRefusal):
+    """A capture with nested compile regions that would recompile where a plain capture does not, fixed by marking
+    fewer layers: dzc.compile puts back the classes of `layers` only and captures again (`relating_guards`)."""
+
+    def __init__(self, message: str, layers: list[torch.nn.Module]):
+        super().__init__(message)
+        self.layers = layers
 
 
 def _region_class(cls: type) -> type:
@@ -92,6 +110,17 @@ class Marking:
         return {id(tensor): f"{path}.{index}" for path, _, layers in self.groups
                 for index, layer in enumerate(layers)
                 for tensor in [*layer.parameters(), *layer.buffers()]}
+
+    def unmark(self, unmarked: list[torch.nn.Module]) -> None:
+        """Put back the classes of the layers `unmarked`, and of every layer left alone in its group."""
+        ids = {id(layer) for layer in unmarked}
+        groups, self.groups = self.groups, []
+        for path, name, layers in groups:
+            kept = [layer for layer in layers if id(layer) not in ids]
+            self.groups.append((path, name, kept if len(kept) > 1 else []))
+            for layer in layers if len(kept) < 2 else [layer for layer in layers if id(layer) in ids]:
+                layer.__class__ = vars(type(layer)).get("_dzc_region_of", type(layer))
+        self.groups = [group for group in self.groups if group[2]]
 
     def restore(self) -> None:
         """Put the marked layers' classes back (those still marked by this marking)."""
@@ -157,6 +186,134 @@ def misplaced_parameters(gm: torch.fx.GraphModule, example_inputs, marking: Mark
                 return f"the region calls {read_by[layer]} and {node.name} both read the parameters of {layer}"
             read_by[layer] = node.name
     return ""
+
+
+class WritingRegions(Exception):
+    """AOTAutograd kept region calls whose bodies write their inputs (a layer writing its KV cache, where Dynamo
+    stamped out one body for several calls) as auto_functionalized_v2(invoke_subgraph, ...): clones of the written
+    inputs, which dzc's passes do not rewrite. Raised by dzc's backend on AOTAutograd's graph; the backend inlines
+    those calls in Dynamo's graph (`inline_calls`) and runs AOTAutograd again, which then traces the layers as a
+    plain capture does (Dynamo still traced one body)."""
+
+    def __init__(self, identifiers: set[str]):
+        super().__init__("AOTAutograd functionalized region calls that write their inputs "
+                         f"({', '.join(sorted(identifiers))})")
+        self.identifiers = identifiers
+
+
+def functionalized_calls(graph: torch.fx.Graph) -> set[str]:
+    """The identifiers (as Dynamo named them) of the region calls AOTAutograd wrapped in auto_functionalized_v2."""
+    found = set()
+    for node in graph.nodes:
+        if (node.op == "call_function" and node.target is torch.ops.higher_order.auto_functionalized_v2
+                and node.args and node.args[0] is INVOKE_SUBGRAPH):
+            found.add(str(node.kwargs.get("identifier", "")).removeprefix("auto_functionalized_"))
+    return found
+
+
+def inline_calls(gm: torch.fx.GraphModule, identifiers: set[str]) -> None:
+    """Replace the region calls of Dynamo's graph `gm` with `identifiers` (all, where none of them matches) by
+    their bodies."""
+    from torch._higher_order_ops.passes.inline_invoke_subgraph import inline_invoke_subgraph_nodes
+
+    calls = [node for node in gm.graph.nodes if node.op == "call_function" and node.target is INVOKE_SUBGRAPH]
+    chosen = [node for node in calls if node.args[1] in identifiers] or calls
+    inline_invoke_subgraph_nodes(gm, chosen)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def relating_guards(shape_env) -> list:
+    """The shape guards Dynamo's reuse check of region calls added (torch 2.13, invoke_subgraph.is_reusable): it
+    compares a call's input metadata with the traced call's, and where two calls pass inputs of different dynamic
+    sizes (a window layer's cu_seqlens and a full-attention layer's), the comparison guards their relation
+    (Eq(s32, s33), or Ne where they differ). A plain capture guards no such thing: the next call where the
+    relation flips would recompile."""
+    def from_reuse_check(guard) -> bool:
+        where = guard.sloc.framework_loc
+        return (getattr(where, "name", None) if not isinstance(where, str) else where.rsplit(" ", 1)[-1]) \
+            == "is_reusable"
+    return [guard for guard in getattr(shape_env, "guards", ()) if from_reuse_check(guard)]
+
+
+def _symbols(value) -> set:
+    """The size symbols (as first created, before replacements) of a fake tensor's or SymInt's sizes."""
+    sizes = value.shape if isinstance(value, torch.Tensor) else [value] if isinstance(value, torch.SymInt) else []
+    found = set()
+    for size in sizes:
+        if isinstance(size, torch.SymInt):
+            found |= size.node._expr.free_symbols
+    return found
+
+
+def narrowing(gm: torch.fx.GraphModule, example_inputs, marking: Marking, guards: list) -> list[torch.nn.Module]:
+    """The layers to unmark so that no region call compares inputs whose sizes `guards` relate: per group of
+    marked layers, the calls are told apart by which of the guards' symbols their inputs' sizes hold; the layers
+    of the most common kind stay marked, the others are put back (captured as a plain capture does). Empty where
+    no group of two calls or more could stay apart from the others: then refuse the regions."""
+    related = set().union(*(guard.expr.free_symbols for guard in guards))
+    owners = marking.owners()
+    values = dict(zip((n for n in gm.graph.nodes if n.op == "placeholder"), example_inputs))
+    kind: dict[str, frozenset] = {}  # layer path -> the related symbols its call's inputs hold
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not INVOKE_SUBGRAPH:
+            continue
+        layers = {owners[id(values[a])] for a in node.args[2:] if a in values and id(values[a]) in owners}
+        symbols = frozenset(set().union(*(_symbols(a.meta.get("example_value")) for a in node.args[2:]
+                                          if isinstance(a, torch.fx.Node))) & related)
+        for layer in layers:
+            kind[layer] = symbols
+    unmarked: list[torch.nn.Module] = []
+    for path, _, layers in marking.groups:
+        kinds = [kind.get(f"{path}.{index}") for index in range(len(layers))]
+        counts = collections.Counter(k for k in kinds if k is not None)
+        if len(counts) < 2:
+            continue  # one kind of call: marking fewer of these layers changes nothing
+        common, count = counts.most_common(1)[0]
+        unmarked += [layer for layer, k in zip(layers, kinds) if k != common] if count > 1 else list(layers)
+    still_marked = sum(len(layers) for _, _, layers in marking.groups) - len(unmarked)
+    return unmarked if unmarked and still_marked > 1 else []
+
+
+def unmark_specialized_dims(error: BaseException) -> list[str]:
+    """After a capture with regions failed in Dynamo's stamp-out of a region call (torch 2.13: `KeyError: 2` in
+    invoke_subgraph.stamp_out_subgraph): an input dim marked dynamic (maybe_mark_dynamic, dzc's hint for every dim
+    of an integer input) that the first layer's body specialised to a constant (a (row, column) pair's 2), and that
+    the body reads as a size, leaves the stamp-out looking up a symbol that has become a number. A plain capture
+    specialises such a dim silently. Here the hints of the dims the failed trace specialised to a constant are
+    taken off the inputs (the same tensors the call is retried with); returns their names, empty where the error
+    is another one or nothing could be taken off."""
+    stamp_out = None  # the locals of the stamp-out that raised
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen and stamp_out is None:
+        seen.add(id(error))
+        trace = error.__traceback__
+        while trace is not None:
+            if trace.tb_frame.f_code.co_name == "stamp_out_subgraph" and isinstance(error, KeyError):
+                stamp_out = trace.tb_frame.f_locals
+            trace = trace.tb_next
+        error = error.__cause__ or error.__context__
+    if stamp_out is None:
+        return []
+    from torch._dynamo.source import TensorProperty, TensorPropertySource
+    try:
+        # the traced frame's globals and locals as the stamp-out resolves sources ({"G": ..., "L": ...})
+        shape_env, scope = stamp_out["tx"].output.shape_env, stamp_out["resolve_globals"]
+        names = []
+        for symbol, value in list(shape_env.replacements.items()):
+            if not value.is_number:
+                continue
+            for source in shape_env.var_to_sources.get(symbol, ()):
+                if not (isinstance(source, TensorPropertySource) and source.prop is TensorProperty.SIZE):
+                    continue
+                tensor = source.base.get_value(scope, {}, {})
+                hints = getattr(tensor, "_dynamo_weak_dynamic_indices", None)
+                if hints and source.idx in hints:
+                    hints.discard(source.idx)
+                    names.append(source.name)
+        return names
+    except Exception:  # noqa: BLE001  (torch's internals moved: refuse the regions instead)
+        return []
 
 
 @dataclass

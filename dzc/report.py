@@ -109,6 +109,9 @@ class CompileReport:
     # CompileOptions.nested_regions: the layers marked as nested compile regions ("layers: 8 x HFLayer"), "off",
     # "none" (no repeated layers), or why a capture with regions was refused and captured again without them.
     nested_regions: str = ""
+    # Captures with regions tried again with the regions kept (dims a region specialised no longer marked dynamic,
+    # or fewer layers marked: dzc/regions.py), one line each; refusals are in nested_regions.
+    region_retries: list[str] = field(default_factory=list)
 
     @property
     def compiles(self) -> int:
@@ -189,6 +192,8 @@ class CompileReport:
             lines.append(f"  attention given back: {self.attention_given_back}")
         if self.nested_regions:
             lines.append(f"  nested compile regions: {self.nested_regions}")
+        for retry in self.region_retries:
+            lines.append(f"    regions retried: {retry}")
         for dropped in self.dropped_rewrites:
             lines.append(f"  REWRITE DROPPED: {dropped['pass']} in graph {dropped['graph']} at "
                          f"{', '.join(dropped['sites'])}: {dropped['error']}")

@@ -12,7 +12,7 @@ Models are dzc.models names (their example inputs), on CUDA when there is a GPU,
 through Triton's interpreter; torch.compile's fallback is Inductor's C++ backend there). dzc tunes nothing
 (autotune off): tuning is per device and has its own database. --quick: llama_decoder, dzc only. --layers: build
 the models with N layers (llama_decoder: decoder layers; multimodal: decoder and vision layers each). --regions:
-dzc with CompileOptions.nested_regions on (the bench's default; dzc's is off), off, or both (a row each). --cold-only:
+dzc with CompileOptions.nested_regions on (the bench's default and dzc's), off, or both (a row each). --cold-only:
 skip the warm run.
 """
 
@@ -62,7 +62,7 @@ def child(args) -> None:
         report = runnable.report
         result.update(breakdown=format_seconds(report.compile_seconds()),
                       cache=[g.compile_cache for g in report.graphs], graphs=len(report.graphs),
-                      regions=report.nested_regions, fired=report.fired(),
+                      regions=report.nested_regions, region_retries=report.region_retries, fired=report.fired(),
                       stages={name: round(seconds, 2) for name, seconds in report.compile_seconds().items()})
     print(TAG + json.dumps(result), flush=True)
 
