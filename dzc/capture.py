@@ -30,7 +30,7 @@ from dzc import compile_cache, config, distributed, ir, regions, runtime
 from dzc.coverage import GraphCoverage, graph_coverage
 from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph
 from dzc.options import CompileOptions
-from dzc.passes.graph_pass import PassResult, copy_graph
+from dzc.passes.graph_pass import PassResult, copy_graph, written_inputs
 from dzc.pipeline import Stage, build_pipeline, pass_results, run_pipeline
 from dzc.report import CompileReport, CompileTimer, GraphRecord
 from dzc.targets import INTERPRETER, Target, triton_codegen
@@ -295,7 +295,7 @@ class DzcBackend:
         rewrite check ran when its entry was built)."""
         # as captured, region bodies inlined, for the rewrite check (lowering binds kernels in place)
         captured = regions.inlined(gm) if hit is None else None
-        written = hit.entry.written if hit else _written_inputs(captured)  # before passes touch the graph
+        written = hit.entry.written if hit else written_inputs(captured)  # before passes touch the graph
         dynamo_id = torch._guards.CompileContext.current_compile_id()
         compile_id = str(dynamo_id) if dynamo_id is not None else "0/0"
         # A recompile is a second graph for a frame this backend already compiled (Dynamo's own compile counter
@@ -770,30 +770,6 @@ def _difference(expected, actual, compare_integers: bool,
     return None, f"relative L2 error {worst_l2:.3g}, largest error {worst_max:.3g} of the largest |value|"
 
 
-def _written_inputs(graph: torch.fx.Graph) -> set[int]:
-    """Positions of the graph's inputs that it writes in place (through views too): a KV cache, say."""
-    placeholders = {node: i for i, node in enumerate(n for n in graph.nodes if n.op == "placeholder")}
-
-    def base(value):
-        while (isinstance(value, torch.fx.Node) and isinstance(value.target, torch._ops.OpOverload)
-               and value.target.is_view):
-            value = value.args[0]
-        return value
-
-    written = set()
-    for node in graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        for position, argument in enumerate(node.target._schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
-            for item in value if isinstance(value, (list, tuple)) else [value]:
-                if base(item) in placeholders:
-                    written.add(placeholders[base(item)])
-    return written
-
-
 def _copy_inputs(args, written, sources=None) -> list:
     """args with fresh copies (strides kept) of the written positions, taken from `sources` where given."""
     sources = sources or {}
@@ -841,7 +817,7 @@ class _RewriteCheck:
         self.any_rank = any_rank
         self.build, self.record, self.execution, self.device = build, record, execution, device
         self.reference = torch.fx.GraphModule(gm, captured)
-        self.written = _written_inputs(captured) | _written_inputs(build.graph)
+        self.written = written_inputs(captured) | written_inputs(build.graph)
         self.compare_integers = not any(node.target in _TIE_BREAKING_OPS for node in captured.nodes)
         self.computed_in = _lowest_precision(captured)
         # Inductor compiles under the capture's tracing context (its fake inputs carry the symbolic sizes): kept

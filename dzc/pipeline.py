@@ -22,7 +22,7 @@ from dzc.passes.fuse_residual_norm import fuse_residual_norm
 from dzc.passes.fuse_sparse_attention import fuse_sparse_attention
 from dzc.passes.fuse_vision_attention import fuse_vision_attention
 from dzc.passes.fuse_windowed_attention import fuse_windowed_attention
-from dzc.passes.graph_pass import PassResult
+from dzc.passes.graph_pass import PassResult, written_inputs
 from dzc.passes.quantize_moe_activations import quantize_moe_activations
 from dzc.passes.reinplace_cache_writes import reinplace_cache_writes
 from dzc.report import CompileTimer
@@ -114,7 +114,7 @@ def run_pipeline(graph: torch.fx.Graph, target: Target, options: CompileOptions 
         rewritten = {}
         for body in bodies:
             body_graph = body.module.graph
-            if regions.writes_inputs(body_graph) or regions.body_calls(body_graph, body.module):
+            if written_inputs(body_graph) or regions.body_calls(body_graph, body.module):
                 continue
             region = (body.attribute, len(body.calls))
             body_graph, body_stages = _run_passes(body_graph, passes, verify, timer, f"in body {body.attribute}")

@@ -23,7 +23,8 @@ GraphModule attribute). Two halves here:
   nothing else to do inside the bodies. Inlining loses nothing at run time: the fallback would run each body as
   a graph anyway, and the flat graph is what lowering, coverage, the dumps and the compile cache already take.
 
-Regions are on by default, and must never cost a graph or a recompile a plain capture does not (torch 2.13):
+Regions are opt-in (CompileOptions.nested_regions, DZC_NESTED_REGIONS=1), and must never cost a graph or a
+recompile a plain capture does not (torch 2.13):
 - a dim marked dynamic (dzc's hint) that a layer body specialises makes Dynamo's stamp-out fail (`KeyError: 2`):
   the hint is taken off and the capture retried with the same marks (`unmark_specialized_dims`);
 - where two calls of a region pass inputs of other dynamic sizes (window and full-attention vision blocks),
@@ -336,24 +337,6 @@ def body_calls(graph: torch.fx.Graph, root: torch.nn.Module) -> list[Body]:
                 bodies[attribute] = Body(attribute, node.args[1], getattr(root, attribute), [])
             bodies[attribute].calls.append(node)
     return list(bodies.values())
-
-
-def writes_inputs(graph: torch.fx.Graph) -> bool:
-    """Whether `graph` writes in place into one of its inputs (or through a view of one)."""
-    placeholders = {node for node in graph.nodes if node.op == "placeholder"}
-    for node in graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            continue
-        for position, argument in enumerate(node.target._schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
-            while (isinstance(value, torch.fx.Node) and isinstance(value.target, torch._ops.OpOverload)
-                   and value.target.is_view):
-                value = value.args[0]
-            if value in placeholders:
-                return True
-    return False
 
 
 def flatten(graph: torch.fx.Graph, root: torch.nn.Module,

@@ -64,3 +64,26 @@ def is_call(node, *targets) -> bool:
     """Whether `node` is a call of one of `targets` (OpOverloads or Python callables)."""
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
+
+def written_inputs(graph: torch.fx.Graph) -> set[int]:
+    """Positions of the graph's inputs that it writes in place (through views too): a KV cache, say."""
+    placeholders = {node: i for i, node in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+
+    def base(value):
+        while (isinstance(value, torch.fx.Node) and isinstance(value.target, torch._ops.OpOverload)
+               and value.target.is_view):
+            value = value.args[0]
+        return value
+
+    written = set()
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        for position, argument in enumerate(node.target._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
+            for item in value if isinstance(value, (list, tuple)) else [value]:
+                if base(item) in placeholders:
+                    written.add(placeholders[base(item)])
+    return written

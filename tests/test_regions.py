@@ -169,23 +169,24 @@ def test_region_calls_reading_another_layers_parameters_are_refused(seed):
     assert found and "both read the parameters of layers.0" in found[0], found
 
 
-def test_regions_are_on_by_default_and_the_knob_or_the_option_turns_them_off(options):
+def test_regions_are_off_by_default_and_the_knob_or_the_option_turns_them_on(options):
     model, (tokens,) = build_model("llama_decoder")
     compiled = dzc.compile(model, "cuda", options)
     compiled(tokens)
-    assert compiled.report.nested_regions == "layers: 2 x HFLayer"
-    assert "invoke_subgraph" in dict(compiled.report.graphs[0].stages)["capture"]
-    assert options.resolved_nested_regions()
-    with config.scope(DZC_NESTED_REGIONS="0"):
-        assert not options.resolved_nested_regions()
-        assert dataclasses.replace(options, nested_regions=True).resolved_nested_regions()  # the option wins
+    assert compiled.report.nested_regions == "off"
+    assert "invoke_subgraph" not in dict(compiled.report.graphs[0].stages)["capture"]
+    assert all(type(layer) is HFLayer for layer in model.layers)
+    assert not options.resolved_nested_regions()
+    assert dataclasses.replace(options, nested_regions=True).resolved_nested_regions()
+    with config.scope(DZC_NESTED_REGIONS="1"):
+        assert options.resolved_nested_regions()
+        assert not dataclasses.replace(options, nested_regions=False).resolved_nested_regions()  # the option wins
         torch._dynamo.reset()
         model, (tokens,) = build_model("llama_decoder")
         compiled = dzc.compile(model, "cuda", options)
         compiled(tokens)
-        assert compiled.report.nested_regions == "off"
-        assert "invoke_subgraph" not in dict(compiled.report.graphs[0].stages)["capture"]
-        assert all(type(layer) is HFLayer for layer in model.layers)
+        assert compiled.report.nested_regions == "layers: 2 x HFLayer"
+        assert "invoke_subgraph" in dict(compiled.report.graphs[0].stages)["capture"]
 
 
 _WORKER = """
