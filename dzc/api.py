@@ -148,7 +148,6 @@ class CompiledModel:
                           "(the report's eager_runs says so too)", RuntimeWarning, stacklevel=3)
         return result
 
-
     def _refuse_regions(self, error: Exception, frames_tried: int) -> bool:
         """After a capture with nested compile regions failed (a graph break inside a region, which Dynamo cannot
         split) or was refused by dzc's backend (regions.RegionRefusal), put the layers' classes back and say so:
@@ -184,8 +183,8 @@ class CompiledModel:
     def _give_back_attention(self, error: Exception) -> bool:
         """After dzc's attention implementation refused a packed call it cannot compute as the model's own
         implementation would (hf_attention.PackedCallRefusal, raised while tracing or running the call), put the
-        model's own implementation back for good and say so (report.attention_given_back): the call is then retried, and the model computes what
-        it computes uncompiled (its attention left to the fallback)."""
+        model's own implementation back for good and say so (report.attention_given_back): the call is then
+        retried, and the model computes what it computes uncompiled (its attention left to the fallback)."""
         refusal = error
         while refusal is not None and not isinstance(refusal, hf_attention.PackedCallRefusal):
             refusal = getattr(refusal, "inner_exception", None) or refusal.__cause__ or refusal.__context__

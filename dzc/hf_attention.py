@@ -107,7 +107,7 @@ def _per_segment(base, module, query, key, value, kwargs):
 
 class PackedCallRefusal(ValueError):
     """A packed call dzc's attention implementation cannot compute as the model's own would. dzc.compile then puts
-    the model's own implementation back (CompiledModel: the report's capture_retries says so) and calls again."""
+    the model's own implementation back (the report's attention_given_back says so) and calls again."""
 
 
 # Packed-call arguments that apply to the whole pack: the base implementations, called per segment, cannot take

@@ -86,7 +86,7 @@ def triton_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelConf
             if 4 <= per_thread <= 16:
                 configs.append(KernelConfig.make(num_warps=num_warps, num_stages=1, BLOCK=block, RADIX_BITS=8,
                                                  SAMPLE=SAMPLE, CANDIDATES=CANDIDATES))
-    return [*configs, _with_chunk(profile, 4096, sample=0)]
+    return [*configs, radix_config(profile)]
 
 
 def _with_chunk(profile: DeviceProfile, block: int, sample: int = SAMPLE) -> KernelConfig:
