@@ -128,7 +128,8 @@ TOPK_CONFIGS = [
 
 
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
-@pytest.mark.parametrize("k", [16, 300])  # 300 > width: every row is shorter than k
+# 300 > width: every row is shorter than k; k = 1: Triton specializes an integer argument equal to 1 as a constant
+@pytest.mark.parametrize("k", [1, 16, 300])
 def test_topk_matches_reference(ties, k, seed, tmp_path):
     # Rows longer than k, shorter than k, empty, a length past the width (clamped), one short of the width.
     args = dsa_cases.topk_args(6, 200, [200, 10, 0, 1000, 199, 17], k, DEVICE, _generator(seed), ties=ties)
@@ -182,7 +183,7 @@ def test_topk_sampled_bounds_on_long_rows_match_reference(tmp_path):
     whole-row radix select; both exact."""
     generator = _generator(3)
     width, k = 6000, 300
-    logits = torch.randn(4, width, generator=generator, device=DEVICE)
+    logits = torch.randn(4, width, generator=generator).to(DEVICE)
     logits[2] = 0.25  # ties everywhere: 6000 candidates > CANDIDATES
     logits[3, ::2] = logits[3, 1::2]  # pairs of equal keys
     lengths = torch.tensor([width, 4500, width, 5999], dtype=torch.int32, device=DEVICE)
@@ -626,10 +627,12 @@ _AOT_SCRIPT = textwrap.dedent("""
                     config.num_warps)
         results[-1].append(dsa_indexer.triton_shared_memory_bytes(spec, config))
     spec = dsa_topk.DsaTopkSpec()
-    config = dsa_topk.triton_default_config(spec, SM_90)
-    compile_one(dsa_topk, spec, dsa_topk.TRITON_KERNEL_NAME, *dsa_topk.triton_signature(spec, config),
-                config.num_warps)
-    results[-1].append(dsa_topk.triton_shared_memory_bytes(spec, config))
+    # the sampling default and the whole-row radix form (no sample, no candidates: session 16's form that the
+    # interpreter ran and Triton refused to compile)
+    for config in (dsa_topk.triton_default_config(spec, SM_90), dsa_topk.radix_config(SM_90)):
+        compile_one(dsa_topk, spec, dsa_topk.TRITON_KERNEL_NAME, *dsa_topk.triton_signature(spec, config),
+                    config.num_warps)
+        results[-1].append(dsa_topk.triton_shared_memory_bytes(spec, config))
     # The bf16 and the FP8 (656 B/token) latent cache; the bf16 one with a window, sinks and index blocks too.
     for fp8_cache, extras in ((False, {}), (True, {}), (False, dict(causal=True, sinks=True, index_block=64))):
         spec = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, fp8_cache, topk=2048,
