@@ -265,7 +265,7 @@ s17-1)
 s17-3)
   # (carry .triton-kernels: bash tools/fetch_triton_kernels.sh first) Issue 15's baseline: OpenAI's triton_kernels
   # MXFP4 MoE (matmul_ogs) beside dzc's Triton kernels in one run, first time on a GPU.
-  python3 tools/bench_mxfp4_moe.py --dry-run --quick | head -1
+  python3 tools/bench_mxfp4_moe.py --dry-run --quick > "$OUT/mxfp4_moe_dry_run.log" 2>&1; head -n 1 "$OUT/mxfp4_moe_dry_run.log"
   TAIL=30 part bench_mxfp4_moe_tk 300 python3 tools/bench_mxfp4_moe.py --quick --codegens triton --memory-layers 0 \
     --out "$OUT/mxfp4_moe_tk_h200.md"
   ;;
@@ -274,6 +274,17 @@ s17-2)
   # defaults), 32K and 128K contexts; the indexer and sparse attention rows come with it.
   TAIL=24 part bench_decode_topk 300 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
     --codegens triton --batches 1 64 --contexts 32768 131072 --cuda-graphs --out "$OUT/dsa_decode_topk_h200.md"
+  ;;
+s17-4)
+  # (carry .triton-kernels) After s17-1..3: top-k with k = 1 (Triton made it a constant) and the fuzz cases again;
+  # the triton_kernels MoE baseline with its routing metadata built in torch.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=4 part gpu_tests_topk 150 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" -k topk \
+    tests/test_dsa_kernels.py
+  TAIL=8 part fuzz_topk 200 python3 tools/fuzz.py --ops dsa_topk --codegens triton --cases 24 \
+    --out "$OUT/fuzz_h200_topk.md"
+  TAIL=30 part bench_mxfp4_moe_tk 300 python3 tools/bench_mxfp4_moe.py --quick --codegens triton --memory-layers 0 \
+    --out "$OUT/mxfp4_moe_tk_h200.md"
   ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
