@@ -7,6 +7,9 @@
     *+fma       no tensor cores: fp32 multiply-adds, one reduction after the K loop (GEMV)
     *+dot_x     tl.dot with the activation rows as M (rows padded to 16): the layout dzc's kernel has used
     *+dot_w     tl.dot with the weight rows as M (swap AB) and the rows as N
+    --tma 1     the packed bytes by TMA (a host tensor descriptor over [E, N, K/2]; Hopper): Triton pipelines
+                descriptor loads into shared memory whatever consumes them, where it does not pipeline plain
+                loads that feed register arithmetic
 
     python tools/diagnose_mxfp4_decode.py [--hidden 2880 --out-features 5760 --experts 128] [--rows 4 32]
 
@@ -42,14 +45,17 @@ PEAK_BYTES_PER_S = 4.8e12
 
 @triton.jit
 def _tile(blocks_ptr, scales_ptr, expert, n0, k0, N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
+          BLOCK_K: tl.constexpr, TMA: tl.constexpr):
     rows = n0 + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     base = expert.to(tl.int64) * N
     groups = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     mask = row_mask[:, None] & (groups < K // 32)[None, :]
-    packed = tl.load(blocks_ptr + (base + rows)[:, None, None] * (K // 2) + groups[None, :, None] * 16
-                     + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0)
+    if TMA:  # blocks_ptr is a descriptor over [E, N, K/2] with block [1, BLOCK_N, BLOCK_K/2]; past N or K: zeros
+        packed = tl.reshape(blocks_ptr.load([expert, n0, k0 // 2]), [BLOCK_N, BLOCK_K // 32, 16])
+    else:
+        packed = tl.load(blocks_ptr + (base + rows)[:, None, None] * (K // 2) + groups[None, :, None] * 16
+                         + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0)
     scales = tl.load(scales_ptr + (base + rows)[:, None] * (K // 32) + groups[None, :], mask=mask, other=127)
     return packed, scales
 
@@ -57,7 +63,7 @@ def _tile(blocks_ptr, scales_ptr, expert, n0, k0, N: tl.constexpr, K: tl.constex
 @triton.jit
 def gemv_kernel(x_ptr, ids_ptr, blocks_ptr, scales_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODER: tl.constexpr, PRODUCT: tl.constexpr,
-                PREFETCH: tl.constexpr):
+                PREFETCH: tl.constexpr, TMA: tl.constexpr):
     p = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     expert = tl.load(ids_ptr + p)
@@ -68,19 +74,20 @@ def gemv_kernel(x_ptr, ids_ptr, blocks_ptr, scales_ptr, y_ptr, N: tl.constexpr, 
         acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     # Tiles are loaded PREFETCH steps ahead of their use (by hand: Triton does not pipeline loads whose values
     # feed register arithmetic), so that many loads per program are in flight.
-    packed, scales = _tile(blocks_ptr, scales_ptr, expert, n0, 0, N, K, BLOCK_N, BLOCK_K)
+    packed, scales = _tile(blocks_ptr, scales_ptr, expert, n0, 0, N, K, BLOCK_N, BLOCK_K, TMA)
     if PREFETCH >= 1:
-        packed1, scales1 = _tile(blocks_ptr, scales_ptr, expert, n0, BLOCK_K, N, K, BLOCK_N, BLOCK_K)
+        packed1, scales1 = _tile(blocks_ptr, scales_ptr, expert, n0, BLOCK_K, N, K, BLOCK_N, BLOCK_K, TMA)
     if PREFETCH >= 2:
-        packed2, scales2 = _tile(blocks_ptr, scales_ptr, expert, n0, 2 * BLOCK_K, N, K, BLOCK_N, BLOCK_K)
+        packed2, scales2 = _tile(blocks_ptr, scales_ptr, expert, n0, 2 * BLOCK_K, N, K, BLOCK_N, BLOCK_K, TMA)
     for k0 in range(0, K, BLOCK_K):
         if PREFETCH == 0:
-            packed, scales = _tile(blocks_ptr, scales_ptr, expert, n0, k0, N, K, BLOCK_N, BLOCK_K)
+            packed, scales = _tile(blocks_ptr, scales_ptr, expert, n0, k0, N, K, BLOCK_N, BLOCK_K, TMA)
         if PREFETCH == 1:
-            ahead, ahead_scales = _tile(blocks_ptr, scales_ptr, expert, n0, k0 + BLOCK_K, N, K, BLOCK_N, BLOCK_K)
+            ahead, ahead_scales = _tile(blocks_ptr, scales_ptr, expert, n0, k0 + BLOCK_K, N, K, BLOCK_N, BLOCK_K,
+                                        TMA)
         if PREFETCH == 2:
             ahead, ahead_scales = _tile(blocks_ptr, scales_ptr, expert, n0, k0 + 3 * BLOCK_K, N, K, BLOCK_N,
-                                        BLOCK_K)
+                                        BLOCK_K, TMA)
         if PRODUCT == "load":
             acc2 = acc2 + tl.reshape(packed.to(tl.float32) + scales.to(tl.float32)[:, :, None], [BLOCK_N, HALF])
         else:
@@ -139,6 +146,8 @@ def main():
     parser.add_argument("--warps", type=int, nargs="+", default=[4])
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--prefetch", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2])
+    parser.add_argument("--tma", type=int, nargs="+", default=[0], choices=[0, 1],
+                        help="1: the packed bytes by TMA descriptor loads (CUDA sm_90+)")
     parser.add_argument("--check-only", action="store_true",
                         help="numerics only (runs on the CPU through Triton's interpreter with small shapes)")
     args = parser.parse_args()
@@ -153,6 +162,11 @@ def main():
     print(f"{device_name}; torch {torch.__version__}; triton {triton.__version__}; N={n} K={k} E={e}")
     print("| rows | variant | BLOCK_N | BLOCK_K | warps | stages | prefetch | µs | TB/s | % of 4.8 |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    if 1 in args.tma:
+        # TMA requires 16-byte aligned strides: K/2 bytes per weight row.
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        if device.type == "cuda":  # descriptors need device memory from an allocator where built in-kernel
+            triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=device))
     for rows in args.rows:
         ids = torch.randperm(e, device=device, generator=gen)[:rows].to(torch.int32)
         x = torch.randn(rows, k, device=device, generator=gen).bfloat16()
@@ -161,18 +175,19 @@ def main():
         if not args.check_only:
             copy_us = triton.testing.do_bench(lambda: blocks[ids.long()].sum(dtype=torch.int32), rep=50) * 1e3
             print(f"| {rows} | torch gather+sum of the touched blocks | | | | | | {copy_us:.1f} | | |")
-        for variant, bn, bk, warps, stages, prefetch in itertools.product(
-                args.variants, args.block_n, args.block_k, args.warps, args.stages, args.prefetch):
+        for variant, bn, bk, warps, stages, prefetch, tma in itertools.product(
+                args.variants, args.block_n, args.block_k, args.warps, args.stages, args.prefetch, args.tma):
             decoder, _, product = variant.partition("+")
             product = product or "load"
-            row = f"| {rows} | {variant} | {bn} | {bk} | {warps} | {stages} | {prefetch} |"
+            row = f"| {rows} | {variant}{' tma' if tma else ''} | {bn} | {bk} | {warps} | {stages} | {prefetch} |"
+            source = (TensorDescriptor.from_tensor(blocks.view(e, n, k // 2), [1, bn, bk // 2]) if tma
+                      else blocks)
             y = torch.full((rows, n), float("nan"), device=device)
 
             def call():
-                gemv_kernel[(rows, triton.cdiv(n, bn))](x, ids, blocks, scales, y, N=n, K=k, BLOCK_N=bn, BLOCK_K=bk,
+                gemv_kernel[(rows, triton.cdiv(n, bn))](x, ids, source, scales, y, N=n, K=k, BLOCK_N=bn, BLOCK_K=bk,
                                                         DECODER=decoder, PRODUCT=product, PREFETCH=prefetch,
-                                                        num_warps=warps,
-                                                        num_stages=stages)
+                                                        TMA=tma, num_warps=warps, num_stages=stages)
 
             try:
                 call()

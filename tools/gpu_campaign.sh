@@ -286,6 +286,11 @@ s17-4)
   TAIL=30 part bench_mxfp4_moe_tk 300 python3 tools/bench_mxfp4_moe.py --quick --codegens triton --memory-layers 0 \
     --out "$OUT/mxfp4_moe_tk_h200.md"
   ;;
+s17-5)
+  # Issue 15: does TMA (descriptor loads, which Triton pipelines into shared memory) lift the MXFP4 weight stream?
+  TAIL=60 part diagnose_mxfp4_tma 400 python3 tools/diagnose_mxfp4_decode.py --rows 4 32 \
+    --variants load lut+fma lut+dot_x --block-n 64 128 --block-k 256 --stages 3 4 --prefetch 0 --tma 0 1
+  ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # no NVLink multicast on these machines
