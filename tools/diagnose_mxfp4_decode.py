@@ -7,9 +7,10 @@
     *+fma       no tensor cores: fp32 multiply-adds, one reduction after the K loop (GEMV)
     *+dot_x     tl.dot with the activation rows as M (rows padded to 16): the layout dzc's kernel has used
     *+dot_w     tl.dot with the weight rows as M (swap AB) and the rows as N
-    --tma 1     the packed bytes by TMA (a host tensor descriptor over [E, N, K/2]; Hopper): Triton pipelines
-                descriptor loads into shared memory whatever consumes them, where it does not pipeline plain
-                loads that feed register arithmetic
+    --tma 1     the packed bytes by TMA (a host tensor descriptor over [E, N, K/2]; Hopper). With the K loop's
+                stages given explicitly (tl.range num_stages), Triton 3.6 pipelines descriptor loads into
+                `stages - 1` shared-memory buffers whatever consumes them (AOT for sm_90: 3 buffers at 4 stages);
+                plain loads that feed register arithmetic it leaves unpipelined either way
 
     python tools/diagnose_mxfp4_decode.py [--hidden 2880 --out-features 5760 --experts 128] [--rows 4 32]
 
@@ -63,7 +64,7 @@ def _tile(blocks_ptr, scales_ptr, expert, n0, k0, N: tl.constexpr, K: tl.constex
 @triton.jit
 def gemv_kernel(x_ptr, ids_ptr, blocks_ptr, scales_ptr, y_ptr, N: tl.constexpr, K: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODER: tl.constexpr, PRODUCT: tl.constexpr,
-                PREFETCH: tl.constexpr, TMA: tl.constexpr):
+                PREFETCH: tl.constexpr, TMA: tl.constexpr, STAGES: tl.constexpr):
     p = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     expert = tl.load(ids_ptr + p)
@@ -79,7 +80,7 @@ def gemv_kernel(x_ptr, ids_ptr, blocks_ptr, scales_ptr, y_ptr, N: tl.constexpr, 
         packed1, scales1 = _tile(blocks_ptr, scales_ptr, expert, n0, BLOCK_K, N, K, BLOCK_N, BLOCK_K, TMA)
     if PREFETCH >= 2:
         packed2, scales2 = _tile(blocks_ptr, scales_ptr, expert, n0, 2 * BLOCK_K, N, K, BLOCK_N, BLOCK_K, TMA)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         if PREFETCH == 0:
             packed, scales = _tile(blocks_ptr, scales_ptr, expert, n0, k0, N, K, BLOCK_N, BLOCK_K, TMA)
         if PREFETCH == 1:
@@ -187,7 +188,7 @@ def main():
             def call():
                 gemv_kernel[(rows, triton.cdiv(n, bn))](x, ids, source, scales, y, N=n, K=k, BLOCK_N=bn, BLOCK_K=bk,
                                                         DECODER=decoder, PRODUCT=product, PREFETCH=prefetch,
-                                                        TMA=tma, num_warps=warps, num_stages=stages)
+                                                        TMA=tma, STAGES=stages, num_warps=warps, num_stages=stages)
 
             try:
                 call()
