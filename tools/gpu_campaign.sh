@@ -288,6 +288,7 @@ s17-4)
   ;;
 s17-5)
   # Issue 15: does TMA (descriptor loads, which Triton pipelines into shared memory) lift the MXFP4 weight stream?
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   TAIL=60 part diagnose_mxfp4_tma 400 python3 tools/diagnose_mxfp4_decode.py --rows 4 32 \
     --variants load lut+fma lut+dot_x --block-n 64 128 --block-k 256 --stages 3 5 --prefetch 0 --tma 0 1
   ;;
