@@ -243,7 +243,8 @@ def prepare(spec: MXFP4MoESpec, hidden, topk_ids, topk_weights, w13_blocks, w13_
             w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit):
     """Op arguments -> (kernel inputs, (out,), token count, out). Inputs are made dense (the kernels index them
     as contiguous rows); the packed weights and biases of a model already are, so they pass as they are. The
-    last input says whether the call quantizes its activations (the W4A8 op at prefill sizes, fp8_applies)."""
+    last inputs say whether gate and up rows are interleaved (TMA launches view the weights by it) and whether the
+    call quantizes its activations (the W4A8 op at prefill sizes, fp8_applies)."""
     got = spec_from_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
                          w2_bias, activation, gate_up_interleaved, spec.fp8_activations)
     if got != spec:
@@ -253,7 +254,7 @@ def prepare(spec: MXFP4MoESpec, hidden, topk_ids, topk_weights, w13_blocks, w13_
                        w2_bias)]
     out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     fp8 = spec.fp8_activations and fp8_applies(hidden.shape[0], spec.top_k, spec.experts)
-    return (*dense, float(alpha), float(limit), fp8), (out,), hidden.shape[0], out
+    return (*dense, float(alpha), float(limit), bool(gate_up_interleaved), fp8), (out,), hidden.shape[0], out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -307,8 +308,9 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         # for decode many small blocks keep every SM loading; for prefill one warp group per block measured
         # fastest on the H200 (docs/results/mxfp4_moe_h200.md).
         threads = c.num_warps * profile.warp_size
+        # TMA configs only where tuning measured them faster: the untuned choice has not changed with them.
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
-                -c["BLOCK_M"], _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64),
+                _tma(c), -c["BLOCK_M"], _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64),
                 abs(c["BLOCK_K"] - 128), abs(threads - 128), c.num_stages != 3)
 
     return tier, min(tier, key=preference)
@@ -318,6 +320,10 @@ def _fp8(config: KernelConfig) -> bool:
     return dict(config.params).get("FP8", 0) == 1
 
 
+def _tma(config: KernelConfig) -> bool:
+    return dict(config.params).get("TMA", 0) == 1
+
+
 def describe_config(config: KernelConfig) -> str:
     """Which path a config runs: what the compile report records per token bucket."""
     if _fp8(config):
@@ -325,7 +331,8 @@ def describe_config(config: KernelConfig) -> str:
     if _uses_workspace(config):
         return "workspace (dequantize activated experts once, then grouped bf16 GEMM)"
     split = f", split-K {_split_k(config)}" if _split_k(config) > 1 else ""
-    return f"online dequant (MXFP4 decoded in registers inside the GEMMs{split})"
+    tma = ", weights by TMA" if _tma(config) else ""
+    return f"online dequant (MXFP4 decoded in registers inside the GEMMs{split}{tma})"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -387,7 +394,10 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
     tiles the output columns (for the gate/up GEMM BLOCK_N gate and BLOCK_N up rows). Decode tiles also take 1 and
     2 warps: with 128-lane warps (mp_22) those are the 128- and 256-thread blocks that suit them, and split the
     reduction (SPLIT_K); one pipeline depth, since decoded weight loads are not software-pipelined (measured:
-    tools/diagnose_mxfp4_decode.py). Blocks of 64 rows or fewer take 4 warps only: compiled for sm_90 (Triton
+    tools/diagnose_mxfp4_decode.py). Where the profile's Triton has tensor descriptors, decode tiles also come with
+    TMA=1: the packed weights by TMA, which Triton does pipeline (3 and 4 stages: 2 and 3 buffers); on the H200
+    that streamed the bytes 1.75x faster and a whole decode GEMM 1.2x (docs/results/mxfp4_moe_h200.md).
+    Blocks of 64 rows or fewer take 4 warps only: compiled for sm_90 (Triton
     3.6), 8 warps on them split the accumulators over two MMA layouts converted into each other at every step,
     and ran 2-3x slower on the H200 (docs/results/mxfp4_moe_h200.md); 128-row blocks take 4 and 8.
     """
@@ -411,6 +421,11 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
                for w in ((4,) if m == 64 else (4, 8)) for s in (2, 3, 4) for ws in (0, 1)]):
         configs.append(KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=block_m, BLOCK_N=block_n,
                                          BLOCK_K=block_k, WORKSPACE=use_workspace, SPLIT_K=split_k))
+    if profile.triton_tensor_descriptors:
+        configs += [KernelConfig.make(num_warps=4, num_stages=stages, BLOCK_M=block_m, BLOCK_N=block_n,
+                                      BLOCK_K=block_k, WORKSPACE=0, SPLIT_K=split_k, TMA=1)
+                    for block_m, splits in ((16, (1, 2, 4, 8)), (32, (1,))) for block_n in (64, 128)
+                    for block_k in (128, 256) for split_k in splits for stages in (3, 4)]
     return configs
 
 
@@ -441,7 +456,7 @@ def triton_shared_memory_bytes(spec: MXFP4MoESpec, config: KernelConfig) -> int:
 
 
 def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_weights, w13_blocks, w13_scales,
-                  w13_bias, w2_blocks, w2_scales, w2_bias, alpha, limit, fp8, out):
+                  w13_bias, w2_blocks, w2_scales, w2_bias, alpha, limit, interleaved, fp8, out):
     """Route, run both GEMMs on the config's path, combine into `out` [T, H] (preallocated). Arguments as
     `prepare` returns them (checked there against the spec the kernels were generated for). `fp8` (the W4A8
     op's arithmetic for this call's token count) decides between W4A8 and W4A16: a config of the other path
@@ -449,6 +464,8 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     bucket straddles FP8_MIN_ROWS_PER_EXPERT."""
     if fp8 != _fp8(config):
         config = _PATH_CONFIGS[fp8]
+    if _tma(config) and not all(w.data_ptr() % TMA_ALIGNMENT == 0 for w in (w13_blocks, w2_blocks)):
+        config = _without_tma(config)  # TMA reads from 16-byte aligned addresses only: the same tile by plain loads
     spec = _LaunchShape.of(hidden, topk_ids, w13_scales)
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     tokens = hidden.shape[0]
@@ -462,7 +479,11 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     split_k = _split_k(config)
     upcast = triton_codegen.interpreting()
     options = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WORKSPACE=use_workspace, SPLIT_K=split_k,
-                   UPCAST_DOT=upcast, FP8=_fp8(config), num_warps=config.num_warps, num_stages=config.num_stages)
+                   UPCAST_DOT=upcast, FP8=_fp8(config), TMA=_tma(config), K_STAGES=config.num_stages,
+                   num_warps=config.num_warps, num_stages=config.num_stages)
+    # The weights' TMA descriptors (TMA configs); otherwise any pointer will do, the kernels never read them.
+    gate_source, up_source, down_source = (_tma_sources(w13_blocks, w2_blocks, interleaved, block_n, block_k)
+                                           if _tma(config) else (w13_blocks,) * 3)
     if _fp8(config):
         _launch_w4a8(kernels, plan, options, hidden, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
                      w2_scales, w2_bias, alpha, limit, act, pair_out, spec)
@@ -489,7 +510,7 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     kernels["moe_gate_up_kernel"][(*gate_up_grid, split_k)](
         hidden_n, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
         w13_blocks, w13_scales, ws, w13_bias_arg, act, gate_up_partial, pair_out, pair_out, alpha, limit, pairs,
-        **options)
+        gate_source, up_source, **options)
     if split_k > 1:
         kernels["moe_split_activation_kernel"][gate_up_grid](
             gate_up_partial, plan.block_expert, plan.block_row_start, plan.block_row_end, w13_bias_arg, act, alpha,
@@ -499,8 +520,33 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     kernels["moe_down_kernel"][(plan.max_blocks, -(-spec.hidden // block_n), split_k)](
         act, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
         w2_blocks, w2_scales, ws, w2_bias_arg, topk_weights.reshape(-1), pair_out, pair_out, pair_out, pairs,
-        **options)
+        down_source, **options)
     combine(pair_out, ids, spec, out)
+
+
+# TMA descriptors need 16-byte aligned base addresses and strides (every MXFP4 row stride, K/2 bytes, is one).
+TMA_ALIGNMENT = 16
+
+
+def _without_tma(config: KernelConfig) -> KernelConfig:
+    return KernelConfig(tuple((k, v) for k, v in config.params if k != "TMA"), config.num_warps, config.num_stages)
+
+
+def _tma_sources(w13_blocks, w2_blocks, interleaved: bool, block_n: int, block_k: int):
+    """TMA descriptors over the packed weights as the GEMMs tile them, [E, N, K/2] with boxes of [1, BLOCK_N,
+    BLOCK_K/2]: the gate rows and the up rows of w13 (every other row where interleaved, else its two halves),
+    and w2's rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415 (CUDA Tritons only)
+
+    experts, two_i = w13_blocks.shape[:2]
+    w13 = w13_blocks.view(experts, two_i, -1)
+    if interleaved:
+        gate, up = w13.view(experts, two_i // 2, 2, -1).unbind(2)
+    else:
+        gate, up = w13.split(two_i // 2, dim=1)
+    box = [1, block_n, block_k // 2]
+    return (TensorDescriptor.from_tensor(gate, box), TensorDescriptor.from_tensor(up, box),
+            TensorDescriptor.from_tensor(w2_blocks.view(*w2_blocks.shape[:2], -1), box))
 
 
 # The tile a W4A8-op launch runs when its config belongs to the other path (by FP8): the prefill tests' FP8 tile, or
@@ -535,7 +581,7 @@ def _launch_w4a8(kernels, plan: Routing, options: dict, hidden, topk_weights, w1
     kernels["moe_gate_up_kernel"][(plan.max_blocks, -(-spec.inter // options["BLOCK_N"]), 1)](
         x8.view(e4m3), plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end,
         plan.expert_slots, w13_blocks, w13_scales, ws_values.view(e4m3), bias[0], act, pair_out, x_scales, ws_scales,
-        alpha, limit, pairs, **options)
+        alpha, limit, pairs, w13_blocks, w13_blocks, **options)
     act8 = torch.empty(pairs, spec.inter, dtype=torch.uint8, device=device)
     act_scales = torch.empty(pairs, _groups(spec.inter), dtype=torch.float32, device=device)
     kernels["moe_quantize_e4m3_kernel"][(pairs, _groups(spec.inter))](
@@ -544,7 +590,7 @@ def _launch_w4a8(kernels, plan: Routing, options: dict, hidden, topk_weights, w1
     kernels["moe_down_kernel"][(plan.max_blocks, -(-spec.hidden // options["BLOCK_N"]), 1)](
         act8.view(e4m3), plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end,
         plan.expert_slots, w2_blocks, w2_scales, ws_values.view(e4m3), bias[1], topk_weights.reshape(-1), pair_out,
-        act_scales, ws_scales, pairs, **options)
+        act_scales, ws_scales, pairs, w2_blocks, **options)
 
 
 def _groups(k: int) -> int:
@@ -596,17 +642,20 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
     w13_bias = "*" + _TRITON_TYPES[spec.w13_bias_dtype or spec.hidden_dtype]
     w2_bias = "*" + _TRITON_TYPES[spec.w2_bias_dtype or spec.hidden_dtype]
     tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
-                 WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=False, FP8=fp8)
+                 WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=False, FP8=fp8,
+                 TMA=_tma(config), K_STAGES=config.num_stages)
+    # the weights' TMA descriptors (_tma_sources), else the packed bytes (unread)
+    source = f"tensordesc<u8[1, {config['BLOCK_N']}, {config['BLOCK_K'] // 2}]>" if _tma(config) else "*u8"
     constexprs = {name: "constexpr" for name in tiles}
     schedule = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
                     block_row_end_ptr="*i32", expert_slots_ptr="*i32", w_blocks_ptr="*u8", w_scales_ptr="*u8",
                     workspace_ptr=weights)
     gate_up = dict(x_ptr=operand, **schedule, bias_ptr=w13_bias, act_ptr=x, partial_ptr="*fp32",
                    x_scales_ptr="*fp32", w_block_scales_ptr="*fp32", alpha="fp32", limit="fp32", pairs="i32",
-                   **constexprs)
+                   gate_source=source, up_source=source, **constexprs)
     down = dict(act_ptr=operand, **schedule, bias_ptr=w2_bias,
                 topk_weights_ptr="*" + _TRITON_TYPES[spec.weights_dtype], pair_out_ptr="*fp32",
-                act_scales_ptr="*fp32", w_block_scales_ptr="*fp32", pairs="i32", **constexprs)
+                act_scales_ptr="*fp32", w_block_scales_ptr="*fp32", pairs="i32", w_source=source, **constexprs)
     split_activation = dict(partial_ptr="*fp32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
                             block_row_end_ptr="*i32", bias_ptr=w13_bias, act_ptr=x, alpha="fp32", limit="fp32",
                             pairs="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", SPLIT_K="constexpr")
@@ -740,8 +789,9 @@ def tilelang_kernel_configs(spec: MXFP4MoESpec, config: KernelConfig) -> dict[st
 
 
 def tilelang_launch(compiled, config: KernelConfig, hidden, topk_ids, topk_weights, w13_blocks, w13_scales,
-                    w13_bias, w2_blocks, w2_scales, w2_bias, alpha, limit, fp8, out):
-    """Route (Triton routing kernels), both TileLang GEMMs with online dequant, combine into `out`.
+                    w13_bias, w2_blocks, w2_scales, w2_bias, alpha, limit, interleaved, fp8, out):
+    """Route (Triton routing kernels), both TileLang GEMMs with online dequant, combine into `out`. (`interleaved`
+    is in the generated source already.)
 
     `compiled` is what tilelang_codegen.load returns; the packed weights are passed as [E, N, K/2] bytes."""
     if _uses_workspace(config) or fp8:

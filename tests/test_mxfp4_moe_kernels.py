@@ -31,6 +31,10 @@ WORKSPACE = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=64, BLOCK_N=64,
 # Split-K decode: 3 splits of a 96-wide reduction in 64-wide steps leave the last split empty (H = 96) or short.
 ONLINE_SPLIT = KernelConfig.make(num_warps=2, num_stages=2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, WORKSPACE=0,
                                  SPLIT_K=3)
+# The packed weights by TMA: 64-row boxes past I = 96 (zeros there), K tails; with splits too.
+ONLINE_TMA = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, WORKSPACE=0, TMA=1)
+ONLINE_TMA_SPLIT = KernelConfig.make(num_warps=4, num_stages=4, BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, WORKSPACE=0,
+                                     SPLIT_K=3, TMA=1)
 
 
 def tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict:
@@ -119,13 +123,17 @@ NUMERIC_CASES = [
     ("gptoss-T37-skewed-bf16-weights", ONLINE_WIDE),
     ("gptoss-bfloat16-T5", ONLINE_SPLIT),
     ("silu-concat-nobias-T37-skewed", ONLINE_SPLIT),
+    ("gptoss-bfloat16-T5", ONLINE_TMA),  # gate and up rows interleaved
+    ("silu-concat-nobias-T37-skewed", ONLINE_TMA),  # gate and up halves
+    ("gptoss-float32-T5", ONLINE_TMA_SPLIT),
 ]
 
 
 def _case_id(case: str, config: KernelConfig) -> str:
     path = "workspace" if config["WORKSPACE"] else "online"
     split = dict(config.params).get("SPLIT_K", 1)
-    return f"{case}-{path}" + (f"-split{split}" if split > 1 else "")
+    return f"{case}-{path}" + (f"-split{split}" if split > 1 else "") + ("-tma" if dict(config.params).get("TMA")
+                                                                          else "")
 
 
 @pytest.mark.parametrize("case, config", NUMERIC_CASES, ids=[_case_id(c, cfg) for c, cfg in NUMERIC_CASES])
@@ -142,6 +150,30 @@ def test_triton_path_matches_reference(case, config, seed, tmp_path):
         spec = mxfp4_moe.spec_from_args(*args[:11])
         assert mxfp4_moe.workspace_bytes(args[0].device) == (
             mxfp4_moe.workspace_elements(spec, args[0].shape[0]) * (4 if spec.dot_fp32 else 2))
+
+
+def test_tma_config_on_weights_off_16_byte_alignment_runs_by_plain_loads(seed, tmp_path):
+    """TMA reads from 16-byte aligned addresses only: weights 8 bytes off one run the same tile by plain loads."""
+    args = list(case_args("gptoss-bfloat16-T5", seed))
+    for index in (3, 6):  # w13_blocks, w2_blocks
+        blocks = args[index]
+        shifted = torch.empty(blocks.numel() + 8, dtype=blocks.dtype, device=blocks.device)[8:].view(blocks.shape)
+        shifted.copy_(blocks)
+        assert shifted.data_ptr() % mxfp4_moe.TMA_ALIGNMENT != 0
+        args[index] = shifted
+    check_against_reference(args, run_triton(args, ONLINE_TMA, tmp_path))
+
+
+def test_tma_configs_only_where_the_profile_has_tensor_descriptors_and_never_untuned():
+    spec = mxfp4_moe.spec_from_args(*case_args("gptoss-bfloat16-T5", 0)[:11])
+    for profile in PROFILES.values():
+        configs = mxfp4_moe.triton_configs(spec, profile)
+        tma = [c for c in configs if dict(c.params).get("TMA")]
+        assert bool(tma) == profile.triton_tensor_descriptors, profile.name
+        assert all(c["WORKSPACE"] == 0 and c.num_stages >= 3 for c in tma)
+        for bucket in (1, 8, 64):
+            _, default = mxfp4_moe.configs_for_bucket(spec, profile, bucket, configs, configs[0])
+            assert not dict(default.params).get("TMA"), (profile.name, bucket)
 
 
 def test_int64_ids_and_strided_hidden(seed, tmp_path):
@@ -312,7 +344,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs), target=target,
                                 options={"num_warps": num_warps, "num_stages": num_stages})
         result = dict(label=label, shared=kernel.metadata.shared, ptx="ld.global" in kernel.asm["ptx"],
-                      mma="mma" in kernel.asm["ptx"])
+                      mma="mma" in kernel.asm["ptx"], tma_loads=kernel.asm["ttgir"].count("async_tma_copy"))
         if estimate is not None:
             result["estimate"] = estimate
         return result
@@ -330,7 +362,9 @@ _AOT_SCRIPT = textwrap.dedent("""
               KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORKSPACE=1)),
              ("deepseek-fp16", "decode", KernelConfig.make(4, 2, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, WORKSPACE=0)),
              ("gptoss-bf16", "decode-split",
-              KernelConfig.make(2, 2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0, SPLIT_K=4))]
+              KernelConfig.make(2, 2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0, SPLIT_K=4)),
+             ("gptoss-bf16", "decode-tma",
+              KernelConfig.make(4, 4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0, SPLIT_K=2, TMA=1))]
     for spec_name, config_name, config in cases:
         spec = specs[spec_name]
         path = out / f"mxfp4_moe_{spec_name}.py"
@@ -338,6 +372,8 @@ _AOT_SCRIPT = textwrap.dedent("""
         kernels = triton_codegen.load(family, path, spec, SM_90)
         for name, (signature, constexprs, *own_warps) in family.triton_signatures(spec, config).items():
             if name == "moe_down_kernel" and spec_name == "deepseek-fp16":
+                continue
+            if name not in ("moe_gate_up_kernel", "moe_down_kernel") and config_name == "decode-tma":
                 continue
             if name == "moe_nibble_order_kernel" and config_name != "decode":
                 continue
@@ -385,9 +421,11 @@ _AOT_SCRIPT = textwrap.dedent("""
 def test_triton_kernels_compile_ahead_of_time_for_sm_90(tmp_path):
     results = run_ahead_of_time_script(_AOT_SCRIPT, tmp_path)
     labels = [r["label"] for r in results]
-    assert len(results) == 4 + 3 + 1 + 3 + 5, labels
+    assert len(results) == 4 + 3 + 1 + 3 + 2 + 5, labels
     for r in results:
         assert r["ptx"], r
+        # TMA: the weight loads pipelined (prologue copies, then one per step): 2 per weight tile and more
+        assert (r["tma_loads"] >= 4) == ("decode-tma" in r["label"]), r
         if "estimate" in r and "bf16" in r["label"]:
             assert r["mma"], f"{r['label']}: the GEMM did not use matrix instructions"
             assert r["shared"] <= r["estimate"], f"{r['label']}: shared memory {r['shared']} > estimate"
@@ -452,7 +490,8 @@ GPU_CONFIGS = [ONLINE_DECODE, ONLINE_WIDE, WORKSPACE, ONLINE_SPLIT,
                KernelConfig.make(2, 2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0, SPLIT_K=4),
                KernelConfig.make(4, 3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0),
                KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, WORKSPACE=1),
-               KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, WORKSPACE=0)]
+               KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, WORKSPACE=0), ONLINE_TMA, ONLINE_TMA_SPLIT,
+               KernelConfig.make(4, 4, BLOCK_M=16, BLOCK_N=128, BLOCK_K=256, WORKSPACE=0, SPLIT_K=2, TMA=1)]
 
 
 @pytest.mark.gpu

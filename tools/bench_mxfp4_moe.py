@@ -368,9 +368,12 @@ def bucket_configs(spec, codegen: str, bucket: int, musa_legal: bool,
     tile = {k: v for k, v in default.params if k != "SPLIT_K"}
     splits = [c for c in others if {k: v for k, v in c.params if k != "SPLIT_K"} == tile
               and (c.num_warps, c.num_stages) == (default.num_warps, default.num_stages)]
-    rest = [c for c in others if c not in splits]
+    # and the default's tile with its weights by TMA, every split and depth (a same-run A/B of TMA)
+    with_tma = [c for c in others if dict(c.params).get("TMA") and c.num_warps == default.num_warps
+                and {k: v for k, v in c.params if k not in ("SPLIT_K", "TMA")} == tile]
+    rest = [c for c in others if c not in splits + with_tma]
     step = max(1, len(rest) // max(how_many, 1))
-    return [("default", default)] + [("candidate", c) for c in splits + rest[::step][:how_many]]
+    return [("default", default)] + [("candidate", c) for c in splits + with_tma + rest[::step][:how_many]]
 
 
 class DzcKernels:

@@ -292,6 +292,15 @@ s17-5)
   TAIL=60 part diagnose_mxfp4_tma 400 python3 tools/diagnose_mxfp4_decode.py --rows 4 32 \
     --variants load lut+fma lut+dot_x --block-n 64 128 --block-k 256 --stages 3 5 --prefetch 0 --tma 0 1
   ;;
+s17-6)
+  # (carry .triton-kernels) Issue 15: the MoE decode GEMMs with their packed weights by TMA — GPU numerics, then
+  # the TMA tiles beside the plain ones and triton_kernels in one run (decode sizes).
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=6 part gpu_tests_moe_tma 150 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
+    -k "tma or gpu_every_selftest" tests/test_mxfp4_moe_kernels.py
+  TAIL=40 part bench_mxfp4_moe_tma 280 python3 tools/bench_mxfp4_moe.py --codegens triton --memory-layers 0 \
+    --models gpt-oss-120b deepseek-style --tokens 1 8 64 --routing uniform --out "$OUT/mxfp4_moe_tma_h200.md"
+  ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # no NVLink multicast on these machines
