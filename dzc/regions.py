@@ -49,9 +49,11 @@ import torch
 import torch.fx
 
 from dzc import ir
-from dzc.passes.graph_pass import copy_graph
+from dzc.passes.graph_pass import copy_graph, written_inputs
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+# AOTAutograd's form of a region call whose body writes its inputs: auto_functionalized_v2(invoke_subgraph, ...)
+AUTO_FUNCTIONALIZED = torch.ops.higher_order.auto_functionalized_v2
 
 # Subclasses made by the marking, per original class: one per class, shared by every marked model.
 _REGION_CLASSES: dict[type, type] = {}
@@ -73,11 +75,53 @@ class RegionNarrowing(RegionRefusal):
 
 def _region_class(cls: type) -> type:
     if cls not in _REGION_CLASSES:
+        _reuse_only_calls_of_the_same_sizes()
         region = torch.compiler.nested_compile_region(cls.forward)
         _REGION_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": region, "__module__": cls.__module__,
                                                            "__qualname__": cls.__qualname__,
                                                            "_dzc_region_of": cls})
     return _REGION_CLASSES[cls]
+
+
+def _size_expressions(value):
+    """`value` (a tensor's metadata) with each symbolic size as its expression: comparable without the shape env."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.expr
+    if isinstance(value, (tuple, list)):
+        return tuple(_size_expressions(item) for item in value)
+    return value
+
+
+def _reuse_only_calls_of_the_same_sizes() -> None:
+    """torch 2.13's Dynamo lets a region call reuse the body traced for an earlier call where their inputs' metadata
+    compare equal (invoke_subgraph.is_reusable). Where the sizes are of other symbols (a window block's
+    cu_window_seqlens, a full-attention block's cu_seqlens), that comparison asks the shape env and guards the
+    answer (Eq(s40, s11), or Ne): the next call where it flips recompiles, which a plain capture does not. For the
+    calls of layers dzc marked, the sizes are compared as expressions first, which guards nothing: a call whose
+    inputs' sizes differ so traces a body of its own (window blocks share one body, full-attention blocks another)
+    and no layer has to be unmarked and captured again (`narrowing` stays for guards this does not prevent).
+    Installed once per process, at the first marking; the calls of other regions are checked as torch checks them."""
+    from torch._dynamo.variables import invoke_subgraph as dynamo_regions
+    from torch._subclasses.fake_tensor import extract_tensor_metadata
+
+    torch_is_reusable = dynamo_regions.is_reusable
+    if getattr(torch_is_reusable, "dzc_checks_sizes_first", False):
+        return
+    module_tag, tensor_tag = dynamo_regions.InputTag.MODULE, dynamo_regions.InputTag.TENSOR
+
+    def is_reusable(tx, condition, fingerprint, cached_entry) -> bool:
+        if any(tag is module_tag and "_dzc_region_of" in vars(type(vt.value)) for tag, vt in fingerprint.flat_vts):
+            for (cached_tag, cached), (tag, vt) in zip(condition.input_checks, fingerprint.flat_vts):
+                if cached_tag is not tensor_tag or tag is not tensor_tag:
+                    continue
+                example = vt.proxy.node.meta.get("example_value")
+                if example is not None and (_size_expressions(extract_tensor_metadata(example))
+                                            != _size_expressions(cached)):
+                    return False
+        return torch_is_reusable(tx, condition, fingerprint, cached_entry)
+
+    is_reusable.dzc_checks_sizes_first = True
+    dynamo_regions.is_reusable = is_reusable
 
 
 def _markable(module: torch.nn.Module) -> str:

@@ -4,6 +4,7 @@ attention) over three input lengths, in fp32 and bf16, with the fusions, graph b
 A row that fails or mismatches is a bug; a change in what fires is a change of the scoreboard (docs/zoo.md:
 `python tools/zoo.py --write`)."""
 
+import copy
 import importlib.util
 import os
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import dzc
 
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -32,8 +35,7 @@ ROWS = ([pytest.param(name, torch.float32, id=f"{name}-fp32") for name in zoo.ZO
         + [pytest.param(name, torch.bfloat16, id=f"{name}-bf16", marks=pytest.mark.slow) for name in BF16_ROWS])
 
 
-# What fires per row over the three calls (fp32 and bf16 alike), and the recompiles that are the models' own
-# branches (docs/zoo.md says which).
+# What fires per row over the three calls (fp32 and bf16 alike), and the recompiles (docs/zoo.md says why).
 FIRED = {
     "Llama": {"fuse_residual_norm": 2},
     "Qwen3": {"fuse_residual_norm": 2},
@@ -49,6 +51,17 @@ FIRED = {
     "Qwen2.5-VL vision": {"fuse_residual_norm": 8, "fuse_vision_attention": 4},
     "SigLIP vision": {"fuse_residual_norm": 2},
 }
+# None of them is dzc's to remove:
+# - the sliding-window rows (window 8; 7, 12 and 20 tokens): transformers branches on the length against the window.
+#   Its sdpa mask is skipped below the window (masking_utils._ignore_causal_mask_sdpa; Gemma3, Mistral), and the
+#   sliding cache keeps the last window - 1 tokens (`full_key_states[:, :, -window + 1:]`, cache_utils), a slice whose
+#   start and contiguity torch guards (all rows at exactly window - 1; GptOss has only this one). The 7-token call
+#   gets its own graph; 12 and 20 share one (every length at or above the window does: test below).
+# - the Qwen-VL towers (packs of 2, 3 and 1 images): max_seqlen (and Qwen2.5's max_window_seqlen), the patch count
+#   of the longest image, is a Python int that transformers' size helpers compute eagerly, between graphs. Dynamo
+#   takes an int that crosses a graph break as a constant until it changes (8, 8, then 16 here), then as a symbol;
+#   ints carry no dynamic mark (torch.compiler.config.dynamic_values' docstring). Not the single image: a pack of
+#   one only re-traces the frames that hold no graph (test below).
 RECOMPILES = {"Gemma3 (text)": 1, "Mistral": 1, "GptOss": 1, "Qwen2-VL vision": 1, "Qwen2.5-VL vision": 1}
 
 
@@ -68,3 +81,53 @@ def test_zoo_row_compiles_unchanged_and_matches_eager(name, dtype, tmp_path):
                          f"{run.rows} rows over {zoo.TOLERANCE[dtype]:.0e}")
     # The report's coverage is there for every graph, with shares in [0, 1].
     assert 0 <= run.flop_share <= 1 and 0 <= run.byte_share <= 1
+
+
+def _compiled_with_reference(name: str, cache_dir: str):
+    """A zoo row's model compiled unchanged, with an eager copy taken first (as zoo.measure does)."""
+    model = zoo.ZOO[name].build()
+    reference = copy.deepcopy(model)
+    return dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=cache_dir, autotune=False)), reference
+
+
+def _recompiles_over_calls(compiled, reference, calls, outputs) -> list[int]:
+    """The report's recompiles after each call (args), each checked against eager on dzc's kernels (the second call
+    of a new graph: the first returns the graph as captured)."""
+    counts = []
+    for args in calls:
+        with torch.no_grad():
+            expected = outputs(reference(*args))
+            compiled(*args)
+            actual = outputs(compiled(*args))
+        for a, e in zip(actual, expected, strict=True):
+            torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+        counts.append(compiled.report.recompiles)
+    return counts
+
+
+def test_qwen_vl_tower_recompiles_once_for_the_longest_image_not_for_the_image_count(tmp_path):
+    """The Qwen-VL rows' recompile (RECOMPILES): packs of 2, 1 and 3 images whose longest image is as long share the
+    first graph (a single image does not recompile it); the first pack with another longest image recompiles once
+    (max_seqlen turns from a constant into a symbol), and no later pack does, whatever its longest image or count."""
+    compiled, reference = _compiled_with_reference("Qwen2-VL vision", str(tmp_path))
+    packs = ([[1, 2, 2], [1, 4, 2]], [[1, 2, 4]], [[1, 2, 2], [1, 2, 2], [1, 4, 2]],  # longest image: 8 patches
+             [[1, 4, 4]], [[1, 2, 2], [1, 8, 4]], [[1, 2, 2]])  # 16, 32, 4
+    calls = []
+    for index, grids in enumerate(packs):
+        grid_thw = torch.tensor(grids)
+        pixels = torch.randn(int(grid_thw.prod(-1).sum()), 3 * zoo._PATCH ** 2,
+                             generator=torch.Generator().manual_seed(index))
+        calls.append((pixels, grid_thw))
+    counts = _recompiles_over_calls(compiled, reference, calls, lambda out: (out.last_hidden_state,))
+    assert counts == [0, 0, 0, 1, 1, 1], counts
+
+
+def test_sliding_window_decoder_recompiles_only_where_the_model_branches_on_the_window(tmp_path):
+    """The sliding-window rows' recompile (RECOMPILES): every length at or above the window (8) shares one graph,
+    every length below window - 1 another, and window - 1 (7) a third, static one."""
+    compiled, reference = _compiled_with_reference("Mistral", str(tmp_path))
+    lengths = (12, 20, 9, 31, 5, 3, 7)
+    calls = [(torch.randint(3, zoo._TEXT["vocab_size"], (2, length), generator=torch.Generator().manual_seed(length)),)
+             for length in lengths]
+    counts = _recompiles_over_calls(compiled, reference, calls, lambda out: (out.logits,))
+    assert counts == [0, 0, 0, 0, 1, 1, 2], dict(zip(lengths, counts))
