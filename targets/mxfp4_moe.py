@@ -308,7 +308,8 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         # for decode many small blocks keep every SM loading; for prefill one warp group per block measured
         # fastest on the H200 (docs/results/mxfp4_moe_h200.md).
         threads = c.num_warps * profile.warp_size
-        # TMA configs only where tuning measured them faster: the untuned choice has not changed with them.
+        # TMA tiles only where tuning measured them: so far measured on gpt-oss shapes on the H200 alone, not on
+        # DeepSeek-style ones nor on sm_80 (whose Triton emulates descriptor loads).
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
                 _tma(c), -c["BLOCK_M"], _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64),
                 abs(c["BLOCK_K"] - 128), abs(threads - 128), c.num_stages != 3)
@@ -396,7 +397,8 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
     reduction (SPLIT_K); one pipeline depth, since decoded weight loads are not software-pipelined (measured:
     tools/diagnose_mxfp4_decode.py). Where the profile's Triton has tensor descriptors, decode tiles also come with
     TMA=1: the packed weights by TMA, which Triton does pipeline (3 and 4 stages: 2 and 3 buffers); on the H200
-    that streamed the bytes 1.75x faster and a whole decode GEMM 1.2x (docs/results/mxfp4_moe_h200.md).
+    that streamed the bytes 1.75x faster and made the gpt-oss layer 1.12-1.19x faster at 1-64 tokens
+    (docs/results/mxfp4_moe_tma_h200.md).
     Blocks of 64 rows or fewer take 4 warps only: compiled for sm_90 (Triton
     3.6), 8 warps on them split the accumulators over two MMA layouts converted into each other at every step,
     and ran 2-3x slower on the H200 (docs/results/mxfp4_moe_h200.md); 128-row blocks take 4 and 8.
