@@ -284,7 +284,9 @@ def _eager(function):
     helper returns them without a graph break."""
     def marked(*args, **kwargs):
         results = function(*args, **kwargs)
-        mark_varying_dims(results)  # sizes from data: dynamic from the first graph on, as the inputs are
+        # Sizes from data: dynamic from the first graph on, as the inputs are. Tensors' dims only: an int result
+        # (get_max_seqlen's) can carry no mark, so Dynamo takes it as a constant until it first changes.
+        mark_varying_dims(results)
         return results
 
     untraced = torch.compiler.disable(marked, recursive=True)

@@ -234,11 +234,11 @@ def misplaced_parameters(gm: torch.fx.GraphModule, example_inputs, marking: Mark
 
 
 class WritingRegions(Exception):
-    """AOTAutograd kept region calls whose bodies write their inputs (a layer writing its KV cache, where Dynamo
-    stamped out one body for several calls) as auto_functionalized_v2(invoke_subgraph, ...): clones of the written
-    inputs, which dzc's passes do not rewrite. Raised by dzc's backend on AOTAutograd's graph; the backend inlines
-    those calls in Dynamo's graph (`inline_calls`) and runs AOTAutograd again, which then traces the layers as a
-    plain capture does (Dynamo still traced one body)."""
+    """AOTAutograd kept region calls whose bodies write their inputs (a layer writing its KV cache) as
+    auto_functionalized_v2(invoke_subgraph, ...), and `flatten` cannot inline some of them as a plain capture's
+    writes (`functionalized_calls` says which). Raised by dzc's backend on AOTAutograd's graph; the backend inlines
+    those calls in Dynamo's graph (`inline_calls`) and runs AOTAutograd again, which then traces those layers as a
+    plain capture does."""
 
     def __init__(self, identifiers: set[str]):
         super().__init__("AOTAutograd functionalized region calls that write their inputs "
@@ -247,13 +247,12 @@ class WritingRegions(Exception):
 
 
 def functionalized_calls(graph: torch.fx.Graph) -> set[str]:
-    """The identifiers (as Dynamo named them) of the region calls AOTAutograd wrapped in auto_functionalized_v2."""
-    found = set()
-    for node in graph.nodes:
-        if (node.op == "call_function" and node.target is torch.ops.higher_order.auto_functionalized_v2
-                and node.args and node.args[0] is INVOKE_SUBGRAPH):
-            found.add(str(node.kwargs.get("identifier", "")).removeprefix("auto_functionalized_"))
-    return found
+    """The identifiers (as Dynamo named them) of the region calls AOTAutograd wrapped in auto_functionalized_v2
+    (their bodies write their inputs) that `flatten` cannot inline (`_functionalized` says why)."""
+    root = graph.owning_module
+    return {str(node.kwargs["identifier"]).removeprefix("auto_functionalized_") for node in graph.nodes
+            if _is_functionalized(node)
+            and isinstance(_functionalized(node, getattr(root, node.kwargs["subgraph"].target).graph), str)}
 
 
 def inline_calls(gm: torch.fx.GraphModule, identifiers: set[str]) -> None:
@@ -371,40 +370,114 @@ class Body:
     calls: list[torch.fx.Node]
 
 
+def _is_functionalized(node: torch.fx.Node) -> bool:
+    """Whether `node` is a region call as AOTAutograd keeps one whose body writes its inputs."""
+    return (node.op == "call_function" and node.target is AUTO_FUNCTIONALIZED and bool(node.args)
+            and node.args[0] is INVOKE_SUBGRAPH)
+
+
+def _region_call(node: torch.fx.Node) -> tuple[str, str] | None:
+    """(body attribute, identifier) of a region call, plain or functionalized; None for any other node."""
+    if node.op == "call_function" and node.target is INVOKE_SUBGRAPH:
+        return node.args[0].target, node.args[1]
+    if _is_functionalized(node):
+        return node.kwargs["subgraph"].target, node.kwargs["identifier"]
+    return None
+
+
+# How auto_functionalized_v2 describes a written input that is a view of its base (regenerated from the base's clone)
+_VIEW_SUFFIXES = ("_alias", "_size", "_stride", "_storage_offset", "_slice_dim", "_slice_start", "_slice_end")
+
+
+@dataclass
+class _Functionalized:
+    """How `flatten` inlines a functionalized region call: the body's inputs as the call passes them (a written
+    input as its base, which the call's own semantics would clone) and, per base (the call's results after the
+    body's outputs), the body's copy into it. The copies are left out: the values they copy are the bases' new
+    values, which the graph copies into its inputs at its end, as in a plain capture; nothing writes the bases
+    before that, so the body's and the graph's other reads of them read what the clones would hold."""
+
+    inputs: list
+    copies: list[torch.fx.Node]
+
+
+def _functionalized(node: torch.fx.Node, body: torch.fx.Graph) -> _Functionalized | str:
+    """How to inline the functionalized region call `node` running `body`, or why it cannot be inlined so."""
+    placeholders = [n for n in body.nodes if n.op == "placeholder"]
+    bases = list(node.kwargs.get("_all_bases", ()))
+    inputs, copies = [], [None] * len(bases)
+    for position, placeholder in enumerate(placeholders):
+        name = f"arg{position}"
+        if name in node.kwargs:
+            inputs.append(node.kwargs[name])
+            continue
+        base = node.kwargs.get(f"_{name}_base_index")
+        if base is None or any(f"_{name}{suffix}" in node.kwargs for suffix in _VIEW_SUFFIXES):
+            return f"its written input {name} is {'missing' if base is None else 'a view of another tensor'}"
+        writes = [user for user in placeholder.users if user.target is torch.ops.aten.copy_.default
+                  and user.args[0] is placeholder and not user.users]
+        if len(writes) != 1 or copies[base] is not None:
+            return f"its body does not write its input {name} with one copy of its own"
+        copies[base] = writes[0]
+        inputs.append(bases[base])
+    if None in copies:
+        return "a base it writes is no input of its body"
+    order = {n: i for i, n in enumerate(body.nodes)}
+    for copy in copies:
+        source, target = copy.args[1].meta.get("val"), copy.args[0].meta.get("val")
+        if (source is None or target is None or source.shape != target.shape or source.dtype != target.dtype
+                or any(order[user] > order[copy] for user in copy.args[0].users)):
+            return "its body's copy into an input changes its shape or dtype, or is not the input's last use"
+    if written_inputs(body) != {placeholders.index(copy.args[0]) for copy in copies}:
+        return "its body writes its inputs otherwise than by a copy at its end"
+    return _Functionalized(inputs, copies)
+
+
 def body_calls(graph: torch.fx.Graph, root: torch.nn.Module) -> list[Body]:
-    """The distinct bodies `graph`'s invoke_subgraph calls run, in order of first call (shared bodies once)."""
+    """The distinct bodies `graph`'s region calls (plain or functionalized) run, in order of first call (shared
+    bodies once)."""
     bodies: dict[str, Body] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is INVOKE_SUBGRAPH:
-            attribute = node.args[0].target
+        call = _region_call(node)
+        if call is not None:
+            attribute, identifier = call
             if attribute not in bodies:
-                bodies[attribute] = Body(attribute, node.args[1], getattr(root, attribute), [])
+                bodies[attribute] = Body(attribute, identifier, getattr(root, attribute), [])
             bodies[attribute].calls.append(node)
     return list(bodies.values())
 
 
 def flatten(graph: torch.fx.Graph, root: torch.nn.Module,
             rewritten: dict[str, torch.fx.Graph] | None = None) -> torch.fx.Graph:
-    """A copy of `graph` with every invoke_subgraph call replaced by the nodes of its body: `rewritten[attribute]`
-    where given, else the body as captured (its own calls flattened first). A body's get_attr reads its own
-    attribute, through the body's path on `root`."""
+    """A copy of `graph` with every region call replaced by the nodes of its body: `rewritten[attribute]` where
+    given, else the body as captured (its own calls flattened first); a functionalized call's writes as a plain
+    capture's (`_Functionalized`). A body's get_attr reads its own attribute, through the body's path on `root`."""
     rewritten = rewritten or {}
     new = torch.fx.Graph()
     env: dict[torch.fx.Node, object] = {}
     for node in graph.nodes:
+        call = _region_call(node)
         if node.op == "output":
             new.output(torch.fx.map_arg(node.args[0], env.__getitem__))
-        elif node.op == "call_function" and node.target is INVOKE_SUBGRAPH:
-            attribute = node.args[0].target
+        elif call is not None:
+            attribute = call[0]
             body = getattr(root, attribute)
             body_graph = rewritten.get(attribute) or flatten(body.graph, body)
-            arguments = [torch.fx.map_arg(a, env.__getitem__) for a in node.args[2:]]
-            env[node] = _inline(new, body_graph, arguments, attribute)
+            if node.target is INVOKE_SUBGRAPH:
+                env[node] = _inline(new, body_graph, [torch.fx.map_arg(a, env.__getitem__) for a in node.args[2:]],
+                                    attribute)
+                continue
+            functionalized = _functionalized(node, body_graph)
+            if isinstance(functionalized, str):
+                raise ValueError(f"the region call {node.name} cannot be inlined: {functionalized}")
+            env[node] = _inline(new, body_graph, [torch.fx.map_arg(a, env.__getitem__) for a in functionalized.inputs],
+                                attribute, functionalized.copies)
         elif (node.op == "call_function" and node.target is operator.getitem
-              and isinstance(node.args[0], torch.fx.Node) and node.args[0].target is INVOKE_SUBGRAPH):
+              and isinstance(node.args[0], torch.fx.Node) and _region_call(node.args[0]) is not None):
             env[node] = env[node.args[0]][node.args[1]]
-        elif node.op == "get_attr" and isinstance(getattr(root, node.target, None), torch.fx.GraphModule):
-            continue  # a body: its calls are inlined
+        elif node.op == "get_attr" and (isinstance(getattr(root, node.target, None), torch.fx.GraphModule) or all(
+                _is_functionalized(user) and user.kwargs.get("_op_schema") is node for user in node.users)):
+            continue  # a body, or a functionalized call's schema: the calls are inlined
         else:
             env[node] = new.node_copy(node, env.__getitem__)
     return new
@@ -416,9 +489,12 @@ def inlined(gm: torch.fx.GraphModule) -> torch.fx.Graph:
     return flatten(gm.graph, gm) if body_calls(gm.graph, gm) else copy_graph(gm.graph)
 
 
-def _inline(new: torch.fx.Graph, body: torch.fx.Graph, arguments: list, attribute: str) -> tuple:
-    """Copy `body`'s nodes into `new`, its placeholders bound to `arguments`; returns its outputs."""
+def _inline(new: torch.fx.Graph, body: torch.fx.Graph, arguments: list, attribute: str,
+            copies: list[torch.fx.Node] = ()) -> tuple:
+    """Copy `body`'s nodes into `new`, its placeholders bound to `arguments`; returns its outputs, then the values
+    that `copies` (copy_ nodes of `body`, left out) would copy."""
     env: dict[torch.fx.Node, object] = {}
+    left_out = set(copies)
     placeholders = [node for node in body.nodes if node.op == "placeholder"]
     if len(placeholders) != len(arguments):
         raise ValueError(f"body {attribute} takes {len(placeholders)} inputs, its call passes {len(arguments)}")
@@ -427,7 +503,9 @@ def _inline(new: torch.fx.Graph, body: torch.fx.Graph, arguments: list, attribut
         if node.op == "placeholder":
             continue
         if node.op == "output":
-            return tuple(torch.fx.map_arg(node.args[0], env.__getitem__))
+            return (*torch.fx.map_arg(node.args[0], env.__getitem__), *(env[copy.args[1]] for copy in copies))
+        if node in left_out:
+            continue
         copied = new.node_copy(node, env.__getitem__)
         if node.op == "get_attr":
             copied.target = f"{attribute}.{node.target}"

@@ -308,10 +308,10 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         # for decode many small blocks keep every SM loading; for prefill one warp group per block measured
         # fastest on the H200 (docs/results/mxfp4_moe_h200.md).
         threads = c.num_warps * profile.warp_size
-        # TMA tiles only where tuning measured them: so far measured on gpt-oss shapes on the H200 alone, not on
-        # DeepSeek-style ones nor on sm_80 (whose Triton emulates descriptor loads).
+        # TMA and DOT_SCALED tiles only where tuning measured them: TMA so far on gpt-oss shapes on the H200 alone
+        # (not DeepSeek-style ones, nor sm_80, whose Triton emulates descriptor loads), DOT_SCALED not yet.
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
-                _tma(c), -c["BLOCK_M"], _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64),
+                _tma(c) or _dot_scaled(c), -c["BLOCK_M"], _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64),
                 abs(c["BLOCK_K"] - 128), abs(threads - 128), c.num_stages != 3)
 
     return tier, min(tier, key=preference)
@@ -325,6 +325,10 @@ def _tma(config: KernelConfig) -> bool:
     return dict(config.params).get("TMA", 0) == 1
 
 
+def _dot_scaled(config: KernelConfig) -> bool:
+    return dict(config.params).get("DOT_SCALED", 0) == 1
+
+
 def describe_config(config: KernelConfig) -> str:
     """Which path a config runs: what the compile report records per token bucket."""
     if _fp8(config):
@@ -333,6 +337,8 @@ def describe_config(config: KernelConfig) -> str:
         return "workspace (dequantize activated experts once, then grouped bf16 GEMM)"
     split = f", split-K {_split_k(config)}" if _split_k(config) > 1 else ""
     tma = ", weights by TMA" if _tma(config) else ""
+    if _dot_scaled(config):
+        return f"online dequant (tl.dot_scaled: the compiler decodes MXFP4 into the MMA operand{split}{tma})"
     return f"online dequant (MXFP4 decoded in registers inside the GEMMs{split}{tma})"
 
 
@@ -428,6 +434,13 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
                                       BLOCK_K=block_k, WORKSPACE=0, SPLIT_K=split_k, TMA=1)
                     for block_m, splits in ((16, (1, 2, 4, 8)), (32, (1,))) for block_n in (64, 128)
                     for block_k in (128, 256) for split_k in splits for stages in (3, 4)]
+    if profile.triton_dot_scaled and not spec.dot_fp32:
+        # 64-row weight tiles: on Hopper they are one warp group's wgmma M (the weights are the A operand)
+        configs += [KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                      WORKSPACE=0, SPLIT_K=split_k, DOT_SCALED=1, **tma)
+                    for block_m, splits in ((16, (1, 2, 4, 8)), (32, (1,)), (64, (1,))) for block_n in (64, 128)
+                    for block_k in (128, 256) for split_k in splits
+                    for tma in ([{}, {"TMA": 1}] if profile.triton_tensor_descriptors else [{}])]
     return configs
 
 
@@ -482,7 +495,7 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     upcast = triton_codegen.interpreting()
     options = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WORKSPACE=use_workspace, SPLIT_K=split_k,
                    UPCAST_DOT=upcast, FP8=_fp8(config), TMA=_tma(config), K_STAGES=config.num_stages,
-                   num_warps=config.num_warps, num_stages=config.num_stages)
+                   DOT_SCALED=_dot_scaled(config), num_warps=config.num_warps, num_stages=config.num_stages)
     # The weights' TMA descriptors (TMA configs); otherwise any pointer will do, the kernels never read them.
     gate_source, up_source, down_source = (_tma_sources(w13_blocks, w2_blocks, interleaved, block_n, block_k)
                                            if _tma(config) else (w13_blocks,) * 3)
@@ -502,10 +515,12 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     w2_bias_arg = w2_bias if w2_bias is not None else hidden
     if use_workspace:
         _dequantize_experts(kernels, w13_blocks, w13_scales, plan, ws, 2 * spec.inter, spec.hidden, spec)
-    # The GEMMs reduce in nibble order (see the generated module's docstring): x in that order first.
-    hidden_n = torch.empty(tokens, spec.hidden, dtype=spec.hidden_dtype, device=device)
-    kernels["moe_nibble_order_kernel"][(tokens, -(-spec.hidden // NIBBLE_ORDER_BLOCK))](
-        hidden, hidden_n, hidden.stride(0), BLOCK=NIBBLE_ORDER_BLOCK, num_warps=4)
+    if _dot_scaled(config):  # tl.dot_scaled reduces in natural order
+        hidden_n = hidden
+    else:  # the GEMMs reduce in nibble order (see the generated module's docstring): x in that order first
+        hidden_n = torch.empty(tokens, spec.hidden, dtype=spec.hidden_dtype, device=device)
+        kernels["moe_nibble_order_kernel"][(tokens, -(-spec.hidden // NIBBLE_ORDER_BLOCK))](
+            hidden, hidden_n, hidden.stride(0), BLOCK=NIBBLE_ORDER_BLOCK, num_warps=4)
     gate_up_grid = (plan.max_blocks, -(-spec.inter // block_n))
     # W4A8's scale arguments (x_scales_ptr, w_block_scales_ptr): any pointer will do, with FP8 = False the
     # kernels never read them.
@@ -516,7 +531,8 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     if split_k > 1:
         kernels["moe_split_activation_kernel"][gate_up_grid](
             gate_up_partial, plan.block_expert, plan.block_row_start, plan.block_row_end, w13_bias_arg, act, alpha,
-            limit, pairs, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, num_warps=config.num_warps)
+            limit, pairs, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, DOT_SCALED=_dot_scaled(config),
+            num_warps=config.num_warps)
     if use_workspace:
         _dequantize_experts(kernels, w2_blocks, w2_scales, plan, ws, spec.hidden, spec.inter, spec)
     kernels["moe_down_kernel"][(plan.max_blocks, -(-spec.hidden // block_n), split_k)](
@@ -645,7 +661,7 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
     w2_bias = "*" + _TRITON_TYPES[spec.w2_bias_dtype or spec.hidden_dtype]
     tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                  WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=False, FP8=fp8,
-                 TMA=_tma(config), K_STAGES=config.num_stages)
+                 TMA=_tma(config), K_STAGES=config.num_stages, DOT_SCALED=_dot_scaled(config))
     # the weights' TMA descriptors (_tma_sources), else the packed bytes (unread)
     source = f"tensordesc<u8[1, {config['BLOCK_N']}, {config['BLOCK_K'] // 2}]>" if _tma(config) else "*u8"
     constexprs = {name: "constexpr" for name in tiles}
@@ -660,8 +676,10 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
                 act_scales_ptr="*fp32", w_block_scales_ptr="*fp32", pairs="i32", w_source=source, **constexprs)
     split_activation = dict(partial_ptr="*fp32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
                             block_row_end_ptr="*i32", bias_ptr=w13_bias, act_ptr=x, alpha="fp32", limit="fp32",
-                            pairs="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", SPLIT_K="constexpr")
-    split_tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], SPLIT_K=_split_k(config))
+                            pairs="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", SPLIT_K="constexpr",
+                            DOT_SCALED="constexpr")
+    split_tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], SPLIT_K=_split_k(config),
+                       DOT_SCALED=_dot_scaled(config))
     nibble_order = dict(x_ptr=x, out_ptr=x, stride_x="i32", BLOCK="constexpr")
     dequant = dict(w_blocks_ptr="*u8", w_scales_ptr="*u8", expert_counts_ptr="*i32", expert_slots_ptr="*i32",
                    workspace_ptr=ws, N="constexpr", K="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr")

@@ -31,6 +31,9 @@ class DeviceProfile:
     tilelang_target: str  # TileLang/TVM target string
     nvcc_gencode: str | None  # -gencode flags to compile TileLang's CUDA source here; None where nvcc cannot
     triton_tensor_descriptors: bool  # tl.make_tensor_descriptor is available on this target's Triton
+    # tl.dot_scaled with an E2M1 operand compiles on this target's Triton (CUDA: decoded into the MMA operand's
+    # registers by the compiler; unverified on the MUSA builds)
+    triton_dot_scaled: bool
     compile_in_parallel: bool  # MUSA Triton builds fail when compiling in several processes at once
     triton_inline_asm: bool  # tl.inline_asm_elementwise (PTX) is available: CUDA only, no MUSA build has it
     peak_bandwidth_bytes_per_s: float  # datasheet figure; only used to print roofline fractions
@@ -90,6 +93,7 @@ SM_90 = DeviceProfile(
     tilelang_target="cuda -arch=sm_90a",
     nvcc_gencode="-gencode arch=compute_90a,code=sm_90a",
     triton_tensor_descriptors=True,
+    triton_dot_scaled=True,
     compile_in_parallel=True,
     triton_inline_asm=True,
     peak_bandwidth_bytes_per_s=4.8e12,  # H200; H100 SXM is 3.35e12
@@ -114,6 +118,7 @@ SM_80 = DeviceProfile(
     tilelang_target="cuda -arch=sm_80",
     nvcc_gencode="-gencode arch=compute_80,code=sm_80",
     triton_tensor_descriptors=True,
+    triton_dot_scaled=True,
     compile_in_parallel=True,
     triton_inline_asm=True,
     peak_bandwidth_bytes_per_s=2.0e12,  # A100 80GB SXM
@@ -138,6 +143,7 @@ MP_22 = DeviceProfile(
     tilelang_target="musa -arch=mp_22",
     nvcc_gencode=None,
     triton_tensor_descriptors=False,  # the vendor's Triton 3.2 build lacks them
+    triton_dot_scaled=False,  # not verified on a MUSA build: kept off until a card runs it
     compile_in_parallel=False,
     triton_inline_asm=False,
     peak_bandwidth_bytes_per_s=768e9,
@@ -164,6 +170,7 @@ MP_31 = DeviceProfile(
     tilelang_target="musa -arch=mp_31",
     nvcc_gencode=None,
     triton_tensor_descriptors=False,  # only FlagTree >= 3.6 has them; probed at run time on a real card
+    triton_dot_scaled=False,  # not verified on a MUSA build: kept off until a card runs it
     compile_in_parallel=False,
     triton_inline_asm=False,
     peak_bandwidth_bytes_per_s=1.6e12,

@@ -104,8 +104,8 @@ def test_hf_qwen2_5_vl_vision_tower_compiles_once_and_matches_eager(options):
 
 def test_hf_qwen2_5_vl_vision_tower_unchanged_stops_recompiling_after_warm_up(options):
     """No helper, no precomputed kwargs: transformers' size helpers (vision_utils) run eagerly and their results
-    are dynamic from the first graph on, so a new image count or size does not recompile; the one recompile is a
-    pack of a single image (Dynamo specialises a size of 1)."""
+    are dynamic from the first graph on, so a new image count or size does not recompile; the one recompile is the
+    first pack whose longest image differs (the third: max_seqlen, an int, is a constant until it changes)."""
     eager = _tiny_qwen2_5_vl_vision_tower()
     model = copy.deepcopy(eager)
     compiled = dzc.compile(model, "cuda", options)

@@ -368,12 +368,15 @@ def bucket_configs(spec, codegen: str, bucket: int, musa_legal: bool,
     tile = {k: v for k, v in default.params if k != "SPLIT_K"}
     splits = [c for c in others if {k: v for k, v in c.params if k != "SPLIT_K"} == tile
               and (c.num_warps, c.num_stages) == (default.num_warps, default.num_stages)]
-    # and the default's tile with its weights by TMA, every split and depth (a same-run A/B of TMA)
-    with_tma = [c for c in others if dict(c.params).get("TMA") and c.num_warps == default.num_warps
-                and {k: v for k, v in c.params if k not in ("SPLIT_K", "TMA")} == tile]
-    rest = [c for c in others if c not in splits + with_tma]
+    # and the default's tile with its weights by TMA and/or multiplied by tl.dot_scaled, every split and depth
+    # (same-run A/Bs of both)
+    variants = ("SPLIT_K", "TMA", "DOT_SCALED")
+    alternatives = [c for c in others if any(dict(c.params).get(k) for k in variants[1:])
+                    and c.num_warps == default.num_warps
+                    and {k: v for k, v in c.params if k not in variants} == tile]
+    rest = [c for c in others if c not in splits + alternatives]
     step = max(1, len(rest) // max(how_many, 1))
-    return [("default", default)] + [("candidate", c) for c in splits + with_tma + rest[::step][:how_many]]
+    return [("default", default)] + [("candidate", c) for c in splits + alternatives + rest[::step][:how_many]]
 
 
 class DzcKernels:

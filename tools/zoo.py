@@ -305,11 +305,14 @@ activations (MoE router, sparse-attention indexer) may take another, equally val
 tie (a one-ulp difference in a fused norm decides it): up to one row in 16 of a call may be over the tolerance
 there, and the table says how many were. Why a fusion did not fire is in the row's compile report and coverage
 (near-misses with the passes' reasons): `python tools/zoo.py NAME --report`.
-Recompiles that are the model's own branches: the sliding-window models (Gemma3, Mistral, GptOss) have a window
-of 8 tokens in their tiny configs, and transformers takes another path below it (7 tokens) than at or above it
-(12, 20; `masking_utils._ignore_causal_mask_sdpa`, the sliding-window cache's slice): two graphs, as
-torch.compile makes. The Qwen-VL towers' one recompile is the single-image pack (a size of 1, which Dynamo
-specialises); other image counts and sizes share one graph (docs/vision.md).
+Recompiles, none of them dzc's to remove: the sliding-window models (Gemma3, Mistral, GptOss) have a window of 8
+tokens in their tiny configs, and transformers takes another path below it than at or above it
+(`masking_utils._ignore_causal_mask_sdpa` skips the mask below the window; the sliding cache keeps the last
+window - 1 tokens, a slice whose start and contiguity torch guards): 7 tokens (window - 1) get their own graph,
+12 and 20 share one, as torch.compile makes. The Qwen-VL towers' one recompile is max_seqlen, the patch count of
+the longest image (8, 8, then 16): a Python int that transformers' size helpers compute eagerly, between graphs,
+which Dynamo takes as a constant until it first changes, then as a symbol. Other image counts (a single image
+included) and sizes share one graph (docs/vision.md).
 
 """
 
