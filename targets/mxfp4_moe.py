@@ -384,7 +384,16 @@ def triton_source(spec: MXFP4MoESpec, profile: DeviceProfile) -> str:
     fields = _template_fields(spec, profile)
     fields["activation_code"] = "\n    ".join(_TRITON_ACTIVATIONS[spec.activation])
     fields["decoder_code"] = triton_decoder_source(profile)
+    fields["scaled_product_code"] = _SCALED_PRODUCT[profile.triton_dot_scaled]
     return Template((TEMPLATES / "mxfp4_moe.triton.py.tmpl").read_text()).substitute(fields)
+
+
+# The generated module's `_scaled_product` (DOT_SCALED tiles): tl.dot_scaled where the profile's Triton compiles it;
+# elsewhere no call at all (no such config is emitted there, and the MUSA static check refuses the name in source).
+_SCALED_PRODUCT = {
+    True: 'return tl.dot_scaled(a, None, "bf16", tl.trans(packed), scales, "e2m1", acc)',
+    False: 'tl.static_assert(False, "tl.dot_scaled is not available on this profile")\n    return acc',
+}
 
 
 def triton_decoder_source(profile: DeviceProfile) -> str:

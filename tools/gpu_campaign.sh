@@ -23,8 +23,8 @@
 # work is in s14-1). Session 14: s14-1 (carry .whl-gpu1), s14-2 (carry .whl-gpu2 and .public-kernels); after
 # their fixes s14-3 (carry .whl-gpu1), s14-4 (carry .whl-gpu2 and .public-kernels). Session 15 ran s15-1 and
 # s15-2 (now removed: their results are in docs/results). Session 16: s16-1 (carry .whl-gpu1), s16-2 (carry
-# .whl-gpu2 and .public-kernels), then s16-3 and s16-4 (now removed; results in docs/results). Session 17: s17-1
-# (carry .whl-gpu1), s17-2 (carry .whl-gpu2 and .public-kernels), s17-3 (carry .triton-kernels).
+# .whl-gpu2 and .public-kernels), then s16-3 and s16-4 (now removed; results in docs/results). Session 17 ran s17-1
+# to s17-6 (results in docs/results). Session 18: s18-1, then s18-2 (each carrying .triton-kernels).
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -252,54 +252,22 @@ s14-4)
   TAIL=20 part bench_sparse_decode_public 200 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
     --batches 1 64 --contexts 32768 --cuda-graphs --out "$OUT/dsa_decode_public_h200.md"
   ;;
-s17-1)
-  # (carry .whl-gpu1) Session 16's top-k (sampled bounds, radix select over the candidates; CPU-checked only):
-  # its GPU tests and fuzz cases, then the nested-regions tests on the GPU.
+s18-1)
+  # (carry .triton-kernels) Issue 15, session 17's DOT_SCALED tiles (tl.dot_scaled: the compiler decodes E2M1 into
+  # the MMA operand), CPU-checked only: GPU numerics, then beside the plain and TMA tiles and triton_kernels.
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=12 part gpu_tests_topk 150 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" -k topk \
-    tests/test_dsa_kernels.py
-  TAIL=12 part fuzz_topk 120 python3 tools/fuzz.py --ops dsa_topk --codegens triton --cases 24 \
-    --out "$OUT/fuzz_h200_topk.md"
-  TAIL=12 part gpu_tests_regions 150 python3 -m pytest -q -p no:logging -rf tests/test_regions.py
+  TAIL=6 part gpu_tests_moe_scaled 200 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
+    -k "tma or dot_scaled" tests/test_mxfp4_moe_kernels.py
+  TAIL=40 part bench_mxfp4_moe_scaled 360 python3 tools/bench_mxfp4_moe.py --codegens triton --memory-layers 0 \
+    --models gpt-oss-120b --tokens 1 8 64 --routing uniform --out "$OUT/mxfp4_moe_scaled_h200.md"
   ;;
-s17-3)
-  # (carry .triton-kernels: bash tools/fetch_triton_kernels.sh first) Issue 15's baseline: OpenAI's triton_kernels
-  # MXFP4 MoE (matmul_ogs) beside dzc's Triton kernels in one run, first time on a GPU.
-  python3 tools/bench_mxfp4_moe.py --dry-run --quick > "$OUT/mxfp4_moe_dry_run.log" 2>&1; head -n 1 "$OUT/mxfp4_moe_dry_run.log"
-  TAIL=30 part bench_mxfp4_moe_tk 300 python3 tools/bench_mxfp4_moe.py --quick --codegens triton --memory-layers 0 \
-    --out "$OUT/mxfp4_moe_tk_h200.md"
-  ;;
-s17-2)
-  # (carry .whl-gpu2 and .public-kernels) Top-k beside tl_topk and its own whole-row radix form in one run (untuned
-  # defaults), 32K and 128K contexts; the indexer and sparse attention rows come with it.
-  TAIL=24 part bench_decode_topk 300 python3 tools/bench_dsa.py --quick --only decode --no-baselines \
-    --codegens triton --batches 1 64 --contexts 32768 131072 --cuda-graphs --out "$OUT/dsa_decode_topk_h200.md"
-  ;;
-s17-4)
-  # (carry .triton-kernels) After s17-1..3: top-k with k = 1 (Triton made it a constant) and the fuzz cases again;
-  # the triton_kernels MoE baseline with its routing metadata built in torch.
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=4 part gpu_tests_topk 150 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" -k topk \
-    tests/test_dsa_kernels.py
-  TAIL=8 part fuzz_topk 200 python3 tools/fuzz.py --ops dsa_topk --codegens triton --cases 24 \
-    --out "$OUT/fuzz_h200_topk.md"
-  TAIL=30 part bench_mxfp4_moe_tk 300 python3 tools/bench_mxfp4_moe.py --quick --codegens triton --memory-layers 0 \
-    --out "$OUT/mxfp4_moe_tk_h200.md"
-  ;;
-s17-5)
-  # Issue 15: does TMA (descriptor loads, which Triton pipelines into shared memory) lift the MXFP4 weight stream?
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=60 part diagnose_mxfp4_tma 400 python3 tools/diagnose_mxfp4_decode.py --rows 4 32 \
-    --variants load lut+fma lut+dot_x --block-n 64 128 --block-k 256 --stages 3 5 --prefetch 0 --tma 0 1
-  ;;
-s17-6)
-  # (carry .triton-kernels) Issue 15: the MoE decode GEMMs with their packed weights by TMA — GPU numerics, then
-  # the TMA tiles beside the plain ones and triton_kernels in one run (decode sizes).
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=6 part gpu_tests_moe_tma 150 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
-    -k "tma or gpu_every_selftest" tests/test_mxfp4_moe_kernels.py
-  TAIL=40 part bench_mxfp4_moe_tma 280 python3 tools/bench_mxfp4_moe.py --codegens triton --memory-layers 0 \
-    --models gpt-oss-120b --tokens 1 8 64 --routing uniform --out "$OUT/mxfp4_moe_tma_h200.md"
+s18-2)
+  # (carry .triton-kernels) The same on DeepSeek-style shapes, and the every-self-test-case GPU test (its part in
+  # s17-6 ran out of time) on its own.
+  TAIL=40 part bench_mxfp4_moe_scaled_ds 360 python3 tools/bench_mxfp4_moe.py --codegens triton --memory-layers 0 \
+    --models deepseek-style --tokens 1 8 64 --routing uniform --out "$OUT/mxfp4_moe_scaled_ds_h200.md"
+  TAIL=6 part gpu_tests_moe_all 220 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
+    -k "gpu_every_selftest" tests/test_mxfp4_moe_kernels.py
   ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
