@@ -444,12 +444,17 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
                     for block_m, splits in ((16, (1, 2, 4, 8)), (32, (1,))) for block_n in (64, 128)
                     for block_k in (128, 256) for split_k in splits for stages in (3, 4)]
     if profile.triton_dot_scaled and not spec.dot_fp32:
-        # 64-row weight tiles: on Hopper they are one warp group's wgmma M (the weights are the A operand)
+        # 64- and 128-row weight tiles: on Hopper the weights are wgmma's A operand (decoded into registers), so
+        # BLOCK_N is the MMA's M (one or two warp groups' worth) and BLOCK_M, the token rows, its N
+        tmas = [{}, {"TMA": 1}] if profile.triton_tensor_descriptors else [{}]
         configs += [KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                       WORKSPACE=0, SPLIT_K=split_k, DOT_SCALED=1, **tma)
                     for block_m, splits in ((16, (1, 2, 4, 8)), (32, (1,)), (64, (1,))) for block_n in (64, 128)
-                    for block_k in (128, 256) for split_k in splits
-                    for tma in ([{}, {"TMA": 1}] if profile.triton_tensor_descriptors else [{}])]
+                    for block_k in (128, 256) for split_k in splits for tma in tmas]
+        configs += [KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=block_m, BLOCK_N=128,
+                                      BLOCK_K=128, WORKSPACE=0, SPLIT_K=1, DOT_SCALED=1, **tma)
+                    for block_m in (64, 128) for warps in (4, 8) for stages in (3, 4) for tma in tmas
+                    if (block_m, warps, stages) != (64, 4, 3)]  # that one is in the decode list above
     return configs
 
 

@@ -384,7 +384,9 @@ _AOT_SCRIPT = textwrap.dedent("""
               KernelConfig.make(4, 4, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0, SPLIT_K=2, TMA=1)),
              ("gptoss-bf16", "decode-tma-dot_scaled",
               KernelConfig.make(4, 3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0, SPLIT_K=2, TMA=1,
-                                DOT_SCALED=1))]
+                                DOT_SCALED=1)),
+             ("gptoss-bf16", "prefill-tma-dot_scaled",
+              KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, WORKSPACE=0, TMA=1, DOT_SCALED=1))]
     for spec_name, config_name, config in cases:
         spec = specs[spec_name]
         path = out / f"mxfp4_moe_{spec_name}.py"
@@ -393,7 +395,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         for name, (signature, constexprs, *own_warps) in family.triton_signatures(spec, config).items():
             if name == "moe_down_kernel" and spec_name == "deepseek-fp16":
                 continue
-            if name not in ("moe_gate_up_kernel", "moe_down_kernel") and config_name.startswith("decode-tma"):
+            if name not in ("moe_gate_up_kernel", "moe_down_kernel") and "-tma" in config_name:
                 continue
             if name == "moe_nibble_order_kernel" and config_name != "decode":
                 continue
@@ -441,12 +443,12 @@ _AOT_SCRIPT = textwrap.dedent("""
 def test_triton_kernels_compile_ahead_of_time_for_sm_90(tmp_path):
     results = run_ahead_of_time_script(_AOT_SCRIPT, tmp_path)
     labels = [r["label"] for r in results]
-    assert len(results) == 4 + 3 + 1 + 3 + 2 + 2 + 5, labels
+    assert len(results) == 4 + 3 + 1 + 3 + 2 + 2 + 2 + 5, labels
     for r in results:
         assert r["ptx"], r
         # TMA: the weight loads pipelined (stages - 1 prologue copies, then one per step, per weight tile); not
         # pipelined there would be one copy per tile
-        assert (r["tma_loads"] >= 3) == ("decode-tma" in r["label"]), r
+        assert (r["tma_loads"] >= 3) == ("-tma" in r["label"]), r
         # DOT_SCALED: the compiler's E2M1 conversion into the operand registers, then Hopper's warp-group MMA
         if "dot_scaled" in r["label"]:
             assert r["fp4_to_fp"] and r["wgmma"], r

@@ -370,10 +370,12 @@ def bucket_configs(spec, codegen: str, bucket: int, musa_legal: bool,
               and (c.num_warps, c.num_stages) == (default.num_warps, default.num_stages)]
     # and the default's tile with its weights by TMA and/or multiplied by tl.dot_scaled, every split and depth
     # (same-run A/Bs of both)
-    variants = ("SPLIT_K", "TMA", "DOT_SCALED")
-    alternatives = [c for c in others if any(dict(c.params).get(k) for k in variants[1:])
+    # (the workspace path's tile too: DOT_SCALED tiles are online ones)
+    variants = ("TMA", "DOT_SCALED")
+    alternatives = [c for c in others if any(dict(c.params).get(k) for k in variants)
                     and c.num_warps == default.num_warps
-                    and {k: v for k, v in c.params if k not in variants} == tile]
+                    and {k: v for k, v in c.params if k not in ("SPLIT_K", "WORKSPACE", *variants)}
+                    == {k: v for k, v in tile.items() if k != "WORKSPACE"}]
     rest = [c for c in others if c not in splits + alternatives]
     step = max(1, len(rest) // max(how_many, 1))
     return [("default", default)] + [("candidate", c) for c in splits + alternatives + rest[::step][:how_many]]
