@@ -311,8 +311,8 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         # TMA and DOT_SCALED tiles only where tuning measured them: TMA so far on gpt-oss shapes on the H200 alone
         # (not DeepSeek-style ones, nor sm_80, whose Triton emulates descriptor loads), DOT_SCALED not yet.
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
-                _tma(c) or _dot_scaled(c), -c["BLOCK_M"], _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64),
-                abs(c["BLOCK_K"] - 128), abs(threads - 128), c.num_stages != 3)
+                _tma(c) or _dot_scaled(c), -c["BLOCK_M"], _split_k(c) != _default_split_k(spec, bucket),
+                abs(c["BLOCK_N"] - 64), abs(c["BLOCK_K"] - 128), abs(threads - 128), c.num_stages != 3)
 
     return tier, min(tier, key=preference)
 
@@ -410,13 +410,14 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
     tiles the output columns (for the gate/up GEMM BLOCK_N gate and BLOCK_N up rows). Decode tiles also take 1 and
     2 warps: with 128-lane warps (mp_22) those are the 128- and 256-thread blocks that suit them, and split the
     reduction (SPLIT_K); one pipeline depth, since decoded weight loads are not software-pipelined (measured:
-    tools/diagnose_mxfp4_decode.py). Where the profile's Triton has tensor descriptors, decode tiles also come with
-    TMA=1: the packed weights by TMA, which Triton does pipeline (3 and 4 stages: 2 and 3 buffers); on the H200
-    that streamed the bytes 1.75x faster and made the gpt-oss layer 1.12-1.19x faster at 1-64 tokens
-    (docs/results/mxfp4_moe_tma_h200.md).
-    Blocks of 64 rows or fewer take 4 warps only: compiled for sm_90 (Triton
+    tools/diagnose_mxfp4_decode.py). Blocks of 64 rows or fewer take 4 warps only: compiled for sm_90 (Triton
     3.6), 8 warps on them split the accumulators over two MMA layouts converted into each other at every step,
     and ran 2-3x slower on the H200 (docs/results/mxfp4_moe_h200.md); 128-row blocks take 4 and 8.
+    Where the profile's Triton has tensor descriptors, decode tiles also come with TMA=1: the packed weights by
+    TMA, which Triton does pipeline (3 and 4 stages: 2 and 3 buffers); on the H200 that streamed the bytes 1.75x
+    faster and made the gpt-oss layer 1.12-1.19x faster at 1-64 tokens (docs/results/mxfp4_moe_tma_h200.md).
+    Where it compiles tl.dot_scaled and the activations are bf16, DOT_SCALED=1 tiles (decode and prefill sizes,
+    with and without TMA) let the compiler decode the weights into the MMA operand (generated module docstring).
     """
     if spec.fp8_activations:
         # W4A8: the workspace path, one scale group per step (see the module docstring); where FP8 is native, the
