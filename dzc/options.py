@@ -81,11 +81,11 @@ class CompileOptions:
     # capture. Off by default for now: on the multimodal reference model the retries below and the cache-writing
     # decoder layers (traced per layer all the same) make a cold compile ~30% slower (docs/results/
     # compile_time_cpu.md, session 16); llama-style decoders compile ~40% faster. With regions on, where they
-    # would cost a graph or a recompile a plain capture does not, dzc marks
-    # fewer layers or none (a dim specialised inside a layer is no longer marked dynamic; layers whose calls take
-    # inputs of other dynamic sizes, such as window and full-attention vision blocks, are not marked alongside
-    # each other: Dynamo's reuse check would guard their sizes' relation), and a capture with regions that fails
-    # or cannot be trusted is retried without them; the report's nested_regions and region_retries say which.
+    # would cost a graph or a recompile a plain capture does not, dzc marks fewer layers or none (a dim
+    # specialised inside a layer is no longer marked dynamic; layers whose calls take inputs of other dynamic
+    # sizes, such as window and full-attention vision blocks, are not marked alongside each other: Dynamo's
+    # reuse check would guard their sizes' relation), and a capture with regions that fails or cannot be trusted
+    # is retried without them; the report's nested_regions and region_retries say which.
     # None = $DZC_NESTED_REGIONS (off unless set to 1).
     nested_regions: bool | None = None
 

@@ -454,9 +454,8 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
                     for block_k in (128, 256) for split_k in splits for tma in tmas]
         configs += [KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=block_m, BLOCK_N=128,
                                       BLOCK_K=128, WORKSPACE=0, SPLIT_K=1, DOT_SCALED=1, **tma)
-                    for block_m in (64, 128) for warps in (4, 8) for stages in (3, 4) for tma in tmas
-                    if (block_m, warps, stages) != (64, 4, 3)]  # that one is in the decode list above
-    return configs
+                    for block_m in (64, 128) for warps in (4, 8) for stages in (3, 4) for tma in tmas]
+    return list(dict.fromkeys(configs))  # the lists overlap (64-row DOT_SCALED tiles): each config once
 
 
 def triton_default_config(spec: MXFP4MoESpec, profile: DeviceProfile) -> KernelConfig:
