@@ -302,16 +302,18 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
     if not tier:
         return configs, default
     want_workspace = rows_per_expert(spec, bucket) >= WORKSPACE_MIN_ROWS_PER_EXPERT
+    # Where descriptor loads are bulk copies (Hopper's TMA), a decode tile's TMA twin: 1.07-1.19x faster at 1-64
+    # tokens on gpt-oss-120b and DeepSeek-style shapes on the H200 (docs/results/mxfp4_moe_tma_h200.md); larger
+    # buckets were not measured. DOT_SCALED and SWAP_AB tiles were slower there: tuning only.
+    want_tma = profile.bulk_tensor_copies and rows_per_expert(spec, bucket) <= DECODE_MAX_ROWS_PER_EXPERT
 
     def preference(c: KernelConfig):
         # The cost model's path, the tier's largest row block, then mid-size tiles (64 x 128) with 128 threads:
         # for decode many small blocks keep every SM loading; for prefill one warp group per block measured
         # fastest on the H200 (docs/results/mxfp4_moe_h200.md).
         threads = c.num_warps * profile.warp_size
-        # TMA and DOT_SCALED tiles only where tuning measured them: TMA so far on gpt-oss shapes on the H200 alone
-        # (not DeepSeek-style ones, nor sm_80, whose Triton emulates descriptor loads), DOT_SCALED not yet.
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
-                _tma(c) or _dot_scaled(c), -c["BLOCK_M"], _split_k(c) != _default_split_k(spec, bucket),
+                _dot_scaled(c) or _swap_ab(c), _tma(c) != want_tma, -c["BLOCK_M"], _split_k(c) != _default_split_k(spec, bucket),
                 abs(c["BLOCK_N"] - 64), abs(c["BLOCK_K"] - 128), abs(threads - 128), c.num_stages != 3)
 
     return tier, min(tier, key=preference)
@@ -329,6 +331,15 @@ def _dot_scaled(config: KernelConfig) -> bool:
     return dict(config.params).get("DOT_SCALED", 0) == 1
 
 
+def _swap_ab(config: KernelConfig) -> bool:
+    return dict(config.params).get("SWAP_AB", 0) == 1
+
+
+def _natural_order(config: KernelConfig) -> bool:
+    """Whether the GEMMs read the activations in natural column order (else in nibble order)."""
+    return _dot_scaled(config) or _swap_ab(config)
+
+
 def describe_config(config: KernelConfig) -> str:
     """Which path a config runs: what the compile report records per token bucket."""
     if _fp8(config):
@@ -339,6 +350,8 @@ def describe_config(config: KernelConfig) -> str:
     tma = ", weights by TMA" if _tma(config) else ""
     if _dot_scaled(config):
         return f"online dequant (tl.dot_scaled: the compiler decodes MXFP4 into the MMA operand{split}{tma})"
+    if _swap_ab(config):
+        return f"online dequant (MXFP4 decoded into the MMA's A operand, tokens as N{split}{tma})"
     return f"online dequant (MXFP4 decoded in registers inside the GEMMs{split}{tma})"
 
 
@@ -455,6 +468,14 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
         configs += [KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=block_m, BLOCK_N=128,
                                       BLOCK_K=128, WORKSPACE=0, SPLIT_K=1, DOT_SCALED=1, **tma)
                     for block_m in (64, 128) for warps in (4, 8) for stages in (3, 4) for tma in tmas]
+    if not spec.dot_fp32:
+        # The weights as the MMA's A operand, decoded into its registers (generated module docstring): BLOCK_N is
+        # the MMA's M (64 or 128 rows: one warp group, twice), the token rows its N; BLOCK_K four MX groups.
+        tmas = [{}, {"TMA": 1}] if profile.triton_tensor_descriptors else [{}]
+        configs += [KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
+                                      WORKSPACE=0, SPLIT_K=split_k, SWAP_AB=1, **tma)
+                    for block_m, splits in ((16, (1, 2, 4, 8)), (32, (1, 2)), (64, (1,))) for block_n in (64, 128)
+                    for split_k in splits for tma in tmas]
     return list(dict.fromkeys(configs))  # the lists overlap (64-row DOT_SCALED tiles): each config once
 
 
@@ -509,7 +530,8 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     upcast = triton_codegen.interpreting()
     options = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WORKSPACE=use_workspace, SPLIT_K=split_k,
                    UPCAST_DOT=upcast, FP8=_fp8(config), TMA=_tma(config), K_STAGES=config.num_stages,
-                   DOT_SCALED=_dot_scaled(config), num_warps=config.num_warps, num_stages=config.num_stages)
+                   DOT_SCALED=_dot_scaled(config), SWAP_AB=_swap_ab(config), num_warps=config.num_warps,
+                   num_stages=config.num_stages)
     # The weights' TMA descriptors (TMA configs); otherwise any pointer will do, the kernels never read them.
     gate_source, up_source, down_source = (_tma_sources(w13_blocks, w2_blocks, interleaved, block_n, block_k)
                                            if _tma(config) else (w13_blocks,) * 3)
@@ -529,7 +551,7 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     w2_bias_arg = w2_bias if w2_bias is not None else hidden
     if use_workspace:
         _dequantize_experts(kernels, w13_blocks, w13_scales, plan, ws, 2 * spec.inter, spec.hidden, spec)
-    if _dot_scaled(config):  # tl.dot_scaled reduces in natural order
+    if _natural_order(config):
         hidden_n = hidden
     else:  # the GEMMs reduce in nibble order (see the generated module's docstring): x in that order first
         hidden_n = torch.empty(tokens, spec.hidden, dtype=spec.hidden_dtype, device=device)
@@ -545,7 +567,7 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     if split_k > 1:
         kernels["moe_split_activation_kernel"][gate_up_grid](
             gate_up_partial, plan.block_expert, plan.block_row_start, plan.block_row_end, w13_bias_arg, act, alpha,
-            limit, pairs, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, DOT_SCALED=_dot_scaled(config),
+            limit, pairs, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, NIBBLE_ORDER=not _natural_order(config),
             num_warps=config.num_warps)
     if use_workspace:
         _dequantize_experts(kernels, w2_blocks, w2_scales, plan, ws, spec.hidden, spec.inter, spec)
@@ -675,7 +697,8 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
     w2_bias = "*" + _TRITON_TYPES[spec.w2_bias_dtype or spec.hidden_dtype]
     tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                  WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=False, FP8=fp8,
-                 TMA=_tma(config), K_STAGES=config.num_stages, DOT_SCALED=_dot_scaled(config))
+                 TMA=_tma(config), K_STAGES=config.num_stages, DOT_SCALED=_dot_scaled(config),
+                 SWAP_AB=_swap_ab(config))
     # the weights' TMA descriptors (_tma_sources), else the packed bytes (unread)
     source = f"tensordesc<u8[1, {config['BLOCK_N']}, {config['BLOCK_K'] // 2}]>" if _tma(config) else "*u8"
     constexprs = {name: "constexpr" for name in tiles}
@@ -691,9 +714,9 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
     split_activation = dict(partial_ptr="*fp32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
                             block_row_end_ptr="*i32", bias_ptr=w13_bias, act_ptr=x, alpha="fp32", limit="fp32",
                             pairs="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", SPLIT_K="constexpr",
-                            DOT_SCALED="constexpr")
+                            NIBBLE_ORDER="constexpr")
     split_tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], SPLIT_K=_split_k(config),
-                       DOT_SCALED=_dot_scaled(config))
+                       NIBBLE_ORDER=not _natural_order(config))
     nibble_order = dict(x_ptr=x, out_ptr=x, stride_x="i32", BLOCK="constexpr")
     dequant = dict(w_blocks_ptr="*u8", w_scales_ptr="*u8", expert_counts_ptr="*i32", expert_slots_ptr="*i32",
                    workspace_ptr=ws, N="constexpr", K="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr")

@@ -49,6 +49,9 @@ class DeviceProfile:
     # would read symmetric_memory; passes never read either.
     collective_backend: str = ""  # "nccl" | "mccl" (torch_musa's)
     symmetric_memory: bool = False
+    # Tensor-descriptor loads are asynchronous bulk copies by a copy engine (Hopper's TMA); where False and
+    # triton_tensor_descriptors is True, Triton emulates them with plain loads (sm_80).
+    bulk_tensor_copies: bool = False
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return str(dtype).removeprefix("torch.") in self.native_dtypes
@@ -100,6 +103,7 @@ SM_90 = DeviceProfile(
     notes="H100/H200 (Hopper)",
     collective_backend="nccl",
     symmetric_memory=True,  # NVLink peers; multicast (NVLS) is never used
+    bulk_tensor_copies=True,
 )
 
 SM_80 = DeviceProfile(

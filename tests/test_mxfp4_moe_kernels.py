@@ -41,6 +41,10 @@ DOT_SCALED = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N=64
                                DOT_SCALED=1)
 DOT_SCALED_TMA_SPLIT = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=32, BLOCK_N=32, BLOCK_K=64,
                                          WORKSPACE=0, SPLIT_K=2, DOT_SCALED=1, TMA=1)
+# The weights as the MMA's A operand (columns in _swap_columns order): by plain loads, and by TMA with splits.
+SWAP_AB = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0, SWAP_AB=1)
+SWAP_AB_TMA_SPLIT = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0,
+                                      SPLIT_K=2, SWAP_AB=1, TMA=1)
 
 
 def tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict:
@@ -136,6 +140,10 @@ NUMERIC_CASES = [
     ("silu-concat-nobias-T37-skewed", DOT_SCALED),
     ("gptoss-T37-skewed-bf16-weights", DOT_SCALED_TMA_SPLIT),
     ("silu-concat-nobias-T37-skewed", DOT_SCALED_TMA_SPLIT),
+    ("gptoss-bfloat16-T5", SWAP_AB),
+    ("silu-concat-nobias-T37-skewed", SWAP_AB),
+    ("gptoss-T37-skewed-bf16-weights", SWAP_AB_TMA_SPLIT),
+    ("silu-concat-nobias-T37-skewed", SWAP_AB_TMA_SPLIT),
 ]
 
 
@@ -144,7 +152,7 @@ def _case_id(case: str, config: KernelConfig) -> str:
     split = dict(config.params).get("SPLIT_K", 1)
     options = dict(config.params)
     return (f"{case}-{path}" + (f"-split{split}" if split > 1 else "") + ("-tma" if options.get("TMA") else "")
-            + ("-dot_scaled" if options.get("DOT_SCALED") else ""))
+            + ("-dot_scaled" if options.get("DOT_SCALED") else "") + ("-swap_ab" if options.get("SWAP_AB") else ""))
 
 
 @pytest.mark.parametrize("case, config", NUMERIC_CASES, ids=[_case_id(c, cfg) for c, cfg in NUMERIC_CASES])
@@ -163,6 +171,32 @@ def test_triton_path_matches_reference(case, config, seed, tmp_path):
             mxfp4_moe.workspace_elements(spec, args[0].shape[0]) * (4 if spec.dot_fp32 else 2))
 
 
+@pytest.mark.parametrize("config", [SWAP_AB, SWAP_AB_TMA_SPLIT], ids=["plain", "tma-split"])
+def test_swap_ab_over_several_k_tiles_with_tails(config, seed, tmp_path):
+    """SWAP_AB reorders each 128-column K tile: H = 288 and I = 160 give whole tiles, a partial last tile (one
+    and a quarter MX groups) and partial row blocks in both GEMMs, with a NaN scale in one down-weight group."""
+    args = list(mxfp4_moe.random_moe_args(torch.device(DEVICE), torch.Generator().manual_seed(seed), tokens=9,
+                                          hidden=288, inter=160, experts=3, top_k=2))
+    scales = args[7].clone()
+    scales[1, 5, 4] = 255  # expert 1, output column 5, columns 128..159 of the down GEMM's reduction
+    args[7] = scales
+    check_against_reference_with_nan_column(args, run_triton(args, config, tmp_path), column=5,
+                                            expert=1, topk_ids=args[1])
+
+
+def check_against_reference_with_nan_column(args, out, column, expert, topk_ids):
+    """The tokens routed to `expert` get NaN in `column`; everything else matches the reference."""
+    expected = mxfp4_moe_reference(*args)
+    routed = (topk_ids == expert).any(dim=1)
+    assert routed.any() and expected[routed, column].isnan().all()
+    assert out[routed, column].isnan().all()
+    out, expected = out.clone(), expected.clone()
+    out[routed, column] = 0
+    expected[routed, column] = 0
+    assert not out.isnan().any(), "NaN in the output: an element was not written (outputs are poisoned)"
+    torch.testing.assert_close(out, expected, **tolerance(out.dtype, expected))
+
+
 def test_tma_config_on_weights_off_16_byte_alignment_runs_by_plain_loads(seed, tmp_path):
     """TMA reads from 16-byte aligned addresses only: weights 8 bytes off one run the same tile by plain loads."""
     args = list(case_args("gptoss-bfloat16-T5", seed))
@@ -176,20 +210,28 @@ def test_tma_config_on_weights_off_16_byte_alignment_runs_by_plain_loads(seed, t
 
 
 @pytest.mark.parametrize("case", ["gptoss-bfloat16-T5", "gptoss-float32-T5"])
-def test_tma_and_dot_scaled_configs_only_where_they_apply_and_never_untuned(case):
+def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
     """TMA tiles where the profile's Triton has tensor descriptors, DOT_SCALED ones where it compiles dot_scaled
-    and the activations are bf16; neither is the untuned choice (not measured enough yet)."""
+    and the activations are bf16, SWAP_AB ones for bf16 activations. The untuned choice of a decode bucket is a
+    TMA tile exactly where descriptor loads are bulk copies (measured faster there); DOT_SCALED and SWAP_AB tiles
+    (measured slower) never are, nor TMA past decode sizes (not measured)."""
     spec = mxfp4_moe.spec_from_args(*case_args(case, 0)[:11])
+    bf16 = spec.hidden_dtype == torch.bfloat16
     for profile in PROFILES.values():
         configs = mxfp4_moe.triton_configs(spec, profile)
         tma = [c for c in configs if dict(c.params).get("TMA")]
         scaled = [c for c in configs if dict(c.params).get("DOT_SCALED")]
+        swapped = [c for c in configs if dict(c.params).get("SWAP_AB")]
         assert bool(tma) == profile.triton_tensor_descriptors, profile.name
-        assert bool(scaled) == (profile.triton_dot_scaled and spec.hidden_dtype == torch.bfloat16), profile.name
-        assert all(c["WORKSPACE"] == 0 and c.num_stages >= 3 for c in tma + scaled)
-        for bucket in (1, 8, 64):
+        assert bool(scaled) == (profile.triton_dot_scaled and bf16), profile.name
+        assert bool(swapped) == bf16 and all(c["BLOCK_K"] == 128 for c in swapped), profile.name
+        assert all(c["WORKSPACE"] == 0 and c.num_stages >= 3 for c in tma + scaled + swapped)
+        for bucket in (1, 8, 64, 4096):
             _, default = mxfp4_moe.configs_for_bucket(spec, profile, bucket, configs, configs[0])
-            assert not {"TMA", "DOT_SCALED"} & set(dict(default.params)), (profile.name, bucket)
+            options = dict(default.params)
+            decode = mxfp4_moe.rows_per_expert(spec, bucket) <= mxfp4_moe.DECODE_MAX_ROWS_PER_EXPERT
+            assert bool(options.get("TMA")) == (profile.bulk_tensor_copies and decode), (profile.name, bucket)
+            assert not {"DOT_SCALED", "SWAP_AB"} & set(options), (profile.name, bucket)
 
 
 def test_int64_ids_and_strided_hidden(seed, tmp_path):
@@ -386,7 +428,11 @@ _AOT_SCRIPT = textwrap.dedent("""
               KernelConfig.make(4, 3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, WORKSPACE=0, SPLIT_K=2, TMA=1,
                                 DOT_SCALED=1)),
              ("gptoss-bf16", "prefill-tma-dot_scaled",
-              KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, WORKSPACE=0, TMA=1, DOT_SCALED=1))]
+              KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, WORKSPACE=0, TMA=1, DOT_SCALED=1)),
+             ("gptoss-bf16", "decode-swap_ab",
+              KernelConfig.make(4, 3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0, SPLIT_K=2, SWAP_AB=1)),
+             ("gptoss-bf16", "decode-tma-swap_ab",
+              KernelConfig.make(4, 3, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, WORKSPACE=0, TMA=1, SWAP_AB=1))]
     for spec_name, config_name, config in cases:
         spec = specs[spec_name]
         path = out / f"mxfp4_moe_{spec_name}.py"
@@ -443,7 +489,7 @@ _AOT_SCRIPT = textwrap.dedent("""
 def test_triton_kernels_compile_ahead_of_time_for_sm_90(tmp_path):
     results = run_ahead_of_time_script(_AOT_SCRIPT, tmp_path)
     labels = [r["label"] for r in results]
-    assert len(results) == 4 + 3 + 1 + 3 + 2 + 2 + 2 + 5, labels
+    assert len(results) == 4 + 3 + 1 + 3 + 2 + 2 + 2 + 2 + 2 + 5, labels
     for r in results:
         assert r["ptx"], r
         # TMA: the weight loads pipelined (stages - 1 prologue copies, then one per step, per weight tile); not
@@ -452,6 +498,9 @@ def test_triton_kernels_compile_ahead_of_time_for_sm_90(tmp_path):
         # DOT_SCALED: the compiler's E2M1 conversion into the operand registers, then Hopper's warp-group MMA
         if "dot_scaled" in r["label"]:
             assert r["fp4_to_fp"] and r["wgmma"], r
+        # SWAP_AB: the decoded weights are the warp-group MMA's A operand
+        if "swap_ab" in r["label"]:
+            assert r["wgmma"], r
         if "estimate" in r and "bf16" in r["label"]:
             assert r["mma"], f"{r['label']}: the GEMM did not use matrix instructions"
             assert r["shared"] <= r["estimate"], f"{r['label']}: shared memory {r['shared']} > estimate"

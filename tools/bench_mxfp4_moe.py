@@ -368,10 +368,9 @@ def bucket_configs(spec, codegen: str, bucket: int, musa_legal: bool,
     tile = {k: v for k, v in default.params if k != "SPLIT_K"}
     splits = [c for c in others if {k: v for k, v in c.params if k != "SPLIT_K"} == tile
               and (c.num_warps, c.num_stages) == (default.num_warps, default.num_stages)]
-    # and the default's tile with its weights by TMA and/or multiplied by tl.dot_scaled, every split and depth
-    # (same-run A/Bs of both)
-    # (the workspace path's tile too: DOT_SCALED tiles are online ones)
-    variants = ("TMA", "DOT_SCALED")
+    # and the default's tile with its weights by TMA and/or as the MMA's A operand, every split and depth
+    # (same-run A/Bs of both; the workspace path's tile too: SWAP_AB tiles are online ones)
+    variants = ("TMA", "SWAP_AB")
     alternatives = [c for c in others if any(dict(c.params).get(k) for k in variants)
                     and c.num_warps == default.num_warps
                     and {k: v for k, v in c.params if k not in ("SPLIT_K", "WORKSPACE", *variants)}
