@@ -514,8 +514,10 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     bucket straddles FP8_MIN_ROWS_PER_EXPERT."""
     if fp8 != _fp8(config):
         config = _PATH_CONFIGS[fp8]
-    if _tma(config) and not all(w.data_ptr() % TMA_ALIGNMENT == 0 for w in (w13_blocks, w2_blocks)):
-        config = _without_tma(config)  # TMA reads from 16-byte aligned addresses only: the same tile by plain loads
+    if (_tma(config) or _swap_ab(config)) and not all(w.data_ptr() % TMA_ALIGNMENT == 0 for w in (w13_blocks,
+                                                                                                 w2_blocks)):
+        # TMA reads from 16-byte aligned addresses only, SWAP_AB reads words: the same tile by plain byte loads
+        config = _plain_loads(config)
     spec = _LaunchShape.of(hidden, topk_ids, w13_scales)
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     tokens = hidden.shape[0]
@@ -533,8 +535,9 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
                    DOT_SCALED=_dot_scaled(config), SWAP_AB=_swap_ab(config), num_warps=config.num_warps,
                    num_stages=config.num_stages)
     # The weights' TMA descriptors (TMA configs); otherwise any pointer will do, the kernels never read them.
-    gate_source, up_source, down_source = (_tma_sources(w13_blocks, w2_blocks, interleaved, block_n, block_k)
-                                           if _tma(config) else (w13_blocks,) * 3)
+    gate_source, up_source, down_source = (
+        _tma_sources(w13_blocks, w2_blocks, interleaved, block_n, block_k, _swap_ab(config)) if _tma(config)
+        else (w13_blocks,) * 3)
     if _fp8(config):
         _launch_w4a8(kernels, plan, options, hidden, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
                      w2_scales, w2_bias, alpha, limit, act, pair_out, spec)
@@ -582,25 +585,30 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
 TMA_ALIGNMENT = 16
 
 
-def _without_tma(config: KernelConfig) -> KernelConfig:
-    return KernelConfig(tuple((k, v) for k, v in config.params if k != "TMA"), config.num_warps, config.num_stages)
+def _plain_loads(config: KernelConfig) -> KernelConfig:
+    """The same tile with its weights by plain byte loads: without TMA and SWAP_AB."""
+    params = tuple((k, v) for k, v in config.params if k not in ("TMA", "SWAP_AB"))
+    return KernelConfig(params, config.num_warps, config.num_stages)
 
 
-def _tma_sources(w13_blocks, w2_blocks, interleaved: bool, block_n: int, block_k: int):
-    """TMA descriptors over the packed weights as the GEMMs tile them, [E, N, K/2] with boxes of [1, BLOCK_N,
-    BLOCK_K/2]: the gate rows and the up rows of w13 (every other row where interleaved, else its two halves),
-    and w2's rows."""
+def _tma_sources(w13_blocks, w2_blocks, interleaved: bool, block_n: int, block_k: int, words: bool):
+    """TMA descriptors over the packed weights as the GEMMs tile them, [E, N, K/2] bytes with boxes of [1, BLOCK_N,
+    BLOCK_K/2] (words: [E, N, K/8] int32 words, boxes [1, BLOCK_N, BLOCK_K/8]): the gate rows and the up rows of
+    w13 (every other row where interleaved, else its two halves), and w2's rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415 (CUDA Tritons only)
 
     experts, two_i = w13_blocks.shape[:2]
     w13 = w13_blocks.view(experts, two_i, -1)
+    w2 = w2_blocks.view(*w2_blocks.shape[:2], -1)
+    if words:
+        w13, w2 = w13.view(torch.int32), w2.view(torch.int32)
     if interleaved:
         gate, up = w13.view(experts, two_i // 2, 2, -1).unbind(2)
     else:
         gate, up = w13.split(two_i // 2, dim=1)
-    box = [1, block_n, block_k // 2]
+    box = [1, block_n, block_k // (8 if words else 2)]
     return (TensorDescriptor.from_tensor(gate, box), TensorDescriptor.from_tensor(up, box),
-            TensorDescriptor.from_tensor(w2_blocks.view(*w2_blocks.shape[:2], -1), box))
+            TensorDescriptor.from_tensor(w2, box))
 
 
 # The tile a W4A8-op launch runs when its config belongs to the other path (by FP8): the prefill tests' FP8 tile, or
@@ -700,7 +708,9 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
                  TMA=_tma(config), K_STAGES=config.num_stages, DOT_SCALED=_dot_scaled(config),
                  SWAP_AB=_swap_ab(config))
     # the weights' TMA descriptors (_tma_sources), else the packed bytes (unread)
-    source = f"tensordesc<u8[1, {config['BLOCK_N']}, {config['BLOCK_K'] // 2}]>" if _tma(config) else "*u8"
+    box = (f"i32[1, {config['BLOCK_N']}, {config['BLOCK_K'] // 8}]" if _swap_ab(config)
+           else f"u8[1, {config['BLOCK_N']}, {config['BLOCK_K'] // 2}]")
+    source = f"tensordesc<{box}>" if _tma(config) else "*u8"
     constexprs = {name: "constexpr" for name in tiles}
     schedule = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
                     block_row_end_ptr="*i32", expert_slots_ptr="*i32", w_blocks_ptr="*u8", w_scales_ptr="*u8",

@@ -368,13 +368,15 @@ def bucket_configs(spec, codegen: str, bucket: int, musa_legal: bool,
     tile = {k: v for k, v in default.params if k != "SPLIT_K"}
     splits = [c for c in others if {k: v for k, v in c.params if k != "SPLIT_K"} == tile
               and (c.num_warps, c.num_stages) == (default.num_warps, default.num_stages)]
-    # and the default's tile with its weights by TMA and/or as the MMA's A operand, every split and depth
-    # (same-run A/Bs of both; the workspace path's tile too: SWAP_AB tiles are online ones)
+    # and the default's tile with and without its weights by TMA and as the MMA's A operand, every split and
+    # depth (same-run A/Bs; the workspace path's tile too: SWAP_AB tiles are online ones)
     variants = ("TMA", "SWAP_AB")
-    alternatives = [c for c in others if any(dict(c.params).get(k) for k in variants)
-                    and c.num_warps == default.num_warps
-                    and {k: v for k, v in c.params if k not in ("SPLIT_K", "WORKSPACE", *variants)}
-                    == {k: v for k, v in tile.items() if k != "WORKSPACE"}]
+
+    def shape(config):  # the tile without its split, path and variants
+        return {k: v for k, v in config.params if k not in ("SPLIT_K", "WORKSPACE", *variants)}
+
+    alternatives = [c for c in others if c not in splits and c.num_warps == default.num_warps
+                    and shape(c) == shape(default)]
     rest = [c for c in others if c not in splits + alternatives]
     step = max(1, len(rest) // max(how_many, 1))
     return [("default", default)] + [("candidate", c) for c in splits + alternatives + rest[::step][:how_many]]
