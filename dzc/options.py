@@ -78,15 +78,13 @@ class CompileOptions:
     # for a same-named subclass; eager results are unchanged). Dynamo and AOTAutograd then trace one layer body
     # instead of every layer, dzc's passes rewrite each body once, and the bodies are inlined at their calls
     # before the passes run over the whole graph (layer-crossing fusions), so the fusions are those of a plain
-    # capture. Off by default for now: on the multimodal reference model the retries below and the cache-writing
-    # decoder layers (traced per layer all the same) make a cold compile ~30% slower (docs/results/
-    # compile_time_cpu.md, session 16); llama-style decoders compile ~40% faster. With regions on, where they
-    # would cost a graph or a recompile a plain capture does not, dzc marks fewer layers or none (a dim
-    # specialised inside a layer is no longer marked dynamic; layers whose calls take inputs of other dynamic
-    # sizes, such as window and full-attention vision blocks, are not marked alongside each other: Dynamo's
-    # reuse check would guard their sizes' relation), and a capture with regions that fails or cannot be trusted
-    # is retried without them; the report's nested_regions and region_retries say which.
-    # None = $DZC_NESTED_REGIONS (off unless set to 1).
+    # capture. On by default: cold compiles of the llama-style decoder and of the multimodal reference model are
+    # faster with them (docs/results/compile_time_cpu.md, session 17). Where regions would cost a graph or a
+    # recompile a plain capture does not, dzc works around it: calls of one layer class given inputs of other
+    # dynamic sizes (window and full-attention vision blocks) get a body each, a dim specialised inside a layer is
+    # no longer marked dynamic, and fewer layers are marked where Dynamo relates two calls' sizes all the same; a
+    # capture with regions that fails or cannot be trusted is retried without them; the report's nested_regions
+    # and region_retries say which. None = $DZC_NESTED_REGIONS (on unless set to 0).
     nested_regions: bool | None = None
 
     def resolved_cache_dir(self) -> str:

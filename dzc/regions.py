@@ -23,14 +23,21 @@ GraphModule attribute). Two halves here:
   nothing else to do inside the bodies. Inlining loses nothing at run time: the fallback would run each body as
   a graph anyway, and the flat graph is what lowering, coverage, the dumps and the compile cache already take.
 
-Regions are opt-in (CompileOptions.nested_regions, DZC_NESTED_REGIONS=1), and must never cost a graph or a
-recompile a plain capture does not (torch 2.13):
+Regions are on by default (CompileOptions.nested_regions, DZC_NESTED_REGIONS=0 turns them off), and must never
+cost a graph or a recompile a plain capture does not (torch 2.13):
+- where two calls of a region pass inputs of other dynamic sizes (window and full-attention vision blocks),
+  Dynamo's reuse check would guard the sizes' relation: the calls of marked layers are compared by their sizes'
+  expressions first, so each kind of call gets a body of its own (`_reuse_only_calls_of_the_same_sizes`); where
+  such a guard is made all the same, only the most common kind of call stays marked (`narrowing`);
 - a dim marked dynamic (dzc's hint) that a layer body specialises makes Dynamo's stamp-out fail (`KeyError: 2`):
   the hint is taken off and the capture retried with the same marks (`unmark_specialized_dims`);
-- where two calls of a region pass inputs of other dynamic sizes (window and full-attention vision blocks),
-  Dynamo's reuse check guards the sizes' relation: only the most common kind of call stays marked (`narrowing`);
-- a body that writes its inputs (a KV cache) AOTAutograd wraps in auto_functionalized_v2, with clones dzc's
-  passes do not rewrite: those calls are inlined in Dynamo's graph and AOTAutograd traces again;
+- a body that writes its inputs (a layer writing its KV cache) AOTAutograd keeps as
+  auto_functionalized_v2(invoke_subgraph, ...), traced once per body: `flatten` inlines those calls with their
+  writes as a plain capture has them (the new values, copied into the graph's inputs at its end), so the passes
+  see the same graph; a call it cannot inline so (a written input that is a view of another tensor) is inlined
+  in Dynamo's graph instead and AOTAutograd traces again (`WritingRegions`). Marking such layers pays: where they
+  take an object (a paged cache) torch 2.13's Dynamo reuses no body and traces every call, but AOTAutograd, most
+  of a capture, traces each distinct body once;
 - Dynamo guards pytree's registry for region calls taking kwargs or objects: dzc's compile cache pickles graphs
   without touching it (compile_cache._slice_as_pytree_node).
 A capture with regions is refused, and the model captured again without them, where the region capture raises
@@ -42,6 +49,7 @@ outcome, a second capture only costs time.
 from __future__ import annotations
 
 import collections
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -52,6 +60,8 @@ from dzc import ir
 from dzc.passes.graph_pass import copy_graph
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+# AOTAutograd's form of a region call whose body writes its inputs: auto_functionalized_v2(invoke_subgraph, ...)
+AUTO_FUNCTIONALIZED = torch.ops.higher_order.auto_functionalized_v2
 
 # Subclasses made by the marking, per original class: one per class, shared by every marked model.
 _REGION_CLASSES: dict[type, type] = {}
@@ -78,6 +88,49 @@ def _region_class(cls: type) -> type:
                                                            "__qualname__": cls.__qualname__,
                                                            "_dzc_region_of": cls})
     return _REGION_CLASSES[cls]
+
+
+def _size_expressions(value):
+    """`value` (a tensor's metadata as Dynamo compares it: sizes, strides, flags) with each symbolic size as its
+    expression: comparable without the shape env."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.expr
+    if isinstance(value, (tuple, list)):
+        return tuple(_size_expressions(item) for item in value)
+    return value
+
+
+def _reuse_only_calls_of_the_same_sizes() -> None:
+    """torch 2.13's Dynamo reuses a region body for a later call whose inputs' metadata compare equal
+    (invoke_subgraph.is_reusable). Where the sizes are other symbols (a window block's cu_window_seqlens, a
+    full-attention block's cu_seqlens), that comparison guards their relation (Eq(s40, s11)): a recompile where it
+    flips, which a plain capture does not have. For the calls of layers dzc marked, the sizes are compared as
+    expressions first, which guards nothing: a call of other sizes traces a body of its own (`narrowing` stays for
+    guards this does not prevent). This only refuses reuses torch would allow, never allows one it refuses.
+    Installed once per process, by the first marking; other regions' calls are checked as torch checks them."""
+    try:
+        from torch._dynamo.variables import invoke_subgraph as dynamo_regions
+
+        torch_is_reusable, metadata = dynamo_regions.is_reusable, dynamo_regions.extract_tensor_metadata
+        module_tag, tensor_tag = dynamo_regions.InputTag.MODULE, dynamo_regions.InputTag.TENSOR
+    except (ImportError, AttributeError):  # torch's internals moved: `narrowing` alone keeps such guards off
+        return
+    if getattr(torch_is_reusable, "dzc_checks_sizes_first", False):
+        return
+
+    @functools.wraps(torch_is_reusable)
+    def is_reusable(tx, condition, fingerprint, cached_entry) -> bool:
+        if any(tag is module_tag and "_dzc_region_of" in vars(type(vt.value)) for tag, vt in fingerprint.flat_vts):
+            for (cached_tag, cached), (tag, vt) in zip(condition.input_checks, fingerprint.flat_vts):
+                if cached_tag is not tensor_tag or tag is not tensor_tag:
+                    continue
+                example = vt.proxy.node.meta.get("example_value")
+                if example is not None and _size_expressions(metadata(example)) != _size_expressions(cached):
+                    return False
+        return torch_is_reusable(tx, condition, fingerprint, cached_entry)
+
+    is_reusable.dzc_checks_sizes_first = True
+    dynamo_regions.is_reusable = is_reusable
 
 
 def _markable(module: torch.nn.Module) -> str:
@@ -154,6 +207,7 @@ def mark_repeated_layers(model) -> Marking:
                 if why != "a torch class":
                     marking.refused.append(f"{path}: {cls.__name__} ({why})")
                 continue
+            _reuse_only_calls_of_the_same_sizes()
             region = _region_class(cls)
             try:
                 for layer in layers:
@@ -190,11 +244,11 @@ def misplaced_parameters(gm: torch.fx.GraphModule, example_inputs, marking: Mark
 
 
 class WritingRegions(Exception):
-    """AOTAutograd kept region calls whose bodies write their inputs (a layer writing its KV cache, where Dynamo
-    stamped out one body for several calls) as auto_functionalized_v2(invoke_subgraph, ...): clones of the written
-    inputs, which dzc's passes do not rewrite. Raised by dzc's backend on AOTAutograd's graph; the backend inlines
-    those calls in Dynamo's graph (`inline_calls`) and runs AOTAutograd again, which then traces the layers as a
-    plain capture does (Dynamo still traced one body)."""
+    """AOTAutograd kept region calls whose bodies write their inputs (a layer writing its KV cache) as
+    auto_functionalized_v2(invoke_subgraph, ...), and `flatten` cannot inline some of them as a plain capture's
+    writes (`functionalized_calls` says which). Raised by dzc's backend on AOTAutograd's graph; the backend inlines
+    those calls in Dynamo's graph (`inline_calls`) and runs AOTAutograd again, which then traces those layers as a
+    plain capture does."""
 
     def __init__(self, identifiers: set[str]):
         super().__init__("AOTAutograd functionalized region calls that write their inputs "
@@ -203,13 +257,12 @@ class WritingRegions(Exception):
 
 
 def functionalized_calls(graph: torch.fx.Graph) -> set[str]:
-    """The identifiers (as Dynamo named them) of the region calls AOTAutograd wrapped in auto_functionalized_v2."""
-    found = set()
-    for node in graph.nodes:
-        if (node.op == "call_function" and node.target is torch.ops.higher_order.auto_functionalized_v2
-                and node.args and node.args[0] is INVOKE_SUBGRAPH):
-            found.add(str(node.kwargs.get("identifier", "")).removeprefix("auto_functionalized_"))
-    return found
+    """The identifiers (as Dynamo named them) of the region calls AOTAutograd wrapped in auto_functionalized_v2
+    (their bodies write their inputs) that `flatten` cannot inline (`_functionalized` says why)."""
+    root = graph.owning_module
+    return {str(node.kwargs["identifier"]).removeprefix("auto_functionalized_") for node in graph.nodes
+            if _is_functionalized(node)
+            and isinstance(_functionalized(node, getattr(root, node.kwargs["subgraph"].target).graph), str)}
 
 
 def inline_calls(gm: torch.fx.GraphModule, identifiers: set[str]) -> None:
@@ -327,40 +380,117 @@ class Body:
     calls: list[torch.fx.Node]
 
 
+def _is_functionalized(node: torch.fx.Node) -> bool:
+    """Whether `node` is a region call as AOTAutograd keeps one whose body writes its inputs."""
+    return (node.op == "call_function" and node.target is AUTO_FUNCTIONALIZED and bool(node.args)
+            and node.args[0] is INVOKE_SUBGRAPH)
+
+
+def _region_call(node: torch.fx.Node) -> tuple[str, str] | None:
+    """(body attribute, identifier) of a region call, plain or functionalized; None for any other node."""
+    if node.op == "call_function" and node.target is INVOKE_SUBGRAPH:
+        return node.args[0].target, node.args[1]
+    if _is_functionalized(node):
+        return node.kwargs["subgraph"].target, node.kwargs["identifier"]
+    return None
+
+
+@dataclass
+class _Functionalized:
+    """How `flatten` inlines a functionalized region call: the body's inputs as the call passes them (a written
+    input as its base, which the call's own semantics would clone) and, per base (the call's results after the
+    body's outputs), the body's copy into it. The copies are left out: the values they copy are the bases' new
+    values, which the graph copies into its inputs at its end, as in a plain capture; nothing writes the bases
+    before that, so the body's and the graph's other reads of them read what the clones would hold."""
+
+    inputs: list
+    copies: list[torch.fx.Node]
+
+
+def _functionalized(node: torch.fx.Node, body: torch.fx.Graph) -> _Functionalized | str:
+    """How to inline the functionalized region call `node` running `body`, or why it cannot be inlined so."""
+    placeholders = [n for n in body.nodes if n.op == "placeholder"]
+    bases = list(node.kwargs.get("_all_bases", ()))
+    inputs, copies = [], [None] * len(bases)
+    for position, placeholder in enumerate(placeholders):
+        name = f"arg{position}"
+        if name in node.kwargs:
+            inputs.append(node.kwargs[name])
+            continue
+        base = node.kwargs.get(f"_{name}_base_index")
+        # a view of its base carries more keys (_argN_alias, _argN_size, _argN_slice_dim, ...): it would be
+        # regenerated from the base's clone, which inlining does not do
+        if base is None or any(key.startswith(f"_{name}_") and key != f"_{name}_base_index" for key in node.kwargs):
+            return f"its written input {name} is {'missing' if base is None else 'a view of another tensor'}"
+        writes = [user for user in placeholder.users if user.target is torch.ops.aten.copy_.default
+                  and user.args[0] is placeholder and not user.users]
+        if len(writes) != 1 or copies[base] is not None:
+            return f"its body does not write its input {name} with one copy of its own"
+        copies[base] = writes[0]
+        inputs.append(bases[base])
+    if None in copies:
+        return "one of its bases is no input of its body"
+    # Leaving the copies out is only sound where nothing runs after them (every read of an input sees its old
+    # value) and nothing else writes.
+    nodes = list(body.nodes)
+    if set(nodes[len(nodes) - 1 - len(copies):-1]) != set(copies):
+        return "its body does not end with its copies into its inputs"
+    if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable and n not in copies
+           for n in nodes):
+        return "its body writes otherwise than by its closing copies"
+    for copy in copies:
+        source, target = copy.args[1].meta.get("val"), copy.args[0].meta.get("val")
+        if source is None or target is None or source.shape != target.shape or source.dtype != target.dtype:
+            return "its body's copy into an input changes its shape or dtype"
+    return _Functionalized(inputs, copies)
+
+
 def body_calls(graph: torch.fx.Graph, root: torch.nn.Module) -> list[Body]:
-    """The distinct bodies `graph`'s invoke_subgraph calls run, in order of first call (shared bodies once)."""
+    """The distinct bodies `graph`'s region calls (plain or functionalized) run, in order of first call (shared
+    bodies once)."""
     bodies: dict[str, Body] = {}
     for node in graph.nodes:
-        if node.op == "call_function" and node.target is INVOKE_SUBGRAPH:
-            attribute = node.args[0].target
+        call = _region_call(node)
+        if call is not None:
+            attribute, identifier = call
             if attribute not in bodies:
-                bodies[attribute] = Body(attribute, node.args[1], getattr(root, attribute), [])
+                bodies[attribute] = Body(attribute, identifier, getattr(root, attribute), [])
             bodies[attribute].calls.append(node)
     return list(bodies.values())
 
 
 def flatten(graph: torch.fx.Graph, root: torch.nn.Module,
             rewritten: dict[str, torch.fx.Graph] | None = None) -> torch.fx.Graph:
-    """A copy of `graph` with every invoke_subgraph call replaced by the nodes of its body: `rewritten[attribute]`
-    where given, else the body as captured (its own calls flattened first). A body's get_attr reads its own
-    attribute, through the body's path on `root`."""
+    """A copy of `graph` with every region call replaced by the nodes of its body: `rewritten[attribute]` where
+    given, else the body as captured (its own calls flattened first); a functionalized call's writes as a plain
+    capture's (`_Functionalized`). A body's get_attr reads its own attribute, through the body's path on `root`."""
     rewritten = rewritten or {}
     new = torch.fx.Graph()
     env: dict[torch.fx.Node, object] = {}
     for node in graph.nodes:
+        call = _region_call(node)
         if node.op == "output":
             new.output(torch.fx.map_arg(node.args[0], env.__getitem__))
-        elif node.op == "call_function" and node.target is INVOKE_SUBGRAPH:
-            attribute = node.args[0].target
+        elif call is not None:
+            attribute = call[0]
             body = getattr(root, attribute)
             body_graph = rewritten.get(attribute) or flatten(body.graph, body)
-            arguments = [torch.fx.map_arg(a, env.__getitem__) for a in node.args[2:]]
-            env[node] = _inline(new, body_graph, arguments, attribute)
+            if node.target is INVOKE_SUBGRAPH:
+                env[node] = _inline(new, body_graph, [torch.fx.map_arg(a, env.__getitem__) for a in node.args[2:]],
+                                    attribute)
+                continue
+            functionalized = _functionalized(node, body_graph)
+            if isinstance(functionalized, str):
+                raise ValueError(f"the region call {node.name} cannot be inlined: {functionalized}")
+            env[node] = _inline(new, body_graph, [torch.fx.map_arg(a, env.__getitem__) for a in functionalized.inputs],
+                                attribute, functionalized.copies)
         elif (node.op == "call_function" and node.target is operator.getitem
-              and isinstance(node.args[0], torch.fx.Node) and node.args[0].target is INVOKE_SUBGRAPH):
+              and isinstance(node.args[0], torch.fx.Node) and _region_call(node.args[0]) is not None):
             env[node] = env[node.args[0]][node.args[1]]
-        elif node.op == "get_attr" and isinstance(getattr(root, node.target, None), torch.fx.GraphModule):
-            continue  # a body: its calls are inlined
+        elif node.op == "get_attr" and (isinstance(getattr(root, node.target, None), torch.fx.GraphModule) or (
+                node.users and all(_is_functionalized(user) and user.kwargs.get("_op_schema") is node
+                                   for user in node.users))):
+            continue  # a body, or a functionalized call's schema: the calls are inlined
         else:
             env[node] = new.node_copy(node, env.__getitem__)
     return new
@@ -372,9 +502,12 @@ def inlined(gm: torch.fx.GraphModule) -> torch.fx.Graph:
     return flatten(gm.graph, gm) if body_calls(gm.graph, gm) else copy_graph(gm.graph)
 
 
-def _inline(new: torch.fx.Graph, body: torch.fx.Graph, arguments: list, attribute: str) -> tuple:
-    """Copy `body`'s nodes into `new`, its placeholders bound to `arguments`; returns its outputs."""
+def _inline(new: torch.fx.Graph, body: torch.fx.Graph, arguments: list, attribute: str,
+            copies: tuple[torch.fx.Node, ...] | list[torch.fx.Node] = ()) -> tuple:
+    """Copy `body`'s nodes into `new`, its placeholders bound to `arguments`; returns its outputs, then the values
+    that `copies` (copy_ nodes of `body`, left out) would copy."""
     env: dict[torch.fx.Node, object] = {}
+    left_out = set(copies)
     placeholders = [node for node in body.nodes if node.op == "placeholder"]
     if len(placeholders) != len(arguments):
         raise ValueError(f"body {attribute} takes {len(placeholders)} inputs, its call passes {len(arguments)}")
@@ -383,7 +516,9 @@ def _inline(new: torch.fx.Graph, body: torch.fx.Graph, arguments: list, attribut
         if node.op == "placeholder":
             continue
         if node.op == "output":
-            return tuple(torch.fx.map_arg(node.args[0], env.__getitem__))
+            return (*torch.fx.map_arg(node.args[0], env.__getitem__), *(env[copy.args[1]] for copy in copies))
+        if node in left_out:
+            continue
         copied = new.node_copy(node, env.__getitem__)
         if node.op == "get_attr":
             copied.target = f"{attribute}.{node.target}"

@@ -10,6 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib.util  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import subprocess  # noqa: E402
@@ -24,14 +25,20 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA; `anydevice` ones pick CUDA where present, else the CPU; the others are the CPU
     suite: they build CPU tensors for a GPU target, which run through Triton's interpreter, and Triton picks the
     interpreter once per process, at import. So each half runs in its own process: on a GPU machine tools/test.sh
-    runs the CPU suite with CUDA hidden, then the `gpu` and `anydevice` tests."""
+    runs the CPU suite with CUDA hidden, then the `gpu` and `anydevice` tests. `gpu` tests of TileLang kernels (the
+    test's name or its module's file name says "tilelang") need TileLang installed too."""
     gpu = torch.cuda.is_available()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    tilelang_missing = importlib.util.find_spec("tilelang") is None
+    skip_tilelang = pytest.mark.skip(reason="TileLang is not installed: tools/gpu_campaign.sh installs it from "
+                                            ".whl-gpu1/.whl-gpu2")
     skip_cpu = pytest.mark.skip(reason="CPU suite: run it with CUDA hidden (CUDA_VISIBLE_DEVICES=, as tools/test.sh "
                                        "does on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords and not gpu:
             item.add_marker(skip_gpu)
+        elif "gpu" in item.keywords and tilelang_missing and ("tilelang" in item.name or "tilelang" in item.path.name):
+            item.add_marker(skip_tilelang)
         elif gpu and "gpu" not in item.keywords and "anydevice" not in item.keywords:
             item.add_marker(skip_cpu)
 

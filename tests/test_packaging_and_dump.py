@@ -152,8 +152,12 @@ def test_dump_json(dumps):
     assert {k: n for k, n in data["report"]["passes"].items() if n} == {"fuse_residual_norm": 4}
     assert data["report"]["target"] == "musa:mp_31"
     assert data["run"].startswith("compiled, not run")
+    # Nested compile regions (on by default): the passes rewrite the layers' shared body once, then run over the
+    # graph with the body inlined at each call.
+    assert data["report"]["nested_regions"] == "layers: 2 x HFLayer"
     passes = [p.__name__ for p in build_pipeline(resolve_target("musa"))]
-    assert [s["stage"] for s in data["stages"]] == ["capture", *passes, "lowered"]
+    assert [s["stage"] for s in data["stages"]] == ["capture", *(f"repeated_subgraph0.{p}" for p in passes),
+                                                    "inline_regions", *passes, "lowered"]
     assert data["kernels"] == {}
     [kernel] = data["report"]["kernels"]
     assert kernel["uses"] == 4 and kernel["profile"] == "musa:mp_31"

@@ -1,7 +1,7 @@
-"""Nested compile regions (dzc/regions.py, opt-in): repeated layers captured once fuse as a plain capture does
-and match eager, the report says the regions were used, a capture with regions that fails or cannot be trusted is
-refused and captured again without them, the knob and the option turn them on, and the warm-compile cache still
-hits."""
+"""Nested compile regions (dzc/regions.py, on by default): repeated layers captured once fuse as a plain capture
+does and match eager, the report says the regions were used, layers writing their caches stay regions, calls given
+inputs of other sizes get a body each, a capture with regions that fails or cannot be trusted is refused and
+captured again without them, the knob and the option turn them off, and the warm-compile cache still hits."""
 
 import copy
 import dataclasses
@@ -64,16 +64,17 @@ def test_repeated_layers_fuse_as_without_regions_and_match_eager(options):
 
 
 def test_the_multimodal_model_fuses_as_without_regions(options):
-    """Its whole prefill: torch 2.13's Dynamo fails in the stamp-out of the second vision block (KeyError: 2: the
-    patch positions' (row, column) dim, marked dynamic, is specialised inside the first block), so dzc takes that
-    dim's hint off and captures again; then the reuse check of the vision blocks guards cu_seqlens' size against
-    cu_window_seqlens' (one window block, one full-attention block), so dzc keeps only the decoder layers marked.
-    Same fusions and results as without regions, one graph. (The decoder layers write the paged cache: AOTAutograd
-    inlines their bodies, so Dynamo traces one layer, AOTAutograd every layer.)"""
+    """Its whole prefill, 3 vision blocks (the second one full-attention) and 3 decoder layers, all marked: torch
+    2.13's Dynamo fails in the stamp-out of the third vision block (KeyError: 2: the patch positions' (row, column)
+    dim, marked dynamic, is specialised inside the first block), so dzc takes that dim's hint off and captures
+    again, once. The full-attention block gets a body of its own (its cu_seqlens are of another size than the
+    window blocks' cu_window_seqlens: no guard relates them, no block is unmarked). The decoder layers write the
+    paged cache: AOTAutograd keeps the calls of their shared body functionalized, dzc inlines them with the writes
+    of a plain capture. Same fusions and results as without regions, one graph."""
     fired, logits = {}, {}
     for nested in (False, True):
         torch._dynamo.reset()
-        model, inputs = build_model("multimodal")  # seeded: the same weights and inputs each time
+        model, inputs = build_model("multimodal", layers=3)  # seeded: the same weights and inputs each time
         compiled = dzc.compile(model, "cuda", dataclasses.replace(options, nested_regions=nested))
         with torch.no_grad():
             logits[nested] = compiled(*inputs)
@@ -82,14 +83,12 @@ def test_the_multimodal_model_fuses_as_without_regions(options):
     assert fired[True] == fired[False], fired
     torch.testing.assert_close(logits[True], logits[False], atol=0, rtol=0)
     report = compiled.report
-    assert report.nested_regions.startswith("language.layers: 2 x DecoderLayer (narrowed: region calls compare "
-                                            "inputs of other dynamic sizes"), report.nested_regions
-    assert len(report.region_retries) == 2, report.region_retries
+    assert report.nested_regions == "vision.blocks: 3 x VisionBlock, language.layers: 3 x DecoderLayer"
+    assert len(report.region_retries) == 1, report.region_retries
     assert "KeyError: 2" in report.region_retries[0] and "L['patch_positions'].size()[1]" in report.region_retries[0]
-    assert report.region_retries[1].startswith("vision.blocks: 2 x VisionBlock, language.layers: 2 x DecoderLayer "
-                                               "narrowed to language.layers: 2 x DecoderLayer")
-    assert all(type(block).__name__ == "VisionBlock" and "_dzc_region_of" not in vars(type(block))
-               for block in model.vision.blocks)
+    capture = dict(report.graphs[0].stages)["capture"]
+    assert "auto_functionalized_v2" in capture and "called 2 times" in capture, capture[-2000:]
+    assert all("_dzc_region_of" in vars(type(block)) for block in model.vision.blocks)
 
 
 def test_a_pickled_graph_does_not_recompile_region_calls(options):
@@ -151,6 +150,147 @@ def test_a_graph_break_inside_a_layer_refuses_regions(options, seed):
     assert not any(g.regions for g in report.graphs)
 
 
+class _CacheWriter(nn.Module):
+    """A layer that writes rows `slots` of its input `cache`, as a decoder layer writes its KV cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x, cache, slots):
+        cache.index_copy_(0, slots, x)
+        return torch.relu(self.linear(x)) + cache.sum(0)
+
+
+class _CacheWriters(nn.Module):
+    """Three cache writers, each given a cache of its own, or (shared) its row of one cache: a view."""
+
+    def __init__(self, shared: bool):
+        super().__init__()
+        self.layers = nn.ModuleList(_CacheWriter() for _ in range(3))
+        self.shared = shared
+        self.register_buffer("caches", torch.zeros(3, 8, 16))
+        self.own = nn.ModuleList(nn.Module() for _ in range(3))
+        for holder in self.own:
+            holder.register_buffer("cache", torch.zeros(8, 16))
+
+    def forward(self, x, slots):
+        for index, layer in enumerate(self.layers):
+            x = layer(x, self.caches[index] if self.shared else self.own[index].cache, slots)
+        return x
+
+
+def _run_cache_writers(options, shared: bool, nested: bool):
+    """The report of _CacheWriters compiled and called twice, its outputs and caches checked against eager."""
+    torch.manual_seed(0)
+    model = _CacheWriters(shared)
+    eager = copy.deepcopy(model)
+    compiled = dzc.compile(model, "cuda", dataclasses.replace(options, nested_regions=nested))
+    with torch.no_grad():
+        for slots in (torch.tensor([1, 3, 5, 7]), torch.tensor([0, 2, 4, 6])):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(compiled(x, slots), eager(x, slots))
+    for (name, written), (_, expected) in zip(model.named_buffers(), eager.named_buffers()):
+        torch.testing.assert_close(written, expected, msg=name)
+    return compiled.report
+
+
+def test_layers_writing_their_caches_share_a_body_and_write_as_a_plain_capture(options):
+    """Layers that write an input of their own (decoder layers writing their KV caches) stay regions: AOTAutograd
+    keeps their calls as auto_functionalized_v2 of one body, traced once, and dzc inlines them with the writes of a
+    plain capture (the new rows copied into the caches at the graph's end), without a retry. Outputs and caches
+    as eager; the rewrite check runs the inlined graph."""
+    flat = {}
+    for nested in (False, True):
+        torch._dynamo.reset()
+        report = _run_cache_writers(options, shared=False, nested=nested)
+        stages = dict(report.graphs[0].stages)
+        flat[nested] = stages["inline_regions" if nested else "capture"]
+        assert report.compiles == 1 and report.graphs[0].rewrite_check.startswith("passed"), report.graphs[0]
+    assert report.nested_regions == "layers: 3 x _CacheWriter" and report.region_retries == []
+    assert "auto_functionalized_v2" in stages["capture"] and "called 3 times" in stages["capture"]
+    for op in ("aten.index_copy.default", "aten.copy_.default", "auto_functionalized", "invoke_subgraph"):
+        assert flat[True].count(op) == flat[False].count(op), op
+    assert flat[True].count("aten.copy_.default") == 3
+
+
+def test_a_layer_writing_a_view_is_inlined_in_dynamos_graph_and_traced_again(options):
+    """Where a written input is a view of another tensor (each layer writes its row of one cache), dzc does not
+    inline AOTAutograd's functionalized calls: it inlines the calls in Dynamo's graph and AOTAutograd traces again,
+    once, and the report says so. Outputs and the cache as eager."""
+    report = _run_cache_writers(options, shared=True, nested=True)
+    assert report.compiles == 1 and report.nested_regions == "layers: 3 x _CacheWriter"
+    assert report.region_retries == ["AOTAutograd functionalized region calls that write their inputs (subgraph_0): "
+                                     "inlined in Dynamo's graph, AOTAutograd traced again"], report.region_retries
+    assert "auto_functionalized" not in dict(report.graphs[0].stages)["capture"]
+
+
+class _SizeReader(nn.Module):
+    """A layer whose output depends on the size of its input `offsets`."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x, offsets):
+        return torch.relu(self.linear(x)) * offsets.shape[0]
+
+
+class _TwoKindsOfCalls(nn.Module):
+    """Four layers; the third is given `images`, the others `windows`: integer inputs of other dynamic sizes, as
+    full-attention and window vision blocks are given cu_seqlens and cu_window_seqlens."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_SizeReader() for _ in range(4))
+
+    def forward(self, x, windows, images):
+        for index, layer in enumerate(self.layers):
+            x = layer(x, images if index == 2 else windows)
+        return x
+
+
+def _run_two_kinds_of_calls(options):
+    """The report of _TwoKindsOfCalls compiled with regions, called where the sizes differ, then where they are
+    equal (a guard relating them would recompile there), checked against eager."""
+    model = _TwoKindsOfCalls()
+    compiled = dzc.compile(model, "cuda", dataclasses.replace(options, nested_regions=True))
+    with torch.no_grad():
+        for windows, images in ((5, 3), (4, 4)):
+            x, inputs = torch.randn(4, 16), (torch.arange(windows), torch.arange(images))
+            torch.testing.assert_close(compiled(x, *inputs), model(x, *inputs))
+    return compiled.report
+
+
+@pytest.fixture
+def torch_reuse_check(monkeypatch):
+    """Region calls checked for reuse by torch's own check, as where dzc's could not take its place."""
+    from torch._dynamo.variables import invoke_subgraph as dynamo_regions
+
+    monkeypatch.setattr(regions, "_reuse_only_calls_of_the_same_sizes", lambda: None)
+    monkeypatch.setattr(dynamo_regions, "is_reusable", getattr(dynamo_regions.is_reusable, "__wrapped__",
+                                                               dynamo_regions.is_reusable))
+
+
+def test_calls_given_inputs_of_other_sizes_reuse_no_body_of_the_other_size(options, seed):
+    """The layers given `windows` share a body, the odd one is traced apart: all marked, no guard relating the two
+    sizes (the second call, where they are equal, runs the same graph), no retry."""
+    report = _run_two_kinds_of_calls(options)
+    assert report.compiles == 1, [g.dynamic_sizes for g in report.graphs]
+    assert report.nested_regions == "layers: 4 x _SizeReader" and report.region_retries == []
+    assert report.graphs[0].regions == ["body repeated_subgraph0 called 3 times: nothing fused"]
+
+
+def test_where_the_reuse_check_relates_sizes_regions_are_refused(options, seed, torch_reuse_check):
+    """torch's own reuse check guards the relation of the two sizes (Ne(s34, s58)): dzc's backend finds the guard
+    and, no group of calls standing apart (the odd call is no region call), captures again without regions."""
+    with pytest.warns(RuntimeWarning, match="nested compile regions refused"):
+        report = _run_two_kinds_of_calls(options)
+    assert report.compiles == 1, [g.dynamic_sizes for g in report.graphs]
+    assert report.nested_regions.startswith("refused for layers: 4 x _SizeReader (region calls compare inputs of "
+                                            "other dynamic sizes"), report.nested_regions
+
+
 def test_region_calls_reading_another_layers_parameters_are_refused(seed):
     """Wrapping each instance's bound forward (not its class) makes torch 2.13's Dynamo stamp out every call with
     the first layer's parameters: the check dzc's backend runs on Dynamo's graph names it."""
@@ -169,24 +309,25 @@ def test_region_calls_reading_another_layers_parameters_are_refused(seed):
     assert found and "both read the parameters of layers.0" in found[0], found
 
 
-def test_regions_are_off_by_default_and_the_knob_or_the_option_turns_them_on(options):
+def test_regions_are_on_by_default_and_the_knob_or_the_option_turns_them_off(options, monkeypatch):
+    monkeypatch.delenv("DZC_NESTED_REGIONS", raising=False)
     model, (tokens,) = build_model("llama_decoder")
     compiled = dzc.compile(model, "cuda", options)
     compiled(tokens)
-    assert compiled.report.nested_regions == "off"
-    assert "invoke_subgraph" not in dict(compiled.report.graphs[0].stages)["capture"]
-    assert all(type(layer) is HFLayer for layer in model.layers)
-    assert not options.resolved_nested_regions()
-    assert dataclasses.replace(options, nested_regions=True).resolved_nested_regions()
-    with config.scope(DZC_NESTED_REGIONS="1"):
-        assert options.resolved_nested_regions()
-        assert not dataclasses.replace(options, nested_regions=False).resolved_nested_regions()  # the option wins
+    assert compiled.report.nested_regions == "layers: 2 x HFLayer"
+    assert "invoke_subgraph" in dict(compiled.report.graphs[0].stages)["capture"]
+    assert options.resolved_nested_regions()
+    assert not dataclasses.replace(options, nested_regions=False).resolved_nested_regions()
+    with config.scope(DZC_NESTED_REGIONS="0"):
+        assert not options.resolved_nested_regions()
+        assert dataclasses.replace(options, nested_regions=True).resolved_nested_regions()  # the option wins
         torch._dynamo.reset()
         model, (tokens,) = build_model("llama_decoder")
         compiled = dzc.compile(model, "cuda", options)
         compiled(tokens)
-        assert compiled.report.nested_regions == "layers: 2 x HFLayer"
-        assert "invoke_subgraph" in dict(compiled.report.graphs[0].stages)["capture"]
+        assert compiled.report.nested_regions == "off"
+        assert "invoke_subgraph" not in dict(compiled.report.graphs[0].stages)["capture"]
+        assert all(type(layer) is HFLayer for layer in model.layers)
 
 
 _WORKER = """
@@ -224,10 +365,9 @@ def test_a_fresh_process_hits_the_compile_cache_with_regions(tmp_path):
     torch.testing.assert_close(warm_logits.float(), cold_logits.float(), atol=_BF16_LOGITS, rtol=_BF16_LOGITS)
 
 
-def test_window_and_full_attention_blocks_keep_the_window_blocks_marked(options):
-    """HF Qwen2.5-VL's vision tower: window blocks take cu_window_seqlens, full-attention blocks cu_seqlens. Dynamo's
-    reuse check of region calls would guard the two sizes' relation (a recompile where it flips, which a plain
-    capture does not have): dzc marks the window blocks only. One graph over packs of other sizes, as eager."""
+def _compile_qwen2_5_vl_vision_tower(options):
+    """(model, report) of HF Qwen2.5-VL's vision tower, 6 blocks (2 full-attention), compiled with regions and
+    called on packs of other sizes, checked against eager."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
@@ -250,7 +390,25 @@ def test_window_and_full_attention_blocks_keep_the_window_blocks_marked(options)
         torch.testing.assert_close(actual.last_hidden_state, expected.last_hidden_state, atol=1e-5, rtol=1e-5)
     report = compiled.report
     assert report.compiles == 1 and report.recompiles == 0
+    assert [type(block).__name__ for block in model.blocks] == ["Qwen2_5_VLVisionBlock"] * 6
+    return model, report
+
+
+def test_window_and_full_attention_blocks_get_a_body_each(options):
+    """HF Qwen2.5-VL's vision tower: window blocks take cu_window_seqlens, full-attention blocks cu_seqlens. Dynamo's
+    reuse check of region calls would guard the two sizes' relation (a recompile where it flips, which a plain
+    capture does not have); dzc's check compares the sizes' expressions first, so the window blocks share one body
+    and the full-attention blocks another, all marked, captured once."""
+    _, report = _compile_qwen2_5_vl_vision_tower(options)
+    assert report.nested_regions == "blocks: 6 x Qwen2_5_VLVisionBlock" and report.region_retries == []
+    assert [line.split(":")[0] for line in report.graphs[0].regions] == [
+        "body repeated_subgraph0 called 4 times", "body repeated_subgraph1 called 2 times"], report.graphs[0].regions
+
+
+def test_where_the_reuse_check_relates_sizes_the_window_blocks_stay_marked(options, torch_reuse_check):
+    """With torch's own reuse check, the guard relating the two sizes is made: dzc's backend finds it, puts the
+    full-attention blocks' classes back (the window blocks are the most common kind of call) and captures again."""
+    model, report = _compile_qwen2_5_vl_vision_tower(options)
     assert report.nested_regions.startswith("blocks: 4 x Qwen2_5_VLVisionBlock (narrowed"), report.nested_regions
     assert report.graphs[0].regions[0].startswith("body repeated_subgraph0 called 4 times"), report.graphs[0].regions
-    assert [type(block).__name__ for block in model.blocks] == ["Qwen2_5_VLVisionBlock"] * 6
     assert ["_dzc_region_of" in vars(type(block)) for block in model.blocks] == [True, True, False, True, True, False]
