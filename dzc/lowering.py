@@ -37,8 +37,9 @@ PREFERRED_CODEGENS = {"add_rms_norm": ("triton", "tilelang"),
                       # Triton first: only its kernels have the workspace path (prefill) besides online dequant.
                       "mxfp4_moe": ("triton", "tilelang"),
                       "mxfp4_moe_w4a8": ("triton",),  # W4A8 has Triton kernels only
-                      # DSA: the indexer and top-k are Triton-only; sparse attention is MMA-bound (TileLang first).
-                      "dsa_indexer": ("triton",), "dsa_topk": ("triton",),
+                      # DSA: the indexer is Triton-only; the top-k's TileLang kernel (issue 14) waits for its H200
+                      # numbers before it goes first; sparse attention is MMA-bound (TileLang first).
+                      "dsa_indexer": ("triton",), "dsa_topk": ("triton", "tilelang"),
                       "sparse_attention": ("tilelang", "triton")}
 
 

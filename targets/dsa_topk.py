@@ -13,6 +13,13 @@ whole-row prefix sum more when the row is kept in registers (spills), so the ear
 over the whole row and a two-sum write, took ~100 µs where one read of the row takes 4. The sampled form makes
 two sweeps of the row plus passes over ~1.5K candidates.
 
+TileLang (targets/templates/dsa_topk.tilelang.py.tmpl): one thread block per row, radix select with the
+candidates in shared memory: a histogram of the keys' top 12 bits over the row, a second sweep that marks the keys
+above the threshold bin in a bitmap of the row and keeps the bin's keys, 8-bit rounds over those, then a prefix sum
+of the bitmaps' popcounts writes the winners in position order (the same result as the Triton kernel's, with the
+same arguments; the launch ignores the scratch). Issue 14: per row it has to be at least as fast as the public
+TileLang topk_selector (tile-ai/tilelang examples/deepseek_v32), which it follows in shape.
+
 Tuning bucket: the row width rounded up to a power of two (the config is a per-row choice; rows only fill the
 grid).
 """
@@ -27,8 +34,9 @@ from string import Template
 import torch
 
 from dzc.ops import dsa as dsa_ops
-from dzc.targets import dsa_cases
+from dzc.targets import dsa_cases, tilelang_codegen
 from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.legality import config_problems
 from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -108,9 +116,11 @@ def radix_config(profile: DeviceProfile) -> KernelConfig:
 
 def configs_for_bucket(spec: DsaTopkSpec, profile: DeviceProfile, bucket: int, configs: list[KernelConfig],
                        default: KernelConfig) -> tuple[list[KernelConfig], KernelConfig]:
-    """Chunks no wider than the row (a wider one only masks lanes), or the narrowest the profile takes: the untuned
-    choice is the row's width up to 4096 positions at 8 a thread where that is legal, else the narrowest legal
-    chunk; tuning times those chunks and the whole-row radix select."""
+    """Triton: chunks no wider than the row (a wider one only masks lanes), or the narrowest the profile takes: the
+    untuned choice is the row's width up to 4096 positions at 8 a thread where that is legal, else the narrowest
+    legal chunk; tuning times those chunks and the whole-row radix select. TileLang: tilelang_configs_for_bucket."""
+    if _is_tilelang(default):
+        return tilelang_configs_for_bucket(bucket, configs, default)
     sampled = [c for c in configs if c["SAMPLE"]]
     if not sampled:
         return configs, default
@@ -145,9 +155,94 @@ def triton_signature(spec: DsaTopkSpec, config: KernelConfig) -> tuple[dict, dic
     return signature, {name: config[name] for name in ("BLOCK", "RADIX_BITS", "SAMPLE", "CANDIDATES")}
 
 
+# ---------------------------------------------------------------------------------------------------------
+# TileLang
+
+TILELANG_FACTORY_NAME = "build"
+# Threads a row; the positions the bitmaps span (a row up to that wide is written from the bitmaps the selection
+# fills, a wider one a span at a time from bitmaps rebuilt by re-reading it); candidates kept in shared memory
+# (the threshold bin of the first histogram: for normal logits at k = 2048 about 900 keys of a 32K row, 1400 of a
+# 128K one; a bin with more runs the rounds over the whole row, exact but slower).
+TILELANG_THREADS = (512, 1024)
+TILELANG_WIDTHS = (32768, 131072)
+TILELANG_CANDIDATES = 4096
+# Row positions a block loads before it uses any: 8 loads in flight a thread at 1024 threads (64 registers a thread
+# at most), 16 or 32 at 512. A row of few blocks (decode at batch 1) waits on these loads' latency.
+TILELANG_SWEEPS = {512: (8192, 16384), 1024: (8192,)}
+# The template's first-histogram bins and later rounds' bins (each thread zeroes and scans whole shares of them).
+_TILELANG_FIRST_BINS = 4096
+_TILELANG_RADIX = 256
+
+
+def _is_tilelang(config: KernelConfig) -> bool:
+    return "WIDTH" in dict(config.params)
+
+
+def tilelang_source(spec: DsaTopkSpec, profile: DeviceProfile) -> str:
+    return Template((TEMPLATES / "dsa_topk.tilelang.py.tmpl").read_text()).substitute(
+        profile=profile.name, warp_size=profile.warp_size)
+
+
+def tilelang_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """Threads a row × bitmap span × positions in flight, pruned to what is legal on `profile` (72 KiB of shared
+    memory on mp_22 leaves the 32K span only)."""
+    configs = []
+    for width in TILELANG_WIDTHS:
+        for threads in TILELANG_THREADS:
+            if (threads % profile.warp_size or threads < _TILELANG_RADIX or _TILELANG_FIRST_BINS % threads
+                    or width % (32 * threads)):
+                continue  # the template's shapes: whole warps, whole shares of bins and bitmap words a thread
+            for sweep in TILELANG_SWEEPS[threads]:
+                config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=1, THREADS=threads,
+                                           WIDTH=width, CANDIDATES=TILELANG_CANDIDATES, SWEEP=sweep)
+                if not config_problems(profile, threads=threads, num_warps=None,
+                                       shared_memory_bytes=tilelang_shared_memory_bytes(spec, config),
+                                       dtypes=spec.dtypes):
+                    configs.append(config)
+    return configs
+
+
+def tilelang_default_config(spec: DsaTopkSpec, profile: DeviceProfile) -> KernelConfig:
+    """Untuned choice without a width: the widest span, the most threads (and the fewest positions in flight)."""
+    configs = tilelang_configs(spec, profile)
+    if not configs:
+        raise ValueError(f"no legal TileLang top-k config on {profile.name}")
+    return max(configs, key=lambda c: (c["WIDTH"], c["THREADS"], -c["SWEEP"]))
+
+
+def tilelang_configs_for_bucket(bucket: int, configs: list[KernelConfig],
+                                default: KernelConfig) -> tuple[list[KernelConfig], KernelConfig]:
+    """The narrowest span that holds a row of the bucket (else the widest: longer rows are written span by span);
+    tuning times its thread counts and sweeps, the untuned choice is the default's."""
+    widths = sorted({c["WIDTH"] for c in configs}) or [default["WIDTH"]]
+    width = next((w for w in widths if w >= bucket), widths[-1])
+    candidates = [c for c in configs if c["WIDTH"] == width] or [default]
+    chosen = next((c for c in candidates if (c["THREADS"], c["SWEEP"]) == (default["THREADS"], default["SWEEP"])),
+                  max(candidates, key=lambda c: (c["THREADS"], -c["SWEEP"])))
+    return candidates, chosen
+
+
+def tilelang_shared_memory_bytes(spec: DsaTopkSpec, config: KernelConfig) -> int:
+    """First histogram, candidates' keys and positions, the two bitmaps, the warps' sums, the chosen bin and the
+    candidate counter (int32 each), each rounded up to 16 bytes as TileLang places them."""
+    sizes = (_TILELANG_FIRST_BINS, config["CANDIDATES"], config["CANDIDATES"], config["WIDTH"] // 32,
+             config["WIDTH"] // 32, 2 * config.num_warps, 4, 1)
+    return sum(-(-4 * n // 16) * 16 for n in sizes)
+
+
+def tilelang_launch(compiled, config: KernelConfig, logits, lengths, k, indices, scratch):
+    """The Triton launch's arguments; the kernel takes k from the indices' shape and needs no scratch.
+    `compiled` is what tilelang_codegen.load returns (one compiled kernel per config)."""
+    tilelang_codegen.launch_arguments((logits, lengths), (indices,)).launch(compiled.kernel_for(config))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Both codegens
+
+
 def prepare(spec: DsaTopkSpec, logits, lengths, k, *_static):
-    """Op arguments -> (kernel inputs, kernel outputs (preallocated: the indices and the candidates' scratch), the
-    row width (0 without rows), the op's result)."""
+    """Op arguments -> (kernel inputs, kernel outputs (preallocated: the indices and the candidates' scratch, which
+    only the Triton kernel uses), the row width (0 without rows), the op's result)."""
     dsa_ops.check_dsa_topk_args(logits, lengths, k)
     k = int(k)
     indices = torch.empty(logits.shape[0], k, dtype=torch.int32, device=logits.device)

@@ -1,7 +1,8 @@
 """TileLang code generation: import a rendered kernel module, build its prim_func for a config, lower or compile it.
 
 A generated TileLang module defines a factory (e.g. `build(threads, rows)`) that returns a `@T.prim_func` for
-one block shape; a config's params, lower-cased, are the factory's keyword arguments. TileLang reads a
+one block shape; a config's params, lower-cased, are the factory's keyword arguments. It may name TileLang pass
+configs its kernels need in PASS_CONFIGS (lowering and compiling add them to the profile's). TileLang reads a
 prim_func's source with inspect, so generated code is always imported from its file, never exec'd.
 
 Without a GPU, lowering gives the device source (CUDA C++ for CUDA profiles) and nvcc can compile it; running
@@ -136,6 +137,20 @@ def pass_configs(profile: DeviceProfile) -> dict:
             if hasattr(tilelang.PassConfigKey, name)}
 
 
+def kernel_pass_configs(path: Path, profile: DeviceProfile) -> dict:
+    """pass_configs(profile) and those the generated module at `path` names in PASS_CONFIGS (PassConfigKey member
+    names -> values: a kernel that places its own barriers turns TileLang's automatic ones off). A name the installed
+    TileLang lacks is an error: the kernel was written assuming it."""
+    import tilelang
+
+    configs = pass_configs(profile)
+    for name, value in getattr(import_generated(path), "PASS_CONFIGS", {}).items():
+        if not hasattr(tilelang.PassConfigKey, name):
+            raise RuntimeError(f"{path.name} needs the TileLang pass config {name}, which tilelang {VERSION} lacks")
+        configs[getattr(tilelang.PassConfigKey, name)] = value
+    return configs
+
+
 def lower(path: Path, factory_name: str, config: KernelConfig, profile: DeviceProfile):
     """Lower the kernel for `config` to `profile`'s target without a device; returns TileLang's artifact."""
     import tilelang
@@ -144,9 +159,9 @@ def lower(path: Path, factory_name: str, config: KernelConfig, profile: DevicePr
     target = tvm_target(profile)
     prim_func = build_prim_func(path, factory_name, config)
     # tilelang.lower also reads the target from TVM's context; without one it fails with 'Target context required'.
-    # Pass configs reach it through a PassContext, as tilelang.compile passes them (only where the profile has any,
-    # so CUDA lowering is exactly TileLang's default).
-    configs = pass_configs(profile)
+    # Pass configs reach it through a PassContext, as tilelang.compile passes them (only where the profile or the
+    # kernel has any, so CUDA lowering is otherwise exactly TileLang's default).
+    configs = kernel_pass_configs(Path(path), profile)
     context = tvm.transform.PassContext(opt_level=3, config=configs) if configs else contextlib.nullcontext()
     with context, target:
         return tilelang.lower(prim_func, target=target)
@@ -192,7 +207,7 @@ def compile_for_device(path: Path, factory_name: str, config: KernelConfig, prof
 
     target = tvm_target(profile)
     return tilelang.compile(build_prim_func(path, factory_name, config), target=target,
-                            pass_configs=pass_configs(profile),
+                            pass_configs=kernel_pass_configs(Path(path), profile),
                             compile_flags=list(profile.tilelang_compile_flags) or None)
 
 

@@ -4,8 +4,9 @@ CPU: the Triton kernels run through Triton's interpreter on small shapes (ragged
 indexer cache layouts, invalid indices, rows with no valid index, tied logits, rows shorter than k), in the
 default config and in configs that take the other code paths (several query rows per program across a sequence
 boundary, several tiles per program, decode split-K). Every emitted config is checked for legality on every
-profile; Triton kernels are compiled ahead of time for sm_90 in a subprocess; the TileLang sparse attention is
-lowered to CUDA and compiled with nvcc for sm_90a. GPU tests (marked gpu) run full DeepSeek-V3.2 shapes.
+profile; Triton kernels are compiled ahead of time for sm_90 in a subprocess; the TileLang sparse attention and
+top-k are lowered to CUDA and compiled with nvcc for sm_90a. GPU tests (marked gpu) run full DeepSeek-V3.2 shapes,
+and the TileLang top-k in every config on rows of 4K to 200K positions (k = 2048 and 1, ties, -inf, NaN).
 """
 
 import dataclasses
@@ -704,6 +705,149 @@ def test_tilelang_sparse_attention_compiles_with_nvcc(lowered_mla, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# TileLang top-k: source, configs, launch; lowered to CUDA and compiled with nvcc for sm_90a (no GPU needed)
+
+TOPK_SPEC = dsa_topk.DsaTopkSpec()
+
+
+def _topk_tilelang_path(directory, profile=SM_90):
+    path = directory / f"dsa_topk_tilelang_{profile.arch}.py"
+    path.write_text(dsa_topk.tilelang_source(TOPK_SPEC, profile))
+    return path
+
+
+@pytest.mark.parametrize("profile", [SM_90, SM_80, MP_22, MP_31], ids=lambda p: p.name)
+def test_tilelang_topk_source_and_configs(profile):
+    """The source renders for every profile (its warp size in it); the default and every bucket's choice are legal
+    configs; rows up to a span are written from one bitmap span, longer ones span by span."""
+    import ast
+
+    source = dsa_topk.tilelang_source(TOPK_SPEC, profile)
+    module = ast.parse(source)
+    assert "do not edit" in ast.get_docstring(module) and "$" not in source
+    assert f"WARP = {profile.warp_size} " in source
+    (factory,) = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == dsa_topk.TILELANG_FACTORY_NAME]
+    assert [arg.arg for arg in factory.args.args] == ["threads", "width", "candidates", "sweep"]
+    (kernel,) = [n for n in ast.walk(factory) if isinstance(n, ast.FunctionDef) and n.name == "dsa_topk"]
+    assert [arg.arg for arg in kernel.args.args] == ["logits", "lengths", "indices"]
+    configs, _ = legal_configs(dsa_topk, "tilelang", TOPK_SPEC, profile)
+    default = dsa_topk.tilelang_default_config(TOPK_SPEC, profile)
+    assert configs and default in configs
+    for bucket in (1024, 4096, 32768, 131072, 1 << 20):
+        candidates, chosen = dsa_topk.configs_for_bucket(TOPK_SPEC, profile, bucket, configs, default)
+        assert chosen in candidates and set(candidates) <= set(configs), bucket
+        assert len({c["WIDTH"] for c in candidates}) == 1, bucket
+        assert (chosen["THREADS"], chosen["SWEEP"]) == (default["THREADS"], default["SWEEP"]), bucket
+        widths = sorted({c["WIDTH"] for c in configs})
+        assert chosen["WIDTH"] == next((w for w in widths if w >= bucket), widths[-1]), bucket
+    # The Triton configs still narrow the Triton way.
+    triton_configs, _ = legal_configs(dsa_topk, "triton", TOPK_SPEC, profile)
+    chosen = dsa_topk.configs_for_bucket(TOPK_SPEC, profile, 32768, triton_configs,
+                                         dsa_topk.triton_default_config(TOPK_SPEC, profile))[1]
+    assert chosen["SAMPLE"] == dsa_topk.SAMPLE
+
+
+def test_tilelang_topk_launch_passes_logits_lengths_and_indices():
+    """The Triton launch's arguments; the kernel gets the logits, the lengths and the indices (k is their width;
+    no scratch); strided logits are copied into a dense tensor first."""
+
+    class RecordingKernels:
+        def __init__(self):
+            self.calls = []
+
+        def kernel_for(self, config):
+            return lambda *args: self.calls.append((config, args))
+
+    config = dsa_topk.tilelang_default_config(TOPK_SPEC, SM_90)
+    logits, lengths = torch.randn(3, 100), torch.tensor([100, 5, 0], dtype=torch.int32)
+    inputs, outputs, work, result = dsa_topk.prepare(TOPK_SPEC, logits, lengths, 16)
+    kernels = RecordingKernels()
+    dsa_topk.tilelang_launch(kernels, config, *inputs, *outputs)
+    dsa_topk.tilelang_launch(kernels, config, torch.randn(3, 200)[:, ::2], lengths, 16, *outputs)
+    (_, dense), (_, strided) = kernels.calls
+    assert len(dense) == 3 and dense[0] is logits and dense[1] is inputs[1] and dense[2] is result
+    assert strided[0].is_contiguous() and strided[0].shape == (3, 100) and strided[2] is result
+
+
+def test_tilelang_kernel_pass_configs_must_exist(tmp_path):
+    """PASS_CONFIGS of a generated module reach lowering; a name the installed TileLang lacks is an error."""
+    import tilelang
+
+    path = _topk_tilelang_path(tmp_path)
+    configs = tilelang_codegen.kernel_pass_configs(path, SM_90)
+    assert configs == {tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True}
+    bad = tmp_path / "bad_kernel.py"
+    bad.write_text('PASS_CONFIGS = {"TL_NO_SUCH_CONFIG": True}\n')
+    with pytest.raises(RuntimeError, match="TL_NO_SUCH_CONFIG"):
+        tilelang_codegen.kernel_pass_configs(bad, SM_90)
+
+
+@pytest.fixture(scope="module")
+def lowered_topk(tmp_path_factory):
+    """TileLang's artifacts of the top-k kernel for sm_90a: the default (1024 threads, the 128K span) and 512 threads
+    over the 32K span with 32 loads in flight a thread."""
+    path = _topk_tilelang_path(tmp_path_factory.mktemp("tilelang_topk"))
+    default = dsa_topk.tilelang_default_config(TOPK_SPEC, SM_90)
+    narrow = KernelConfig.make(num_warps=16, num_stages=1, THREADS=512, WIDTH=32768,
+                               CANDIDATES=dsa_topk.TILELANG_CANDIDATES, SWEEP=16384)
+    return {config: tilelang_codegen.lower(path, dsa_topk.TILELANG_FACTORY_NAME, config, SM_90)
+            for config in (default, narrow)}
+
+
+def _sweep_around(lines: list[str], index: int) -> list[str]:
+    """The whole loop (header to closing brace) that lines[index] sits in: the innermost `for` around it that is
+    not an unrolled one."""
+    depth = len(lines[index]) - len(lines[index].lstrip())
+    for start in range(index - 1, -1, -1):
+        indent = len(lines[start]) - len(lines[start].lstrip())
+        if indent >= depth:
+            continue
+        depth = indent
+        if lines[start].lstrip().startswith("for (") and "#pragma unroll" not in lines[start - 1]:
+            end = next(i for i in range(start + 1, len(lines))
+                       if lines[i].strip() == "}" and len(lines[i]) - len(lines[i].lstrip()) == indent)
+            return lines[start:end + 1]
+    raise AssertionError(f"no loop around {lines[index]!r}")
+
+
+@pytest.mark.slow
+def test_tilelang_topk_lowers_for_sm90a(lowered_topk):
+    """Both configs lower; the row's offsets are 64-bit (rows × width may pass 2^31: 4096 prefill rows × 1M); the
+    shared memory is what the legality estimate says; no barrier inside the sweeps over the row (TileLang's
+    automatic ones are off: PASS_CONFIGS) and the histogram's and candidates' updates are shared-memory atomics."""
+    import re
+
+    for config, artifact in lowered_topk.items():
+        source = artifact.kernel_source
+        assert "__global__" in source, config
+        for parameter in ("int* __restrict__ indices", "const int* __restrict__ lengths",
+                          "const float* __restrict__ logits", "int k", "int n_cols", "int rows"):
+            assert parameter in source, (config, parameter)
+        offsets = re.findall(r"logits\[([^\]]*)\]", source)
+        assert offsets and all("int64_t" in offset for offset in offsets), config
+        (device_func,) = artifact.device_mod.functions.values()
+        assert int(device_func.attrs["dyn_shared_memory_buf"]) <= dsa_topk.tilelang_shared_memory_bytes(
+            TOPK_SPEC, config) <= SM_90.shared_memory_per_block
+        lines = source.splitlines()
+        atomics = [i for i, line in enumerate(lines) if "AtomicAdd" in line or "AtomicOr" in line]
+        # the first histogram, the candidates' counter, the rounds' histograms, the bitmaps
+        assert {"hist", "candidate_count", "above_bits", "tie_bits"} <= set(re.findall(
+            r"Atomic\w+\(\(&\(\(\(\w+\*\)(\w+)\)", "\n".join(lines[i] for i in atomics))), config
+        for index in atomics:
+            assert not any("__syncthreads" in line for line in _sweep_around(lines, index)), (config, lines[index])
+        # TileLang 0.1.15's AtomicOr on a uint32 is a global-memory reduction: wrong on the shared bitmaps
+        assert "AtomicOr" not in source, config
+
+
+@requires_nvcc
+@pytest.mark.slow
+def test_tilelang_topk_compiles_with_nvcc(lowered_topk, tmp_path):
+    """The default config (the 512-thread one differs in constants and unrolling only)."""
+    config = dsa_topk.tilelang_default_config(TOPK_SPEC, SM_90)
+    assert tilelang_codegen.nvcc_compile(lowered_topk[config].kernel_source, SM_90, tmp_path).stat().st_size > 0
+
+
+# ---------------------------------------------------------------------------------------------------------
 # GPU: DeepSeek-V3.2 shapes through dzc's lowering, both codegens for sparse attention
 
 
@@ -810,6 +954,203 @@ def test_decode_at_1m_context_on_gpu(fp8_latent, seed, tmp_path):
     out = torch.ops.dzc.sparse_attention(*attention_args, kernel_id=record.kernel_id)
     torch.testing.assert_close(out.float(), sparse_attention_reference(*attention_args).float(), atol=2**-6,
                                rtol=2**-6)
+
+
+# TileLang's CUDA for the top-k run on the CPU: each CUDA thread a std::thread, std::barrier for __syncthreads and
+# for the warp shuffles, GCC atomics for the shared-memory atomics; stale shared memory (0xAB) and poisoned outputs
+# (-7). Enough for a kernel without MMA, async copies or vector loads. Input: rows, n_cols, k, the logits, the
+# lengths (binary); output: the indices.
+_CUDA_ON_CPU_THREADS = r"""
+#include <algorithm>
+#include <barrier>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+#include <vector>
+typedef unsigned int uint;
+typedef unsigned char uchar;
+#define __global__
+#define __launch_bounds__(a, b)
+#define __restrict__
+struct Dim3 { int x = 0, y = 0, z = 0; };
+thread_local Dim3 threadIdx;
+Dim3 blockIdx;
+uchar *g_shmem;
+std::barrier<> *g_block;
+std::vector<std::barrier<> *> g_warps;
+int g_exchange[64][32];
+inline void __syncthreads() { g_block->arrive_and_wait(); }
+inline int __shfl_up_sync(uint, int v, int delta, int width) {
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (width != 32) { std::fprintf(stderr, "width %d\n", width); std::abort(); }
+  g_exchange[warp][lane] = v;
+  g_warps[warp]->arrive_and_wait();
+  int r = lane >= delta ? g_exchange[warp][lane - delta] : v;
+  g_warps[warp]->arrive_and_wait();
+  return r;
+}
+inline int __popc(uint x) { return __builtin_popcount(x); }
+template <class T1, class T2> void AtomicAdd(T1 *a, T2 v) { __atomic_fetch_add(a, (T1)v, __ATOMIC_RELAXED); }
+template <class T1, class T2> T1 AtomicAddRet(T1 *a, T2 v) { return __atomic_fetch_add(a, (T1)v, __ATOMIC_RELAXED); }
+using std::max;
+using std::min;
+#include "kernel.inc"
+int main(int argc, char **argv) {
+  int threads = atoi(argv[1]);
+  FILE *f = fopen(argv[2], "rb");
+  int rows, n_cols, k;
+  fread(&rows, 4, 1, f); fread(&n_cols, 4, 1, f); fread(&k, 4, 1, f);
+  std::vector<float> logits((size_t)rows * n_cols);
+  std::vector<int> lengths(rows), indices((size_t)rows * k, -7);
+  fread(logits.data(), 4, logits.size(), f); fread(lengths.data(), 4, rows, f); fclose(f);
+  std::vector<uchar> shmem(256 * 1024);
+  for (int b = 0; b < rows; ++b) {
+    memset(shmem.data(), 0xAB, shmem.size());  // stale shared memory
+    g_shmem = shmem.data();
+    blockIdx.x = b;
+    std::barrier<> block(threads);
+    g_block = &block;
+    std::vector<std::barrier<> *> warps;
+    for (int w = 0; w < threads / 32; ++w) warps.push_back(new std::barrier<>(32));
+    g_warps = warps;
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {
+        threadIdx.x = t;
+        dsa_topk_kernel(indices.data(), lengths.data(), logits.data(), k, n_cols, rows);
+      });
+    for (auto &th : pool) th.join();
+    for (auto *w : warps) delete w;
+  }
+  FILE *o = fopen(argv[3], "wb");
+  fwrite(indices.data(), 4, indices.size(), o); fclose(o);
+}
+"""
+# (kind, rows, width, k) with 256 threads, 8K-position bitmaps and 512 candidates: every path (candidates or rounds
+# over the row; one bitmap span or several) and rows shorter than k.
+_CPU_THREAD_CASES = [("normal", 6, 8192, 2048), ("normal", 6, 8192, 1), ("normal", 3, 20000, 2048),
+                     ("ties", 6, 4096, 2048), ("ties", 3, 12000, 1000), ("special", 6, 6000, 2048),
+                     ("special", 6, 6000, 1), ("equal", 2, 8192, 2048), ("normal", 4, 3000, 100),
+                     ("special", 4, 17000, 5000)]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+@pytest.mark.slow
+def test_tilelang_topk_cuda_runs_on_cpu_threads(seed, tmp_path):
+    """The generated CUDA of a 256-thread config, compiled with g++ over _CUDA_ON_CPU_THREADS, gives the reference's
+    positions: the kernel's numerics without a GPU (this found a loop whose bound the generated C re-evaluated each
+    iteration while the loop shrank it)."""
+    import numpy as np
+
+    config = KernelConfig.make(num_warps=8, num_stages=1, THREADS=256, WIDTH=8192, CANDIDATES=512, SWEEP=2048)
+    source = tilelang_codegen.lower_to_device_source(_topk_tilelang_path(tmp_path), dsa_topk.TILELANG_FACTORY_NAME,
+                                                     config, SM_90)
+    shared = "extern __shared__ __align__(1024) uchar buf_dyn_shmem[];"
+    assert shared in source
+    kernel = "\n".join(line for line in source.splitlines() if not line.startswith("#include <tl_templates"))
+    (tmp_path / "kernel.inc").write_text(kernel.replace(shared, "uchar* buf_dyn_shmem = g_shmem;"))
+    (tmp_path / "main.cpp").write_text(_CUDA_ON_CPU_THREADS)
+    binary = tmp_path / "topk_on_cpu"
+    build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-w",
+                            str(tmp_path / "main.cpp"), "-o", str(binary)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-3000:]
+    generator = _generator(seed)
+    for kind, rows, width, k in _CPU_THREAD_CASES:
+        logits, lengths, k = (a.cpu() if isinstance(a, torch.Tensor) else a
+                              for a in _topk_rows(kind, rows, width, k, generator))
+        with open(tmp_path / "in.bin", "wb") as f:
+            f.write(np.array([rows, width, k], dtype=np.int32).tobytes())
+            f.write(logits.numpy().tobytes())
+            f.write(lengths.numpy().tobytes())
+        subprocess.run([str(binary), "256", str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True,
+                       timeout=300)
+        indices = torch.from_numpy(np.fromfile(tmp_path / "out.bin", dtype=np.int32).reshape(rows, k))
+        expected = dsa_topk_reference(logits, lengths, k)
+        wrong = (indices != expected).any(dim=-1).nonzero().flatten().tolist()
+        assert not wrong, (f"{kind} rows={rows} width={width} k={k}: rows {wrong} (lengths "
+                           f"{lengths[wrong].tolist()}) differ, first: {indices[wrong[0]][:16].tolist()} vs "
+                           f"{expected[wrong[0]][:16].tolist()}")
+
+
+# The TileLang top-k on fresh random rows (kind, rows, width, k): normal logits at the DSA shapes (32K and 128K, k =
+# 2048 and k = 1), ties (7 levels: at 32K the threshold bin holds more keys than the shared candidates, so the
+# rounds read the row), -inf / NaN of both signs / zeros of both signs, one value throughout, and rows past every
+# bitmap span (written span by span). The 32K span configs write the 128K rows span by span too.
+TILELANG_TOPK_CASES = [("normal", 64, 32768, 2048), ("normal", 64, 32768, 1), ("normal", 2, 131072, 2048),
+                       ("ties", 8, 4096, 2048), ("ties", 4, 32768, 2048), ("special", 6, 16384, 2048),
+                       ("special", 6, 16384, 1), ("equal", 2, 8192, 2048), ("normal", 2, 200000, 2048)]
+
+
+def _topk_rows(kind: str, rows: int, width: int, k: int, generator: torch.Generator):
+    """dsa_topk's arguments for a TILELANG_TOPK_CASES entry: logits of the kind, lengths mostly past k, and rows
+    of length 0, k + 1, k, k - 1, width - 1 and past the width (clamped) where there are rows for them; the first
+    row (and with "special" the last, whose logits past k / 2 are -inf) spans the width."""
+    if kind == "ties":
+        logits = torch.randint(-3, 4, (rows, width), generator=generator).float()
+    elif kind == "equal":
+        logits = torch.full((rows, width), 0.25)
+    else:
+        logits = torch.randn(rows, width, generator=generator)
+    if kind == "special":
+        draw = torch.rand(rows, width, generator=generator)
+        logits[draw < 0.3] = float("-inf")
+        logits[(draw >= 0.30) & (draw < 0.31)] = float("nan")
+        logits[(draw >= 0.31) & (draw < 0.32)] = -float("nan")  # the sign bit set: still NaN to torch.sort
+        logits[(draw >= 0.32) & (draw < 0.37)] = 0.0
+        logits[(draw >= 0.37) & (draw < 0.42)] = -0.0
+        logits[-1, k // 2:] = float("-inf")  # fewer finite logits than k: the threshold is -inf, its ties cut
+    lengths = torch.randint(min(k + 1, width), width + 1, (rows,), generator=generator)
+    lengths[0] = width
+    special = [0, k + 1, k, k - 1, width - 1, width + 100][:max(rows - 2, 0)]
+    lengths[1:1 + len(special)] = torch.tensor(special, dtype=lengths.dtype)
+    if kind == "special":
+        lengths[-1] = width
+    return logits.to(DEVICE), lengths.to(torch.int32).to(DEVICE), k
+
+
+@pytest.fixture(scope="module")
+def tilelang_topk_kernels(tmp_path_factory):
+    """tilelang_codegen.load's kernels of the top-k for the GPU's profile (each config compiles on first use)."""
+    path = _topk_tilelang_path(tmp_path_factory.mktemp("tilelang_topk_gpu"))
+    return tilelang_codegen.load(dsa_topk, path, TOPK_SPEC, SM_90)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", dsa_topk.tilelang_configs(TOPK_SPEC, SM_90),
+                         ids=lambda c: f"threads{c['THREADS']}-width{c['WIDTH']}-sweep{c['SWEEP']}")
+def test_tilelang_topk_matches_reference_on_gpu(config, tilelang_topk_kernels, seed):
+    """Every legal config on every TILELANG_TOPK_CASES entry, exactly the reference's positions (order, -1 padding);
+    the outputs are poisoned (-7) before each launch."""
+    generator = _generator(seed)
+    for kind, rows, width, k in TILELANG_TOPK_CASES:
+        args = _topk_rows(kind, rows, width, k, generator)
+        inputs, outputs, _, indices = dsa_topk.prepare(TOPK_SPEC, *args)
+        for out in outputs:
+            out.fill_(-7)
+        dsa_topk.tilelang_launch(tilelang_topk_kernels, config, *inputs, *outputs)
+        expected = dsa_topk_reference(*args)
+        wrong = (indices != expected).any(dim=-1).nonzero().flatten().tolist()
+        assert not wrong, (f"{kind} rows={rows} width={width} k={k}: rows {wrong} (lengths "
+                           f"{args[1][wrong].tolist()}) differ, first: {indices[wrong[0]][:16].tolist()} vs "
+                           f"{expected[wrong[0]][:16].tolist()}")
+
+
+@pytest.mark.gpu
+def test_tilelang_topk_through_lowering_on_gpu(seed, tmp_path):
+    """The op with the kernel id dzc's lowering binds for codegen "tilelang" (prepare, the bucket's config, the
+    launch), at 64 × 2 rows of 32K and 2 of 128K."""
+    target = TARGETS["cuda:sm_90"]
+    options = CompileOptions(cache_dir=str(tmp_path / "cache"), autotune=False, codegen="tilelang")
+    generator = _generator(seed)
+    for rows, width in ((128, 32768), (2, 131072)):
+        args = _topk_rows("normal", rows, width, 2048, generator)
+        record, _ = lower_op("dsa_topk", args, target, options, Execution(target.runtime))
+        assert record.codegen == "tilelang"
+        assert torch.equal(torch.ops.dzc.dsa_topk(*args, kernel_id=record.kernel_id), dsa_topk_reference(*args))
+        [(bucket, tuned)] = record.tuned.items()
+        assert f"WIDTH={max(32768, bucket)}" in tuned["config"], tuned
 
 
 def test_auto_codegen_falls_back_to_triton_without_a_legal_tilelang_config():

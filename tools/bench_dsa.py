@@ -3,7 +3,7 @@ eager dense-masked attention, torch.compile of it and torch.topk as baselines in
 
     python tools/bench_dsa.py [--quick] [--musa-legal] [--out results.md] [--codegens triton tilelang]
                               [--fp8-cache] [--long-context [--only long]] [--public-kernels DIR | --no-public-kernels]
-                              [--extras]
+                              [--extras] [--topk-codegens triton tilelang] [--only topk]
 
 Shapes (DeepSeek-V3.2: indexer 64 heads × 128, FP8 key cache of 132 B/token; MLA 128 heads, Dqk 576, Dv 512, one
 latent KV head; top-k 2048; 64-token pages with a shuffled block table):
@@ -25,7 +25,12 @@ its peak memory above the caches and in total.
 128 positions beside the selection plus per-head sinks, and the selection as 32 index blocks of 64 positions (the
 same number of keys); each against the plain kernel's time.
 
-Every kernel is checked against its dzc op reference (rows of the first sequence) before it is timed. Kernels run
+Top-k: each of --topk-codegens (dzc's Triton and TileLang kernels) on the same logits, checked exactly against the
+op reference on every row before it is timed (a codegen that fails or differs gets a "not run" row and the run goes
+on), beside torch.topk and the public tl_topk. --only topk: the decode shapes' indexer (untuned: it only makes the
+logits) and top-k rows, nothing else.
+
+Every other kernel is checked against its dzc op reference (rows of the first sequence) before it is timed. Kernels run
 through dzc's lowering (lower_op: the path a compiled graph takes) with autotuning (tuning database in
 --cache-dir; --quick uses the untuned defaults). Times: medians of triton.testing.do_bench (--cuda-graphs: of CUDA
 graph replays, do_bench_cudagraph, which leaves the host's launch work out).
@@ -207,14 +212,18 @@ class Bench:
     def options(self, codegen="auto"):
         return CompileOptions(cache_dir=self.args.cache_dir, autotune=not self.args.quick, codegen=codegen)
 
-    def kernel(self, op, args, codegen="auto"):
-        record, _ = lower_op(op, args, self.target, self.options(codegen), Execution(self.target.runtime))
+    def kernel(self, op, args, codegen="auto", autotune=None):
+        options = self.options(codegen)
+        if autotune is not None:
+            options = dataclasses.replace(options, autotune=autotune and options.autotune)
+        record, _ = lower_op(op, args, self.target, options, Execution(self.target.runtime))
         overload = getattr(torch.ops.dzc, op)
         return (lambda: overload(*args, kernel_id=record.kernel_id)), record
 
     def indexer_and_topk(self, problem: Problem, label: str):
         args = problem.indexer_args()
-        run, record = self.kernel("dsa_indexer", args)
+        # --only topk: the indexer only makes the logits, untuned (its tuning would take the time)
+        run, record = self.kernel("dsa_indexer", args, autotune=self.args.only != "topk")
         logits = run()
         _check(f"indexer {label}", logits[:problem.check_rows],
                dsa_indexer_reference(*problem.first_sequence(args, (0, 1, 5, 6))))
@@ -227,22 +236,40 @@ class Bench:
                               metric=f"{bandwidth / 1e12:.2f} TB/s ({100 * bandwidth / PEAK_BYTES_PER_S:.0f}%)",
                               baseline="", config=_tuned(record)))
         lengths = (problem.query_pos + 1).to(torch.int32)
+        topk_times = self.topk(logits, lengths, label)
+        if self.public is not None:
+            self.public.indexer_and_topk(problem, label, indexer_seconds, logits, lengths, topk_times,
+                                         topk_only=self.args.only == "topk")
+
+    def topk(self, logits, lengths, label) -> dict[str, float]:
+        """Each of --topk-codegens on the logits, checked on every row (exact), then timed; returns their times."""
         topk_args = (logits, lengths, TOPK)
-        run, record = self.kernel("dsa_topk", topk_args)
-        rows = problem.check_rows
-        _check(f"topk {label}", run()[:rows], dsa_topk_reference(logits[:rows], lengths[:rows], TOPK), exact=True)
-        seconds = _time(run)
+        expected = dsa_topk_reference(logits, lengths, TOPK)
         baseline = _time(lambda: torch.topk(logits, TOPK, dim=-1))
         floor = logits.numel() * 4 / PEAK_BYTES_PER_S
-        radix = self.topk_radix(record, logits, lengths, f"topk {label}") if record.codegen == "triton" else None
-        self.add(dict(kernel="dsa_topk", shape=label, us=seconds * 1e6,
-                      metric=f"{seconds / floor:.1f}× one read",
-                      baseline=f"torch.topk {baseline * 1e6:.0f} µs = {baseline / floor:.1f}× one read "
-                               f"(dzc {baseline / seconds:.1f}× faster)"
-                               + (f"; whole-row radix form {radix * 1e6:.0f} µs ({radix / seconds:.1f}×)"
-                                  if radix else ""), config=_tuned(record)))
-        if self.public is not None:
-            self.public.indexer_and_topk(problem, label, indexer_seconds, logits, lengths, seconds)
+        times = {}
+        for codegen in self.args.topk_codegens:
+            name = f"dsa_topk[{codegen}]"
+            try:
+                run, record = self.kernel("dsa_topk", topk_args, codegen)
+                wrong = int((run() != expected).any(dim=-1).sum())
+            except Exception as error:  # noqa: BLE001 (a codegen that cannot run here: the row says why)
+                self.add(dict(kernel=name, shape=label, us=None, metric=f"not run: {_reason(error)}", baseline="",
+                              config=""))
+                continue
+            if wrong:
+                self.add(dict(kernel=name, shape=label, us=None, baseline="", config=_tuned(record),
+                              metric=f"not run: differs from dzc's reference on {wrong} of {logits.shape[0]} rows"))
+                continue
+            seconds = times[codegen] = _time(run)
+            radix = self.topk_radix(record, logits, lengths, f"topk {label}") if codegen == "triton" else None
+            self.add(dict(kernel=name, shape=label, us=seconds * 1e6,
+                          metric=f"{seconds / floor:.1f}× one read",
+                          baseline=f"torch.topk {baseline * 1e6:.0f} µs = {baseline / floor:.1f}× one read "
+                                   f"(dzc {baseline / seconds:.1f}× faster)"
+                                   + (f"; whole-row radix form {radix * 1e6:.0f} µs ({radix / seconds:.1f}×)"
+                                      if radix else ""), config=_tuned(record)))
+        return times
 
     def topk_radix(self, record, logits, lengths, name) -> float:
         """dsa_topk's time in its whole-row radix form (no sampled bounds; 4096-position chunks, the row re-read
@@ -332,8 +359,9 @@ class Bench:
         """(batch, queries, context) of every decode problem."""
         batches = (1, 64) if self.args.quick else self.args.batches
         contexts = (32768,) if self.args.quick else self.args.contexts
+        queries_per_step = self.args.queries or ((2,) if self.args.quick else (1, 2))
         return [(batch, queries, context) for context in contexts for batch in batches
-                for queries in ((2,) if self.args.quick else (1, 2))]
+                for queries in queries_per_step]
 
     def prefill_contexts(self) -> tuple[int, ...]:
         return (8192,) if self.args.quick else tuple(self.args.prefill_contexts)
@@ -342,7 +370,7 @@ class Bench:
         """--dry-run: every problem built on the meta device (shapes, no memory), its sparse-attention spec and
         legal configs on the profile: everything up to the first launch."""
         meta = torch.device("meta")
-        shapes = self.decode_shapes() if self.args.only in (None, "decode") else []
+        shapes = self.decode_shapes() if self.args.only in (None, "decode", "topk") else []
         shapes += [(1, 4096, c) for c in self.prefill_contexts()] if self.args.only in (None, "prefill") else []
         if self.args.long_context or self.args.only == "long":
             shapes.append((self.args.long_context_batch, 2, LONG_CONTEXT))
@@ -353,6 +381,9 @@ class Bench:
             legal, _ = legal_configs(attention_family, "triton", spec, self.target.profile)
             print(f"dry run: B={batch} q={queries} ctx={context}: {spec.describe()}, {len(legal)} legal Triton configs "
                   f"on {self.target.profile.name}")
+        for codegen in self.args.topk_codegens:
+            legal, _ = legal_configs(dsa_topk, codegen, dsa_topk.DsaTopkSpec(), self.target.profile)
+            print(f"dry run: dsa_topk[{codegen}]: {len(legal)} legal configs on {self.target.profile.name}")
         print(self.public.describe() if self.public is not None else "public TileLang kernels: off")
 
     def decode(self):
@@ -363,7 +394,8 @@ class Bench:
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
             self.indexer_and_topk(problem, label)
-            self.sparse_attention(problem, label)
+            if self.args.only != "topk":
+                self.sparse_attention(problem, label)
             logits_mib = problem.rows * context * 4 / 2**20
             print(f"{label}: peak {(torch.cuda.max_memory_allocated() - before) / 2**20:.0f} MiB above the "
                   f"caches, of which the indexer logits are {logits_mib:.0f} MiB (and the dense baselines' "
@@ -692,13 +724,14 @@ class PublicBaselines:
         return None
 
     def indexer_and_topk(self, problem: Problem, label: str, dzc_indexer: float, logits: torch.Tensor,
-                         lengths: torch.Tensor, dzc_topk: float):
-        """Decode rows: the public indexer on the same FP8 cache and queries, the public top-k on dzc's logits."""
+                         lengths: torch.Tensor, dzc_topk: dict[str, float], topk_only: bool = False):
+        """Decode rows: the public indexer on the same FP8 cache and queries (not with topk_only), the public top-k
+        on dzc's logits (against each dzc top-k codegen's time)."""
         name = "mqa_attn_return_logits (indexer)"
         reason = self._indexer_unavailable(problem)
-        if reason:
+        if not topk_only and reason:
             self._not_run(name, label, reason, "fp8_lighting_indexer")
-        else:
+        elif not topk_only:
             self._guarded(name, label, "fp8_lighting_indexer",
                           lambda: self._decode_indexer(problem, label, name, dzc_indexer))
         name = "tl_topk (top-k)"
@@ -721,7 +754,8 @@ class PublicBaselines:
                   f"{self._versus(dzc_seconds, seconds)}; with clean_logits_ over [{problem.rows}, "
                   f"{problem.batch}·{capacity}] {cleaned * 1e6:.0f} µs; {check}{note}", "fp8_lighting_indexer")
 
-    def _topk(self, logits: torch.Tensor, lengths: torch.Tensor, label: str, name: str, dzc_seconds: float):
+    def _topk(self, logits: torch.Tensor, lengths: torch.Tensor, label: str, name: str,
+              dzc_seconds: dict[str, float]):
         selector = self.module("topk_selector")
         population = _radix_threshold_population(logits, lengths, TOPK)
         if population > PUBLIC_TOPK_SMEM_INPUT:
@@ -742,8 +776,9 @@ class PublicBaselines:
         else:
             seconds = _time(lambda: selector.tl_topk(logits, starts, ends, TOPK))
         floor = logits.numel() * 4 / PEAK_BYTES_PER_S
+        versus = "; ".join(self._versus(dzc, seconds, f"dzc[{codegen}]") for codegen, dzc in dzc_seconds.items())
         self._row(name, label, seconds, f"{seconds / floor:.1f}× one read",
-                  f"{self._versus(dzc_seconds, seconds)}; {check}", "topk_selector")
+                  f"{versus or 'no dzc time'}; {check}", "topk_selector")
 
     def prefill_indexer_topk(self, problem: Problem, label: str, dzc_seconds: float):
         """Prefill: the public indexer over all query rows at once (its logits [rows, context], cleaned), then the
@@ -881,8 +916,12 @@ def main():
     parser.add_argument("--extras", action="store_true",
                         help="also time sparse attention with a local window and sinks, and with index blocks")
     parser.add_argument("--prefill-chunk", type=int, default=1024, help="query rows per indexer/top-k chunk")
-    parser.add_argument("--only", choices=["decode", "prefill", "long"],
-                        help="run one part (the full run is long); long: only the --long-context row")
+    parser.add_argument("--only", choices=["decode", "prefill", "long", "topk"],
+                        help="run one part (the full run is long); long: only the --long-context row; topk: the "
+                             "decode shapes' top-k rows (and the indexer that makes their logits, untuned)")
+    parser.add_argument("--topk-codegens", nargs="+", default=["triton", "tilelang"],
+                        help="code generators for dsa_topk (each timed on the same logits)")
+    parser.add_argument("--queries", type=int, nargs="+", help="decode query rows per sequence (default 1 2)")
     parser.add_argument("--fp8-cache", action="store_true",
                         help="decode rows over the FP8 latent cache (656 B/token) instead of bf16")
     parser.add_argument("--long-context", action="store_true", help="a decode step at 1M tokens of context")
@@ -909,7 +948,7 @@ def main():
     if args.dry_run:
         bench.plan()
         return
-    if args.only in (None, "decode"):
+    if args.only in (None, "decode", "topk"):
         bench.decode()
     if args.only in (None, "prefill"):
         bench.prefill()

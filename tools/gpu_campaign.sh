@@ -24,7 +24,8 @@
 # their fixes s14-3 (carry .whl-gpu1), s14-4 (carry .whl-gpu2 and .public-kernels). Session 15 ran s15-1 and
 # s15-2 (now removed: their results are in docs/results). Session 16: s16-1 (carry .whl-gpu1), s16-2 (carry
 # .whl-gpu2 and .public-kernels), then s16-3 and s16-4 (now removed; results in docs/results). Session 17 ran s17-1
-# to s17-6 (results in docs/results). Session 18: s18-1, then s18-2 (each carrying .triton-kernels).
+# to s17-6 (results in docs/results). Session 18: s18-1, s18-2, s18-swap and s18-diag (each carrying
+# .triton-kernels); s18-3 (carry .public-kernels) on a machine where earlier -1 and -2 calls installed TileLang.
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -268,6 +269,40 @@ s18-2)
     --models deepseek-style --tokens 1 8 64 --routing uniform --out "$OUT/mxfp4_moe_scaled_ds_h200.md"
   TAIL=6 part gpu_tests_moe_all 220 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
     -k "gpu_every_selftest" tests/test_mxfp4_moe_kernels.py
+  ;;
+s18-swap)
+  # (carry .triton-kernels) Issue 15: SWAP_AB tiles (the decoded weights as wgmma's A operand, straight from their
+  # registers), CPU-checked only: GPU numerics (the inline-PTX decoder runs only here), then beside the plain and
+  # TMA tiles and triton_kernels on gpt-oss decode shapes.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=6 part gpu_tests_moe_swap 150 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
+    -k "swap_ab" tests/test_mxfp4_moe_kernels.py
+  TAIL=12 part bench_mxfp4_moe_swap 420 python3 tools/bench_mxfp4_moe.py --codegens triton --memory-layers 0 \
+    --models gpt-oss-120b --tokens ${SWAP_TOKENS:-1 8 64} --routing uniform --out "$OUT/mxfp4_moe_swap_h200.md"
+  ;;
+s18-diag)
+  # (carry .triton-kernels) Issue 15: per-kernel times of the layer (dzc TMA and SWAP_AB tiles, triton_kernels);
+  # then Nsight Compute on one gate/up GEMM of each, where ncu is installed.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=60 part diag_moe_kernels 200 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 1 8 64
+  if command -v ncu > /dev/null; then
+    TAIL=80 part ncu_moe 240 ncu --kernel-name regex:"moe_gate_up_kernel|_matmul_ogs" --launch-count 3 \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+      python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8 --once
+  else
+    echo "ncu: not installed"
+  fi
+  ;;
+s18-3)
+  # (carry .public-kernels; TileLang from earlier -1 and -2 calls on this warm machine) Issue 14: dzc's TileLang
+  # top-k, CPU-checked only (lowered, nvcc-compiled, its CUDA run on CPU threads): GPU numerics (every config, ties,
+  # -inf/NaN, overflow and long rows), then beside dzc's Triton top-k and the public tl_topk on the same indexer logits, 1 and 64 sequences x 2
+  # query rows over 32K and 128K positions, CUDA graph replays (as the 82.7 / 26.7 us of issue 14 were timed).
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=12 part gpu_tests_topk_tilelang 170 python3 -m pytest -q -p no:logging -rf -m gpu -k "tilelang and topk" \
+    tests/test_dsa_kernels.py
+  TAIL=30 part bench_topk 230 python3 tools/bench_dsa.py --only topk --batches 1 64 --queries 2 \
+    --contexts 32768 131072 --cuda-graphs --out "$OUT/dsa_topk_tilelang_h200.md"
   ;;
 tp-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
