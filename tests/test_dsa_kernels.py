@@ -153,6 +153,27 @@ def test_topk_all_equal_row_takes_smallest_positions(tmp_path):
     assert indices[0].tolist() == list(range(160))
 
 
+def test_topk_signed_zeros_tie_and_every_nan_ranks_largest(seed, tmp_path):
+    """As the reference's sort orders them: -0.0 and +0.0 are equal (the smaller position first), and NaNs of
+    either sign and any payload are equal to each other and above +inf."""
+    generator = _generator(seed)
+    logits = torch.randn(2, 200, generator=generator).to(DEVICE)
+    logits[:, 10:60] = torch.where(torch.arange(50) % 2 == 0, -0.0, 0.0).to(DEVICE)
+    logits[:, 60:] -= 100.0  # below the zeros: the top 50 + 4 are the zeros, the NaNs and +inf
+    nans = torch.tensor([0x7FC00000, 0xFFC00000, 0x7F800001, 0xFFFFFFFF], dtype=torch.int64).to(torch.int32)
+    logits[0, [150, 3, 77, 199]] = nans.view(torch.float32).to(DEVICE)
+    logits[1, 120] = float("inf")
+    logits[1, [5, 170]] = nans[1:3].view(torch.float32).to(DEVICE)
+    args = (logits, torch.tensor([200, 200], dtype=torch.int32, device=DEVICE), 30)
+    spec = dsa_topk.DsaTopkSpec()
+    kernel = _load_triton(dsa_topk, spec, tmp_path)
+    expected = dsa_topk_reference(*args)
+    assert {3, 77, 150, 199} <= set(expected[0].tolist()) and {5, 120, 170} <= set(expected[1].tolist())
+    for config in TOPK_CONFIGS:
+        indices = _run_triton(dsa_topk, spec, kernel, config, args)
+        torch.testing.assert_close(indices, expected, atol=0, rtol=0, msg=lambda m: f"{config}: {m}")
+
+
 @pytest.mark.parametrize("profile", [SM_90, MP_22], ids=lambda p: p.name)
 def test_topk_untuned_choice_and_candidates_per_row_width(profile):
     """The untuned choice per row width: sampled bounds, chunks as wide as the row up to 4096 positions, 8 a thread;
