@@ -197,8 +197,10 @@ def check_against_reference_with_nan_column(args, out, column, expert, topk_ids)
     torch.testing.assert_close(out, expected, **tolerance(out.dtype, expected))
 
 
-def test_tma_config_on_weights_off_16_byte_alignment_runs_by_plain_loads(seed, tmp_path):
-    """TMA reads from 16-byte aligned addresses only: weights 8 bytes off one run the same tile by plain loads."""
+@pytest.mark.parametrize("config", [ONLINE_TMA, SWAP_AB], ids=["tma", "swap_ab"])
+def test_config_on_weights_off_16_byte_alignment_runs_by_plain_loads(config, seed, tmp_path):
+    """TMA reads from 16-byte aligned addresses only, SWAP_AB reads 4-byte words: weights 8 bytes off one run the
+    same tile by plain byte loads."""
     args = list(case_args("gptoss-bfloat16-T5", seed))
     for index in (3, 6):  # w13_blocks, w2_blocks
         blocks = args[index]
@@ -206,7 +208,7 @@ def test_tma_config_on_weights_off_16_byte_alignment_runs_by_plain_loads(seed, t
         shifted.copy_(blocks)
         assert shifted.data_ptr() % mxfp4_moe.TMA_ALIGNMENT != 0
         args[index] = shifted
-    check_against_reference(args, run_triton(args, ONLINE_TMA, tmp_path))
+    check_against_reference(args, run_triton(args, config, tmp_path))
 
 
 @pytest.mark.parametrize("case", ["gptoss-bfloat16-T5", "gptoss-float32-T5"])
