@@ -337,9 +337,19 @@ def _swap_ab(config: KernelConfig) -> bool:
     return dict(config.params).get("SWAP_AB", 0) == 1
 
 
-def _natural_order(config: KernelConfig) -> bool:
-    """Whether the GEMMs read the activations in natural column order (else in nibble order)."""
-    return _dot_scaled(config) or _swap_ab(config)
+# The column orders the GEMMs read their activations in (the generated module's ACT_ORDER values).
+NATURAL_ORDER, NIBBLE_ORDER, SWAP_ORDER = 0, 1, 2
+# SWAP_AB: activation rows in swap order are padded to whole tiles of this many columns.
+SWAP_TILE = 128
+
+
+def _act_order(config: KernelConfig) -> int:
+    return NATURAL_ORDER if _dot_scaled(config) else SWAP_ORDER if _swap_ab(config) else NIBBLE_ORDER
+
+
+def _act_width(columns: int, order: int) -> int:
+    """Row width of activations of `columns` columns in `order`."""
+    return -(-columns // SWAP_TILE) * SWAP_TILE if order == SWAP_ORDER else columns
 
 
 def describe_config(config: KernelConfig) -> str:
@@ -360,11 +370,11 @@ def describe_config(config: KernelConfig) -> str:
 # ---------------------------------------------------------------------------------------------------------
 # Triton
 
-TRITON_KERNEL_NAMES = ("moe_nibble_order_kernel", "moe_gate_up_kernel", "moe_down_kernel",
+TRITON_KERNEL_NAMES = ("moe_reorder_kernel", "moe_gate_up_kernel", "moe_down_kernel",
                        "moe_split_activation_kernel", "mxfp4_dequantize_experts_kernel", "moe_quantize_e4m3_kernel",
                        "mxfp4_to_e4m3_experts_kernel")
 # Columns per program of the activations' reordering (bandwidth bound and small: one shape serves).
-NIBBLE_ORDER_BLOCK = 1024
+REORDER_BLOCK = 1024
 # The workspace dequantization's tile (it is bandwidth bound; one shape serves).
 DEQUANT_BLOCK_N = 32
 DEQUANT_BLOCK_K = 256
@@ -400,6 +410,7 @@ def triton_source(spec: MXFP4MoESpec, profile: DeviceProfile) -> str:
     fields["activation_code"] = "\n    ".join(_TRITON_ACTIVATIONS[spec.activation])
     fields["decoder_code"] = triton_decoder_source(profile)
     fields["scaled_product_code"] = _SCALED_PRODUCT[profile.triton_dot_scaled]
+    fields.update(natural_order=NATURAL_ORDER, nibble_order=NIBBLE_ORDER, swap_order=SWAP_ORDER, swap_tile=SWAP_TILE)
     return Template((TEMPLATES / "mxfp4_moe.triton.py.tmpl").read_text()).substitute(fields)
 
 
@@ -474,8 +485,8 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
         # The weights as the MMA's A operand, decoded into its registers (generated module docstring): BLOCK_N is
         # the MMA's M (64 or 128 rows: one warp group, twice), the token rows its N; BLOCK_K four MX groups.
         tmas = [{}, {"TMA": 1}] if profile.triton_tensor_descriptors else [{}]
-        configs += [KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
-                                      WORKSPACE=0, SPLIT_K=split_k, SWAP_AB=1, **tma)
+        configs += [KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=block_m, BLOCK_N=block_n,
+                                      BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=split_k, SWAP_AB=1, **tma)
                     for block_m, splits in ((16, (1, 2, 4, 8)), (32, (1, 2)), (64, (1,))) for block_n in (64, 128)
                     for split_k in splits for tma in tmas]
     return list(dict.fromkeys(configs))  # the lists overlap (64-row DOT_SCALED tiles): each config once
@@ -527,7 +538,10 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     ids = topk_ids.reshape(-1)
     plan = route(ids, spec.experts, block_m)
     device = hidden.device
-    act = torch.empty(pairs, spec.inter, dtype=spec.hidden_dtype, device=device)
+    order = _act_order(config)
+    # swap order: rows padded to whole tiles, whose padding must hold zeros (the GEMMs multiply it by zero weights)
+    act = (torch.zeros if _act_width(spec.inter, order) != spec.inter else torch.empty)(
+        pairs, _act_width(spec.inter, order), dtype=spec.hidden_dtype, device=device)
     pair_out = torch.empty(pairs, spec.hidden, dtype=torch.float32, device=device)
     use_workspace = _uses_workspace(config)
     split_k = _split_k(config)
@@ -556,12 +570,13 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     w2_bias_arg = w2_bias if w2_bias is not None else hidden
     if use_workspace:
         _dequantize_experts(kernels, w13_blocks, w13_scales, plan, ws, 2 * spec.inter, spec.hidden, spec)
-    if _natural_order(config):
+    if order == NATURAL_ORDER:
         hidden_n = hidden
-    else:  # the GEMMs reduce in nibble order (see the generated module's docstring): x in that order first
-        hidden_n = torch.empty(tokens, spec.hidden, dtype=spec.hidden_dtype, device=device)
-        kernels["moe_nibble_order_kernel"][(tokens, -(-spec.hidden // NIBBLE_ORDER_BLOCK))](
-            hidden, hidden_n, hidden.stride(0), BLOCK=NIBBLE_ORDER_BLOCK, num_warps=4)
+    else:  # the GEMMs reduce in nibble or swap order (see the generated module's docstring): x in that order first
+        width = _act_width(spec.hidden, order)
+        hidden_n = torch.empty(tokens, width, dtype=spec.hidden_dtype, device=device)
+        kernels["moe_reorder_kernel"][(tokens, -(-width // REORDER_BLOCK))](
+            hidden, hidden_n, hidden.stride(0), BLOCK=REORDER_BLOCK, ACT_ORDER=order, num_warps=4)
     gate_up_grid = (plan.max_blocks, -(-spec.inter // block_n))
     # W4A8's scale arguments (x_scales_ptr, w_block_scales_ptr): any pointer will do, with FP8 = False the
     # kernels never read them.
@@ -572,7 +587,7 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     if split_k > 1:
         kernels["moe_split_activation_kernel"][gate_up_grid](
             gate_up_partial, plan.block_expert, plan.block_row_start, plan.block_row_end, w13_bias_arg, act, alpha,
-            limit, pairs, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, NIBBLE_ORDER=not _natural_order(config),
+            limit, pairs, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, ACT_ORDER=order,
             num_warps=config.num_warps)
     if use_workspace:
         _dequantize_experts(kernels, w2_blocks, w2_scales, plan, ws, spec.hidden, spec.inter, spec)
@@ -726,10 +741,10 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
     split_activation = dict(partial_ptr="*fp32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
                             block_row_end_ptr="*i32", bias_ptr=w13_bias, act_ptr=x, alpha="fp32", limit="fp32",
                             pairs="i32", BLOCK_M="constexpr", BLOCK_N="constexpr", SPLIT_K="constexpr",
-                            NIBBLE_ORDER="constexpr")
+                            ACT_ORDER="constexpr")
     split_tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], SPLIT_K=_split_k(config),
-                       NIBBLE_ORDER=not _natural_order(config))
-    nibble_order = dict(x_ptr=x, out_ptr=x, stride_x="i32", BLOCK="constexpr")
+                       ACT_ORDER=_act_order(config))
+    reorder = dict(x_ptr=x, out_ptr=x, stride_x="i32", BLOCK="constexpr", ACT_ORDER="constexpr")
     dequant = dict(w_blocks_ptr="*u8", w_scales_ptr="*u8", expert_counts_ptr="*i32", expert_slots_ptr="*i32",
                    workspace_ptr=ws, N="constexpr", K="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr")
     dequant_constexprs = dict(N=2 * spec.inter, K=spec.hidden, BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=DEQUANT_BLOCK_K)
@@ -743,7 +758,7 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
                 "moe_gate_up_kernel": (gate_up, tiles), "moe_down_kernel": (down, tiles),
                 "mxfp4_to_e4m3_experts_kernel": (convert, dict(N=2 * spec.inter, K=spec.hidden,
                                                                BLOCK_N=DEQUANT_BLOCK_N), DEQUANT_NUM_WARPS)}
-    return {"moe_nibble_order_kernel": (nibble_order, dict(BLOCK=NIBBLE_ORDER_BLOCK), 4),
+    return {"moe_reorder_kernel": (reorder, dict(BLOCK=REORDER_BLOCK, ACT_ORDER=_act_order(config)), 4),
             "moe_gate_up_kernel": (gate_up, tiles), "moe_down_kernel": (down, tiles),
             "moe_split_activation_kernel": (split_activation, split_tiles),
             "mxfp4_dequantize_experts_kernel": (dequant, dequant_constexprs, DEQUANT_NUM_WARPS)}
