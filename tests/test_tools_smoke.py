@@ -53,6 +53,7 @@ SMOKE = {
                                   "add_rms_norm", "--profile", "musa:mp_22", "--out", "{tmp}/musa.md"],
                                  "not on this profile: mxfp4_moe_w4a8 on musa:mp_22"),
     "diagnose_mxfp4_moe_numerics.py": (["--dry-run", "--workdir", "{tmp}/work"], ""),
+    "diagnose_mxfp4_moe_kernels.py": (["--dry-run"], "dry run: gpt-oss-120b T=[1, 8, 64] BLOCK_K=128"),
     # Run by their own tests (tests/test_model_zoo.py, the fuzzer's test): here they must at least import and parse
     # their arguments.
     "zoo.py": (["--help"], "usage:"),

@@ -4,6 +4,7 @@ torch.profiler's CUDA activity (H200; the same random layers and routing as tool
 
     python tools/diagnose_mxfp4_moe_kernels.py [--models gpt-oss-120b] [--tokens 1 8 64] \
         [--configs "BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,TMA=1,num_stages=3" ...] [--once]
+    python tools/diagnose_mxfp4_moe_kernels.py --dry-run   # CPU: the configs checked for legality, no launches
 
 A config is KEY=VALUE pairs (num_warps and num_stages among them; WORKSPACE=0 unless given). Each config is
 checked against the op's reference first. Prints, per (model, tokens, variant), each kernel's mean µs per call and
@@ -26,11 +27,13 @@ import bench_mxfp4_moe as bench  # noqa: E402
 
 from dzc.ops.mxfp4_moe import mxfp4_moe_reference  # noqa: E402
 from dzc.targets.kernel_config import KernelConfig  # noqa: E402
+from dzc.targets.launch import legal_configs  # noqa: E402
+from dzc.targets.profiles import SM_90  # noqa: E402
 
 DEFAULT_CONFIGS = (
     "BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,TMA=1,num_warps=4,num_stages=3",
     "BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,TMA=1,SWAP_AB=1,num_warps=4,num_stages=3",
-    "BLOCK_M=16,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,TMA=1,SWAP_AB=1,num_warps=4,num_stages=4",
+    "BLOCK_M=16,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,TMA=1,SWAP_AB=1,num_warps=4,num_stages=3",
 )
 CALLS = 20
 
@@ -80,7 +83,20 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
     parser.add_argument("--once", action="store_true",
                         help="run each variant once, no profiler (for a run under Nsight Compute's ncu)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="CPU: parse the configs and check each is a legal Triton config of the models' layers "
+                             "on sm_90; nothing launched")
     args = parser.parse_args()
+    configs = [parse_config(text) for text in args.configs]
+    if args.dry_run:
+        for model in args.models:
+            spec = bench.model_spec(model)
+            legal, _ = legal_configs(bench.family, "triton", spec, SM_90)
+            for config in configs:
+                if config not in legal:
+                    sys.exit(f"{config} is not a legal Triton config of {model} on {SM_90.name}")
+                print(f"dry run: {model} T={args.tokens} {config}")
+        return
     if not torch.cuda.is_available():
         sys.exit("diagnose_mxfp4_moe_kernels needs a CUDA GPU")
     device = torch.device("cuda")
@@ -88,7 +104,6 @@ def main() -> None:
     tk, tk_origin = bench.load_triton_kernels(None)
     print(f"GPU: {torch.cuda.get_device_name()}; triton_kernels: {tk_origin}")
     workdir = Path(tempfile.mkdtemp(prefix="dzc-diagnose-moe-"))
-    configs = [parse_config(text) for text in args.configs]
     for model in args.models:
         layer = bench.random_layer(model, device, generator)
         kernels = bench.DzcKernels(layer.spec, "triton", workdir)
