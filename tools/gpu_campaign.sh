@@ -26,6 +26,9 @@
 # .whl-gpu2 and .public-kernels), then s16-3 and s16-4 (now removed; results in docs/results). Session 17 ran s17-1
 # to s17-6 (results in docs/results). Session 18: s18-1, s18-2, s18-swap and s18-diag (each carrying
 # .triton-kernels); s18-3 (carry .public-kernels) on a machine where earlier -1 and -2 calls installed TileLang.
+# Next session: s18-swap (carry .triton-kernels; then SWAP_MODELS=deepseek-style), any step named *-1 (carry
+# .whl-gpu1) and *-2 (carry .whl-gpu2) to install TileLang, then s18-3 (carry .public-kernels), then `triton` (the GPU
+# suite's Triton paths with nested regions on by default).
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # With little device time left, one call without TileLang instead:
@@ -278,7 +281,8 @@ s18-swap)
   TAIL=6 part gpu_tests_moe_swap 150 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
     -k "swap_ab" tests/test_mxfp4_moe_kernels.py
   TAIL=12 part bench_mxfp4_moe_swap 420 python3 tools/bench_mxfp4_moe.py --codegens triton --memory-layers 0 \
-    --models gpt-oss-120b --tokens ${SWAP_TOKENS:-1 8 64} --routing uniform --out "$OUT/mxfp4_moe_swap_h200.md"
+    --models ${SWAP_MODELS:-gpt-oss-120b} --tokens ${SWAP_TOKENS:-1 8 64} --routing uniform \
+    --out "$OUT/mxfp4_moe_swap_h200.md"
   ;;
 s18-diag)
   # (carry .triton-kernels) Issue 15: per-kernel times of the layer (dzc TMA and SWAP_AB tiles, triton_kernels);
