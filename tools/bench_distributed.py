@@ -6,7 +6,10 @@
 
 (1) all-reduce + residual add + RMSNorm, bf16, hidden 7168, tokens {1, 64, 4096}: dzc (the all-reduce in the
     graph, fused with the add + norm by fuse_all_reduce_residual_norm) vs torch.distributed's all-reduce then a
-    torch.compile'd add + norm. Goal: dzc >= 1.3x at <= 64 tokens.
+    torch.compile'd add + norm. Goal: dzc >= 1.3x at <= 64 tokens. Beside them, dzc's one-shot kernel
+    (targets/all_reduce_add_rms_norm.py: reads the peers' symmetric-memory buffers, add + norm in its epilogue;
+    not a lowering yet, called directly): timed where the profile has `symmetric_memory` and torch's symmetric
+    memory is usable, else its column says why it was skipped.
 (2) a decoder layer at TP = world vs TP = 1 (rank 0 alone, the whole layer): prefill throughput (tokens/s) and
     the one-token step time. The layer is dzc.distributed's TPDecoder (dense attention, SwiGLU MLP; one layer,
     hidden 7168): the DSA + MXFP4 MoE reference layer has no TP sharding yet (issue 17's DSA-under-TP item), so
@@ -40,6 +43,7 @@ from dzc import distributed
 from dzc.models import distributed as sharded
 from dzc.models.decoder import HFRMSNorm
 from dzc.models.moe import CONFIGS, build_moe
+from dzc.targets import all_reduce_add_rms_norm as one_shot
 from dzc.targets import resolve_target
 
 FULL = dict(hidden=7168, tokens=[1, 64, 4096], layer=dict(hidden=7168, heads=56, intermediate=18432, vocab=1024),
@@ -109,6 +113,14 @@ def all_reduce_norm(sizes, options, target, device, group, rank) -> list[str]:
         dist.all_reduce(reduced, group=group)
         return add_norm(reduced, residual)
 
+    profile = resolve_target(target).profile
+    skipped = one_shot.OneShotAllReduceAddRmsNorm.unavailable(profile, device)
+    runner = None
+    if skipped:
+        print(f"dzc one-shot fused: skipped ({skipped})")
+    else:
+        runner = one_shot.OneShotAllReduceAddRmsNorm(group, profile, f"{options.resolved_cache_dir()}/one_shot")
+    norm = module.norm
     for tokens in sizes["tokens"]:
         generator = torch.Generator(device=device).manual_seed(tokens + rank)
         partial = torch.randn(tokens, sizes["hidden"], device=device, generator=generator).bfloat16()
@@ -119,8 +131,23 @@ def all_reduce_norm(sizes, options, target, device, group, rank) -> list[str]:
                   2 ** -6)
             fused_s = timed(lambda: compiled(partial, residual), sizes["iterations"], device)
             unfused_s = timed(lambda: unfused(partial, residual), sizes["iterations"], device)
+            one_shot_cells = "skipped | - "
+            if runner is not None:
+                def fused_one_shot():
+                    return runner(partial, residual, norm.weight, norm.variance_epsilon, False, True,
+                                  torch.bfloat16, torch.bfloat16)
+
+                try:  # the first call rendezvouses (a group of one may be refused)
+                    first = fused_one_shot()[0]
+                except RuntimeError as error:
+                    print(f"dzc one-shot fused: skipped (symmetric memory refused: {error})")
+                    runner = None
+                if runner is not None:
+                    check(f"one-shot all_reduce_add_rms_norm T={tokens}", first, unfused(partial, residual), 2 ** -6)
+                    one_shot_s = timed(fused_one_shot, sizes["iterations"], device)
+                    one_shot_cells = f"{one_shot_s * 1e6:.1f} | {unfused_s / one_shot_s:.2f}x "
         rows.append(f"| all_reduce_add_rms_norm | {sizes['hidden']} | {tokens} | {fused_s * 1e6:.1f} | "
-                    f"{unfused_s * 1e6:.1f} | {unfused_s / fused_s:.2f}x |")
+                    f"{unfused_s * 1e6:.1f} | {unfused_s / fused_s:.2f}x | {one_shot_cells}|")
     fired(compiled, "fuse_all_reduce_residual_norm")
     return rows
 
@@ -205,8 +232,9 @@ def main() -> None:
     group = dist.group.WORLD
     # The CPU interpreter would tune for minutes; on the GPU dzc tunes as users get it.
     options = dzc.CompileOptions(autotune=not args.quick)
-    tables = ["| op | hidden | tokens | dzc fused (µs) | all-reduce + torch.compile add+norm (µs) | speed-up |",
-              "|---|---|---|---|---|---|", *all_reduce_norm(sizes, options, args.target, device, group, rank), "",
+    tables = ["| op | hidden | tokens | dzc parts (µs) | all-reduce + torch.compile add+norm (µs) | speed-up | "
+              "dzc one-shot fused (µs) | one-shot speed-up |",
+              "|---|---|---|---|---|---|---|---|", *all_reduce_norm(sizes, options, args.target, device, group, rank), "",
               "| layer | prefill tokens/s | step (µs) | prefill vs TP=1 | step vs TP=1 |", "|---|---|---|---|---|",
               *tp_layer(sizes, options, args.target, device, mesh, rank, world), "",
               "| MoE | tokens per rank | EP layer (µs) | whole layer, one device (µs) | speed-up |",

@@ -31,6 +31,7 @@
 # suite's Triton paths with nested regions on by default).
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
+# One GPU (any session): bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # With little device time left, one call without TileLang instead:
 #   bash tools/gpu_campaign.sh triton   # GPU tests of the Triton paths of the newest work; end-to-end and norm benches
 # Everything lands under $OUT (logs, result tables).
@@ -314,8 +315,19 @@ tp-1)
   nvidia-smi --query-gpu=name --format=csv,noheader
   TAIL=20 part gpu_tests_distributed 200 python3 -m pytest -q -p no:logging -rf -s \
     tests/test_distributed.py::test_tensor_parallel_on_two_gpus
+  # dzc's one-shot all-reduce + add + RMSNorm kernel on 2 ranks; bench_distributed below times it (its own column).
+  TAIL=12 part gpu_tests_one_shot 150 python3 -m pytest -q -p no:logging -rf -s \
+    tests/test_all_reduce_kernel.py::test_one_shot_kernel_on_two_gpus
   TAIL=40 part bench_distributed 360 torchrun --nproc-per-node 2 tools/bench_distributed.py \
     --out "$OUT/distributed_h200.md"
+  ;;
+s18-allreduce)
+  # Issue 17, one GPU: dzc's one-shot all-reduce + add + RMSNorm kernel through symmetric memory at world size 1
+  # (the barrier signals only itself); skips with torch's error if a single-rank rendezvous is refused.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # no NVLink multicast on these machines
+  TAIL=12 part gpu_tests_one_shot_world1 200 python3 -m pytest -q -p no:logging -rs -rf -s \
+    tests/test_all_reduce_kernel.py::test_one_shot_kernel_at_world_size_1_on_one_gpu
   ;;
 triton)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2

@@ -8,8 +8,19 @@ collective the graph had: the sum is taken in x's dtype, exactly as the captured
 
 Lowering: where no kernel family takes the op (today everywhere), `lower_as_parts` turns a node back into the
 functional all-reduce and a dzc.add_rms_norm node, which gets dzc's fused kernel: two launches, correct on every
-backend. A one-shot kernel that reads the peers' buffers (symmetric memory, on profiles with
-`symmetric_memory`) and applies add + norm in its epilogue is a second lowering: a kernel family for this op.
+backend. That stays the default.
+
+A one-shot kernel exists beside it (targets/all_reduce_add_rms_norm.py, template
+targets/templates/all_reduce_add_rms_norm.triton.py.tmpl): each rank copies x into a symmetric-memory buffer
+(torch.distributed._symmetric_memory), a barrier on the signal pads (system-scope release/acquire atomics; no
+multicast), every program sums its rows over all ranks' buffers in rank order in fp32, rounded once to x's dtype
+(for 2 ranks bit-identical to the backend's sum; for more, within (WORLD - 2) ulps of x's dtype of the backend's,
+whose order the backend chooses), then add + RMSNorm exactly as add_rms_norm's kernel, then a second barrier. It
+is gated on the profile's `symmetric_memory` and is not registered as a kernel family of this op, so no graph is
+lowered to it; tools/bench_distributed.py calls it directly (OneShotAllReduceAddRmsNorm). Verified on the CPU only:
+numerics under Triton's interpreter with 1-4 ranks simulated in one process (the barrier compiled out), and the
+kernel with its barrier compiled ahead of time for sm_90 (system-scope CAS in the PTX, no multimem); no GPU has
+run it (tests/test_all_reduce_kernel.py: world size 1 on one GPU, 2 ranks on 2 GPUs).
 """
 
 from __future__ import annotations
