@@ -21,6 +21,8 @@ from dzc.targets.profiles import DeviceProfile
 TEMPLATES = Path(__file__).parent / "templates"
 
 TL_DTYPES = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
+# The same dtypes as triton.compile's signature strings (ahead-of-time compiles).
+SIGNATURE_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,7 @@ def triton_signature(spec: AddRmsNormSpec, config: KernelConfig) -> tuple[dict, 
     """(signature, constexprs) for compiling the kernel ahead of time with triton.compile (no GPU needed).
 
     An absent weight is a None argument, which Triton specialises as a constexpr."""
-    tl_name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    tl_name = SIGNATURE_TYPES
     signature = {
         "x_ptr": "*" + tl_name[spec.x_dtype], "residual_ptr": "*" + tl_name[spec.residual_dtype],
         "weight_ptr": "*" + tl_name[spec.weight_dtype] if spec.weight_dtype is not None else "constexpr",

@@ -92,7 +92,7 @@ def problems(spec: AllReduceAddRmsNormSpec, profile: DeviceProfile | None = None
              signal_pad_bytes: int = DEFAULT_SIGNAL_PAD_BYTES) -> list[str]:
     """Why this kernel cannot compute the op for `spec` (on `profile`, if given); empty if it can."""
     found = []
-    if not profile_supports(profile) and profile is not None:
+    if profile is not None and not profile_supports(profile):
         found.append(f"profile {profile.name} has no symmetric_memory (peers' buffers cannot be mapped)")
     if any(d not in TL_DTYPES for d in spec.norm.dtypes):
         found.append(f"dtypes {spec.norm.describe()}: only fp32/fp16/bf16")
@@ -159,7 +159,7 @@ def triton_default_config(spec: AllReduceAddRmsNormSpec, profile: DeviceProfile)
 def triton_signature(spec: AllReduceAddRmsNormSpec, config: KernelConfig, barrier: bool = True) -> tuple[dict, dict]:
     """(signature, constexprs) for triton.compile ahead of time (no GPU needed). The address tables are i64
     arguments (the handle's buffer_ptrs_dev / signal_pad_ptrs_dev are plain integers)."""
-    tl_name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    tl_name = add_rms_norm.SIGNATURE_TYPES
     norm = spec.norm
     signature = {
         "buffer_ptrs": "i64", "signal_pad_ptrs": "i64", "residual_ptr": "*" + tl_name[norm.residual_dtype],
@@ -209,7 +209,8 @@ class OneShotAllReduceAddRmsNorm:
         self.cache_dir = Path(cache_dir)
         self.config = config
         self._buffers: dict[tuple, tuple] = {}  # (dtype, hidden) -> (capacity rows, tensor, handle)
-        self._kernels: dict[AllReduceAddRmsNormSpec, object] = {}
+        # spec -> (compiled kernel, its config, the most programs a launch may have): built once, not per call
+        self._kernels: dict[AllReduceAddRmsNormSpec, tuple] = {}
 
     @staticmethod
     def unavailable(profile: DeviceProfile, device: torch.device) -> str:
@@ -232,7 +233,9 @@ class OneShotAllReduceAddRmsNorm:
             path = self.cache_dir / f"all_reduce_add_rms_norm_{key}.py"
             if not path.exists():
                 path.write_text(source)
-            self._kernels[spec] = triton_codegen.load_kernel(path, TRITON_KERNEL_NAME)
+            config = self.config or triton_default_config(spec, self.profile)
+            self._kernels[spec] = (triton_codegen.load_kernel(path, TRITON_KERNEL_NAME), config,
+                                   max_programs(self.world, self._signal_pad_bytes()))
         return self._kernels[spec]
 
     @staticmethod
@@ -260,13 +263,12 @@ class OneShotAllReduceAddRmsNorm:
         if residual.shape != x.shape or (weight is not None and tuple(weight.shape) != (hidden,)):
             raise ValueError(f"one-shot all_reduce_add_rms_norm: x {tuple(x.shape)}, residual "
                              f"{tuple(residual.shape)}, weight {None if weight is None else tuple(weight.shape)}")
-        kernel = self._kernel(spec)
-        config = self.config or triton_default_config(spec, self.profile)
+        kernel, config, programs = self._kernel(spec)
         x2d, residual2d, y, h, y2d, h2d = add_rms_norm.residual_rows(hidden, out_dtype, sum_dtype, x, residual)
         n_rows = x2d.shape[0]
         _capacity, tensor, handle = self._buffer(x.dtype, hidden, n_rows, x.device)
         tensor[:n_rows * hidden].view(n_rows, hidden).copy_(x2d)
         weight = weight.contiguous() if weight is not None else None
         triton_launch(kernel, config, spec, handle.buffer_ptrs_dev, handle.signal_pad_ptrs_dev, self.rank, n_rows,
-                      residual2d, weight, eps, y2d, h2d, max_programs(self.world, self._signal_pad_bytes()))
+                      residual2d, weight, eps, y2d, h2d, programs)
         return y, h

@@ -465,6 +465,7 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
                for w in ((4,) if m == 64 else (4, 8)) for s in (2, 3, 4) for ws in (0, 1)]):
         configs.append(KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=block_m, BLOCK_N=block_n,
                                          BLOCK_K=block_k, WORKSPACE=use_workspace, SPLIT_K=split_k))
+    tmas = [{}, {"TMA": 1}] if profile.triton_tensor_descriptors else [{}]  # the weights by plain loads / TMA
     if profile.triton_tensor_descriptors:
         configs += [KernelConfig.make(num_warps=4, num_stages=stages, BLOCK_M=block_m, BLOCK_N=block_n,
                                       BLOCK_K=block_k, WORKSPACE=0, SPLIT_K=split_k, TMA=1)
@@ -473,7 +474,6 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
     if profile.triton_dot_scaled and not spec.dot_fp32:
         # 64- and 128-row weight tiles: on Hopper the weights are wgmma's A operand (decoded into registers), so
         # BLOCK_N is the MMA's M (one or two warp groups' worth) and BLOCK_M, the token rows, its N
-        tmas = [{}, {"TMA": 1}] if profile.triton_tensor_descriptors else [{}]
         configs += [KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                                       WORKSPACE=0, SPLIT_K=split_k, DOT_SCALED=1, **tma)
                     for block_m, splits in ((16, (1, 2, 4, 8)), (32, (1,)), (64, (1,))) for block_n in (64, 128)
@@ -484,7 +484,6 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
     if not spec.dot_fp32:
         # The weights as the MMA's A operand, decoded into its registers (generated module docstring): BLOCK_N is
         # the MMA's M (64 or 128 rows: one warp group, twice), the token rows its N; BLOCK_K four MX groups.
-        tmas = [{}, {"TMA": 1}] if profile.triton_tensor_descriptors else [{}]
         configs += [KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=block_m, BLOCK_N=block_n,
                                       BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=split_k, SWAP_AB=1, **tma)
                     for block_m, splits in ((16, (1, 2, 4, 8)), (32, (1, 2)), (64, (1,))) for block_n in (64, 128)
@@ -540,8 +539,9 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     device = hidden.device
     order = _act_order(config)
     # swap order: rows padded to whole tiles, whose padding must hold zeros (the GEMMs multiply it by zero weights)
-    act = (torch.zeros if _act_width(spec.inter, order) != spec.inter else torch.empty)(
-        pairs, _act_width(spec.inter, order), dtype=spec.hidden_dtype, device=device)
+    act_width = _act_width(spec.inter, order)
+    act = (torch.zeros if act_width != spec.inter else torch.empty)(pairs, act_width, dtype=spec.hidden_dtype,
+                                                                    device=device)
     pair_out = torch.empty(pairs, spec.hidden, dtype=torch.float32, device=device)
     use_workspace = _uses_workspace(config)
     split_k = _split_k(config)
