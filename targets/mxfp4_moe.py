@@ -304,9 +304,13 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
     want_workspace = rows_per_expert(spec, bucket) >= WORKSPACE_MIN_ROWS_PER_EXPERT
     # Where descriptor loads are bulk copies (Hopper's TMA), a decode tile's TMA twin: 1.07-1.19x faster at 1-64
     # tokens on gpt-oss-120b and DeepSeek-style shapes on the H200 (docs/results/mxfp4_moe_tma_h200.md); larger
-    # buckets were not measured. DOT_SCALED tiles were slower there, SWAP_AB ones 1-3% faster at 8 and 64 tokens
-    # of gpt-oss-120b (docs/results/mxfp4_moe_swap_h200.md): tuning only until measured more widely.
-    want_tma = profile.bulk_tensor_copies and rows_per_expert(spec, bucket) <= DECODE_MAX_ROWS_PER_EXPERT
+    # buckets were not measured. Where the MMA is wgmma, the decode tile's SWAP_AB form (the decoded weights as
+    # wgmma's A operand, from registers): with its activations in swap order it was the tuner's pick at 1, 8 and
+    # 64 tokens of both shapes, 1.04-1.24x faster than the TMA tile (docs/results/mxfp4_moe_swap_h200.md).
+    # DOT_SCALED tiles were slower everywhere: tuning only.
+    decode = rows_per_expert(spec, bucket) <= DECODE_MAX_ROWS_PER_EXPERT
+    want_tma = profile.bulk_tensor_copies and decode
+    want_swap = profile.matrix_instruction == "wgmma" and decode
 
     def preference(c: KernelConfig):
         # The cost model's path, the tier's largest row block, then mid-size tiles (64 x 128) with 128 threads:
@@ -314,7 +318,7 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         # fastest on the H200 (docs/results/mxfp4_moe_h200.md).
         threads = c.num_warps * profile.warp_size
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
-                _dot_scaled(c) or _swap_ab(c), _tma(c) != want_tma, -c["BLOCK_M"],
+                _dot_scaled(c), _swap_ab(c) != want_swap, _tma(c) != want_tma, -c["BLOCK_M"],
                 _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64), abs(c["BLOCK_K"] - 128),
                 abs(threads - 128), c.num_stages != 3)
 

@@ -215,8 +215,9 @@ def test_config_on_weights_off_16_byte_alignment_runs_by_plain_loads(config, see
 def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
     """TMA tiles where the profile's Triton has tensor descriptors, DOT_SCALED ones where it compiles dot_scaled
     and the activations are bf16, SWAP_AB ones for bf16 activations. The untuned choice of a decode bucket is a
-    TMA tile exactly where descriptor loads are bulk copies (measured faster there); DOT_SCALED and SWAP_AB tiles
-    (measured slower) never are, nor TMA past decode sizes (not measured)."""
+    TMA tile exactly where descriptor loads are bulk copies, and a SWAP_AB one exactly where the MMA is wgmma and
+    the activations are bf16 (both measured faster there); DOT_SCALED tiles (measured slower) never are, nor TMA
+    or SWAP_AB past decode sizes (not measured)."""
     spec = mxfp4_moe.spec_from_args(*case_args(case, 0)[:11])
     bf16 = spec.hidden_dtype == torch.bfloat16
     for profile in PROFILES.values():
@@ -233,7 +234,9 @@ def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
             options = dict(default.params)
             decode = mxfp4_moe.rows_per_expert(spec, bucket) <= mxfp4_moe.DECODE_MAX_ROWS_PER_EXPERT
             assert bool(options.get("TMA")) == (profile.bulk_tensor_copies and decode), (profile.name, bucket)
-            assert not {"DOT_SCALED", "SWAP_AB"} & set(options), (profile.name, bucket)
+            assert bool(options.get("SWAP_AB")) == (profile.matrix_instruction == "wgmma" and decode and bf16), \
+                (profile.name, bucket)
+            assert "DOT_SCALED" not in options, (profile.name, bucket)
 
 
 def test_int64_ids_and_strided_hidden(seed, tmp_path):

@@ -329,6 +329,26 @@ s18-allreduce)
   TAIL=12 part gpu_tests_one_shot_world1 200 python3 -m pytest -q -p no:logging -rs -rf -s \
     tests/test_all_reduce_kernel.py::test_one_shot_kernel_at_world_size_1_on_one_gpu
   ;;
+s19-1)
+  # (carry .whl-gpu1) Issue 17's one-shot kernel at world size 1; issue 15's MoE tests with SWAP_AB the untuned
+  # decode choice; the GPU suite's Triton paths with nested regions on by default (s18's 120 s cut it short).
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # no NVLink multicast on these machines
+  TAIL=12 part gpu_tests_one_shot_world1 60 python3 -m pytest -q -p no:logging -rs -rf -s \
+    tests/test_all_reduce_kernel.py::test_one_shot_kernel_at_world_size_1_on_one_gpu
+  TAIL=6 part gpu_tests_moe_default 60 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
+    -k "swap_ab or default or only_where" tests/test_mxfp4_moe_kernels.py
+  TAIL=12 part gpu_tests_triton 190 python3 -m pytest -q -p no:logging -rf -m gpu -k "not tilelang" \
+    tests/test_add_layer_norm_kernels.py tests/test_reinplace_cache_writes.py tests/test_dsa_models.py \
+    tests/test_cuda_graphs.py
+  ;;
+s19-2)
+  # (carry .whl-gpu2 and .public-kernels, after s19-1 on this warm machine) Issue 14: the TileLang top-k's GPU
+  # numerics with the reference's NaN ranking made device-independent (s18-3 failed only on NaNs with the sign bit).
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=12 part gpu_tests_topk_tilelang 170 python3 -m pytest -q -p no:logging -rf -m gpu -k "topk" \
+    tests/test_dsa_kernels.py
+  ;;
 triton)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

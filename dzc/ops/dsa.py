@@ -136,15 +136,17 @@ def dsa_indexer_reference(q, weights, index_k_cache, block_table, seq_lens, quer
 
 
 def dsa_topk_reference(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-    """The k largest logits[t, :lengths[t]] (ties: the smaller position first), their positions in ascending
-    order, padded with -1 where fewer than k are available. int32 [queries, k]."""
+    """The k largest logits[t, :lengths[t]] (every NaN the largest; ties: the smaller position first), their
+    positions in ascending order, padded with -1 where fewer than k are available. int32 [queries, k]."""
     context = logits.shape[1]
     lengths = lengths.long().clamp(0, context)
     valid = torch.arange(context, device=logits.device) < lengths[:, None]
     # Stable descending sort: equal logits keep position order (smaller first). Positions past the length become
-    # -inf and so sort after every valid position, a valid -inf included, since they are larger positions.
-    ranked_positions = torch.sort(logits.masked_fill(~valid, float("-inf")), dim=-1, descending=True,
-                                  stable=True).indices
+    # -inf and so sort after every valid position, a valid -inf included, since they are larger positions. Every
+    # NaN is the largest value, as torch.topk ranks them: NaNs are made one +NaN first, because CUDA's torch.sort
+    # ranks a NaN with the sign bit set below -inf (its radix sort orders the raw bits) while the CPU's does not.
+    keys = logits.masked_fill(logits.isnan(), float("nan")).masked_fill(~valid, float("-inf"))
+    ranked_positions = torch.sort(keys, dim=-1, descending=True, stable=True).indices
     chosen = ranked_positions[:, :k]
     if chosen.shape[1] < k:
         chosen = torch.nn.functional.pad(chosen, (0, k - chosen.shape[1]), value=context)
