@@ -18,8 +18,9 @@ class CompileOptions:
     # inputs' device (TileLang kernels need a GPU; Triton also runs on CPU tensors through its interpreter).
     codegen: Codegen = "auto"
     # Time the legal configs of every kernel on first use (per token bucket) and remember the winner on disk.
-    # Off: every kernel runs its family's default config.
-    autotune: bool = True
+    # Off: every kernel runs its family's default config. None: on where kernels run on a device, off under
+    # Triton's CPU interpreter (its timings say nothing of a GPU, and tuning one MoE kernel there takes minutes).
+    autotune: bool | None = None
     # Who runs the ops no dzc pass fused: "inductor" (torch.compile's own compiler), "eager" (the ATen graph as
     # captured), or "auto" = inductor when the inputs are on a GPU, eager on CPU tensors.
     fallback: Fallback = "auto"

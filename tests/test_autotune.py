@@ -117,6 +117,20 @@ def test_autotune_off_runs_the_family_default_config(tmp_path, seed):
     assert not (tmp_path / "tuning.json").exists(), "no tuning, no database"
 
 
+def test_default_options_do_not_tune_under_the_interpreter(tmp_path, seed):
+    """CompileOptions.autotune=None (the default): kernels run by Triton's CPU interpreter (CPU tensors, on any
+    machine) take the untuned default config, since timings there say nothing of a GPU."""
+    hidden = 2880
+    model = AddRMSNorm(hidden).bfloat16()
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path)))
+    x, residual = torch.randn(2, hidden).bfloat16(), torch.randn(2, hidden).bfloat16()
+    y, h = compiled(x, residual)
+    assert_add_rms_norm_matches_eager(model, x, residual, y, h)
+    [kernel] = compiled.report.kernels
+    assert kernel.tuned[2]["how"] == "untuned default"
+    assert not (tmp_path / "tuning.json").exists(), "no tuning, no database"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Concurrent writers
 
