@@ -26,9 +26,11 @@
 # .whl-gpu2 and .public-kernels), then s16-3 and s16-4 (now removed; results in docs/results). Session 17 ran s17-1
 # to s17-6 (results in docs/results). Session 18: s18-1, s18-2, s18-swap and s18-diag (each carrying
 # .triton-kernels); s18-3 (carry .public-kernels) on a machine where earlier -1 and -2 calls installed TileLang.
-# Next session: s18-swap (carry .triton-kernels; then SWAP_MODELS=deepseek-style), any step named *-1 (carry
-# .whl-gpu1) and *-2 (carry .whl-gpu2) to install TileLang, then s18-3 (carry .public-kernels), then `triton` (the GPU
-# suite's Triton paths with nested regions on by default).
+# Session 19 ran s18-swap (both models), s18-3, `triton`, s19-1 and s19-2 (results in docs/results). Next session:
+# s19-1 (carry .whl-gpu1) and s19-2 (carry .whl-gpu2 and .public-kernels) again as the regression check, then
+# `triton` with bench_compile (issue 18: `python3 tools/bench_compile.py` on the GPU) and the add+RMSNorm
+# back-to-back table at hidden 2880 (`tools/bench_add_rms_norm.py --back-to-back --codegens triton`); tp-1 where
+# nvidia-h200-x2 is lent.
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #                              bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU (any session): bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
