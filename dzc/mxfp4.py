@@ -301,6 +301,13 @@ class _MXFP4TransformersExperts:
     def down_proj(self) -> torch.Tensor:
         return self._dequantized("down_proj")
 
+    def _apply(self, fn, recurse=True):
+        """Module.to / .bfloat16() / .half(): the packed uint8 buffers stay as they are (casts touch floating-point
+        tensors only), and the dtype the weights dequantize to follows the cast, as a float weight would (else a
+        model cast to bf16 would run its experts in the quantized-from dtype)."""
+        self.mxfp4_compute_dtype = fn(torch.empty(0, dtype=self.mxfp4_compute_dtype)).dtype
+        return super()._apply(fn, recurse)
+
 
 _MIXED_CLASSES: dict[type, type] = {}
 

@@ -236,6 +236,13 @@ def test_quantize_experts_on_hf_gpt_oss():
             twin_layer.mlp.experts.down_proj.copy_(layer.mlp.experts.down_proj)
         # Same values; only the memory layout of the weights differs (a transposed view), hence the GEMM path.
         torch.testing.assert_close(model(ids).logits, twin(ids).logits, atol=1e-6, rtol=1e-5)
+    # A cast of the model: the packed buffers stay uint8, the weights dequantize to the new dtype.
+    blocks = experts.gate_up_proj_blocks.clone()
+    model.to(torch.bfloat16)
+    assert experts.gate_up_proj_blocks.dtype == torch.uint8 and torch.equal(experts.gate_up_proj_blocks, blocks)
+    assert experts.mxfp4_compute_dtype == torch.bfloat16 and experts.down_proj.dtype == torch.bfloat16
+    model.float()
+    assert experts.gate_up_proj.dtype == torch.float32
 
 
 def test_load_experts_from_checkpoint_into_modules(tmp_path):

@@ -1,8 +1,9 @@
 """The public model zoo: transformers models as their authors ship them, tiny and random, through dzc.compile.
 
-    python tools/zoo.py                  # measure every row, print the table
-    python tools/zoo.py --write          # ... and write it into docs/zoo.md
-    python tools/zoo.py llama gemma3     # only these rows
+    python tools/zoo.py                          # measure every row, print the table
+    python tools/zoo.py --write                  # ... and write it into docs/zoo.md
+    python tools/zoo.py Llama "Gemma3 (text)"    # only these rows
+    python tools/zoo.py Llama --write            # ... and replace only their rows in docs/zoo.md
 
 Each row builds a transformers model from a tiny config (1-2 layers, hidden 64, built offline: no download) with
 seeded random weights, and compiles it UNCHANGED: `dzc.compile(model)`, no dzc helper, no edit to the model's
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import sys
 import tempfile
@@ -134,7 +136,22 @@ def _siglip_vision() -> Entry:
                  lambda out: (out.last_hidden_state, out.pooler_output))
 
 
-ZOO: dict[str, Entry] = {e.name: e for e in (
+def _mxfp4_experts(entry: Entry) -> Entry:
+    """`entry` with its MoE experts' weights in MXFP4, as loading an MXFP4 checkpoint gives: built as the row it
+    stands beside, then dzc.mxfp4.quantize_experts (packed uint8 blocks and scales buffers that the experts module
+    dequantizes in its forward, transformers' default experts implementation unchanged). The eager reference is
+    this quantized model: the row measures dzc against it, not the quantization error."""
+    def build():
+        from dzc import mxfp4  # noqa: PLC0415
+
+        model = entry.build()
+        mxfp4.quantize_experts(model)
+        return model
+
+    return dataclasses.replace(entry, name=f"{entry.name} (MXFP4 experts)", build=build)
+
+
+_TEXT_ROWS = (
     _text("Llama", "LlamaForCausalLM", "LlamaConfig", head_dim=16),
     _text("Qwen3", "Qwen3ForCausalLM", "Qwen3Config", head_dim=16),
     _text("Gemma3 (text)", "Gemma3ForCausalLM", "Gemma3TextConfig", head_dim=16, query_pre_attn_scalar=16,
@@ -153,13 +170,20 @@ ZOO: dict[str, Entry] = {e.name: e for e in (
     # boundary, where eager's torch.topk and dzc's (ties to the smaller position) pick different, equally valid keys.
     _text("DeepseekV32", "DeepseekV32ForCausalLM", "DeepseekV32Config", index_topk=4, index_head_dim=16,
           index_n_heads=16, selects=True, **_MLA),
+)
+# The MoE rows again with MXFP4 experts: the same models, where the fuse_mxfp4_experts pass (one dzc.mxfp4_moe
+# kernel per layer) fires on transformers' own experts modules.
+MXFP4_ROWS = ("GptOss", "Qwen3-MoE", "Mixtral", "DeepseekV3")
+_VISION_ROWS = (
     _qwen_vl_vision("Qwen2-VL vision", "qwen2_vl", "Qwen2VisionTransformerPretrainedModel", "Qwen2VLVisionConfig",
                     depth=1, embed_dim=64, hidden_size=64, mlp_ratio=2),
     _qwen_vl_vision("Qwen2.5-VL vision", "qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel",
                     "Qwen2_5_VLVisionConfig", depth=2, hidden_size=64, intermediate_size=128, out_hidden_size=64,
                     window_size=8, fullatt_block_indexes=[1]),
     _siglip_vision(),
-)}
+)
+ZOO: dict[str, Entry] = {e.name: e for e in (
+    *_TEXT_ROWS, *(_mxfp4_experts(e) for e in _TEXT_ROWS if e.name in MXFP4_ROWS), *_VISION_ROWS)}
 
 
 @dataclass
@@ -201,7 +225,7 @@ def measure(entry: Entry, dtype: torch.dtype, cache_dir: str, device: str | None
     run = Run(dtype, entry.selects)
     start = time.perf_counter()
     torch._dynamo.reset()
-    model = entry.build().to(device=device, dtype=dtype)
+    model = entry.build().to(device=device, dtype=dtype)  # MXFP4 experts dequantize to `dtype` (dzc.mxfp4)
     # The eager reference is a copy taken first: dzc.compile selects dzc's own attention implementation on the
     # model it is handed (transformers' attention interface), so that model's eager calls would run dzc's ops.
     reference = copy.deepcopy(model)
@@ -313,14 +337,40 @@ window - 1 tokens, a slice whose start and contiguity torch guards): 7 tokens (w
 the longest image (8, 8, then 16): a Python int that transformers' size helpers compute eagerly, between graphs,
 which Dynamo takes as a constant until it first changes, then as a symbol. Other image counts (a single image
 included) and sizes share one graph (docs/vision.md).
+MXFP4 rows: "NAME (MXFP4 experts)" is row NAME with its MoE experts' weights replaced by MXFP4 through
+`dzc.mxfp4.quantize_experts(model)` (packed uint8 blocks and E8M0 scales that the experts module dequantizes in its
+forward), standing for an MXFP4 checkpoint as transformers loads it; the experts implementation is transformers'
+default, unchanged. Eager is that quantized model (the error columns are dzc against it, not the quantization
+error); in bf16 the experts dequantize to bf16, as a checkpoint loaded in bf16 does. fuse_mxfp4_experts turns each
+layer's experts into one `dzc.mxfp4_moe` kernel. Not in bf16 for Mixtral and DeepseekV3: their routers return fp32
+top-k weights in a bf16 model (upstream), so the experts' combine sums in fp32 and casts the sum back to bf16, which
+the pass refuses ("the layer's output differs from its input in dtype or shape"); their experts then run
+dequantized, unfused. tests/test_model_zoo.py runs the four MXFP4 rows in fp32 and Qwen3-MoE's in bf16.
 
 """
+
+
+def _merged(new_table: str, old_doc: str) -> str:
+    """The table with the rows of `new_table` and, for every other zoo row, its row in `old_doc`, in ZOO's order
+    (a run of some rows with --write replaces only theirs)."""
+    def rows(text):
+        found = {}
+        for line in text.splitlines():
+            cells = line.split(" | ")
+            if line.startswith("| ") and cells[0][2:] in ZOO:
+                found[cells[0][2:]] = line
+        return found
+
+    old, new = rows(old_doc), rows(new_table)
+    header = new_table.splitlines()[:2]
+    return "\n".join(header + [new.get(name) or old[name] for name in ZOO if name in new or name in old]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("names", nargs="*", help=f"rows to run (default all): {', '.join(ZOO)}")
-    parser.add_argument("--write", action="store_true", help="write the table into docs/zoo.md")
+    parser.add_argument("--write", action="store_true",
+                        help="write the table into docs/zoo.md (with names: replace only those rows)")
     parser.add_argument("--report", action="store_true", help="print each bf16 compile report and its coverage")
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in ZOO]
@@ -339,9 +389,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         import transformers  # noqa: PLC0415
 
+        path = Path(__file__).resolve().parent.parent / "docs" / "zoo.md"
+        if args.names:
+            text = _merged(text, path.read_text() if path.exists() else "")
         doc = DOC_HEADER.format(version=transformers.__version__, fp32=TOLERANCE[torch.float32],
                                 bf16=TOLERANCE[torch.bfloat16]) + text
-        (Path(__file__).resolve().parent.parent / "docs" / "zoo.md").write_text(doc)
+        path.write_text(doc)
     return 0 if all(run.matches for runs in results.values() for run in runs) else 1
 
 
