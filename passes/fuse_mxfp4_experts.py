@@ -35,6 +35,9 @@ Before (three spellings; W13 = dzc.mxfp4_dequantize(w13_blocks, w13_scales, bf16
   no sentinel rows, so this is matched only where %topk_ids are the indices of an aten.topk over E scores: no id
   reaches E, and the masks and the clamp are identities.
 
+Where the routing weights are fp32 in a 16-bit model (the weighted sum is then fp32) and the sum's only use is a
+cast back to the activations' dtype, that cast is the layer's output: the op sums in fp32 and rounds once there.
+
 After:
 
     %out = dzc.mxfp4_moe.default(%x, %topk_ids, %topk_weights, %w13_blocks, %w13_scales, %b13, %w2_blocks,
@@ -70,6 +73,7 @@ import torch.fx
 
 from dzc.ops.mxfp4_moe import check_mxfp4_moe_args
 from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
+from dzc.passes.patterns import cast_dtype
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -773,6 +777,19 @@ def _check_types(match: _Match, k: int | None) -> None:
         raise Refusal(f"topk ids are {fake_value(match.topk_ids).dtype}")
 
 
+def _through_output_cast(match: _Match) -> None:
+    """An fp32 combine of 16-bit activations (routers that return fp32 top-k weights: the weighted sum is fp32)
+    whose only use is a cast back to the activations' dtype: the op's output is that cast. The op sums in fp32 and
+    rounds once at its output (dzc/ops/mxfp4_moe.py), as this spelling does."""
+    x_dtype = fake_value(match.x).dtype
+    if fake_value(match.out).dtype != torch.float32 or x_dtype == torch.float32 or len(match.out.users) != 1:
+        return
+    [user] = match.out.users
+    if cast_dtype(user) == x_dtype:
+        match.seen.update((match.out, user))
+        match.out = user
+
+
 def _rewrite(graph: torch.fx.Graph, match: _Match, region: set) -> None:
     name, interleaved, alpha, limit = match.activation
     with graph.inserting_before(match.out):
@@ -802,6 +819,7 @@ def fuse_mxfp4_experts(graph: torch.fx.Graph) -> PassResult:
             continue
         try:
             match = matcher(node)
+            _through_output_cast(match)
             region = _check_region(match)
             _check_types(match, match.top_k)
         except Refusal as refusal:

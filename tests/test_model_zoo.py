@@ -30,15 +30,14 @@ _spec.loader.exec_module(zoo)
 # tests/test_sparse_attention_without_cache.py::test_compiled_hf_deepseek_v32_bf16_prefill_without_cache: HF
 # DeepseekV32 in bf16 through dzc.compile, its dsa_indexer and sparse_attention kernels, against eager with this
 # file's bf16 tolerance and near-tie allowance; its fp32 row here keeps the zoo's spelling and three lengths.
-# The MXFP4-experts rows' bf16 is Qwen3-MoE's: the dzc.mxfp4_moe kernel in bf16 (in Mixtral and DeepseekV3 the
-# fusion does not fire in bf16: FIRED_BF16).
-BF16_ROWS = ("Llama", "Qwen3-MoE", "Qwen2-VL vision", "Qwen3-MoE (MXFP4 experts)")
+# MXFP4-experts rows in bf16: the dzc.mxfp4_moe kernel with bf16 routing weights (Qwen3-MoE) and with fp32 ones in
+# a bf16 model (Mixtral: the combine sums in fp32, then casts back).
+BF16_ROWS = ("Llama", "Qwen3-MoE", "Qwen2-VL vision", "Qwen3-MoE (MXFP4 experts)", "Mixtral (MXFP4 experts)")
 ROWS = ([pytest.param(name, torch.float32, id=f"{name}-fp32") for name in zoo.ZOO]
         + [pytest.param(name, torch.bfloat16, id=f"{name}-bf16", marks=pytest.mark.slow) for name in BF16_ROWS])
 
 
-# What fires per row over the three calls (fp32, and bf16 but where FIRED_BF16 says otherwise), and the recompiles
-# (docs/zoo.md says why).
+# What fires per row over the three calls (fp32 and bf16 alike), and the recompiles (docs/zoo.md says why).
 FIRED = {
     "Llama": {"fuse_residual_norm": 2},
     "Qwen3": {"fuse_residual_norm": 2},
@@ -61,14 +60,6 @@ FIRED = {
     "Mixtral (MXFP4 experts)": {"fuse_residual_norm": 2, "fuse_mxfp4_experts": 1},
     "DeepseekV3 (MXFP4 experts)": {"canonicalize_graph": 1, "fuse_residual_norm": 2, "fuse_mxfp4_experts": 1},
 }
-# Where bf16 differs. Mixtral's and DeepseekV3's routers return fp32 top-k weights in a bf16 model (upstream: a
-# softmax of .float() logits, a sigmoid of fp32 logits), so transformers' grouped_mm experts combine in fp32 and
-# cast the sum back to bf16; fuse_mxfp4_experts ends its match at the fp32 sum and refuses it ("the layer's output
-# differs from its input in dtype or shape"). The experts then run dequantized, unfused, and match eager.
-FIRED_BF16 = {
-    "Mixtral (MXFP4 experts)": {"fuse_residual_norm": 2},
-    "DeepseekV3 (MXFP4 experts)": {"canonicalize_graph": 1, "fuse_residual_norm": 2},
-}
 # None of them is dzc's to remove:
 # - the sliding-window rows (window 8; 7, 12 and 20 tokens): transformers branches on the length against the window.
 #   Its sdpa mask is skipped below the window (masking_utils._ignore_causal_mask_sdpa; Gemma3, Mistral), and the
@@ -89,7 +80,7 @@ RECOMPILES = {"Gemma3 (text)": 1, "Mistral": 1, "GptOss": 1, "GptOss (MXFP4 expe
 
 
 def test_every_row_has_its_expectations():
-    assert set(FIRED) == set(zoo.ZOO) and set(RECOMPILES) <= set(zoo.ZOO) and set(FIRED_BF16) <= set(zoo.ZOO)
+    assert set(FIRED) == set(zoo.ZOO) and set(RECOMPILES) <= set(zoo.ZOO)
 
 
 @pytest.mark.parametrize("name, dtype", ROWS)
@@ -98,8 +89,7 @@ def test_zoo_row_compiles_unchanged_and_matches_eager(name, dtype, tmp_path):
     assert not run.error, f"{name} ({dtype}) failed: {run.error}"
     assert not run.eager_runs, f"{name} ({dtype}) ran eagerly, without dzc"
     assert run.compiles >= 1
-    expected = FIRED_BF16.get(name, FIRED[name]) if dtype == torch.bfloat16 else FIRED[name]
-    assert run.fired == expected, f"{name} ({dtype}): fired {run.fired}"
+    assert run.fired == FIRED[name], f"{name} ({dtype}): fired {run.fired}"
     assert (run.graph_breaks, run.recompiles) == (0, RECOMPILES.get(name, 0)), name
     assert run.matches, (f"{name} ({dtype}): max |dzc - eager| {run.max_error:.3g} of max |eager|, {run.rows_off} of "
                          f"{run.rows} rows over {zoo.TOLERANCE[dtype]:.0e}")

@@ -342,10 +342,9 @@ MXFP4 rows: "NAME (MXFP4 experts)" is row NAME with its MoE experts' weights rep
 forward), standing for an MXFP4 checkpoint as transformers loads it; the experts implementation is transformers'
 default, unchanged. Eager is that quantized model (the error columns are dzc against it, not the quantization
 error); in bf16 the experts dequantize to bf16, as a checkpoint loaded in bf16 does. fuse_mxfp4_experts turns each
-layer's experts into one `dzc.mxfp4_moe` kernel. Not in bf16 for Mixtral and DeepseekV3: their routers return fp32
-top-k weights in a bf16 model (upstream), so the experts' combine sums in fp32 and casts the sum back to bf16, which
-the pass refuses ("the layer's output differs from its input in dtype or shape"); their experts then run
-dequantized, unfused. tests/test_model_zoo.py runs the four MXFP4 rows in fp32 and Qwen3-MoE's in bf16.
+layer's experts into one `dzc.mxfp4_moe` kernel, also where a router returns fp32 top-k weights in a bf16 model
+(Mixtral, DeepseekV3: the combine sums in fp32 and casts back, where the op rounds too). tests/test_model_zoo.py
+runs the four MXFP4 rows in fp32, and Qwen3-MoE's and Mixtral's in bf16.
 
 """
 
