@@ -1,6 +1,6 @@
 """Matchers for attention subgraphs in captured ATen graphs, shared by the attention passes (fuse_sparse_attention,
-fuse_windowed_attention): what a mask means, the softmax (attention sinks included), the q.k and p.v matmuls, and
-a node builder that keeps fake values.
+fuse_windowed_attention, fuse_vision_attention): what a mask means, the softmax (attention sinks included), the q.k
+and p.v matmuls, and node builders that keep fake values.
 
 Masks: an additive float mask, or a boolean keep/drop mask, is decomposed into terms (below) that must all hold
 for a key to be visible; the passes decide which combinations they can rewrite. Attention: `match_attention(masked)`
@@ -11,6 +11,7 @@ is not one of the terms raises NotAMask.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 
@@ -117,6 +118,9 @@ def unpadded_bias(node):
 #                                   the columns of the term's mask (checked to be the keys')
 #   ("window", query_positions, W)  keys at positions > the query's position - W are visible (a local window)
 #   ("any", [term, term])           either term holds (the selected keys beside a local window)
+#   ("segment", cu_seqlens, mask)   keys in the query's segment of a pack are visible: mask = eq(seg[:, None],
+#                                   seg[None, :]) of one seg = searchsorted(cu_seqlens, arange(T), right=True)
+#                                   (block-diagonal, packed images); mask: the eq node, whose shape the pass checks
 # Anything else (padding, a mask from a model input) is not an attention mask these passes know.
 
 
@@ -266,6 +270,40 @@ def drop_terms(node):
     return _boolean_terms(node, keep=False)
 
 
+def segment_term(node):
+    """[("segment", cu, node)] when node = eq(seg[:, None], seg[None, :]) of one seg = searchsorted(cu, arange(T),
+    right=True), cu 1-D (whole slices looked through; seg[i] is the segment of token i, so key j is visible to
+    query i exactly when both lie in one segment); else None."""
+    if not is_call(node, aten.eq.Tensor):
+        return None
+    sides = []
+    for side, unit in zip(node.args[:2], (1, 0)):  # seg[:, None] == seg[None, :]
+        unsqueezed = None
+        while is_call(side, aten.unsqueeze.default) or is_whole_slice(side):
+            if is_call(side, aten.unsqueeze.default):
+                unsqueezed = side.args[1] % 2
+            side = side.args[0]
+        if unsqueezed != unit:
+            return None
+        sides.append(side)
+    seg = sides[0]
+    if sides[1] is not seg or not is_call(seg, aten.searchsorted.Tensor) or len(seg.args) != 2 \
+            or not set(seg.kwargs) <= {"right", "side", "out_int32"} \
+            or not (seg.kwargs.get("right") is True or seg.kwargs.get("side") == "right"):
+        return None  # right=False counts cu entries below i: token cu[j] would join the segment before it
+    cu, positions = seg.args
+    if is_call(positions, prims.iota.default):  # arange, as capture decomposes it
+        if positions.kwargs.get("start") != 0 or positions.kwargs.get("step") != 1:
+            return None
+    elif not is_call(positions, aten.arange.default, aten.arange.start, aten.arange.start_step) \
+            or (is_call(positions, aten.arange.start, aten.arange.start_step) and positions.args[0] != 0) \
+            or (is_call(positions, aten.arange.start_step) and positions.args[2] != 1):
+        return None
+    if fake_value(cu) is None or fake_value(cu).dim() != 1:
+        return None
+    return [("segment", cu, node)]
+
+
 _AND = (aten.bitwise_and.Tensor, aten.logical_and.default)
 _OR = (aten.bitwise_or.Tensor, aten.logical_or.default)
 
@@ -288,14 +326,16 @@ def _boolean_terms(node, keep: bool):
         return _boolean_terms(node.args[0], not keep)
     if is_call(node, *_COMPARISONS):
         return _comparison_terms(node, keep=keep)
+    segment = segment_term(node) if keep else None
+    if segment is not None:
+        return segment
     raise NotAMask(f"{describe_mask_part(node)} is not a causal, top-k or window {form} mask")
 
 
 def additive_terms(node):
     """Terms of a float mask that is 0 where a key is visible and -inf (or finfo.min) where hidden."""
-    value = scalar(node)
-    if value == 0.0:
-        return []
+    if fill_value(node) == 0.0:
+        return []  # 0, or zeros of any shape (`zeros(..).masked_fill(~m, M)`)
     selected = _selected_terms(node, "additive")
     if selected is not None:
         return selected
@@ -319,21 +359,33 @@ def additive_terms(node):
 
 def split_masked(node):
     """node = x masked by a DSA mask -> (x, terms); x is the operand that is not a mask."""
+    inner, terms, _ = read_masked(node)
+    return inner, terms
+
+
+def read_masked(node, keep_where: bool = False):
+    """node = x masked -> (x, terms, the mask operands node reads: additive masks, bool conditions); x is the
+    operand that is not a mask. keep_where: also where(m, x, M) (a keep mask selecting the scores), a spelling
+    the decoder passes have not met and do not read."""
     if is_call(node, aten.add.Tensor):
         for value, mask in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
             try:
                 terms = additive_terms(mask)
             except NotAMask:
                 continue
-            inner, more = split_masked(value)
-            return inner, terms + more
+            inner, more, masks = read_masked(value, keep_where)
+            return inner, terms + more, [mask, *masks]
     if is_call(node, aten.where.self) and scalar(node.args[1]) is not None and scalar(node.args[1]) <= MASKED:
-        inner, more = split_masked(node.args[2])
-        return inner, drop_terms(node.args[0]) + more
+        inner, more, masks = read_masked(node.args[2], keep_where)
+        return inner, drop_terms(node.args[0]) + more, [node.args[0], *masks]
+    if keep_where and is_call(node, aten.where.self) and scalar(node.args[2]) is not None \
+            and scalar(node.args[2]) <= MASKED:
+        inner, more, masks = read_masked(node.args[1], keep_where)
+        return inner, keep_terms(node.args[0]) + more, [node.args[0], *masks]
     if is_call(node, aten.masked_fill.Scalar) and node.args[2] <= MASKED:
-        inner, more = split_masked(node.args[0])
-        return inner, drop_terms(node.args[1]) + more
-    return node, []
+        inner, more, masks = read_masked(node.args[0], keep_where)
+        return inner, drop_terms(node.args[1]) + more, [node.args[1], *masks]
+    return node, [], []
 
 
 def mask_problem(scores) -> str | None:
@@ -572,6 +624,20 @@ def match_attention(masked) -> Attention:
 
 # ----------------------------------------------------------------------------------------------------------------
 # The rewrite.
+
+
+def new_node(graph: torch.fx.Graph, target, args, kwargs=None) -> torch.fx.Node:
+    """A node at the graph's insertion point, its fake value computed from its arguments' fake values."""
+    node = graph.call_function(target, args, kwargs or {})
+    fake_args = torch.fx.node.map_arg(args, fake_value)
+    fake_kwargs = torch.fx.node.map_arg(kwargs or {}, fake_value)
+    tensors = [a for a in torch.utils._pytree.tree_leaves((fake_args, fake_kwargs)) if isinstance(a, torch.Tensor)]
+    shape_env = tensors[0].fake_mode.shape_env if tensors else None
+    # Computing the fake value must not add guards to the captured graph: e.g. slicing cu_seqlens asks whether
+    # the slice has one element (for its strides), which would specialise the graph on the image count.
+    with shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext():
+        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    return node
 
 
 class Builder:

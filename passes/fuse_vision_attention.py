@@ -6,7 +6,7 @@ restricted to each image (or to windows inside it), delimited by `cu_seqlens`. S
 matmul/softmax/matmul, in any dtype):
 
 1. Per-image loop (transformers' Qwen2/2.5-VL, GLM-4V non-flash path), which Dynamo unrolls once scalar outputs
-   are captured:
+   are captured; a walker (below), as a pattern cannot say "one attention per piece of a split":
 
     %d = aten.sub.Tensor(aten.slice(%cu, 0, 1, end), aten.slice(%cu, 0, 0, -1))   # lengths
     %u_i = aten._local_scalar_dense.default(aten.select.int(%d, 0, i))            # lengths.tolist()
@@ -14,18 +14,22 @@ matmul/softmax/matmul, in any dtype):
     %o_i = <attention(%qs[i], %ks[i], %vs[i]) for i < B>                           # no mask, not causal
     %o = aten.cat.default([layout(%o_0), ..., layout(%o_B-1)], dim)
 
-2. Block-diagonal mask over the whole pack, built from cu_seqlens by segment ids:
+2. Attention over the whole pack whose mask terms (attention_patterns' mask reader) are exactly {segment}: the
+   block-diagonal mask built from cu_seqlens by segment ids,
 
     %seg = aten.searchsorted.Tensor(%cu, aten.arange(tokens), right=True)
     %m = aten.eq.Tensor(unsqueeze(%seg, 1), unsqueeze(%seg, 0))                   # bool [tokens, tokens]
     %o = <attention(%q, %k, %v) with %m as additive (where(%m, 0, -inf)) or masked_fill(~%m, -inf) mask>
 
-   The masked value may be finfo(dtype).min instead of -inf (HF's masks: where(%m, 0, finfo.min), masked_fill(~%m,
-   finfo.min), where(%m, s, finfo.min)): anything at or below attention_patterns.MASKED counts as masked. Exact
-   because no query row is fully masked: %m is [tokens, tokens] (checked) of one %seg compared with itself, so
-   query i always sees key i, the row's max is a visible score, and exp(masked - max) underflows to 0 as with
-   -inf (unless scores reach ~65000 in magnitude, fp16's finfo.min: the bound every attention pass takes). A fully
-   masked row would differ (finfo.min: uniform; -inf: NaN, or 0 through SDPA; the op: 0), and cannot occur here.
+   in every spelling the reader knows (bool keep/drop masks, where, masked_fill, additive, padded by SDPA for its
+   GPU kernel) and where(%m, s, -inf). The masked value may be finfo(dtype).min instead of -inf (HF's masks:
+   where(%m, 0, finfo.min), masked_fill(~%m, finfo.min), where(%m, s, finfo.min)): anything at or below
+   attention_patterns.MASKED counts as masked. Exact because no query row is fully masked: %m is [tokens, tokens]
+   (checked, and so is every node carrying it to the scores: no select or broadcast moves an entry) of one %seg
+   compared with itself, so query i always sees key i, the row's max is a visible score, and exp(masked - max)
+   underflows to 0 as with -inf (unless scores reach ~65000 in magnitude, fp16's finfo.min: the bound every
+   attention pass takes). A fully masked row would differ (finfo.min: uniform; -inf: NaN, or 0 through SDPA; the
+   op: 0), and cannot occur here.
 
 3. dzc.varlen_attention already in the graph (HF models entered through dzc's AttentionInterface function,
    dzc.hf_attention, or code calling the op): only the rotary fold below applies.
@@ -38,30 +42,24 @@ After:
     (+ permute/unsqueeze/clone back to the layout the old output had)
 
 where %q' is %q brought to [tokens, heads, head_dim], max_seqlen is sym_max of the unrolled lengths (spelling 1)
-or computed in the graph from cu_seqlens (spelling 2). Rotary fold: when q and k are both HF's vision rotary
-embedding — `(x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)` with the same fp32 cos/sin [tokens,
-head_dim] — the op takes the unrotated q, k and cos, sin, and applies the rotation as it loads q and k.
-
-Interleaved (pairwise) rotary, rot = stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) (or the pairs read by
-select/unbind of x viewed as [..., head_dim/2, 2]), rotates pairs (2i, 2i+1) where the op rotates (i, i + d/2):
+or computed in the graph from cu_seqlens (spelling 2). Rotary fold (rotary_patterns.fold_rotary, which says why
+it is exact): when q and k are both HF's vision rotary embedding — `(x.float() * cos + rotate_half(x.float()) *
+sin).to(x.dtype)` with the same fp32 cos/sin [tokens, head_dim] — the op takes the unrotated q, k and cos, sin,
+and applies the rotation as it loads q and k. The interleaved (pairwise) rotary, rot = stack((-x[..., 1::2],
+x[..., ::2]), -1).flatten(-2), rotates pairs (2i, 2i+1) where the op rotates (i, i + d/2):
 
     %r = (x * cos + rot(x) * sin).to(dtype)  for q and k, same cos, sin
   =>
     %x' = aten.cat.default([aten.slice(%x, -1, 0, end, 2), aten.slice(%x, -1, 1, end, 2)], -1)  # q, k, cos, sin
     dzc.varlen_attention.default(%q', %k', %v, ..., %cos', %sin')
 
-Exact for any cos, sin (no pair-repeat needed): with P the column order [0, 2, .., d-2, 1, 3, .., d-1],
-rotate_half(x[P]) = rot(x)[P], so rope_half(x[P], cos[P], sin[P]) = rope_interleaved(x, cos, sin)[P], element
-by element the same fp32 products and sum; and the scores sum q.k over the head dim, which the same P on q and k
-leaves unchanged (up to summation order, as any kernel). v, and so the output, keep their order.
-
 Refusals (reported): causal or dropout attention over a split; a split whose pieces are not all attended in order
 and concatenated along the token dim in the same order; an intermediate of an attention with a use outside it;
 a layout the pass cannot map to [tokens, heads, head_dim]; a block-diagonal mask not [tokens, tokens] over the
 attended tokens. Silently skipped (not packed attention): attention without a split by cu_seqlens lengths or a
-block-diagonal cu_seqlens mask — a causal text attention, a plain ViT attention over one image — or with a bias
-above MASKED (-1e4: hidden keys keep some weight). Not folded (the op gets the model's rotated q, k): rotaries of
-other spellings, or q and k rotated by different spellings or tables.
+mask of exactly the segment term — a causal text attention, a plain ViT attention over one image, a segment mask
+joined with other terms — or with a bias above MASKED (-1e4: hidden keys keep some weight). Not folded (the op
+gets the model's rotated q, k): rotaries of other spellings, or q and k rotated by different spellings or tables.
 
 Ordering: after fuse_residual_norm (independent patterns; the norm pass never touches attention), before
 lowering. It needs Dynamo's capture_scalar_outputs (dzc's default) for spelling 1 to be one graph at all.
@@ -69,7 +67,6 @@ lowering. It needs Dynamo's capture_scalar_outputs (dzc's default) for spelling 
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from dataclasses import dataclass, field
 
@@ -78,67 +75,29 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 from torch.fx.operator_schemas import normalize_function
 
-from dzc.passes.attention_patterns import (MASKED, SDPA_OPS, VIEWS, fill_value, is_whole_slice, scalar,
-                                           unpadded_bias)
+from dzc.passes.attention_patterns import (MASKED, SDPA_OPS, WHOLE, NotAMask, additive_terms, fill_value, keep_terms,
+                                           new_node, read_masked, same, scalar, strip, strip_casts)
 from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
-from dzc.passes.patterns import remove_dead
+from dzc.passes.patterns import cast_dtype, remove_dead
+from dzc.passes.rotary_patterns import fold_rotary
 
 aten = torch.ops.aten
 prims = torch.ops.prims
 dzc = torch.ops.dzc
 
 NAME = "fuse_vision_attention"
-_END = 9223372036854775807  # aten.slice's "to the end"
 
 
-def _same_size(a, b) -> bool:
-    """Size equality without guarding: symbolic sizes compare by expression (unbacked ones cannot be guarded)."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
-        return a.node.expr == b.node.expr
-    return False
-
-
-def _cast_dtype(node):
-    if is_call(node, prims.convert_element_type.default):
-        return node.args[1]
-    if is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"} and len(node.args) == 1:
-        return node.kwargs.get("dtype")
-    return None
-
-
-def _skip(node, *targets):
-    while is_call(node, *targets):
-        node = node.args[0]
-    return node
-
-
-def _skip_casts(node):
-    while _cast_dtype(node) is not None:
-        node = node.args[0]
-    return node
-
-
-def _scalar(node) -> float | None:
-    """The value of a Python scalar or a 0-d constant tensor made by aten.scalar_tensor / aten.full([])."""
-    if isinstance(node, (int, float)):
-        return float(node)
-    if is_call(node, aten.scalar_tensor.default):
-        return float(node.args[0])
-    if is_call(node, aten.full.default) and len(node.args[0]) == 0:
-        return float(node.args[1])
-    return None
-
+# --- one attention: what both spellings are made of --------------------------------------------------------------
 
 def _peel_scale(node, scale: float):
     """mul(x, c) / mul(c, x) with a scalar c: (x, scale * c); anything else: (node, scale)."""
     while is_call(node, aten.mul.Tensor, aten.mul.Scalar):
         a, b = node.args[:2]
-        if _scalar(b) is not None:
-            node, scale = a, scale * _scalar(b)
-        elif _scalar(a) is not None:
-            node, scale = b, scale * _scalar(a)
+        if scalar(b) is not None:
+            node, scale = a, scale * scalar(b)
+        elif scalar(a) is not None:
+            node, scale = b, scale * scalar(a)
         else:
             break
     return node, scale
@@ -153,8 +112,8 @@ class _Core:
     v: torch.fx.Node
     scale: float
     out: torch.fx.Node  # the attention's result, [..., tokens, head_dim]
-    mask: torch.fx.Node | None  # the bool mask (True = attend), or None
-    mask_use: torch.fx.Node | None = None  # the node the attention reads the mask through (additive or bool)
+    masks: list  # the mask operands the attention reads (additive masks, bool conditions); [] without a mask
+    terms: list | None  # what they mean (attention_patterns' terms), None: a mask the reader does not know
     causal: bool = False
     dropout: bool = False
     anchor: torch.fx.Node | None = None  # where the model source line is
@@ -165,44 +124,34 @@ def _is_full_row_guard(cond) -> bool:
     return is_call(cond, aten.logical_not.default) and is_call(cond.args[0], aten.any.dim)
 
 
-def _mask_values(mask):
-    """The node whose values `mask` has: through views, unsqueezes, slices over whole dims and the padding SDPA adds
-    for its GPU kernel (each checked to keep the values where they were; a slice of part of a dim is not)."""
-    while True:
-        if is_call(mask, *VIEWS, aten.unsqueeze.default) or is_whole_slice(mask):
-            mask = mask.args[0]
-        elif (unpadded := unpadded_bias(mask)) is not None:
-            mask = unpadded
-        else:
-            return mask
+def _read_mask(logits):
+    """logits = scores masked -> (scores, terms, mask operands) by the shared mask reader; a bool mask m it does not
+    know (added as where(m, 0, M) or where(~m, M, 0), where(m, M, s), where(m, s, M), masked_fill(s, m, M), M at or
+    below MASKED) -> (scores, None, [the mask operand]), so that a per-image attention under it is refused as
+    masked; no mask -> (logits, [], [])."""
+    try:
+        scores, terms, masks = read_masked(logits, keep_where=True)
+    except NotAMask:
+        scores, terms, masks = logits, None, []
+    if masks:
+        return scores, terms, masks
+    if is_call(logits, aten.add.Tensor):
+        bias = logits.args[1]
+        if is_call(bias, aten.where.self) and any(_is_masked_value(a) for a in bias.args[1:]):
+            return logits.args[0], None, [bias]
+    elif is_call(logits, aten.where.self):
+        condition, if_true, if_false = logits.args
+        if _is_masked_value(if_true):
+            return if_false, None, [condition]
+        if _is_masked_value(if_false):
+            return if_true, None, [condition]
+    elif is_call(logits, aten.masked_fill.Scalar):
+        return logits.args[0], None, [logits.args[1]]
+    return logits, [], []
 
 
 def _is_masked_value(node) -> bool:
-    """node is a constant at or below attention_patterns.MASKED: -inf, or finfo(dtype).min of a float dtype (also
-    cast: a cast of such a value to a float dtype stays at or below it, or becomes -inf)."""
-    value = scalar(_skip_casts(node))
-    return value is not None and value <= MASKED
-
-
-def _is_zero(node) -> bool:
-    """node is a constant 0: a scalar, or a full(shape, 0) (torch.zeros(..).masked_fill(..)), also cast."""
-    return fill_value(_skip_casts(node)) == 0.0
-
-
-def _bool_mask_of(mask) -> torch.fx.Node | None:
-    """The bool mask m behind an additive mask: where(m, 0, M) (SDPA's CPU decomposition, HF) or where(~m, M, 0)
-    (SDPA's own conversion of a bool mask, zeros().masked_fill(~m, M) in user code), M -inf or finfo.min (see
-    _is_masked_value), also as SDPA pads it for its GPU kernel; None if it is not one."""
-    mask = _mask_values(mask)
-    if not is_call(mask, aten.where.self):
-        return None
-    condition, if_true, if_false = mask.args[:3]
-    if _is_zero(if_true) and _is_masked_value(if_false):
-        return condition
-    if _is_masked_value(if_true) and _is_zero(if_false) \
-            and is_call(condition, aten.logical_not.default, aten.bitwise_not.default):
-        return condition.args[0]
-    return None
+    return scalar(node) is not None and scalar(node) <= MASKED
 
 
 def _match_math_core(pv) -> _Core | None:
@@ -210,9 +159,9 @@ def _match_math_core(pv) -> _Core | None:
     eager attention and CPU SDPA. pv is the second bmm."""
     if not is_call(pv, aten.bmm.default):
         return None
-    probs = _skip_casts(_skip(pv.args[0], *VIEWS))
-    if is_call(probs, aten.where.self) and _is_full_row_guard(probs.args[0]) and _scalar(probs.args[1]) is None:
-        probs = _skip_casts(probs.args[2])
+    probs = strip_casts(strip(pv.args[0]))
+    if is_call(probs, aten.where.self) and _is_full_row_guard(probs.args[0]) and fill_value(probs.args[1]) == 0.0:
+        probs = strip_casts(probs.args[2])
     if is_call(probs, aten._softmax.default):
         logits = probs.args[0]
         if probs.args[1] not in (-1, fake_value(logits).dim() - 1):
@@ -225,27 +174,14 @@ def _match_math_core(pv) -> _Core | None:
             return None
     else:
         return None
-    logits = _skip_casts(logits)
-    mask = mask_use = None
-    if is_call(logits, aten.add.Tensor):
-        mask, mask_use = _bool_mask_of(logits.args[1]), logits.args[1]
-        if mask is None:
-            return None  # another additive bias (relative positions, a causal mask): not ours
-        logits = logits.args[0]
-    elif is_call(logits, aten.where.self) and _is_masked_value(logits.args[1]):
-        keep = logits.args[0]  # masked_fill(~m, M) = where(~m, M, s), M -inf or finfo.min
-        if not is_call(keep, aten.bitwise_not.default, aten.logical_not.default):
-            return None
-        mask, mask_use, logits = keep.args[0], keep, logits.args[2]
-    elif is_call(logits, aten.where.self) and _is_masked_value(logits.args[2]):
-        mask = mask_use = logits.args[0]  # where(m, s, M)
-        logits = logits.args[1]
-    logits, scale = _peel_scale(_skip(logits, *VIEWS), 1.0)
-    logits = _skip(logits, *VIEWS)
+    logits = strip_casts(logits)
+    logits, terms, masks = _read_mask(logits)
+    logits, scale = _peel_scale(strip(logits), 1.0)
+    logits = strip(logits)
     if not is_call(logits, aten.bmm.default):
-        return None
-    q, scale = _peel_scale(_skip(logits.args[0], *VIEWS), scale)
-    k_t, scale = _peel_scale(_skip(logits.args[1], *VIEWS), scale)
+        return None  # another additive bias (relative positions, a mask above MASKED): not ours
+    q, scale = _peel_scale(strip(logits.args[0]), scale)
+    k_t, scale = _peel_scale(strip(logits.args[1]), scale)
     rank = fake_value(k_t).dim()
     if is_call(k_t, aten.permute.default) and list(k_t.args[1]) == [*range(rank - 2), rank - 1, rank - 2]:
         k = k_t.args[0]
@@ -254,21 +190,21 @@ def _match_math_core(pv) -> _Core | None:
     else:
         return None
     k, scale = _peel_scale(k, scale)
-    v = _skip(pv.args[1], *VIEWS)
+    v = strip(pv.args[1])
     q, k, v = (_skip_upcast(n) for n in (q, k, v))
     out = pv
     while len(out.users) == 1 and is_call(next(iter(out.users)), aten.view.default, aten._unsafe_view.default):
         out = next(iter(out.users))
-    if len(out.users) == 1 and _cast_dtype(next(iter(out.users))) == fake_value(q).dtype != fake_value(out).dtype:
+    if len(out.users) == 1 and cast_dtype(next(iter(out.users))) == fake_value(q).dtype != fake_value(out).dtype:
         out = next(iter(out.users))  # attention computed in fp32 on bf16/fp16 inputs, rounded back once
     if fake_value(out).dtype != fake_value(q).dtype:
         return None  # the result stays in a wider dtype than q's: the op could not produce it
-    return _Core(q, k, v, scale, out, mask, mask_use, anchor=out)
+    return _Core(q, k, v, scale, out, masks, terms, anchor=out)
 
 
 def _skip_upcast(node):
     """x for x.float() with x in a 16-bit float dtype (SDPA's CPU decomposition computes in fp32), else node."""
-    if _cast_dtype(node) == torch.float32 and fake_value(node.args[0]).dtype in (torch.float16, torch.bfloat16):
+    if cast_dtype(node) == torch.float32 and fake_value(node.args[0]).dtype in (torch.float16, torch.bfloat16):
         return node.args[0]
     return node
 
@@ -286,14 +222,15 @@ def _match_sdpa_core(node) -> _Core | None:
     if scale is None:
         scale = fake_value(q).shape[-1] ** -0.5
     mask = kwargs.get("attn_mask", kwargs.get("attn_bias"))
-    bool_mask = None
+    masks, terms = [], []
     if mask is not None:
-        bool_mask = _bool_mask_of(mask)
-        if bool_mask is None:
-            mask_node = _skip(mask, *VIEWS)
-            if fake_value(mask_node) is None or fake_value(mask_node).dtype != torch.bool:
-                return None
-            bool_mask = mask_node
+        masks, boolean = [mask], fake_value(mask).dtype == torch.bool
+        try:
+            terms = keep_terms(mask) if boolean else additive_terms(mask)
+        except NotAMask:
+            if not boolean:
+                return None  # a bias (relative positions, a mask above MASKED): not ours
+            terms = None
     if node.target is aten.scaled_dot_product_attention.default:
         out = node
     else:
@@ -301,7 +238,7 @@ def _match_sdpa_core(node) -> _Core | None:
         if len(outs) != 1:
             return None
         out = outs[0]
-    return _Core(q, k, v, float(scale), out, bool_mask, mask, causal=bool(kwargs.get("is_causal", False)),
+    return _Core(q, k, v, float(scale), out, masks, terms, causal=bool(kwargs.get("is_causal", False)),
                  dropout=float(kwargs.get("dropout_p", 0.0)) != 0.0, anchor=node)
 
 
@@ -315,14 +252,14 @@ def _labels(shape, heads) -> list[str] | None:
     """Labels of an attention operand [..., tokens, head_dim] whose leading dims multiply to `heads`."""
     labels = []
     for size in shape[:-2]:
-        if _same_size(size, 1):
+        if same(size, 1):
             labels.append("1")
-        elif _same_size(size, heads) and "H" not in labels:
+        elif same(size, heads) and "H" not in labels:
             labels.append("H")
         else:
             return None
     if "H" not in labels:
-        if not labels or not _same_size(heads, 1):
+        if not labels or not same(heads, 1):
             return None
         labels[-1] = "H"  # one head: the unit dim right before the tokens
     return labels + ["T", "D"]
@@ -330,7 +267,7 @@ def _labels(shape, heads) -> list[str] | None:
 
 def _forward_labels(node, labels):
     """Labels after one layout op applied to a tensor with `labels`; None if the op is not a pure layout change."""
-    if is_call(node, aten.clone.default, aten.alias.default) or _cast_dtype(node) is not None:
+    if is_call(node, aten.clone.default, aten.alias.default) or cast_dtype(node) is not None:
         return labels
     if is_call(node, aten.permute.default):
         return [labels[d % len(labels)] for d in node.args[1]]
@@ -347,43 +284,29 @@ def _forward_labels(node, labels):
                 aten.squeeze.dims, aten.squeeze.default):
         # Only inserting or removing unit dims keeps the labels meaningful.
         source = [(label, size) for label, size in zip(labels, fake_value(node.args[0]).shape)
-                  if not _same_size(size, 1)]
+                  if not same(size, 1)]
         shape = fake_value(node).shape
-        target = [size for size in shape if not _same_size(size, 1)]
-        if len(source) != len(target) or not all(_same_size(a[1], b) for a, b in zip(source, target)):
+        target = [size for size in shape if not same(size, 1)]
+        if len(source) != len(target) or not all(same(a[1], b) for a, b in zip(source, target)):
             return None
         kept = iter(label for label, _ in source)
-        out = ["1" if _same_size(size, 1) else next(kept) for size in shape]
+        out = ["1" if same(size, 1) else next(kept) for size in shape]
         return out if {"H", "T", "D"} <= set(out) else None
     return None
-
-
-def _call(graph, target, args, kwargs=None):
-    """A new node with its fake value computed from its arguments' fake values."""
-    node = graph.call_function(target, args, kwargs or {})
-    fake_args = torch.fx.node.map_arg(args, fake_value)
-    fake_kwargs = torch.fx.node.map_arg(kwargs or {}, fake_value)
-    tensors = [a for a in torch.utils._pytree.tree_leaves((fake_args, fake_kwargs)) if isinstance(a, torch.Tensor)]
-    shape_env = tensors[0].fake_mode.shape_env if tensors else None
-    # Computing the fake value must not add guards to the captured graph: e.g. slicing cu_seqlens asks whether
-    # the slice has one element (for its strides), which would specialise the graph on the image count.
-    with shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext():
-        node.meta["val"] = target(*fake_args, **fake_kwargs)
-    return node
 
 
 def _to_thd(graph, node, labels):
     """node (with labels) -> a [tokens, heads, head_dim] node."""
     unit_dims = [d for d, label in enumerate(labels) if label == "1"]
     if unit_dims:
-        node = _call(graph, aten.squeeze.dims, (node, unit_dims))
+        node = new_node(graph, aten.squeeze.dims, (node, unit_dims))
         labels = [label for label in labels if label != "1"]
     order = [labels.index(role) for role in "THD"]
     if order == [0, 1, 2]:
         return node
     if is_call(node, aten.permute.default) and [node.args[1][o] % 3 for o in order] == [0, 1, 2]:
         return node.args[0]  # undoes the model's own permute: take what it permuted
-    return _call(graph, aten.permute.default, (node, order))
+    return new_node(graph, aten.permute.default, (node, order))
 
 
 def _from_thd(graph, node, labels):
@@ -391,268 +314,15 @@ def _from_thd(graph, node, labels):
     roles = [label for label in labels if label != "1"]
     order = ["THD".index(role) for role in roles]
     if order != [0, 1, 2]:
-        node = _call(graph, aten.permute.default, (node, order))
-        node = _call(graph, aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
+        node = new_node(graph, aten.permute.default, (node, order))
+        node = new_node(graph, aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
     for d, label in enumerate(labels):
         if label == "1":
-            node = _call(graph, aten.unsqueeze.default, (node, d))
+            node = new_node(graph, aten.unsqueeze.default, (node, d))
     return node
 
 
-def _layout_source(node):
-    """(root, mapping): node equals root re-laid out; mapping[i] = root dim of node's dim i (None: added unit)."""
-    mapping = list(range(fake_value(node).dim()))
-    current = node
-    while True:
-        arg = current.args[0] if current.op == "call_function" and current.args else None
-        if not isinstance(arg, torch.fx.Node) or fake_value(arg) is None:
-            return current, mapping
-        rank = fake_value(arg).dim()
-        if is_call(current, aten.permute.default):
-            step = [d % rank for d in current.args[1]]
-        elif is_call(current, aten.transpose.int):
-            a, b = (d % rank for d in current.args[1:3])
-            step = list(range(rank))
-            step[a], step[b] = b, a
-        elif is_call(current, aten.unsqueeze.default):
-            position = current.args[1] % (rank + 1)
-            step = [i if i < position else i - 1 for i in range(rank + 1)]
-            step[position] = None
-        elif is_call(current, aten.select.int) and current.args[2] in (0, -1) \
-                and _same_size(fake_value(arg).shape[current.args[1] % rank], 1):
-            removed = current.args[1] % rank
-            step = [i for i in range(rank) if i != removed]
-        elif is_call(current, aten.squeeze.dim, aten.squeeze.dims):
-            asked = current.args[1] if isinstance(current.args[1], (list, tuple)) else [current.args[1]]
-            removed = {d % rank for d in asked if _same_size(fake_value(arg).shape[d % rank], 1)}
-            step = [i for i in range(rank) if i not in removed]
-        elif is_call(current, aten.clone.default, aten.alias.default):
-            step = list(range(rank))
-        else:
-            return current, mapping
-        mapping = [step[d] if d is not None else None for d in mapping]
-        current = arg
-
-
-# --- the rotary embedding -----------------------------------------------------------------------------------------
-
-def _rotate_half_input(node) -> torch.fx.Node | None:
-    """x for cat([-x[..., h:], x[..., :h]], -1), else None."""
-    if not is_call(node, aten.cat.default) or len(node.args[0]) != 2:
-        return None
-    rank = fake_value(node).dim()
-    if (node.args[1] if len(node.args) > 1 else 0) % rank != rank - 1:
-        return None
-    negated, low = node.args[0]
-    if not is_call(negated, aten.neg.default):
-        return None
-    high = negated.args[0]
-    if not (is_call(high, aten.slice.Tensor) and is_call(low, aten.slice.Tensor)) or high.args[0] is not low.args[0]:
-        return None
-    x = high.args[0]
-    half = fake_value(x).shape[-1] // 2
-    if any(s.args[1] % rank != rank - 1 for s in (high, low)):
-        return None
-    if (tuple(high.args[2:4]) not in ((half, _END), (half, fake_value(x).shape[-1]))
-            or tuple(low.args[2:4]) != (0, half)):
-        return None
-    return x
-
-
-def _pair_column(node, rank):
-    """(x, p) for node = x[..., p::2] (p 0 or 1), x [..., d] with d even, read as aten.slice(x, -1, p, end, 2) or as
-    select / unbind of x viewed as [..., d/2, 2] at p; else None."""
-    if is_call(node, aten.slice.Tensor) and len(node.args) == 5 and node.args[4] == 2:
-        x, dim, start, end = node.args[:4]
-        width = fake_value(x).shape[-1]
-        if fake_value(x).dim() != rank or dim % rank != rank - 1 or start not in (0, 1) \
-                or not isinstance(width, int) or width % 2 \
-                or not (end == _END or (isinstance(end, int) and end >= width)):
-            return None
-        return x, start
-    if is_call(node, aten.select.int):
-        pairs, dim, parity = node.args[:3]
-    elif is_call(node, operator.getitem) and is_call(node.args[0], aten.unbind.int):
-        pairs, dim = node.args[0].args[0], node.args[0].args[1] if len(node.args[0].args) > 1 else 0
-        parity = node.args[1]
-    else:
-        return None
-    if not is_call(pairs, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-        return None
-    x = pairs.args[0]
-    shape, pair_shape = fake_value(x).shape, fake_value(pairs).shape
-    if len(shape) != rank or len(pair_shape) != rank + 1 or dim % (rank + 1) != rank or parity not in (0, 1, -1, -2) \
-            or not _same_size(pair_shape[-1], 2) or not isinstance(shape[-1], int) \
-            or not _same_size(pair_shape[-2], shape[-1] // 2) or shape[-1] % 2 \
-            or not all(_same_size(a, b) for a, b in zip(shape[:-1], pair_shape[:-2])):
-        return None  # not the last dim split into pairs (a view keeps the row-major order: pair i = (2i, 2i+1))
-    return x, parity % 2
-
-
-def _rotate_pairs_input(node) -> torch.fx.Node | None:
-    """x for the interleaved rotation stack((-x[..., 1::2], x[..., ::2]), -1).flatten(-2) (pair (2i, 2i+1) ->
-    (-x[2i+1], x[2i])), capture spelling the stack as a cat of unsqueezes along a new last dim, the flatten as a
-    view; else None."""
-    if not is_call(node, aten.view.default, aten._unsafe_view.default, aten.reshape.default):
-        return None
-    stacked, shape = node.args[0], fake_value(node).shape
-    rank = len(shape)
-    stacked_shape = fake_value(stacked).shape
-    if len(stacked_shape) != rank + 1 or not _same_size(stacked_shape[-1], 2) \
-            or not all(_same_size(a, b) for a, b in zip(shape[:-1], stacked_shape[:-2])) \
-            or not isinstance(shape[-1], int) or not _same_size(stacked_shape[-2] * 2, shape[-1]):
-        return None  # not the flatten of [..., d/2, 2] into [..., d]
-    dim = stacked.args[1] if len(stacked.args) > 1 else 0
-    if is_call(stacked, aten.stack.default) and dim % (rank + 1) == rank:
-        parts = list(stacked.args[0])
-    elif is_call(stacked, aten.cat.default) and dim % (rank + 1) == rank \
-            and all(is_call(p, aten.unsqueeze.default) and p.args[1] % (rank + 1) == rank for p in stacked.args[0]):
-        parts = [p.args[0] for p in stacked.args[0]]
-    else:
-        return None
-    if len(parts) != 2 or not is_call(parts[0], aten.neg.default):
-        return None
-    odd, even = _pair_column(parts[0].args[0], rank), _pair_column(parts[1], rank)
-    if odd is None or even is None or odd[0] is not even[0] or (odd[1], even[1]) != (1, 0):
-        return None
-    x = odd[0]
-    if not all(_same_size(a, b) for a, b in zip(fake_value(x).shape, shape)):
-        return None
-    return x
-
-
-def _table(node):
-    """cos/sin [tokens, head_dim] behind its fp32, head-broadcast form unsqueeze(cos, -2).float()."""
-    node = _skip_casts(node)
-    if not is_call(node, aten.unsqueeze.default):
-        return None
-    table = _skip_casts(node.args[0])
-    if fake_value(table).dim() != 2 or node.args[1] % 3 != 1:
-        return None
-    return table
-
-
-def _match_rotary(node):
-    """(x, cos, sin, interleaved) if node = (x.float() * cos + rot(x.float()) * sin).to(x.dtype) in fp32, rot
-    rotate_half (interleaved False) or the interleaved pairs rotation (True), else None."""
-    out_dtype = fake_value(node).dtype
-    total = node.args[0] if _cast_dtype(node) is not None else node
-    if not is_call(total, aten.add.Tensor) or fake_value(total).dtype != torch.float32:
-        return None
-    for direct, rotated in (total.args[:2], total.args[1::-1]):
-        if not (is_call(direct, aten.mul.Tensor) and is_call(rotated, aten.mul.Tensor)):
-            continue
-        for x32, cos in (direct.args[:2], direct.args[1::-1]):
-            for rot, sin in (rotated.args[:2], rotated.args[1::-1]):
-                interleaved = _rotate_half_input(rot) is not x32
-                if (interleaved and _rotate_pairs_input(rot) is not x32) or fake_value(x32).dtype != torch.float32:
-                    continue
-                cos_table, sin_table = _table(cos), _table(sin)
-                if cos_table is None or sin_table is None or fake_value(cos).dtype != torch.float32 \
-                        or fake_value(sin).dtype != torch.float32:
-                    continue
-                x = x32.args[0] if _cast_dtype(x32) == torch.float32 else x32
-                if fake_value(x).dtype != out_dtype or fake_value(x).dim() != 3:
-                    continue
-                return x, cos_table, sin_table, interleaved
-    return None
-
-
-def _half_split_order(graph, node):
-    """node [..., d] with its columns in the order [0, 2, .., d-2, 1, 3, .., d-1]: the even columns, then the odd."""
-    rank = fake_value(node).dim()
-    columns = [_call(graph, aten.slice.Tensor, (node, rank - 1, start, _END, 2)) for start in (0, 1)]
-    return _call(graph, aten.cat.default, (columns, rank - 1))
-
-
-def _fold_rotary(graph, op) -> bool:
-    """Give dzc.varlen_attention node `op` the unrotated q, k and cos, sin when both are HF's vision rotary; when
-    both are the interleaved rotary, q, k, cos and sin in half-split column order (exact: module docstring)."""
-    q, k, v, cu, max_seqlen, scale, cos, sin = op.args[:8]
-    if cos is not None:
-        return False
-    found = []
-    for operand in (q, k):
-        root, mapping = _layout_source(operand)
-        rotary = _match_rotary(root) if fake_value(root).dim() == 3 and mapping == [0, 1, 2] else None
-        if rotary is None:
-            return False
-        found.append(rotary)
-    (q_x, q_cos, q_sin, q_pairs), (k_x, k_cos, k_sin, k_pairs) = found
-    if q_cos is not k_cos or q_sin is not k_sin or q_pairs != k_pairs:
-        return False
-    if q_pairs:
-        with graph.inserting_before(op):
-            q_x, k_x, q_cos, q_sin = (_half_split_order(graph, n) for n in (q_x, k_x, q_cos, q_sin))
-    op.args = (q_x, k_x, v, cu, max_seqlen, scale, q_cos, q_sin, *op.args[8:])
-    return True
-
-
-# --- where the segments come from ---------------------------------------------------------------------------------
-
-def _lengths_source(sizes) -> torch.fx.Node | None:
-    """cu_seqlens if sizes are [_local_scalar_dense(select((cu[1:] - cu[:-1]), 0, i)) for i < len(cu) - 1]."""
-    diffs = set()
-    for index, size in enumerate(sizes):
-        if not is_call(size, aten._local_scalar_dense.default):
-            return None
-        select = size.args[0]
-        if not is_call(select, aten.select.int) or tuple(select.args[1:]) != (0, index):
-            return None
-        diffs.add(select.args[0])
-    if len(diffs) != 1:
-        return None
-    diff = diffs.pop()
-    if not is_call(diff, aten.sub.Tensor):
-        return None
-    upper, lower = diff.args[:2]
-    if not (is_call(upper, aten.slice.Tensor) and is_call(lower, aten.slice.Tensor)):
-        return None
-    cu = upper.args[0]
-    if lower.args[0] is not cu or tuple(upper.args[1:4]) not in ((0, 1, _END),) or tuple(lower.args[1:4]) != (0, 0, -1):
-        return None
-    if not _same_size(fake_value(cu).shape[0] - 1, len(sizes)) or fake_value(cu).dtype != torch.int32:
-        return None
-    return cu
-
-
-def _mask_source(mask) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
-    """(cu_seqlens, mask nodes) if mask = eq(seg[:, None], seg[None, :]), seg = searchsorted(cu, arange, right)."""
-    if not is_call(mask, aten.eq.Tensor):
-        return None
-    nodes = [mask]
-    sides = []
-    for side, position in zip(mask.args[:2], (1, 0)):
-        unsqueezed = None
-        while is_call(side, aten.slice.Tensor, aten.unsqueeze.default):
-            if is_call(side, aten.slice.Tensor) and tuple(side.args[2:4]) != (0, _END):
-                return None
-            if is_call(side, aten.unsqueeze.default):
-                unsqueezed = side.args[1] % 2
-            nodes.append(side)
-            side = side.args[0]
-        if unsqueezed != position:
-            return None
-        sides.append(side)
-    seg = sides[0]
-    if sides[1] is not seg or not is_call(seg, aten.searchsorted.Tensor) or not seg.kwargs.get("right", False):
-        return None
-    cu, positions = seg.args[:2]
-    if is_call(positions, prims.iota.default):  # arange, as capture decomposes it
-        if positions.kwargs.get("start") != 0 or positions.kwargs.get("step") != 1:
-            return None
-    elif not is_call(positions, aten.arange.default, aten.arange.start, aten.arange.start_step):
-        return None
-    if is_call(positions, aten.arange.start, aten.arange.start_step) and positions.args[0] != 0:
-        return None
-    if is_call(positions, aten.arange.start_step) and positions.args[2] != 1:
-        return None
-    if fake_value(cu).dtype != torch.int32 or fake_value(cu).dim() != 1:
-        return None
-    return cu, nodes + [seg, positions]
-
-
-# --- the rewrite --------------------------------------------------------------------------------------------------
+# --- the packed attention both spellings find, and the walks they share -------------------------------------
 
 @dataclass
 class _Packed:
@@ -672,7 +342,7 @@ class _Packed:
 
 def _heads_of(core: _Core):
     shape = fake_value(core.q).shape
-    lead = [s for s in shape[:-2] if not _same_size(s, 1)]
+    lead = [s for s in shape[:-2] if not same(s, 1)]
     if len(lead) > 1:
         return None
     return lead[0] if lead else 1
@@ -709,6 +379,34 @@ def _operand_labels(core: _Core, heads):
     return labels
 
 
+# --- spelling 1: the per-image split loop, a walker (a pattern cannot say "one attention per piece") -------------
+
+def _lengths_source(sizes) -> torch.fx.Node | None:
+    """cu_seqlens if sizes are [_local_scalar_dense(select((cu[1:] - cu[:-1]), 0, i)) for i < len(cu) - 1]."""
+    diffs = set()
+    for index, size in enumerate(sizes):
+        if not is_call(size, aten._local_scalar_dense.default):
+            return None
+        select = size.args[0]
+        if not is_call(select, aten.select.int) or tuple(select.args[1:]) != (0, index):
+            return None
+        diffs.add(select.args[0])
+    if len(diffs) != 1:
+        return None
+    diff = diffs.pop()
+    if not is_call(diff, aten.sub.Tensor):
+        return None
+    upper, lower = diff.args[:2]
+    if not (is_call(upper, aten.slice.Tensor) and is_call(lower, aten.slice.Tensor)):
+        return None
+    cu = upper.args[0]
+    if lower.args[0] is not cu or tuple(upper.args[1:4]) != (0, 1, WHOLE) or tuple(lower.args[1:4]) != (0, 0, -1):
+        return None
+    if not same(fake_value(cu).shape[0] - 1, len(sizes)) or fake_value(cu).dtype != torch.int32:
+        return None
+    return cu
+
+
 def _match_split(core: _Core, by_q: dict) -> _Packed | None:
     """Spelling 1: core is one image's attention of an unrolled per-image loop; collects all of them."""
     pieces = []
@@ -737,7 +435,7 @@ def _match_split(core: _Core, by_q: dict) -> _Packed | None:
         for operand, split in zip((c.q, c.k, c.v), splits):
             if not (is_call(operand, operator.getitem) and operand.args[0] is split and operand.args[1] == i):
                 raise Refusal("image i's q, k, v are not the i-th pieces of their splits")
-        if c.causal or c.dropout or c.mask is not None:
+        if c.causal or c.dropout or c.masks:
             raise Refusal("causal, masked or dropout attention inside an image")
         if c.scale != core.scale:
             raise Refusal("the images are attended with different scales")
@@ -790,22 +488,25 @@ def _match_split(core: _Core, by_q: dict) -> _Packed | None:
                    list(splits[0].args[1]), region)
 
 
+# --- spelling 2: attention whose mask terms are exactly {segment} ------------------------------------------------
+
 def _match_masked(core: _Core) -> _Packed | None:
-    """Spelling 2: one attention over the pack with a block-diagonal mask built from cu_seqlens."""
-    if core.mask is None:
+    """Spelling 2: one attention over the pack whose mask terms are exactly {segment}."""
+    if not core.masks or core.terms is None or [term[0] for term in core.terms] != ["segment"]:
         return None
-    found = _mask_source(core.mask)
-    if found is None:
-        return None
-    cu, mask_nodes = found
+    (_, cu, mask), = core.terms
+    if fake_value(cu).dtype != torch.int32:
+        return None  # the op's cu_seqlens are int32
     if core.causal or core.dropout:
         raise Refusal("causal or dropout attention with a block-diagonal mask")
     # [tokens, tokens] over q's and k's tokens, as the attention reads it too: then query i sees key i (every row
     # sees a key, which masking by finfo.min needs to be exact) and the mask's segments are the op's.
     tokens = (fake_value(core.q).shape[-2], fake_value(core.k).shape[-2])
-    for shape in (fake_value(core.mask).shape, fake_value(core.mask_use).shape):
-        if len(shape) < 2 or not all(_same_size(a, b) for a, b in zip(shape[-2:], tokens)):
+    for node in (mask, *core.masks):
+        if not _tokens_by_tokens(node, tokens):
             raise Refusal("the block-diagonal mask is not [tokens, tokens] over the attended tokens")
+    if not _keeps_entries(mask, core.masks, cu, tokens):
+        raise Refusal("the block-diagonal mask is not [tokens, tokens] over the attended tokens")
     heads = _heads_of(core)
     if heads is None:
         raise Refusal("more than one non-unit dim before the tokens")
@@ -815,12 +516,36 @@ def _match_masked(core: _Core) -> _Packed | None:
         raise Refusal("the attention output is not [heads, tokens, head_dim]")
     # The mask may be built once and shared by every layer: it is not part of the attention, and is removed
     # only once no attention uses it.
-    region = _region(core.out, {core.q, core.k, core.v, core.mask_use})
+    region = _region(core.out, {core.q, core.k, core.v, *core.masks})
     _check_closed(region, {core.out}, "masked attention")
     packed = _Packed([core], cu, core.q, core.k, core.v, core.out, out_labels, operand_labels, heads, None, region)
-    packed.leftovers = set(mask_nodes) | _region(core.mask_use, {core.mask})
+    packed.leftovers = set().union(*(_region(node, {cu}) for node in core.masks))
     return packed
 
+
+def _tokens_by_tokens(node, tokens) -> bool:
+    shape = fake_value(node).shape
+    return len(shape) >= 2 and all(same(a, b) for a, b in zip(shape[-2:], tokens))
+
+
+def _keeps_entries(mask, masks, cu, tokens) -> bool:
+    """Every node carrying the [tokens, tokens] segment mask to the attention's mask operands is [.., tokens,
+    tokens] too, but SDPA's padding of a bias that it slices back (the reader checked the slice): no select of a
+    row or broadcast of one moved a (query, key) entry, which the mask reader's views and selects would allow."""
+    carries = {mask: True, cu: False}
+
+    def carried(node):
+        if node not in carries:
+            carries[node] = any(carried(n) for n in node.all_input_nodes)
+        return carries[node]
+
+    for node in masks:
+        carried(node)
+    return all(node is mask or is_call(node, aten.constant_pad_nd.default) or _tokens_by_tokens(node, tokens)
+               for node, hit in carries.items() if hit)
+
+
+# --- the rewrite --------------------------------------------------------------------------------------------------
 
 def _max_seqlen(graph, packed: _Packed):
     """The longest segment: sym_max of the unrolled lengths, or read from cu_seqlens in the graph."""
@@ -832,10 +557,10 @@ def _max_seqlen(graph, packed: _Packed):
             longest = node
         return longest
     cu = packed.cu
-    upper = _call(graph, aten.slice.Tensor, (cu, 0, 1, _END))
-    lower = _call(graph, aten.slice.Tensor, (cu, 0, 0, -1))
-    lengths = _call(graph, aten.sub.Tensor, (upper, lower))
-    longest = _call(graph, aten.max.default, (lengths,))
+    upper = new_node(graph, aten.slice.Tensor, (cu, 0, 1, WHOLE))
+    lower = new_node(graph, aten.slice.Tensor, (cu, 0, 0, -1))
+    lengths = new_node(graph, aten.sub.Tensor, (upper, lower))
+    longest = new_node(graph, aten.max.default, (lengths,))
     shape_env = fake_value(cu).fake_mode.shape_env
     node = graph.call_function(aten._local_scalar_dense.default, (longest,))
     with fake_value(cu).fake_mode, shape_env.suppress_guards():
@@ -853,7 +578,7 @@ def _rewrite(graph, packed: _Packed) -> torch.fx.Node:
                                                                           packed.operand_labels)]
         max_seqlen = _max_seqlen(graph, packed)
     with graph.inserting_before(packed.out):
-        fused = _call(graph, dzc.varlen_attention.default,
+        fused = new_node(graph, dzc.varlen_attention.default,
                       (*operands, packed.cu, max_seqlen, packed.cores[0].scale, None, None))
         fused.meta["stack_trace"] = packed.cores[0].anchor.meta.get("stack_trace")
         result = _from_thd(graph, fused, packed.out_labels)
@@ -895,7 +620,7 @@ def fuse_vision_attention(graph: torch.fx.Graph) -> PassResult:
     # code calling the op), where it is the whole rewrite.
     for op in fused_ops + existing:
         old_q, old_k = op.args[:2]
-        if not _fold_rotary(graph, op):
+        if not fold_rotary(graph, op):
             continue
         if op in existing:
             result.rewrote(f"{location_of(op)} (rotary folded)")

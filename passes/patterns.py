@@ -11,6 +11,7 @@ A pattern says how a value is computed; matching it against a node walks from th
   a plain add). `name` binds the node; `commutative` also tries the two first arguments swapped.
 - `Var(name)` matches anything (a node, a number, a list) and binds it; a name bound twice must be the same
   object, which is how a pattern says "the same value" (`mul(v, v)`).
+- A list holding patterns (`Op(aten.cat.default, [Var("a"), Var("b")], -1)`) fits a list of as many values.
 - `Scalar(name)` binds a Python number; `Cast(inner, name)` is a plain dtype cast (`prims.convert_element_type`, or
   `aten._to_copy` with only a dtype); `a | b` tries `a`, then `b`; `maybe(wrap, inner)` is `wrap(inner) | inner`.
 
@@ -72,6 +73,10 @@ def _fits(pattern, value, bindings, nodes):
     """A pattern, or a literal that must equal the value (a number, a dtype, a list of them)."""
     if isinstance(pattern, Pattern):
         yield from pattern.fits(value, bindings, nodes)
+    elif isinstance(pattern, list) and any(isinstance(p, Pattern) for p in pattern):
+        # A list of patterns (cat's tensors) fits a list of as many values, element by element.
+        if isinstance(value, (list, tuple)) and len(value) == len(pattern):
+            yield from _fits_all(pattern, value, bindings, nodes)
     elif not isinstance(value, torch.fx.Node) and type(value) is not bool and type(pattern) is not bool \
             and value == pattern:
         yield bindings, nodes
