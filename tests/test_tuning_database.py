@@ -99,7 +99,8 @@ def test_a_database_from_another_device_is_refused_whole(shipped, tmp_path, seed
     foreign = tmp_path / "foreign.json"
     foreign.write_text(json.dumps(data))
     model, inputs = _model_and_inputs()
-    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path / "c"), tuning_db=str(foreign)))
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path / "c"), autotune=True,
+                                                             tuning_db=str(foreign)))
     with pytest.raises(TuningDatabaseMismatch) as err:
         compiled(*inputs)
     message = str(err.value)
@@ -129,7 +130,8 @@ def test_a_missing_or_malformed_tuning_db_fails_dzc_compile_itself(tmp_path, how
     path = tmp_path / "db.json"
     if content is not None:
         path.write_text(content)
-    options = dzc.CompileOptions(cache_dir=str(tmp_path / "c"), tuning_db=str(path) if how == "option" else None)
+    options = dzc.CompileOptions(cache_dir=str(tmp_path / "c"), autotune=True,
+                                 tuning_db=str(path) if how == "option" else None)
     if how == "environment" and content is None:  # the knob's own check: DZC_TUNING_DB must name a file
         problem = "DZC_TUNING_DB=.* is not accepted \\(no such file\\)"
     with config.scope(DZC_TUNING_DB=str(path) if how == "environment" else ""):
@@ -195,7 +197,8 @@ def test_a_shipped_config_that_is_no_longer_legal_is_ignored_retuned_and_reporte
     model, inputs = _model_and_inputs()
     cache = tmp_path / "cache"
     for attempt in ("retuned", "local"):
-        compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(cache), tuning_db=str(stale)))
+        compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(cache), autotune=True,
+                                                                 tuning_db=str(stale)))
         with pytest.warns(RuntimeWarning, match="not a legal config now"):
             y, h = compiled(*inputs)
         assert_add_rms_norm_matches_eager(model, *inputs, y, h)
