@@ -8,6 +8,13 @@ BLOCKS_PER_PROGRAM·BLOCK_N key positions: the rows' heads form the M dimension 
 Decode is memory-bound: 132 bytes per cached token for the FP8 layout (Di = 128 values + a 4-byte scale), read
 once per query row. Prefill is compute-bound; key blocks above every row's causal limit are skipped.
 
+TileLang (targets/templates/dsa_indexer.tilelang.py.tmpl; issue 14): the same logits with the keys as the MMA's M
+dimension and ROWS query rows' heads as its N (wgmma, FP8 e4m3 × e4m3 on Hopper), the key tiles gathered through
+the block table by cp.async in a pipelined loop, the ReLU × weight × head sum over the accumulator's columns, the
+FP8 scale applied after it; the context is split over programs at launch (span_tiles) so that decode fills the GPU.
+Only specs the template takes get TileLang configs (tilelang_supports), so lowering picks Triton for the others.
+PREFERRED_CODEGENS keeps Triton first for this op until the H200 run has checked and timed the TileLang kernel.
+
 Tuning bucket: query rows × max_context (the number of logits), rounded up to a power of two.
 """
 
@@ -22,8 +29,9 @@ import torch
 
 from dzc import kv_cache
 from dzc.ops import dsa as dsa_ops
-from dzc.targets import dsa_cases, triton_codegen
+from dzc.targets import dsa_cases, tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.legality import config_problems
 from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -178,6 +186,134 @@ def triton_signature(spec: DsaIndexerSpec, config: KernelConfig) -> tuple[dict, 
     constexprs = _constexprs(spec, config, mma_in_fp32=False)
     signature.update({name: "constexpr" for name in constexprs})
     return signature, constexprs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TileLang
+
+TILELANG_FACTORY_NAME = "build"
+_TILELANG_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# (threads, keys per tile, query rows): 16 keys a warp along M (wgmma: 64 a warpgroup), rows·heads ≤ 256 along N
+# (one wgmma), at most 128 fp32 accumulators a thread. 256 × 128 × 2 is the untuned choice; 512 × 256 × 2 is the
+# shape of the public TileLang fp8_lighting_indexer (4 warpgroups of 64 keys against 2 rows' heads).
+TILELANG_SHAPES = ((256, 128, 2), (256, 128, 4), (128, 64, 4), (128, 64, 2), (512, 256, 2))
+TILELANG_STAGES = (2, 3)
+# Key tiles of one pipelined chunk (the template's static trip count): a span is a whole number of chunks.
+TILELANG_CHUNK = 4
+# Programs a launch aims for (per multiprocessor), and the fewest key tiles a program takes when decode splits
+# the context: more programs fill the GPU, fewer reload q and the weights less often.
+_PROGRAMS_PER_SM = 4
+_MIN_TILES_PER_PROGRAM = 2
+
+
+def tilelang_supports(spec: DsaIndexerSpec) -> bool:
+    """The TileLang kernel multiplies q and keys in one dtype on the tensor cores: an e4m3 q against the FP8 cache
+    (FP8 × FP8 MMA) or a bf16/fp16 q against a cache of the same dtype. Other specs are Triton's: the FP8 cache
+    against a float q (the keys would be widened in shared memory: not written), fp32 caches (the op multiplies them
+    in full precision, not TF32). The heads fill the MMA's N dimension with the rows: heads a multiple of 16 up
+    to 256; Di a multiple of 32 (an fp8 MMA's K step) up to 256."""
+    if spec.fp8 != (spec.q_dtype == torch.float8_e4m3fn) or spec.key_dtype not in _TILELANG_DTYPES:
+        return False
+    return spec.heads % 16 == 0 and spec.heads <= 256 and spec.head_dim % 32 == 0 and spec.head_dim <= 256
+
+
+def tilelang_source(spec: DsaIndexerSpec, profile: DeviceProfile) -> str:
+    if not tilelang_supports(spec):
+        raise ValueError(f"no TileLang dsa_indexer kernel for {spec.describe()} (Triton serves it)")
+    scale_param = ('k_scales: T.StridedTensor((pages, page_size), (scale_page_stride, 1), "float32"),'
+                   if spec.fp8 else "")
+    return Template((TEMPLATES / "dsa_indexer.tilelang.py.tmpl").read_text()).substitute(
+        profile=profile.name, spec=spec.describe(), heads=spec.heads, head_dim=spec.head_dim,
+        q_dtype=_TILELANG_DTYPES[spec.q_dtype], k_dtype=_TILELANG_DTYPES[spec.key_dtype], fp8=spec.fp8,
+        scale_param=scale_param)
+
+
+def tilelang_configs(spec: DsaIndexerSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """Shapes × pipeline stages, pruned to what the template takes and `profile` allows (threads, shared memory,
+    the cache's dtype). A spec the template does not take (tilelang_supports) gets none, so lowering picks
+    Triton for it."""
+    if not tilelang_supports(spec):
+        return []
+    configs = []
+    for threads, block_n, rows in TILELANG_SHAPES:
+        if rows * spec.heads > 256 or block_n * rows * spec.heads // threads > 128 or threads % profile.warp_size:
+            continue
+        for stages in TILELANG_STAGES:
+            config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=stages, THREADS=threads,
+                                       BLOCK_N=block_n, ROWS=rows, STAGES=stages, CHUNK=TILELANG_CHUNK)
+            if not config_problems(profile, threads=threads, num_warps=None,
+                                   shared_memory_bytes=tilelang_shared_memory_bytes(spec, config),
+                                   dtypes=spec.dtypes):
+                configs.append(config)
+    return configs
+
+
+def tilelang_default_config(spec: DsaIndexerSpec, profile: DeviceProfile) -> KernelConfig:
+    """Untuned choice: 256 threads, 128-key tiles, 2 rows (2 stages), else the first legal config."""
+    configs = tilelang_configs(spec, profile)
+    if not configs:
+        raise ValueError(f"no legal TileLang dsa_indexer config for {spec.describe()} on {profile.name}")
+    return next((c for c in configs if (c["THREADS"], c["BLOCK_N"], c["ROWS"], c["STAGES"]) == (256, 128, 2, 2)),
+                configs[0])
+
+
+def tilelang_kernel_configs(spec: DsaIndexerSpec, config: KernelConfig) -> dict[str, KernelConfig]:
+    """The factory config the launch compiles for `config` over DeepSeek's 64-token pages (dzc-selftest's lowering
+    check: the launch adds the cache's own page size, PAGE_SIZE)."""
+    return {TILELANG_FACTORY_NAME: KernelConfig.make(num_warps=config.num_warps, num_stages=config.num_stages,
+                                                     **dict(config.params), PAGE_SIZE=kv_cache.PAGE_SIZE)}
+
+
+def tilelang_shared_memory_bytes(spec: DsaIndexerSpec, config: KernelConfig) -> int:
+    """q's tile (rows·heads × Di), one key tile and its scales per stage, the per-row scalars, and the head sum's
+    cross-thread scratch (at most one fp32 per accumulator column), each rounded up to 16 bytes as TileLang
+    places them, plus 1 KiB for the pipeline's barriers and alignment."""
+    m, block_n, stages = config["ROWS"] * spec.heads, config["BLOCK_N"], config["STAGES"]
+    sizes = (m * spec.head_dim * spec.q_dtype.itemsize, stages * block_n * spec.head_dim * spec.key_dtype.itemsize,
+             stages * block_n * 4, *(4 * config["ROWS"],) * 5, block_n * config["ROWS"] * 4)
+    return sum(-(-size // 16) * 16 for size in sizes) + 1024
+
+
+@functools.cache
+def _multiprocessors_cached(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def span_tiles(rows: int, max_context: int, config: KernelConfig, multiprocessors: int) -> int:
+    """Key tiles a program covers: the whole context when the row blocks alone fill the GPU (prefill), else the
+    context split over enough programs (decode), at least _MIN_TILES_PER_PROGRAM tiles each, in whole chunks."""
+    row_blocks = max(1, -(-rows // config["ROWS"]))
+    context_tiles = max(1, -(-max_context // config["BLOCK_N"]))
+    splits = max(1, -(-_PROGRAMS_PER_SM * multiprocessors // row_blocks))
+    tiles = min(context_tiles, max(_MIN_TILES_PER_PROGRAM, -(-context_tiles // splits)))
+    return -(-tiles // config["CHUNK"]) * config["CHUNK"]  # whole chunks (the template's pipelined loop)
+
+
+def tilelang_launch(compiled, config: KernelConfig, q, weights, k_values, k_scales, block_table, seq_lens,
+                    query_seq, query_pos, page_size, max_context, spec, logits):
+    """The Triton launch's arguments. The cache views go to the kernel as they are (strided views of the pages,
+    which TileLang takes as declared: a copy would move the whole pool); the kernel is compiled per page size
+    (PAGE_SIZE added to the config). `compiled` is what tilelang_codegen.load returns."""
+    rows = q.shape[0]
+    if rows == 0 or max_context == 0:
+        return
+    values_stride = (k_values.stride(0), k_values.stride(1), k_values.stride(2))
+    expected = (page_size * (spec.head_dim + kv_cache.SCALE_BYTES) if spec.fp8 else page_size * spec.head_dim,
+                spec.head_dim, 1)
+    if values_stride != expected or k_values.data_ptr() % tilelang_codegen.ALIGNMENT:
+        raise ValueError(f"dsa_indexer[tilelang]: the cache's pages must be dense and 16-byte aligned (value strides "
+                         f"{values_stride}, expected {expected})")
+    device = q.device
+    tiles = span_tiles(rows, max_context, config,
+                       _multiprocessors_cached(device.index if device.index is not None else
+                                               torch.cuda.current_device()) if device.type == "cuda" else 1)
+    kernel = compiled.kernel_for(KernelConfig.make(num_warps=config.num_warps, num_stages=config.num_stages,
+                                                   **dict(config.params), PAGE_SIZE=page_size))
+    small = tilelang_codegen.launch_arguments((q, weights), ())
+    tables = tilelang_codegen.launch_arguments((block_table, seq_lens, query_seq, query_pos), (logits,))
+    caches = (k_values, k_scales) if spec.fp8 else (k_values,)
+    kernel(*small.arguments, *caches, *tables.arguments, tiles)
+    tables.finish()
 
 
 def cache_views(spec: DsaIndexerSpec, index_k_cache: torch.Tensor):

@@ -4,6 +4,7 @@ eager dense-masked attention, torch.compile of it and torch.topk as baselines in
     python tools/bench_dsa.py [--quick] [--musa-legal] [--out results.md] [--codegens triton tilelang]
                               [--fp8-cache] [--long-context [--only long]] [--public-kernels DIR | --no-public-kernels]
                               [--extras] [--topk-codegens triton tilelang] [--only topk]
+                              [--indexer-codegens triton tilelang]
 
 Shapes (DeepSeek-V3.2: indexer 64 heads × 128, FP8 key cache of 132 B/token; MLA 128 heads, Dqk 576, Dv 512, one
 latent KV head; top-k 2048; 64-token pages with a shuffled block table):
@@ -29,6 +30,10 @@ Top-k: each of --topk-codegens (dzc's Triton and TileLang kernels) on the same l
 op reference on every row before it is timed (a codegen that fails or differs gets a "not run" row and the run goes
 on), beside torch.topk and the public tl_topk. --only topk: the decode shapes' indexer (untuned: it only makes the
 logits) and top-k rows, nothing else.
+
+Indexer: each of --indexer-codegens (dzc's Triton and TileLang kernels) gets its own decode rows, and in prefill a
+row of the indexer alone over all 4096 query rows (chunks of --prefill-chunk) with its causal TFLOP/s; a codegen
+with no kernel for the problem or that fails gets a "not run" row.
 
 Every other kernel is checked against its dzc op reference (rows of the first sequence) before it is timed. Kernels run
 through dzc's lowering (lower_op: the path a compiled graph takes) with autotuning (tuning database in
@@ -222,19 +227,36 @@ class Bench:
 
     def indexer_and_topk(self, problem: Problem, label: str):
         args = problem.indexer_args()
-        # --only topk: the indexer only makes the logits, untuned (its tuning would take the time)
-        run, record = self.kernel("dsa_indexer", args, autotune=self.args.only != "topk")
-        logits = run()
-        _check(f"indexer {label}", logits[:problem.check_rows],
-               dsa_indexer_reference(*problem.first_sequence(args, (0, 1, 5, 6))))
-        seconds = _time(run)
-        indexer_seconds = seconds
         token_bytes = INDEX_DIM + 4 if problem.fp8_index else 2 * INDEX_DIM
         read = problem.rows * problem.context * token_bytes
-        bandwidth = read / seconds
-        self.add(dict(kernel="dsa_indexer", shape=label, us=seconds * 1e6,
-                              metric=f"{bandwidth / 1e12:.2f} TB/s ({100 * bandwidth / PEAK_BYTES_PER_S:.0f}%)",
-                              baseline="", config=_tuned(record)))
+        logits, indexer_seconds = None, None
+        # Each of --indexer-codegens (a codegen that fails or has no kernel for the spec gets a "not run" row);
+        # the top-k rows run on the logits of the first that ran.
+        for codegen in self.args.indexer_codegens:
+            name = f"dsa_indexer[{codegen}]"
+            try:
+                # --only topk: the indexer only makes the logits, untuned (its tuning would take the time)
+                run, record = self.kernel("dsa_indexer", args, codegen, autotune=self.args.only != "topk")
+                out = run()
+                _check(f"{name} {label}", out[:problem.check_rows],
+                       dsa_indexer_reference(*problem.first_sequence(args, (0, 1, 5, 6))))
+                seconds = _time(run)
+            except Exception as error:  # noqa: BLE001 (a codegen that cannot run here: the row says why)
+                print(f"{name} {label}: not run: {_reason(error)}", flush=True)
+                self.add(dict(kernel=name, shape=label, us=None, metric=f"not run: {_reason(error)}", baseline="",
+                              config=""))
+                torch.cuda.empty_cache()
+                continue
+            bandwidth = read / seconds
+            self.add(dict(kernel=name, shape=label, us=seconds * 1e6,
+                          metric=f"{bandwidth / 1e12:.2f} TB/s ({100 * bandwidth / PEAK_BYTES_PER_S:.0f}%)",
+                          baseline="", config=_tuned(record)))
+            if logits is None:
+                logits, indexer_seconds = out, seconds
+            else:
+                del out
+        if logits is None:
+            return
         lengths = (problem.query_pos + 1).to(torch.int32)
         topk_times = self.topk(logits, lengths, label)
         if self.public is not None:
@@ -470,11 +492,41 @@ class Bench:
             seconds = _time(chunked)
             peak = torch.cuda.max_memory_allocated() - before
             self.indexer_and_topk_prefill_row(problem, label, seconds, peak, chunk)
+            self.prefill_indexer(problem, label, chunk)
             if self.public is not None:
                 self.public.prefill_indexer_topk(problem, label, seconds)
             self.sparse_attention(problem, label)
             del problem
             torch.cuda.empty_cache()
+
+    def prefill_indexer(self, problem, label, chunk):
+        """The indexer alone over every query row (in chunks of `chunk` rows), per --indexer-codegens: FP8 (or bf16)
+        logits TFLOP/s of the causal work, 2·heads·Di per visible (row, key) pair."""
+        causal_pairs = sum(int(p) + 1 for p in problem.query_pos.tolist())
+        flops = 2 * INDEX_HEADS * INDEX_DIM * causal_pairs
+        for codegen in self.args.indexer_codegens:
+            name = f"dsa_indexer[{codegen}] (prefill, alone)"
+            try:
+                run, record = self.kernel("dsa_indexer", problem.indexer_args(slice(0, chunk)), codegen)
+                _check(f"{name} {label}", run()[:CHECK_ROWS],
+                       dsa_indexer_reference(*problem.indexer_args(slice(0, CHECK_ROWS))))
+
+                def indexer_only(problem=problem, record=record):
+                    for start in range(0, problem.rows, chunk):
+                        torch.ops.dzc.dsa_indexer(*problem.indexer_args(slice(start, start + chunk)),
+                                                  kernel_id=record.kernel_id)
+
+                seconds = _time(indexer_only)
+            except Exception as error:  # noqa: BLE001
+                print(f"{name} {label}: not run: {_reason(error)}", flush=True)
+                self.add(dict(kernel=name, shape=label, us=None, metric=f"not run: {_reason(error)}", baseline="",
+                              config=""))
+                continue
+            finally:
+                torch.cuda.empty_cache()
+            self.add(dict(kernel=name, shape=label, us=seconds * 1e6,
+                          metric=f"{flops / seconds / 1e12:.0f} indexer TFLOP/s (causal)",
+                          baseline=f"chunks of {chunk} rows", config=_tuned(record)))
 
     def indexer_and_topk_prefill_row(self, problem, label, seconds, peak, chunk):
         causal_pairs = sum(int(p) + 1 for p in problem.query_pos.tolist())
@@ -919,6 +971,9 @@ def main():
     parser.add_argument("--only", choices=["decode", "prefill", "long", "topk"],
                         help="run one part (the full run is long); long: only the --long-context row; topk: the "
                              "decode shapes' top-k rows (and the indexer that makes their logits, untuned)")
+    parser.add_argument("--indexer-codegens", nargs="+", default=["triton", "tilelang"],
+                        help="code generators for dsa_indexer (each checked and timed on the same inputs; the top-k "
+                             "runs on the first one's logits)")
     parser.add_argument("--topk-codegens", nargs="+", default=["triton", "tilelang"],
                         help="code generators for dsa_topk (each timed on the same logits)")
     parser.add_argument("--queries", type=int, nargs="+", help="decode query rows per sequence (default 1 2)")

@@ -351,6 +351,40 @@ s19-2)
   TAIL=12 part gpu_tests_topk_tilelang 170 python3 -m pytest -q -p no:logging -rf -m gpu -k "topk" \
     tests/test_dsa_kernels.py
   ;;
+s20-1)
+  # (no carry; Triton only) Issue 18 on the GPU: compile time of the reference models, dzc cold/warm against
+  # torch.compile, each in a fresh process; add+RMSNorm called back to back at hidden 2880 beside torch.compile.
+  # Issue 13: the MXFP4 zoo rows on the GPU where transformers is installed.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  TAIL=30 part bench_compile 330 python3 tools/bench_compile.py --out "$OUT/compile_time_h200.md"
+  TAIL=30 part bench_add_rms_norm_b2b 120 python3 tools/bench_add_rms_norm.py --back-to-back --codegens triton \
+    --out "$OUT/add_rms_norm_back_to_back_h200.md"
+  if python3 -c "import transformers" 2>/dev/null; then
+    TAIL=20 part zoo_mxfp4 120 python3 tools/zoo.py "GptOss (MXFP4 experts)" "Qwen3-MoE (MXFP4 experts)" \
+      "Mixtral (MXFP4 experts)" "DeepseekV3 (MXFP4 experts)"
+  else
+    echo "zoo: transformers not installed on this machine"
+  fi
+  ;;
+s20-2)
+  # (carry .whl-gpu1) installs the first TileLang wheel folder; the one-shot all-reduce at world size 1 as the check.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=6 part gpu_tests_moe_default 60 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
+    -k "swap_ab or default or only_where" tests/test_mxfp4_moe_kernels.py
+  ;;
+s20-3)
+  # (carry .whl-gpu2 and .public-kernels, after s20-2 on this warm machine) Issue 14: the TileLang FP8 indexer's
+  # first GPU run: numerics of every config, then prefill (indexer alone, beside Triton and the public kernel) and
+  # decode, untuned defaults.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=15 part gpu_tests_indexer_tilelang 260 python3 -m pytest -q -p no:logging -rf -x -m gpu \
+    tests/test_dsa_indexer_tilelang.py
+  TAIL=30 part bench_indexer_prefill 150 python3 tools/bench_dsa.py --only prefill --prefill-contexts 8192 \
+    --indexer-codegens triton tilelang --topk-codegens tilelang --codegens triton --no-baselines --quick --out "$OUT/dsa_indexer_tilelang_h200.md"
+  TAIL=30 part bench_indexer_decode 120 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
+    --indexer-codegens triton tilelang --topk-codegens tilelang --codegens triton --no-baselines --out "$OUT/dsa_indexer_tilelang_decode_h200.md"
+  ;;
 triton)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
