@@ -37,10 +37,10 @@ PREFERRED_CODEGENS = {"add_rms_norm": ("triton", "tilelang"),
                       # Triton first: only its kernels have the workspace path (prefill) besides online dequant.
                       "mxfp4_moe": ("triton", "tilelang"),
                       "mxfp4_moe_w4a8": ("triton",),  # W4A8 has Triton kernels only
-                      # DSA: the indexer is Triton-only; the top-k's TileLang kernel is 3.9-11.9x faster than its
-                      # Triton one on the H200 (docs/results/dsa_topk_tilelang_h200.md); sparse attention is
-                      # MMA-bound (TileLang first).
-                      "dsa_indexer": ("triton",), "dsa_topk": ("tilelang", "triton"),
+                      # DSA on the H200: the indexer's TileLang kernel (FP8 wgmma) is 2.9x its Triton one in
+                      # prefill and 3.2x in decode at 64 sequences (docs/results/dsa_indexer_tilelang_h200.md);
+                      # the top-k's is 3.9-11.9x (dsa_topk_tilelang_h200.md); sparse attention is MMA-bound.
+                      "dsa_indexer": ("tilelang", "triton"), "dsa_topk": ("tilelang", "triton"),
                       "sparse_attention": ("tilelang", "triton")}
 
 
