@@ -54,7 +54,10 @@ def test_every_kernel_is_legal_on_musa_profiles(family_name, profile_name, tmp_p
                 fp8_latent = any(isinstance(a, torch.Tensor) and a.dtype == torch.uint8 and a.dim() == 4 for a in args)
                 assert codegen == "tilelang" and (
                     (family_name, args[0].dtype) == ("mxfp4_moe", torch.float32)
-                    or (family_name == "sparse_attention" and fp8_latent)), case
+                    or (family_name == "sparse_attention" and fp8_latent)
+                    # TileLang's indexer takes heads in multiples of 16 (these cases have 8) and no float q against
+                    # the FP8 cache (targets.dsa_indexer.tilelang_supports)
+                    or family_name == "dsa_indexer"), case
                 continue
             source = Path(record.source_path).read_text()
             assert static_check.kernel_problems(family, codegen, spec, target.profile, source) == [], (codegen, case)
