@@ -168,9 +168,10 @@ def _match_math_core(pv) -> _Core | None:
             return None
     elif (is_call(probs, aten.div.Tensor) and is_call(probs.args[0], aten.exp.default)
           and is_call(probs.args[0].args[0], aten.sub.Tensor) and is_call(probs.args[1], aten.sum.dim_IntList)):
-        shifted = probs.args[0].args[0]
+        exp, total = probs.args[0], probs.args[1]
+        shifted = exp.args[0]
         logits = shifted.args[0]
-        if list(probs.args[1].args[1]) not in ([-1], [fake_value(logits).dim() - 1]):
+        if list(total.args[1]) not in ([-1], [fake_value(logits).dim() - 1]) or not _is_softmax(exp, total, logits):
             return None
     else:
         return None
@@ -200,6 +201,19 @@ def _match_math_core(pv) -> _Core | None:
     if fake_value(out).dtype != fake_value(q).dtype:
         return None  # the result stays in a wider dtype than q's: the op could not produce it
     return _Core(q, k, v, scale, out, masks, terms, anchor=out)
+
+
+def _is_softmax(exp, total, logits) -> bool:
+    """exp(logits - shift) / total is softmax(logits) over the last dim exactly when total sums this exp over it,
+    kept as a column, and the shift is one value per row (a column of the logits' rank, or a number): any such
+    shift cancels. Another denominator or a shift that varies along the keys is not a softmax of the logits."""
+    shift = exp.args[0].args[1]
+    rank = fake_value(logits).dim()
+    def is_column(value) -> bool:  # a literal 1 (a symbolic size is not known to be 1)
+        return value.dim() == rank and isinstance(value.shape[-1], int) and value.shape[-1] == 1
+
+    row_constant = not isinstance(shift, torch.fx.Node) or is_column(fake_value(shift))
+    return total.args[0] is exp and is_column(fake_value(total)) and row_constant
 
 
 def _skip_upcast(node):

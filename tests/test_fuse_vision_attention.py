@@ -396,3 +396,37 @@ def test_mixed_rotaries_are_not_folded(options, seed):
     assert op_line.rstrip().split("  #")[0].endswith("None, None)") and "aten.neg" in after
     assert compiled.report.passes["fuse_vision_attention"] == 1
     assert_close_for_dtype(out, module(*inputs))
+
+
+class NotASoftmax(nn.Module):
+    """Per image, exp(s - shift) / sum(exp(s - shift)) with a shift that varies along the keys (softmax(s - shift),
+    not softmax(s)), or exp(s - max) over the sum of another exp; "softmax" is the real one, spelled the same way.
+    The look-alikes have the decomposed softmax's shape."""
+
+    def __init__(self, spelling: str):
+        super().__init__()
+        self.spelling = spelling
+
+    def forward(self, q, k, v, cu_seqlens, cos, sin):
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        outs = []
+        for a, b, c in zip(*(torch.split(t, lengths, dim=1) for t in (q, k, v))):
+            scores = (a @ b.transpose(1, 2)) * 0.25
+            if self.spelling == "shift-per-key":
+                shift = scores.amax(-1, keepdim=True) + torch.arange(scores.shape[-1], dtype=scores.dtype)
+            else:
+                shift = scores.amax(-1, keepdim=True)
+            numerator = torch.exp(scores - shift)
+            denominator = torch.exp((scores - shift) * 0.5) if self.spelling == "other-denominator" else numerator
+            outs.append((numerator / denominator.sum(-1, keepdim=True)) @ c)
+        return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+@pytest.mark.parametrize("spelling", ["softmax", "shift-per-key", "other-denominator"])
+def test_look_alike_softmax_is_left_alone(spelling, options, seed):
+    inputs = _pack([5, 7])
+    module = NotASoftmax(spelling)
+    compiled, out = _compile(module, options, *inputs)
+    assert compiled.report.passes["fuse_vision_attention"] == (spelling == "softmax")
+    torch.testing.assert_close(out, module(*inputs))

@@ -25,6 +25,7 @@ TOOLS = ROOT / "tools"
 # tool -> (argv, text its output must contain). {tmp} is the test's scratch directory.
 SMOKE = {
     "bench_add_rms_norm.py": (["--dry-run", "--quick"], "dry run: add_rms_norm hidden 2880"),
+    "diagnose_add_rms_norm_configs.py": (["--dry-run", "--hidden", "2880"], "| 2880 | all | dry run:"),
     # Runs for real: llama_decoder compiled cold and warm, each in a fresh process (the warm one hits the cache).
     "bench_compile.py": (["--quick"], "| llama_decoder | dzc, regions on |"),
     "bench_cache_writes.py": (["--dry-run", "--quick"], "dry run: dzc: (batch, context) [(1, 32768), (8, 32768)]"),
