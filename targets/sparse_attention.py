@@ -216,13 +216,15 @@ def _decode_splits(spec: SparseAttentionSpec, config: KernelConfig, bucket: int)
     programs = bucket * -(-spec.heads // config["BLOCK_H"])
     if programs >= DECODE_PROGRAMS_WITHOUT_SPLITS:
         return 1
-    if "NUM_STAGES" in dict(config.params):
+    if "NUM_STAGES" in dict(config.params) and not _warp_specialized(config):
         # TileLang's split kernel keeps its earlier default: more splits (each a pipelined loop of fewer tiles)
         # have not run on a GPU yet; Triton's have, at 32 splits of one tile.
         return 4
     splits = -(-DECODE_PROGRAMS_WITHOUT_SPLITS // programs)
     if spec.topk is not None:  # a symbolic top-k leaves the count uncapped (splits past the last tile find no slot)
-        splits = min(splits, max(-(-(spec.topk * spec.index_block) // config["BLOCK_N"]), 1))
+        tiles = -(-(spec.topk * spec.index_block) // config["BLOCK_N"])
+        # The warp-specialized kernel runs its tiles in pairs (its two-stage ring): at least a pair a split.
+        splits = min(splits, max(tiles // 2 if _warp_specialized(config) else tiles, 1))
     return splits
 
 
@@ -492,7 +494,35 @@ def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[
                         configs.append(config)
     # Only the most heads per block that fits: fewer heads per block gather the same rows again.
     most_heads = max((c["BLOCK_H"] for c in configs), default=0)
-    return [c for c in configs if c["BLOCK_H"] == most_heads]
+    configs = [c for c in configs if c["BLOCK_H"] == most_heads]
+    if _warp_specialization_fits(spec, profile):
+        # Prefill, then decode with 1 split (enough programs at 64+ rows) up to 16 (a 2-row step on 132 SMs).
+        for splits in (0, 1, 4, 16):
+            config = KernelConfig.make(num_warps=_WS_THREADS // profile.warp_size, num_stages=2, SPLITS=splits,
+                                       BLOCK_H=_WS_BLOCK, BLOCK_N=_WS_BLOCK, THREADS=_WS_THREADS, NUM_STAGES=2,
+                                       WARP_SPECIALIZED=1)
+            if not config_problems(profile, threads=_WS_THREADS, num_warps=None,
+                                   shared_memory_bytes=tilelang_shared_memory_bytes(spec, config), dtypes=spec.dtypes):
+                configs.append(config)
+    return configs
+
+
+# The warp-specialized kernel (the template's _warp_specialized): 64 heads x 64 gathered rows, three warpgroups.
+_WS_BLOCK = 64
+_WS_THREADS = 384
+
+
+def _warp_specialization_fits(spec: SparseAttentionSpec, profile: DeviceProfile) -> bool:
+    """The warp-specialized kernel's shapes: MLA (one latent KV head, V = the gathered K tile's main part), 16-bit,
+    heads in blocks of 64 (one warpgroup MMA's M), Dqk in whole 64-column gathers, each half of Dv whole MMA steps;
+    on a target with warpgroup MMAs, TMA and mbarriers (its wgmma, tma_copy and barriers)."""
+    return (profile.matrix_instruction == "wgmma" and profile.bulk_tensor_copies and spec.v_is_k_main
+            and spec.dtype in (torch.bfloat16, torch.float16) and spec.heads % _WS_BLOCK == 0
+            and spec.d_qk % 64 == 0 and spec.d_v % (2 * _TILELANG_MMA_STEP) == 0)
+
+
+def _warp_specialized(config: KernelConfig) -> bool:
+    return bool(dict(config.params).get("WARP_SPECIALIZED", 0))
 
 
 def _tilelang_threads(spec: SparseAttentionSpec, block_h: int, block_n: int) -> int | None:
@@ -513,15 +543,19 @@ def tilelang_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -
     prefill = [c for c in tilelang_configs(spec, profile) if c["SPLITS"] == 0]
     if not prefill:
         raise ValueError(f"no legal TileLang sparse_attention config for {spec.describe()} on {profile.name}")
-    return max(prefill, key=lambda c: (c["BLOCK_N"], c["NUM_STAGES"]))
+    return max(prefill, key=lambda c: (_warp_specialized(c), c["BLOCK_N"], c["NUM_STAGES"]))
 
 
 def tilelang_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) -> int:
-    """The q tile, one gathered K (and V, unless V is K's main part) tile per pipeline stage, the probabilities."""
+    """The q tile, one gathered K (and V, unless V is K's main part) tile per pipeline stage, the probabilities;
+    the warp-specialized kernel adds its valid flags, two fp32 vectors (factor, row sums) and 8 mbarriers."""
     item = spec.dtype.itemsize
     block_h, block_n = config["BLOCK_H"], config["BLOCK_N"]
     gathered = block_n * (spec.d_qk + (0 if spec.v_is_k_main else spec.d_v)) * item
-    return block_h * spec.d_qk * item + config["NUM_STAGES"] * gathered + block_h * block_n * item
+    tiles = block_h * spec.d_qk * item + config["NUM_STAGES"] * gathered + block_h * block_n * item
+    if _warp_specialized(config):
+        tiles += config["NUM_STAGES"] * block_n + 2 * 4 * block_h + 8 * 8
+    return tiles
 
 
 def tilelang_launch_arguments(q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, scale_log2, out, lse
@@ -540,6 +574,11 @@ def tilelang_launch(compiled, config: KernelConfig, q, k_cache, v_cache, block_t
     or sinks (tilelang_configs): query_pos, sinks and window are the absent ones' stand-ins."""
     rows = q.shape[0]
     splits = config["SPLITS"]
+    if splits == 1 and _warp_specialized(config):
+        # One split is the whole selection: the prefill kernel writes the output itself (no fp32 partial to write
+        # and combine; at 64 sequences x 2 rows that is 33 MB each way).
+        splits = 0
+        config = KernelConfig.make(config.num_warps, config.num_stages, **{**dict(config.params), "SPLITS": 0})
     kernel = compiled.kernel_for(config)
     inputs = (q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, scale_log2)
     if splits == 0:

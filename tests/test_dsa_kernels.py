@@ -410,9 +410,14 @@ def test_untuned_decode_splits_fill_the_gpu_at_small_batches():
             assert programs * splits >= min(sparse_attention.DECODE_PROGRAMS_WITHOUT_SPLITS, programs * tiles), bucket
     narrow = dataclasses.replace(spec, topk=24)  # one tile of selected slots: splitting it finds nothing to share
     assert sparse_attention.configs_for_bucket(narrow, SM_90, 1, [], default)[1]["SPLITS"] == 1
-    # TileLang keeps 4 splits below the threshold until its split kernel runs more on a GPU.
+    # TileLang's warp-specialized kernel (MLA's untuned choice) splits as Triton's does, at least two tiles a split
+    # (it runs them in pairs); its other split kernel keeps 4 splits below the threshold.
     tilelang = sparse_attention.tilelang_default_config(spec, SM_90)
-    assert sparse_attention.configs_for_bucket(spec, SM_90, 2, [], tilelang)[1]["SPLITS"] == 4
+    assert tilelang["WARP_SPECIALIZED"] == 1
+    assert sparse_attention.configs_for_bucket(spec, SM_90, 2, [], tilelang)[1]["SPLITS"] == tiles // 2
+    classic = next(c for c in sparse_attention.tilelang_configs(spec, SM_90)
+                   if not dict(c.params).get("WARP_SPECIALIZED"))
+    assert sparse_attention.configs_for_bucket(spec, SM_90, 2, [], classic)[1]["SPLITS"] == 4
 
 
 def _every_other(vector: torch.Tensor, fill: int) -> torch.Tensor:
@@ -1217,3 +1222,47 @@ def test_tilelang_kernels_need_a_static_topk_and_page_size():
     assert sparse_attention.tilelang_configs(fixed, SM_90)
     assert not fixed.serves(dataclasses.replace(fixed, topk=1024))
     assert not fixed.serves(dataclasses.replace(fixed, page_size=32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: the warp-specialized TileLang kernel (producer warpgroup gathering through the block table, two consumer
+# warpgroups), at DeepSeek-V3.2's MLA shape
+
+
+def _warp_specialized_configs(splits):
+    return [c for c in sparse_attention.tilelang_configs(MLA, SM_90)
+            if dict(c.params).get("WARP_SPECIALIZED") and c["SPLITS"] in splits]
+
+
+def test_warp_specialized_configs_only_where_they_apply():
+    """MLA at 64+ heads on sm_90 gets the warp-specialized kernel as its untuned choice; other heads counts, MHA,
+    fp32 and targets without warpgroup MMAs and TMA do not get it."""
+    assert sparse_attention.tilelang_default_config(MLA, SM_90)["WARP_SPECIALIZED"] == 1
+    assert {c["SPLITS"] for c in _warp_specialized_configs((0, 1, 4, 16))} == {0, 1, 4, 16}
+    for spec, profile in ((dataclasses.replace(MLA, heads=48), SM_90), (MLA, TARGETS["musa:mp_31"].profile),
+                          (sparse_attention.SparseAttentionSpec(64, 64, 128, 128, torch.bfloat16, True, **DSA_V32),
+                           SM_90)):
+        assert not any(dict(c.params).get("WARP_SPECIALIZED") for c in sparse_attention.tilelang_configs(spec,
+                                                                                                         profile))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", _warp_specialized_configs((0, 1, 16)), ids=str)
+def test_warp_specialized_sparse_attention_on_gpu(config, seed, tmp_path):
+    """Sequences longer and shorter than top-k through a shuffled block table, rows with invalid indices (−1, past
+    the sequence) and rows with none valid; unowned cache slots hold NaN, the output is poisoned, and shared
+    memory is left full of NaN before each launch."""
+    args = dsa_cases.sparse_attention_args([3000, 700, 2500, 40], [3, 2, 3, 1], 128, 1, 576, 512, False,
+                                           device=DEVICE, generator=_generator(seed), **DSA_V32)
+    path = tmp_path / "sparse_attention_tilelang.py"
+    path.write_text(sparse_attention.tilelang_source(MLA, SM_90))
+    compiled = tilelang_codegen.load(sparse_attention, path, MLA, SM_90)
+    inputs, (out,), _, result = sparse_attention.prepare(MLA, *args)
+    out.fill_(float("nan"))
+    poison_shared_memory(DEVICE)
+    sparse_attention.tilelang_launch(compiled, config, *inputs, out)
+    torch.cuda.synchronize()
+    assert not result.isnan().any(), f"{config}: NaN (an unwritten output, or a read of an unowned slot)"
+    expected = sparse_attention_reference(*args)
+    torch.testing.assert_close(result.float(), expected.float(), atol=2**-6, rtol=2**-6,
+                               msg=lambda m: f"{config}: {m}")

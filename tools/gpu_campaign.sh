@@ -15,7 +15,8 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Session 21: s21-1 (carry .whl-gpu1), s21-2 (carry .whl-gpu2 and .public-kernels). Earlier sessions' steps are
+# Session 21: s21-1 (carry .whl-gpu1), s21-2 (carry .whl-gpu2 and .public-kernels); then on a fresh machine s21b-1
+# (carry .whl-gpu1), s21b-2 (carry .whl-gpu2 and .public-kernels), s21b-bench. Earlier sessions' steps are
 # in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -133,6 +134,31 @@ s21-2)
   TAIL=30 part bench_indexer_decode_tuned 300 python3 tools/bench_dsa.py --only decode --batches 1 64 \
     --contexts 32768 --queries 2 --indexer-codegens triton tilelang --topk-codegens tilelang --codegens triton \
     --no-baselines --no-public-kernels --out "$OUT/dsa_indexer_decode_tuned_h200.md"
+  ;;
+s21b-1)
+  # (carry .whl-gpu1, fresh machine) Issue 18: where a 4096-token add+RMSNorm call back to back spends its time
+  # beyond the 25 µs kernel (s21-1: every config and torch.compile's kernel take 25-26 µs; calls took 72 and 50).
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=70 part diagnose_overhead_4096 150 python3 tools/diagnose_overhead.py --tokens 4096
+  ;;
+s21b-2)
+  # (carry .whl-gpu2 and .public-kernels, after s21b-1) Issue 14: the warp-specialized TileLang sparse attention's
+  # first GPU run (prefill, and decode with 16 splits + combine); the indexer config that failed once in s21-2.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=25 part gpu_tests_sparse_ws 260 python3 -m pytest -q -p no:logging -rf -x -m gpu -k warp_specialized \
+    tests/test_dsa_kernels.py
+  TAIL=40 part gpu_tests_indexer_rows2 120 python3 -m pytest -q -p no:logging -rf -x \
+    "tests/test_dsa_indexer_tilelang.py::test_tilelang_indexer_every_config_matches_reference_on_gpu[BLOCK_N=64 CHUNK=4 ROWS=2 STAGES=2 THREADS=128 num_warps=4 num_stages=2]"
+  ;;
+s21b-bench)
+  # (after s21b-2) Issue 14: sparse attention prefill and decode, dzc Triton and TileLang (warp-specialized,
+  # untuned defaults) beside the public TileLang kernels, same run.
+  TAIL=40 part bench_sparse_prefill 260 python3 tools/bench_dsa.py --only prefill --prefill-contexts 8192 --quick \
+    --codegens triton tilelang --indexer-codegens triton --topk-codegens triton --no-baselines \
+    --out "$OUT/dsa_sparse_ws_prefill_h200.md"
+  TAIL=40 part bench_sparse_decode 300 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
+    --codegens triton tilelang --indexer-codegens triton --topk-codegens triton --no-baselines \
+    --out "$OUT/dsa_sparse_ws_decode_h200.md"
   ;;
 esac
 # The device tool brings back only a few files per call: everything goes back as one archive.
