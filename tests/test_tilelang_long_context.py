@@ -108,7 +108,7 @@ def narrow_accesses(cuda: str) -> list[tuple[str, str, list[str]]]:
 
 def _locals_read_from(cuda: str, load: str) -> set[str]:
     """The local variables whose value comes from `load` (directly or through other such locals)."""
-    definitions = re.findall(r"\b(\w+) = ([^;]*);", cuda)
+    definitions = re.findall(r"\b(\w+)(?:\[\w+\])? = ([^;]*);", cuda)  # scalars and local-array elements
     found: set[str] = set()
     while True:
         more = {name for name, value in definitions if name not in found

@@ -16,7 +16,8 @@
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Session 21: s21-1 (carry .whl-gpu1), s21-2 (carry .whl-gpu2 and .public-kernels); then on a fresh machine s21b-1
-# (carry .whl-gpu1), s21b-2 (carry .whl-gpu2 and .public-kernels), s21b-bench. Earlier sessions' steps are
+# (carry .whl-gpu1), s21b-2 (carry .whl-gpu2 and .public-kernels), s21b-bench. Next session: s22-1 (carry
+# .whl-gpu1), s22-2 (carry .whl-gpu2 and .public-kernels). Earlier sessions' steps are
 # in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -159,6 +160,30 @@ s21b-bench)
   TAIL=40 part bench_sparse_decode 300 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
     --codegens triton tilelang --indexer-codegens triton --topk-codegens triton --no-baselines \
     --out "$OUT/dsa_sparse_ws_decode_h200.md"
+  ;;
+s22-1)
+  # (carry .whl-gpu1, fresh machine) installs the first TileLang wheel folder; issue 13's MXFP4 zoo rows as the
+  # Triton check (all four passed in s20/s21).
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  TAIL=8 part gpu_tests_moe_default 60 python3 -m pytest -q -p no:logging -rf -x -m "gpu or anydevice" \
+    -k "swap_ab or default or only_where" tests/test_mxfp4_moe_kernels.py
+  ;;
+s22-2)
+  # (carry .whl-gpu2 and .public-kernels, after s22-1) Issue 14: the warp-specialized sparse attention after its
+  # producer resolves a stage's addresses ahead (CPU-checked only): numerics of every config, then prefill and
+  # decode beside Triton and the public kernels; the TileLang indexer's page-64 cases (-x: a failure prints).
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=25 part gpu_tests_sparse_ws 200 python3 -m pytest -q -p no:logging -rf -x -m gpu -k warp_specialized \
+    tests/test_dsa_kernels.py
+  TAIL=40 part bench_sparse_prefill 200 python3 tools/bench_dsa.py --only prefill --prefill-contexts 8192 --quick \
+    --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
+    --out "$OUT/dsa_sparse_ws_prefill_h200.md"
+  TAIL=40 part bench_sparse_decode 200 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
+    --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
+    --out "$OUT/dsa_sparse_ws_decode_h200.md"
+  TAIL=20 part gpu_tests_indexer_page64 150 python3 -m pytest -q -p no:logging -rf -x -m gpu -k "64" \
+    tests/test_dsa_indexer_tilelang.py
   ;;
 esac
 # The device tool brings back only a few files per call: everything goes back as one archive.
