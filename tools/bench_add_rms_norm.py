@@ -80,10 +80,9 @@ def _time(fn) -> float:
         return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e-3
 
 
-def graph_time(fn, warmup: int = 10, rep: int = 50) -> float:
-    """Seconds of GPU time per call: fn captured once into a CUDA graph (after a call, and one on a side stream
-    as capture requires), then the graph's replays timed with the L2 flushed before each (do_bench median).
-    Host work (guards, wrappers, launches) is left out: what remains is the kernels' own time."""
+def captured(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """fn captured `calls` times in a row into one CUDA graph, after a call and one on a side stream (as capture
+    requires)."""
     fn()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -92,7 +91,16 @@ def graph_time(fn, warmup: int = 10, rep: int = 50) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def graph_time(fn, warmup: int = 10, rep: int = 50) -> float:
+    """Seconds of GPU time per call: fn captured once into a CUDA graph, then the graph's replays timed with the
+    L2 flushed before each (do_bench median). Host work (guards, wrappers, launches) is left out: what remains is
+    the kernels' own time."""
+    graph = captured(fn)
     return triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median") * 1e-3
 
 

@@ -5,8 +5,8 @@
 Issue 18 found dzc's add+RMSNorm at 4096 tokens 0.69x torch.compile back to back (72 vs 50 µs at hidden 2880),
 while at 32768 tokens both reach 85% of HBM: this table says whether a config would close that gap or whether
 every config (and torch.compile) is held by something else at that size. Each variant is one launch captured
-into a CUDA graph of 20 launches on the same buffers (no L2 flush, no host work: what calls back to back see on
-the device), its replays timed by do_bench. TB/s counts 8·T·H bytes (bf16 x, residual in; y, h out). `copy`
+into a CUDA graph of 20 launches on the same buffers (no host work: what calls back to back see on the
+device), its replays timed by do_bench. TB/s counts 8·T·H bytes (bf16 x, residual in; y, h out). `copy`
 is torch's copy of two [T, H] bf16 tensors (the same 8·T·H bytes): the bandwidth this size can reach at all.
 Every config is checked against the op's reference before it is timed.
 """
@@ -27,22 +27,16 @@ from dzc.targets import triton_codegen
 from dzc.targets.launch import legal_configs
 from dzc.targets.profiles import SM_90
 
+from bench_add_rms_norm import captured  # tools/ is on sys.path
+
 LAUNCHES_PER_GRAPH = 20
 EPS = 1e-6
 
 
 def _per_launch_seconds(fn) -> float:
-    """Seconds per launch of fn replayed from a CUDA graph of LAUNCHES_PER_GRAPH launches (no flush)."""
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(LAUNCHES_PER_GRAPH):
-            fn()
+    """Seconds per launch of fn replayed from a CUDA graph of LAUNCHES_PER_GRAPH launches (do_bench flushes L2
+    before each replay: the first launch of a replay reads from HBM, the rest as calls back to back do)."""
+    graph = captured(fn, LAUNCHES_PER_GRAPH)
     return triton.testing.do_bench(graph.replay, warmup=5, rep=40, return_mode="median") * 1e-3 / LAUNCHES_PER_GRAPH
 
 
