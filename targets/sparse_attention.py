@@ -510,14 +510,16 @@ def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[
 # The warp-specialized kernel (the template's _warp_specialized): 64 heads x 64 gathered rows, three warpgroups.
 _WS_BLOCK = 64
 _WS_THREADS = 384
+_WS_MIN_HEADS = 16
 
 
 def _warp_specialization_fits(spec: SparseAttentionSpec, profile: DeviceProfile) -> bool:
     """The warp-specialized kernel's shapes: MLA (one latent KV head, V = the gathered K tile's main part), 16-bit,
-    heads in blocks of 64 (one warpgroup MMA's M), Dqk in whole 64-column gathers, each half of Dv whole MMA steps;
-    on a target with warpgroup MMAs, TMA and mbarriers (its wgmma, tma_copy and barriers)."""
+    at least 16 heads (blocks of 64, one warpgroup MMA's M; a tensor-parallel rank's 16 or 32 heads pad one block
+    with zero rows, at most 4x the MMA work of its real heads), Dqk in whole 64-column gathers, each half of Dv
+    whole MMA steps; on a target with warpgroup MMAs, TMA and mbarriers (its wgmma, tma_copy and barriers)."""
     return (profile.matrix_instruction == "wgmma" and profile.bulk_tensor_copies and spec.v_is_k_main
-            and spec.dtype in (torch.bfloat16, torch.float16) and spec.heads % _WS_BLOCK == 0
+            and spec.dtype in (torch.bfloat16, torch.float16) and spec.heads >= _WS_MIN_HEADS
             and spec.d_qk % 64 == 0 and spec.d_v % (2 * _TILELANG_MMA_STEP) == 0)
 
 

@@ -1229,35 +1229,54 @@ def test_tilelang_kernels_need_a_static_topk_and_page_size():
 # warpgroups), at DeepSeek-V3.2's MLA shape
 
 
-def _warp_specialized_configs(splits):
-    return [c for c in sparse_attention.tilelang_configs(MLA, SM_90)
+def _warp_specialized_configs(spec, splits, profile=SM_90):
+    return [c for c in sparse_attention.tilelang_configs(spec, profile)
             if dict(c.params).get("WARP_SPECIALIZED") and c["SPLITS"] in splits]
 
 
 def test_warp_specialized_configs_only_where_they_apply():
-    """MLA at 64+ heads on sm_90 gets the warp-specialized kernel as its untuned choice; other heads counts, MHA,
-    fp32 and targets without warpgroup MMAs and TMA do not get it."""
-    assert sparse_attention.tilelang_default_config(MLA, SM_90)["WARP_SPECIALIZED"] == 1
-    assert {c["SPLITS"] for c in _warp_specialized_configs((0, 1, 4, 16))} == {0, 1, 4, 16}
-    for spec, profile in ((dataclasses.replace(MLA, heads=48), SM_90), (MLA, TARGETS["musa:mp_31"].profile),
+    """MLA with 16+ heads on sm_90 gets the warp-specialized kernel as its untuned choice (16 and 32: one padded
+    head block); fewer heads, MHA, and targets without warpgroup MMAs and TMA do not get it."""
+    for heads in (16, 32, 96, 128):
+        spec = dataclasses.replace(MLA, heads=heads)
+        assert sparse_attention.tilelang_default_config(spec, SM_90)["WARP_SPECIALIZED"] == 1, heads
+        assert {c["SPLITS"] for c in _warp_specialized_configs(spec, (0, 1, 4, 16))} == {0, 1, 4, 16}, heads
+    for spec, profile in ((dataclasses.replace(MLA, heads=8), SM_90), (MLA, TARGETS["musa:mp_31"].profile),
                           (sparse_attention.SparseAttentionSpec(64, 64, 128, 128, torch.bfloat16, True, **DSA_V32),
                            SM_90)):
-        assert not any(dict(c.params).get("WARP_SPECIALIZED") for c in sparse_attention.tilelang_configs(spec,
-                                                                                                         profile))
+        assert not _warp_specialized_configs(spec, (0, 1, 4, 16), profile), (spec, profile.name)
+
+
+@pytest.mark.slow
+def test_warp_specialized_partial_head_block_lowers_for_sm90a(tmp_path):
+    """16 heads (a tensor-parallel rank of DeepSeek-V3.2's 128 over 8): q is loaded masked by every thread (zero
+    rows past the last head) and fenced for the wgmma's async proxy before the barrier; the 64-head block's TMA
+    load of q is not used, and the lowered prefill kernel still runs its MMAs as wgmma."""
+    spec = dataclasses.replace(MLA, heads=16)
+    path = tmp_path / "sparse_attention_tilelang.py"
+    path.write_text(sparse_attention.tilelang_source(spec, SM_90))
+    source = tilelang_codegen.lower_to_device_source(path, sparse_attention.TILELANG_FACTORY_NAME,
+                                                    sparse_attention.tilelang_default_config(spec, SM_90), SM_90)
+    assert "tma_load(q_desc" not in source and "wgmma" in source
+    load_q = source.index("q_shared")
+    assert load_q < source.index("fence_proxy_async") < source.index("bar_q[0].arrive()")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", _warp_specialized_configs((0, 1, 16)), ids=str)
-def test_warp_specialized_sparse_attention_on_gpu(config, seed, tmp_path):
+@pytest.mark.parametrize("heads, splits", [(128, 0), (128, 1), (128, 16), (16, 0), (16, 16)],
+                         ids=["128h-prefill", "128h-1-split", "128h-16-splits", "16h-prefill", "16h-16-splits"])
+def test_warp_specialized_sparse_attention_on_gpu(heads, splits, seed, tmp_path):
     """Sequences longer and shorter than top-k through a shuffled block table, rows with invalid indices (−1, past
     the sequence) and rows with none valid; unowned cache slots hold NaN, the output is poisoned, and shared
-    memory is left full of NaN before each launch."""
-    args = dsa_cases.sparse_attention_args([3000, 700, 2500, 40], [3, 2, 3, 1], 128, 1, 576, 512, False,
+    memory is left full of NaN before each launch. 16 heads: one padded head block."""
+    spec = dataclasses.replace(MLA, heads=heads)
+    [config] = _warp_specialized_configs(spec, (splits,))
+    args = dsa_cases.sparse_attention_args([3000, 700, 2500, 40], [3, 2, 3, 1], heads, 1, 576, 512, False,
                                            device=DEVICE, generator=_generator(seed), **DSA_V32)
     path = tmp_path / "sparse_attention_tilelang.py"
-    path.write_text(sparse_attention.tilelang_source(MLA, SM_90))
-    compiled = tilelang_codegen.load(sparse_attention, path, MLA, SM_90)
-    inputs, (out,), _, result = sparse_attention.prepare(MLA, *args)
+    path.write_text(sparse_attention.tilelang_source(spec, SM_90))
+    compiled = tilelang_codegen.load(sparse_attention, path, spec, SM_90)
+    inputs, (out,), _, result = sparse_attention.prepare(spec, *args)
     out.fill_(float("nan"))
     poison_shared_memory(DEVICE)
     sparse_attention.tilelang_launch(compiled, config, *inputs, out)
