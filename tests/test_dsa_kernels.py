@@ -1235,11 +1235,14 @@ def _warp_specialized_configs(spec, splits, profile=SM_90):
 
 
 def test_warp_specialized_configs_only_where_they_apply():
-    """MLA with 16+ heads on sm_90 gets the warp-specialized kernel as its untuned choice (16 and 32: one padded
-    head block); fewer heads, MHA, and targets without warpgroup MMAs and TMA do not get it."""
+    """MLA with 16+ heads on sm_90 gets the warp-specialized kernel (16 and 32: one padded head block), as its
+    untuned choice at multiples of 64 heads; fewer heads, MHA, and targets without warpgroup MMAs and TMA do not
+    get it."""
     for heads in (16, 32, 96, 128):
         spec = dataclasses.replace(MLA, heads=heads)
-        assert sparse_attention.tilelang_default_config(spec, SM_90)["WARP_SPECIALIZED"] == 1, heads
+        default = sparse_attention.tilelang_default_config(spec, SM_90)
+        # Until a GPU run of padded head blocks, they are tuning candidates, not the untuned choice.
+        assert bool(dict(default.params).get("WARP_SPECIALIZED")) == (heads % 64 == 0), heads
         assert {c["SPLITS"] for c in _warp_specialized_configs(spec, (0, 1, 4, 16))} == {0, 1, 4, 16}, heads
     for spec, profile in ((dataclasses.replace(MLA, heads=8), SM_90), (MLA, TARGETS["musa:mp_31"].profile),
                           (sparse_attention.SparseAttentionSpec(64, 64, 128, 128, torch.bfloat16, True, **DSA_V32),
@@ -1255,8 +1258,8 @@ def test_warp_specialized_partial_head_block_lowers_for_sm90a(tmp_path):
     spec = dataclasses.replace(MLA, heads=16)
     path = tmp_path / "sparse_attention_tilelang.py"
     path.write_text(sparse_attention.tilelang_source(spec, SM_90))
-    source = tilelang_codegen.lower_to_device_source(path, sparse_attention.TILELANG_FACTORY_NAME,
-                                                    sparse_attention.tilelang_default_config(spec, SM_90), SM_90)
+    [config] = _warp_specialized_configs(spec, (0,))
+    source = tilelang_codegen.lower_to_device_source(path, sparse_attention.TILELANG_FACTORY_NAME, config, SM_90)
     assert "tma_load(q_desc" not in source and "wgmma" in source
     load_q = source.index("q_shared")
     assert load_q < source.index("fence_proxy_async") < source.index("bar_q[0].arrive()")
