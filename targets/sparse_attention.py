@@ -546,7 +546,7 @@ def tilelang_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -
     if not prefill:
         raise ValueError(f"no legal TileLang sparse_attention config for {spec.describe()} on {profile.name}")
     # A padded head block (fewer than 64 heads a block) has not run on a GPU yet: a tuning candidate only (the
-    # tuner checks each candidate against the reference), not the untuned choice.
+    # tuner drops a candidate whose outputs disagree with the untuned default's), not the untuned choice.
     verified = spec.heads % _WS_BLOCK == 0
     return max(prefill, key=lambda c: (_warp_specialized(c) and verified, c["BLOCK_N"], c["NUM_STAGES"]))
 
