@@ -3,10 +3,12 @@ fuse_windowed_attention, fuse_vision_attention): what a mask means, the softmax 
 and p.v matmuls, and node builders that keep fake values.
 
 Masks: an additive float mask, or a boolean keep/drop mask, is decomposed into terms (below) that must all hold
-for a key to be visible; the passes decide which combinations they can rewrite. Attention: `match_attention(masked)`
-reads `softmax(q.k * scale + mask) . v` (eager matmul/softmax, SDPA's math decomposition, gpt-oss's sink column)
-from the masked scores into an `Attention`; anything else raises Refusal with the reason, and a mask part that
-is not one of the terms raises NotAMask.
+for a key to be visible; the passes decide which combinations they can rewrite. Attention: `read_attention(node)`
+reads one attention at its p.v matmul or fused SDPA op into an `AttentionCore` (q, k, v, scale, output, mask
+operands and their terms), whatever else uses its intermediates; `match_attention(masked)` reads
+`softmax(q.k * scale + mask) . v` (eager matmul/softmax, SDPA's math decomposition, gpt-oss's sink column) from the
+masked scores into an `Attention` for the decoder passes, with their checks: anything else raises Refusal with the
+reason, and a mask part that is not one of the terms raises NotAMask. Both read the q.k scores with `read_scores`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.operator_schemas import normalize_function
 
 from dzc.passes.graph_pass import Refusal, fake_value, is_call
 from dzc.passes.patterns import is_last_dim
@@ -429,14 +432,39 @@ def bmm_operands(node):
     return node.args[0], node.args[1], scale
 
 
-def scaled_source(node):
-    """Strip view plumbing and constant multiplies (SDPA's math form scales q and k by sqrt(scale) each)."""
-    scale = 1.0
-    node = strip(node)
-    while is_call(node, aten.mul.Tensor, aten.mul.Scalar) and scalar(node.args[1]) is not None:
-        scale *= scalar(node.args[1])
-        node = strip(node.args[0])
+def _peel_scale(node, scale: float):
+    """mul(x, c) / mul(c, x) with a scalar c, repeated: (x, scale * the c's); anything else: (node, scale)."""
+    while is_call(node, aten.mul.Tensor, aten.mul.Scalar):
+        a, b = node.args[:2]
+        if scalar(b) is not None:
+            node, scale = a, scale * scalar(b)
+        elif scalar(a) is not None:
+            node, scale = b, scale * scalar(a)
+        else:
+            break
     return node, scale
+
+
+def _unscaled(node, scale: float, views=VIEWS):
+    """node with views and scalar multiples looked through, alternately -> (source, scale * the multiples)."""
+    while True:
+        node = strip(node, views)
+        source, scale = _peel_scale(node, scale)
+        if source is node:
+            return node, scale
+        node = source
+
+
+def read_scores(node):
+    """The q.k scores: node = bmm(q, k^T), each of the three seen through views and scalar multiples (eager scales
+    the scores, SDPA's math form scales q and k^T by sqrt(scale) each) -> (the bmm, q, k or None where the second
+    operand is not a transpose, the product of the multiples); None when node is not a bmm's product."""
+    node, scale = _unscaled(node, 1.0, SHAPE_ONLY)
+    if not is_call(node, aten.bmm.default):
+        return None
+    q, scale = _unscaled(node.args[0], scale)
+    k_t, scale = _unscaled(node.args[1], scale)
+    return node, q, transposed(k_t), scale
 
 
 def transposed(node):
@@ -574,16 +602,14 @@ def _probabilities_consumer(probs):
 
 def match_attention(masked) -> Attention:
     scores, terms = split_masked(masked)
-    operands = bmm_operands(scores)
-    problem = mask_problem(scores) if operands is None else None
+    read = read_scores(scores)
+    problem = mask_problem(scores) if read is None else None
     if problem is not None:
         raise Refusal(f"the attention mask is not causal + top-k: {problem}")
-    if operands is None:
+    if read is None:
         raise Refusal("the masked values are not q.k scores")
-    q_operand, k_operand, scale = operands
-    q, q_scale = scaled_source(q_operand)
-    k_t, k_scale = scaled_source(k_operand)
-    k = transposed(k_t)
+    products, q, k, scale = read
+    q_operand, k_operand = products.args[:2]
     if k is None or fake_value(q).dim() != 4 or fake_value(k).dim() != 4:
         raise Refusal("the attention operands are not [B, H, S, D] queries and transposed [B, H, T, D] keys")
     softmax = softmax_output(masked)
@@ -619,7 +645,152 @@ def match_attention(masked) -> Attention:
     if fake_value(q).dtype not in ATTENTION_DTYPES:
         raise Refusal(f"{fake_value(q).dtype} attention: dzc's attention ops take bf16, fp16 and fp32 (a float64 "
                       "model keeps its precision, unfused)")
-    return Attention(q, k, v, scale * q_scale * k_scale, out, masked, terms, sinks)
+    return Attention(q, k, v, scale, out, masked, terms, sinks)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# One attention, read at its p.v matmul or fused SDPA op. What else uses its intermediates is each pass's to check.
+
+
+@dataclass
+class AttentionCore:
+    """One attention: softmax(q k^T * scale [+ mask]) v over the last two dims of q, k, v."""
+
+    q: torch.fx.Node  # [..., tokens, head_dim] as the model computed it (before any view the attention made)
+    k: torch.fx.Node
+    v: torch.fx.Node
+    scale: float
+    out: torch.fx.Node  # the attention's result, [..., tokens, head_dim]
+    masks: list  # the mask operands the attention reads (additive masks, bool conditions); [] without a mask
+    terms: list | None  # what they mean (the terms above), None: a mask the reader does not know
+    causal: bool = False
+    dropout: bool = False
+    anchor: torch.fx.Node | None = None  # where the model source line is
+
+
+def read_attention(node) -> AttentionCore | None:
+    """The attention whose p.v bmm (eager matmuls, SDPA's math decomposition) or fused SDPA op is node, else None:
+
+        bmm(softmax(bmm(q, k^T) * scale [+ mask]), v)  or  SDPA(q, k, v, attn_mask, scale=...)
+          =>  AttentionCore(q, k, v, scale, out, masks, terms)
+    """
+    return _read_math(node) or _read_sdpa(node)
+
+
+def _read_math(pv) -> AttentionCore | None:
+    if not is_call(pv, aten.bmm.default):
+        return None
+    probs = strip_casts(strip(pv.args[0]))
+    if is_call(probs, aten.where.self) and _is_full_row_guard(probs.args[0]) and fill_value(probs.args[1]) == 0.0:
+        probs = strip_casts(probs.args[2])
+    logits = softmax_input(probs)
+    if logits is None:
+        return None
+    scores, terms, masks = read_mask(strip_casts(logits))
+    read = read_scores(scores)
+    if read is None or read[2] is None:
+        return None  # another additive bias (relative positions, a mask above MASKED): not an attention we know
+    _, q, k, scale = read
+    k, scale = _peel_scale(k, scale)
+    v = strip(pv.args[1])
+    out = pv
+    while len(out.users) == 1 and is_call(next(iter(out.users)), aten.view.default, aten._unsafe_view.default):
+        out = next(iter(out.users))
+    return AttentionCore(q, k, v, scale, out, masks, terms, anchor=out)
+
+
+def _is_full_row_guard(cond) -> bool:
+    """SDPA's decomposition zeroes fully masked rows: where(logical_not(any(logical_not(eq(s, -inf)))), 0, p)."""
+    return is_call(cond, aten.logical_not.default) and is_call(cond.args[0], aten.any.dim)
+
+
+def softmax_input(probs):
+    """probs = softmax(x) over the last dim -> x, else None: aten._softmax(x, -1), or exp(x - shift) / total where
+    total sums this exp over the last dim, kept as a column, and the shift is one value per row (a column of x's
+    rank, or a number): any such shift cancels (amax(x), or amax(cat([x, -inf column])) = amax(x) of a softmax over
+    a data-dependent key count). Another denominator, or a shift varying along the keys, is not softmax(x)."""
+    if is_call(probs, aten._softmax.default):
+        logits = probs.args[0]
+        return logits if probs.args[1] in (-1, fake_value(logits).dim() - 1) else None
+    if not (is_call(probs, aten.div.Tensor) and is_call(probs.args[0], aten.exp.default)
+            and is_call(probs.args[0].args[0], aten.sub.Tensor) and is_call(probs.args[1], aten.sum.dim_IntList)):
+        return None
+    exp, total = probs.args[:2]
+    logits, shift = exp.args[0].args[:2]
+    rank = fake_value(logits).dim()
+
+    def is_column(value) -> bool:  # a literal 1 (a symbolic size is not known to be 1)
+        return value.dim() == rank and isinstance(value.shape[-1], int) and value.shape[-1] == 1
+
+    row_constant = not isinstance(shift, torch.fx.Node) or is_column(fake_value(shift))
+    if list(total.args[1]) in ([-1], [rank - 1]) and total.args[0] is exp and is_column(fake_value(total)) \
+            and row_constant:
+        return logits
+    return None
+
+
+def read_mask(logits):
+    """logits = scores masked -> (scores, terms, mask operands) by the mask reader above (where(m, s, M) included);
+    a bool mask m it does not know (added as where(m, 0, M) or where(~m, M, 0), where(m, M, s), where(m, s, M),
+    masked_fill(s, m, M), M at or below MASKED) -> (scores, None, [the mask operand]), so that a pass can refuse
+    an attention under it as masked; no mask -> (logits, [], [])."""
+    try:
+        scores, terms, masks = read_masked(logits, keep_where=True)
+    except NotAMask:
+        scores, terms, masks = logits, None, []
+    if masks:
+        return scores, terms, masks
+    if is_call(logits, aten.add.Tensor):
+        bias = logits.args[1]
+        if is_call(bias, aten.where.self) and any(_is_masked_value(a) for a in bias.args[1:]):
+            return logits.args[0], None, [bias]
+    elif is_call(logits, aten.where.self):
+        condition, if_true, if_false = logits.args
+        if _is_masked_value(if_true):
+            return if_false, None, [condition]
+        if _is_masked_value(if_false):
+            return if_true, None, [condition]
+    elif is_call(logits, aten.masked_fill.Scalar):
+        return logits.args[0], None, [logits.args[1]]
+    return logits, [], []
+
+
+def _is_masked_value(node) -> bool:
+    return scalar(node) is not None and scalar(node) <= MASKED
+
+
+def _read_sdpa(node) -> AttentionCore | None:
+    """A fused SDPA op (what capture keeps on GPUs): its normalised arguments; None for a float bias that is not a
+    mask (relative positions, a mask above MASKED), or a kernel op whose output is not read by one getitem."""
+    if not is_call(node, *SDPA_OPS):
+        return None
+    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    if normalized is None:
+        return None
+    kwargs = normalized.kwargs
+    q, k, v = kwargs["query"], kwargs["key"], kwargs["value"]
+    scale = kwargs.get("scale")
+    if scale is None:
+        scale = fake_value(q).shape[-1] ** -0.5
+    mask = kwargs.get("attn_mask", kwargs.get("attn_bias"))
+    masks, terms = [], []
+    if mask is not None:
+        masks, boolean = [mask], fake_value(mask).dtype == torch.bool
+        try:
+            terms = keep_terms(mask) if boolean else additive_terms(mask)
+        except NotAMask:
+            if not boolean:
+                return None
+            terms = None
+    if node.target is aten.scaled_dot_product_attention.default:
+        out = node
+    else:
+        outs = [u for u in node.users if is_call(u, operator.getitem) and u.args[1] == 0]
+        if len(outs) != 1:
+            return None
+        out = outs[0]
+    return AttentionCore(q, k, v, float(scale), out, masks, terms, causal=bool(kwargs.get("is_causal", False)),
+                         dropout=float(kwargs.get("dropout_p", 0.0)) != 0.0, anchor=node)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 A vision encoder packs the patches of all images of a request into one sequence; attention is non-causal and
 restricted to each image (or to windows inside it), delimited by `cu_seqlens`. Spellings this pass recognises
 (each with `F.scaled_dot_product_attention` — decomposed to math on CPU, a fused SDPA op on GPUs — or eager
-matmul/softmax/matmul, in any dtype):
+matmul/softmax/matmul, in any dtype; each attention read by attention_patterns.read_attention):
 
 1. Per-image loop (transformers' Qwen2/2.5-VL, GLM-4V non-flash path), which Dynamo unrolls once scalar outputs
    are captured; a walker (below), as a pattern cannot say "one attention per piece of a split":
@@ -68,15 +68,13 @@ lowering. It needs Dynamo's capture_scalar_outputs (dzc's default) for spelling 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
-from torch.fx.operator_schemas import normalize_function
 
-from dzc.passes.attention_patterns import (MASKED, SDPA_OPS, WHOLE, NotAMask, additive_terms, fill_value, keep_terms,
-                                           new_node, read_masked, same, scalar, strip, strip_casts)
+from dzc.passes.attention_patterns import SDPA_OPS, WHOLE, AttentionCore, new_node, read_attention, same
 from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
 from dzc.passes.patterns import cast_dtype, remove_dead
 from dzc.passes.rotary_patterns import fold_rotary
@@ -88,176 +86,29 @@ dzc = torch.ops.dzc
 NAME = "fuse_vision_attention"
 
 
-# --- one attention: what both spellings are made of --------------------------------------------------------------
+# --- one attention: attention_patterns' reader, through SDPA's fp32 compute on 16-bit q, k, v ------------------
 
-def _peel_scale(node, scale: float):
-    """mul(x, c) / mul(c, x) with a scalar c: (x, scale * c); anything else: (node, scale)."""
-    while is_call(node, aten.mul.Tensor, aten.mul.Scalar):
-        a, b = node.args[:2]
-        if scalar(b) is not None:
-            node, scale = a, scale * scalar(b)
-        elif scalar(a) is not None:
-            node, scale = b, scale * scalar(a)
-        else:
-            break
-    return node, scale
-
-
-@dataclass
-class _Core:
-    """One attention: softmax(q k^T * scale [+ mask]) v over the last two dims of q, k, v."""
-
-    q: torch.fx.Node  # [..., tokens, head_dim] as the model computed it (before any view the core made)
-    k: torch.fx.Node
-    v: torch.fx.Node
-    scale: float
-    out: torch.fx.Node  # the attention's result, [..., tokens, head_dim]
-    masks: list  # the mask operands the attention reads (additive masks, bool conditions); [] without a mask
-    terms: list | None  # what they mean (attention_patterns' terms), None: a mask the reader does not know
-    causal: bool = False
-    dropout: bool = False
-    anchor: torch.fx.Node | None = None  # where the model source line is
-
-
-def _is_full_row_guard(cond) -> bool:
-    """SDPA's decomposition zeroes fully masked rows: where(logical_not(any(logical_not(eq(s, -inf)))), 0, p)."""
-    return is_call(cond, aten.logical_not.default) and is_call(cond.args[0], aten.any.dim)
-
-
-def _read_mask(logits):
-    """logits = scores masked -> (scores, terms, mask operands) by the shared mask reader; a bool mask m it does not
-    know (added as where(m, 0, M) or where(~m, M, 0), where(m, M, s), where(m, s, M), masked_fill(s, m, M), M at or
-    below MASKED) -> (scores, None, [the mask operand]), so that a per-image attention under it is refused as
-    masked; no mask -> (logits, [], [])."""
-    try:
-        scores, terms, masks = read_masked(logits, keep_where=True)
-    except NotAMask:
-        scores, terms, masks = logits, None, []
-    if masks:
-        return scores, terms, masks
-    if is_call(logits, aten.add.Tensor):
-        bias = logits.args[1]
-        if is_call(bias, aten.where.self) and any(_is_masked_value(a) for a in bias.args[1:]):
-            return logits.args[0], None, [bias]
-    elif is_call(logits, aten.where.self):
-        condition, if_true, if_false = logits.args
-        if _is_masked_value(if_true):
-            return if_false, None, [condition]
-        if _is_masked_value(if_false):
-            return if_true, None, [condition]
-    elif is_call(logits, aten.masked_fill.Scalar):
-        return logits.args[0], None, [logits.args[1]]
-    return logits, [], []
-
-
-def _is_masked_value(node) -> bool:
-    return scalar(node) is not None and scalar(node) <= MASKED
-
-
-def _match_math_core(pv) -> _Core | None:
-    """Match an attention written as bmm(softmax(bmm(q, k^T) * scale + mask), v), as capture decomposes both
-    eager attention and CPU SDPA. pv is the second bmm."""
-    if not is_call(pv, aten.bmm.default):
-        return None
-    probs = strip_casts(strip(pv.args[0]))
-    if is_call(probs, aten.where.self) and _is_full_row_guard(probs.args[0]) and fill_value(probs.args[1]) == 0.0:
-        probs = strip_casts(probs.args[2])
-    if is_call(probs, aten._softmax.default):
-        logits = probs.args[0]
-        if probs.args[1] not in (-1, fake_value(logits).dim() - 1):
-            return None
-    elif (is_call(probs, aten.div.Tensor) and is_call(probs.args[0], aten.exp.default)
-          and is_call(probs.args[0].args[0], aten.sub.Tensor) and is_call(probs.args[1], aten.sum.dim_IntList)):
-        exp, total = probs.args[0], probs.args[1]
-        shifted = exp.args[0]
-        logits = shifted.args[0]
-        if list(total.args[1]) not in ([-1], [fake_value(logits).dim() - 1]) or not _is_softmax(exp, total, logits):
-            return None
-    else:
-        return None
-    logits = strip_casts(logits)
-    logits, terms, masks = _read_mask(logits)
-    logits, scale = _peel_scale(strip(logits), 1.0)
-    logits = strip(logits)
-    if not is_call(logits, aten.bmm.default):
-        return None  # another additive bias (relative positions, a mask above MASKED): not ours
-    q, scale = _peel_scale(strip(logits.args[0]), scale)
-    k_t, scale = _peel_scale(strip(logits.args[1]), scale)
-    rank = fake_value(k_t).dim()
-    if is_call(k_t, aten.permute.default) and list(k_t.args[1]) == [*range(rank - 2), rank - 1, rank - 2]:
-        k = k_t.args[0]
-    elif is_call(k_t, aten.transpose.int) and sorted(d % rank for d in k_t.args[1:3]) == [rank - 2, rank - 1]:
-        k = k_t.args[0]
-    else:
-        return None
-    k, scale = _peel_scale(k, scale)
-    v = strip(pv.args[1])
-    q, k, v = (_skip_upcast(n) for n in (q, k, v))
-    out = pv
-    while len(out.users) == 1 and is_call(next(iter(out.users)), aten.view.default, aten._unsafe_view.default):
-        out = next(iter(out.users))
+def _read_core(node) -> AttentionCore | None:
+    """read_attention, and for the math spelling: q.float(), k.float(), v.float() read as the 16-bit q, k, v (SDPA's
+    CPU decomposition computes in fp32) and the result's one cast back to q's dtype as the output; None when the
+    result stays in another dtype than q's (the op could not produce it)."""
+    core = read_attention(node)
+    if core is None or is_call(node, *SDPA_OPS):
+        return core
+    q, k, v = (_skip_upcast(n) for n in (core.q, core.k, core.v))
+    out = core.out
     if len(out.users) == 1 and cast_dtype(next(iter(out.users))) == fake_value(q).dtype != fake_value(out).dtype:
-        out = next(iter(out.users))  # attention computed in fp32 on bf16/fp16 inputs, rounded back once
+        out = next(iter(out.users))
     if fake_value(out).dtype != fake_value(q).dtype:
-        return None  # the result stays in a wider dtype than q's: the op could not produce it
-    return _Core(q, k, v, scale, out, masks, terms, anchor=out)
-
-
-def _is_softmax(exp, total, logits) -> bool:
-    """exp(logits - shift) / total is softmax(logits) over the last dim exactly when total sums this exp over it,
-    kept as a column, and the shift is one value per row (a column of the logits' rank, or a number): any such
-    shift cancels. Another denominator or a shift that varies along the keys is not a softmax of the logits."""
-    shift = exp.args[0].args[1]
-    rank = fake_value(logits).dim()
-    def is_column(value) -> bool:  # a literal 1 (a symbolic size is not known to be 1)
-        return value.dim() == rank and isinstance(value.shape[-1], int) and value.shape[-1] == 1
-
-    row_constant = not isinstance(shift, torch.fx.Node) or is_column(fake_value(shift))
-    return total.args[0] is exp and is_column(fake_value(total)) and row_constant
+        return None
+    return replace(core, q=q, k=k, v=v, out=out, anchor=out)
 
 
 def _skip_upcast(node):
-    """x for x.float() with x in a 16-bit float dtype (SDPA's CPU decomposition computes in fp32), else node."""
+    """x for x.float() with x in a 16-bit float dtype, else node."""
     if cast_dtype(node) == torch.float32 and fake_value(node.args[0]).dtype in (torch.float16, torch.bfloat16):
         return node.args[0]
     return node
-
-
-def _match_sdpa_core(node) -> _Core | None:
-    """A fused SDPA op (what capture keeps on GPUs): its normalised arguments."""
-    if not is_call(node, *SDPA_OPS):
-        return None
-    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-    if normalized is None:
-        return None
-    kwargs = normalized.kwargs
-    q, k, v = kwargs["query"], kwargs["key"], kwargs["value"]
-    scale = kwargs.get("scale")
-    if scale is None:
-        scale = fake_value(q).shape[-1] ** -0.5
-    mask = kwargs.get("attn_mask", kwargs.get("attn_bias"))
-    masks, terms = [], []
-    if mask is not None:
-        masks, boolean = [mask], fake_value(mask).dtype == torch.bool
-        try:
-            terms = keep_terms(mask) if boolean else additive_terms(mask)
-        except NotAMask:
-            if not boolean:
-                return None  # a bias (relative positions, a mask above MASKED): not ours
-            terms = None
-    if node.target is aten.scaled_dot_product_attention.default:
-        out = node
-    else:
-        outs = [u for u in node.users if is_call(u, operator.getitem) and u.args[1] == 0]
-        if len(outs) != 1:
-            return None
-        out = outs[0]
-    return _Core(q, k, v, float(scale), out, masks, terms, causal=bool(kwargs.get("is_causal", False)),
-                 dropout=float(kwargs.get("dropout_p", 0.0)) != 0.0, anchor=node)
-
-
-def _match_core(node) -> _Core | None:
-    return _match_math_core(node) or _match_sdpa_core(node)
 
 
 # --- layouts: which dim of a tensor holds tokens (T), heads (H), head_dim (D), or a unit batch (1) ---------------
@@ -340,7 +191,7 @@ def _from_thd(graph, node, labels):
 
 @dataclass
 class _Packed:
-    cores: list[_Core]
+    cores: list[AttentionCore]
     cu: torch.fx.Node
     q: torch.fx.Node  # the whole pack's q, k, v (the split inputs, or the masked attention's operands)
     k: torch.fx.Node
@@ -354,7 +205,7 @@ class _Packed:
     leftovers: set[torch.fx.Node] = field(default_factory=set)  # may serve others: erased only when unused
 
 
-def _heads_of(core: _Core):
+def _heads_of(core: AttentionCore):
     shape = fake_value(core.q).shape
     lead = [s for s in shape[:-2] if not same(s, 1)]
     if len(lead) > 1:
@@ -386,7 +237,7 @@ def _check_closed(region, keep, what):
             raise Refusal(f"{node.name} inside the {what} has a use outside it ({outside[0].name})")
 
 
-def _operand_labels(core: _Core, heads):
+def _operand_labels(core: AttentionCore, heads):
     labels = [_labels(fake_value(n).shape, heads) for n in (core.q, core.k, core.v)]
     if any(label is None for label in labels):
         raise Refusal("q, k, v are not laid out as [heads, tokens, head_dim] with unit batch dims")
@@ -421,7 +272,7 @@ def _lengths_source(sizes) -> torch.fx.Node | None:
     return cu
 
 
-def _match_split(core: _Core, by_q: dict) -> _Packed | None:
+def _match_split(core: AttentionCore, by_q: dict) -> _Packed | None:
     """Spelling 1: core is one image's attention of an unrolled per-image loop; collects all of them."""
     pieces = []
     for operand in (core.q, core.k, core.v):
@@ -504,7 +355,7 @@ def _match_split(core: _Core, by_q: dict) -> _Packed | None:
 
 # --- spelling 2: attention whose mask terms are exactly {segment} ------------------------------------------------
 
-def _match_masked(core: _Core) -> _Packed | None:
+def _match_masked(core: AttentionCore) -> _Packed | None:
     """Spelling 2: one attention over the pack whose mask terms are exactly {segment}."""
     if not core.masks or core.terms is None or [term[0] for term in core.terms] != ["segment"]:
         return None
@@ -611,7 +462,7 @@ def fuse_vision_attention(graph: torch.fx.Graph) -> PassResult:
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
     existing = [n for n in graph.nodes if is_call(n, dzc.varlen_attention.default)]
-    cores = [core for core in map(_match_core, list(graph.nodes)) if core is not None]
+    cores = [core for core in map(_read_core, list(graph.nodes)) if core is not None]
     by_q = {core.q: core for core in cores}
     done: set[int] = set()
     fused_ops = []

@@ -1,12 +1,13 @@
 """attention_patterns' mask reader: the segment (block-diagonal, packed images) term in each spelling the reader
-knows, the masks it must not read as one, and the list patterns of passes/patterns.py that the rotary reader uses."""
+knows, the masks it must not read as one; the attention reader (read_attention) on exact and look-alike softmaxes;
+and the list patterns of passes/patterns.py that the rotary reader uses."""
 
 import pytest
 import torch
 from torch._inductor.decomposition import select_decomp_table
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dzc.passes.attention_patterns import NotAMask, additive_terms, read_masked, split_masked
+from dzc.passes.attention_patterns import NotAMask, additive_terms, read_attention, read_masked, split_masked
 from dzc.passes.patterns import Op, Var
 
 aten = torch.ops.aten
@@ -77,6 +78,45 @@ def test_two_different_segmentations_compared_are_not_a_segment_term():
 def _mask_of(gm):
     """The additive mask of `scores + mask`, the graph's output."""
     return gm.graph.output_node().args[0].args[1]
+
+
+def _softmax_attention(shift: str, mask: bool = False):
+    """softmax(q k^T / 4 [masked to the segments]) v spelled exp(s - shift) / sum(..), the probabilities returned
+    too: "max" (the decomposition), "max-with-column" (a softmax over a data-dependent key count: the max of the
+    scores and a -inf column), "per-key" (a shift varying along the keys: not softmax(s))."""
+    def attention(q, k, v, cu):
+        s = q @ k.transpose(1, 2) * 0.25
+        if mask:
+            s = torch.where(_segments(cu, s.shape[-1]), s, LOWEST)
+        row_max = s.amax(-1, keepdim=True)
+        if shift == "max-with-column":
+            row_max = torch.cat([s, torch.full_like(s[..., :1], float("-inf"))], -1).amax(-1, keepdim=True)
+        elif shift == "per-key":
+            row_max = row_max + torch.arange(s.shape[-1], dtype=s.dtype)
+        e = torch.exp(s - row_max)
+        p = e / e.sum(-1, keepdim=True)
+        return p @ v, p
+
+    gm = make_fx(attention, decomposition_table=select_decomp_table(), tracing_mode="fake")(
+        *(torch.randn(2, 6, 8) for _ in range(3)), torch.tensor([0, 2, 6], dtype=torch.int32))
+    pv = [n for n in gm.graph.nodes if n.target is aten.bmm.default][-1]
+    return read_attention(pv), [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+@pytest.mark.parametrize("shift", ["max", "max-with-column"])
+def test_attention_is_read_whatever_else_uses_its_probabilities(shift):
+    core, (q, k, v, _) = _softmax_attention(shift)
+    assert (core.q, core.k, core.v, core.scale, core.masks, core.terms) == (q, k, v, 0.25, [], [])
+
+
+def test_attention_mask_is_read_as_terms():
+    core, (q, _, _, cu) = _softmax_attention("max", mask=True)
+    assert core.q is q and [term[0] for term in core.terms] == ["segment"] and core.terms[0][1] is cu
+
+
+def test_softmax_shifted_along_the_keys_is_not_an_attention():
+    core, _ = _softmax_attention("per-key")
+    assert core is None
 
 
 def test_list_patterns_match_element_by_element():
