@@ -45,10 +45,12 @@ After:
 
 The routing (router GEMM, scoring, top-k, renormalisation) stays as it is: the op starts from topk ids and weights.
 
-Activations (fp32 casts between the ops are ignored; mul and add match in either operand order):
-    gate/up split: slices 0::2 / 1::2 of gu (interleaved), or split/chunk into halves (concatenated)
+Activations, read by the patterns of passes/expert_patterns.py (fp32 casts between the ops are ignored; mul matches
+in either operand order):
+    gate/up split: slices 0::2 / 1::2 of gu (interleaved), or slices [:W/2] / [W/2:] or split/chunk into halves
     "silu_glu":           silu(gate) * up, silu spelled aten.silu, gate * sigmoid(gate) or gate / (1 + exp(-gate))
-    "clamped_swiglu": g = clamp_max(gate, L); (clamp_max(clamp_min(up, -L), L) + 1) * (g * sigmoid(g * alpha))
+    "clamped_swiglu": g = clamp_max(gate, L); (clamp(up, -L, L) + 1) * (g * sigmoid(g * alpha)), each clamp spelled
+                      clamp, or clamp_max and clamp_min in either nesting
 
 Every node between the layer's inputs and its output must be accounted for by the match, so nothing the op would
 not compute is dropped. Every dequantized weight left in the graph afterwards is reported as a refusal too,
@@ -72,6 +74,7 @@ import torch
 import torch.fx
 
 from dzc.ops.mxfp4_moe import check_mxfp4_moe_args
+from dzc.passes.expert_patterns import clamp_bounds, read_activation, under_casts
 from dzc.passes.graph_pass import PassResult, Refusal, copy_graph, fake_value, is_call, location_of
 from dzc.passes.patterns import cast_dtype
 
@@ -89,8 +92,6 @@ def _grouped_mm_targets() -> tuple:
     """aten._grouped_mm, plus transformers' custom fallback op when transformers has registered it."""
     fallback = getattr(torch.ops.transformers, "grouped_mm_fallback", None)
     return _GROUPED_MMS + ((fallback.default,) if fallback is not None else ())
-
-
 
 
 def _arg(node: torch.fx.Node, index: int, name: str, default=None):
@@ -138,50 +139,10 @@ class _Tracker:
         self.seen = snapshot
 
     def strip_casts(self, node):
-        """The value under dtype casts (prims.convert_element_type, aten._to_copy with only a dtype) and under
-        squeeze(unsqueeze(v, d), d) pairs (what functionalization leaves of an in-place op on a view)."""
-        while True:
-            if is_call(node, prims.convert_element_type.default) or (
-                    is_call(node, aten._to_copy.default) and set(node.kwargs) <= {"dtype"}):
-                self.seen.add(node)
-                node = node.args[0]
-            elif (is_call(node, aten.squeeze.dim) and is_call(node.args[0], aten.unsqueeze.default)
-                  and node.args[1] == node.args[0].args[1]):
-                self.seen.update((node, node.args[0]))
-                node = node.args[0].args[0]
-            else:
-                return node
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Activation
-
-def _silu(t: _Tracker, node, gate_var: list) -> bool:
-    """node computes silu(g) for one g (bound into gate_var[0])."""
-    node = t.strip_casts(node)
-    if is_call(node, aten.silu.default):
-        t.seen.add(node)
-        gate_var.append(t.strip_casts(node.args[0]))
-        return True
-    if is_call(node, aten.mul.Tensor):  # g * sigmoid(g)
-        for a, b in (node.args[:2], node.args[1::-1]):
-            b_inner = t.strip_casts(b)
-            if is_call(b_inner, aten.sigmoid.default) and t.strip_casts(b_inner.args[0]) is t.strip_casts(a):
-                t.seen.update((node, b_inner))
-                gate_var.append(t.strip_casts(a))
-                return True
-        return False
-    if is_call(node, aten.div.Tensor):  # g / (1 + exp(-g))
-        g, denominator = t.strip_casts(node.args[0]), t.strip_casts(node.args[1])
-        if is_call(denominator, aten.add.Tensor) and denominator.args[1] == 1:
-            exp = t.strip_casts(denominator.args[0])
-            if is_call(exp, aten.exp.default):
-                neg = t.strip_casts(exp.args[0])
-                if is_call(neg, aten.neg.default) and t.strip_casts(neg.args[0]) is g:
-                    t.seen.update((node, denominator, exp, neg))
-                    gate_var.append(g)
-                    return True
-    return False
+        """The value under dtype casts and squeeze(unsqueeze(v, d), d) pairs (expert_patterns.under_casts)."""
+        node, through = under_casts(node)
+        self.seen.update(through)
+        return node
 
 
 def _operands(t: _Tracker, node, target):
@@ -192,98 +153,6 @@ def _operands(t: _Tracker, node, target):
     t.seen.add(node)
     a, b = (t.strip_casts(v) for v in node.args)
     return ((a, b), (b, a))
-
-
-def _match_silu_glu(t: _Tracker, out) -> tuple[torch.fx.Node, torch.fx.Node] | None:
-    for silu, up in _operands(t, out, aten.mul.Tensor):
-        gate: list = []
-        if _silu(t, silu, gate):
-            return gate[0], up
-    return None
-
-
-def _clamp_bounds(t: _Tracker, node) -> tuple[torch.fx.Node, float | None, float | None]:
-    """Peel clamp_max / clamp_min / clamp: (clamped value, min, max)."""
-    low = high = None
-    node = t.strip_casts(node)
-    while True:
-        if is_call(node, aten.clamp_max.default) and high is None:
-            high = node.args[1]
-        elif is_call(node, aten.clamp_min.default) and low is None:
-            low = node.args[1]
-        elif is_call(node, aten.clamp.default) and low is None and high is None:
-            low, high = _arg(node, 1, "min"), _arg(node, 2, "max")
-        else:
-            return node, low, high
-        t.seen.add(node)
-        node = t.strip_casts(node.args[0])
-
-
-def _match_clamped_swiglu(t: _Tracker, out) -> tuple[torch.fx.Node, torch.fx.Node, float, float] | None:
-    # (clamped_up + 1) * (g * sigmoid(g * alpha)), g = clamp_max(gate, limit)
-    for up_plus_one, glu in _operands(t, out, aten.mul.Tensor):
-        if not (is_call(up_plus_one, aten.add.Tensor) and up_plus_one.args[1] == 1
-                and up_plus_one.kwargs.get("alpha", 1) == 1):
-            continue
-        for g, sig in _operands(t, glu, aten.mul.Tensor):
-            if not is_call(sig, aten.sigmoid.default):
-                continue
-            for g_again, alpha in _operands(t, sig.args[0], aten.mul.Tensor):
-                if g_again is not g or not isinstance(alpha, float):
-                    continue
-                gate, gate_low, limit = _clamp_bounds(t, g)
-                up, up_low, up_high = _clamp_bounds(t, up_plus_one.args[0])
-                if gate_low is not None or not isinstance(limit, (int, float)) or (up_low, up_high) != (-limit, limit):
-                    raise Refusal("clamped SwiGLU whose clamps are not min(gate, L) and clamp(up, -L, L)")
-                t.seen.update((up_plus_one, sig))
-                return gate, up, float(alpha), float(limit)
-    return None
-
-
-def _split_of(t: _Tracker, gate, up, gu) -> bool:
-    """Whether gate / up are gu's halves; returns interleaved (rows 0::2 / 1::2) or raises."""
-    dim = fake_value(gu).dim() - 1
-    width = fake_value(gu).shape[-1]
-
-    def slice_of(node):
-        if (is_call(node, aten.slice.Tensor) and t.strip_casts(node.args[0]) is gu
-                and node.args[1] in (-1, dim)):
-            start, end, step = (list(node.args[2:]) + [None, None, None])[:3]
-            return start or 0, end if end is not None and end < width else width, step or 1
-        return None
-
-    gate_slice, up_slice = slice_of(gate), slice_of(up)
-    if gate_slice == (0, width, 2) and up_slice == (1, width, 2):
-        t.seen.update((gate, up))
-        return True
-    if gate_slice == (0, width // 2, 1) and up_slice == (width // 2, width, 1):
-        t.seen.update((gate, up))
-        return False
-    if (is_call(gate, operator.getitem) and is_call(up, operator.getitem) and gate.args[0] is up.args[0]
-            and (gate.args[1], up.args[1]) == (0, 1)):
-        split = gate.args[0]
-        if (is_call(split, aten.split.Tensor, aten.split_with_sizes.default) and t.strip_casts(split.args[0]) is gu
-                and _arg(split, 2, "dim", 0) in (-1, dim) and len(fake_value(split)) == 2
-                and fake_value(gate).shape[-1] == fake_value(up).shape[-1]):
-            t.seen.update((gate, up, split))
-            return False
-    raise Refusal("the activation's gate and up are not the two halves (or the even/odd rows) of the gate_up GEMM")
-
-
-def _match_activation(t: _Tracker, a, gu) -> tuple[str, bool, float, float]:
-    """The activation between gu (the gate_up GEMM + bias) and a (the down GEMM's input)."""
-    before = t.snapshot()
-    clamped = _match_clamped_swiglu(t, a)
-    if clamped is not None:
-        gate, up, alpha, limit = clamped
-        return "clamped_swiglu", _split_of(t, gate, up, gu), alpha, limit
-    t.restore(before)
-    silu = _match_silu_glu(t, a)
-    if silu is not None:
-        gate, up = silu
-        # alpha and limit are unused by silu_glu; fixed values keep the node's text deterministic.
-        return "silu_glu", _split_of(t, gate, up, gu), 1.0, 0.0
-    raise Refusal(f"unrecognised activation between the expert GEMMs (ending in {t.strip_casts(a).format_node()})")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -332,6 +201,19 @@ def _transposed_expert(t: _Tracker, node, expert: int) -> torch.fx.Node:
     return select.args[0]
 
 
+def _untransposed(t: _Tracker, node, what: str) -> torch.fx.Node:
+    """W under permute(W, [0, 2, 1]) / transpose(W, 1, 2) (transformers' [E, in, out] view of an [E, out, in]
+    weight); a refusal if node is not such a view."""
+    node = t.strip_casts(node)
+    if (is_call(node, aten.permute.default) and list(node.args[1]) == [0, 2, 1]) or (
+            is_call(node, aten.transpose.int) and set(node.args[1:]) in ({1, 2}, {-1, -2})):
+        t.seen.add(node)
+        return node.args[0]
+    if not is_call(node, _DEQUANTIZE):
+        _dequantized(t, node, what)  # plain weights: that refusal says more
+    raise Refusal(f"the {what} expert GEMM multiplies by a dequantized weight that is not transposed")
+
+
 def _same(values, what: str):
     first = values[0]
     if any(v is not first if isinstance(first, torch.fx.Node) else v != first for v in values[1:]):
@@ -340,7 +222,98 @@ def _same(values, what: str):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Spellings
+# Shared by the structures: the activation's input, biases, the combine, expert-parallel sentinels
+
+def _up_gu(t: _Tracker, node) -> torch.fx.Node:
+    """The gate_up GEMM's result (with bias) that the activation ending at `node` splits: the operand of the first
+    slice/split above node (casts stripped). The activation is a few ops, so the search stops after
+    _ACTIVATION_OPS nodes."""
+    frontier, visited = [node], set()
+    while frontier and len(visited) < _ACTIVATION_OPS:
+        current = frontier.pop()
+        if current in visited or not isinstance(current, torch.fx.Node):
+            continue
+        visited.add(current)
+        if is_call(current, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default):
+            return t.strip_casts(current.args[0])
+        frontier.extend(a for a in current.args if isinstance(a, torch.fx.Node))
+    raise Refusal("no gate/up split found before the down GEMM")
+
+
+def _biased(t: _Tracker, node):
+    """node = value + bias[ids] (either order, bias [E, N]) -> (value, bias tensor, ids); else (node, None, None)."""
+    before = t.snapshot()
+    for value, bias in _operands(t, node, aten.add.Tensor):
+        if (is_call(bias, aten.index.Tensor) and len(bias.args[1]) == 1 and fake_value(bias.args[0]) is not None
+                and fake_value(bias.args[0]).dim() == 2):
+            t.seen.add(bias)
+            return value, bias.args[0], bias.args[1][0]
+    t.restore(before)
+    return node, None, None
+
+
+def _token_sum(t: _Tracker, out):
+    """sum(view(v, [T, k, H]), [1]) -> (v, k)."""
+    total = t.take(out, aten.sum.dim_IntList)
+    if list(total.args[1]) != [1] or _arg(total, 2, "keepdim", False):
+        raise Refusal("the combine does not sum over the top-k slots")
+    view = t.take(total.args[0], aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+    shape = fake_value(view).shape
+    return view.args[0], shape[1]
+
+
+def _sentinel_unmasked(t: _Tracker, node, masks: list):
+    """v of where(mask, scalar_tensor, v) (a masked_fill of expert-parallel sentinel rows), its mask appended to
+    masks; node itself when it is no such where. The fill value is not checked: _check_sentinels_impossible accepts
+    the masks only where they never fire, and a where that keeps v's shape and dtype is then v."""
+    if is_call(node, aten.where.self) and is_call(node.args[1], aten.scalar_tensor.default):
+        value, kept = fake_value(node.args[2]), fake_value(node)
+        if value is not None and kept is not None and (kept.shape, kept.dtype) == (value.shape, value.dtype):
+            t.seen.update((node, node.args[1]))
+            masks.append(node.args[0])
+            return node.args[2]
+    return node
+
+
+def _check_sentinels_impossible(t: _Tracker, masks: list, gather_ids: list, ids, topk_ids, experts: int):
+    """Each of gather_ids (what the weight or bias gathers read) is ids, clamp_max(ids, E-1) or clamp(ids, 0, E-1);
+    each mask is ids >= E, possibly unsqueezed to broadcast over rows. Masks and clamps serve sentinel ids (>= E,
+    expert parallelism), which the fused op does not have: they are accepted only where they are identities, ids
+    being (a view of) the indices of a top-k over the E experts' scores, so in [0, E)."""
+    clamped = False
+    for gathered_by in gather_ids:
+        unclamped, low, high = clamp_bounds(gathered_by, t.seen)
+        if unclamped is not ids or (low, high) not in ((None, None), (None, experts - 1), (0, experts - 1)):
+            raise Refusal("expert weights or biases are gathered by other ids than the routed expert ids")
+        clamped |= high is not None
+    for mask in masks:
+        if is_call(mask, aten.unsqueeze.default) and mask.args[1] in (-1, 1):
+            t.seen.add(mask)
+            mask = mask.args[0]
+        ge = t.take(mask, aten.ge.Scalar)
+        if ge.args[0] is not ids or ge.args[1] != experts:
+            raise Refusal(f"expert rows or routing weights are masked by something else than the sentinel mask "
+                          f"(expert ids >= {experts}): {mask.format_node()}")
+    if (masks or clamped) and not _top_k_indices(topk_ids, experts):
+        raise Refusal(f"sentinel masks on expert ids that do not come from a top-k over the {experts} experts "
+                      f"(expert parallelism: sentinel slots are not supported)")
+
+
+def _top_k_indices(ids, experts: int) -> bool:
+    """Whether ids are, under views and dtype casts, the indices of an aten.topk over a last dimension of size
+    `experts`: then every id is below `experts`."""
+    while is_call(ids, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                  prims.convert_element_type.default, aten._to_copy.default):
+        ids = ids.args[0]
+    if not (is_call(ids, operator.getitem) and ids.args[1] == 1 and is_call(ids.args[0], aten.topk.default)):
+        return False
+    topk = ids.args[0]
+    scores = fake_value(topk.args[0])
+    return _arg(topk, 2, "dim", -1) in (-1, scores.dim() - 1) and scores.shape[-1] == experts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Structure: per-expert loop
 
 def _accumulation(node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
     """(accumulator, row ids, rows) of `acc.index_add_(0, ids, rows)`; capture decomposes it into
@@ -416,7 +389,7 @@ def _match_per_expert_loop(final: torch.fx.Node) -> _Match:
         if len(x_index.args[1]) != 1 or x_index.args[1][0] is not tokens:
             raise Refusal("an expert reads other rows than its tokens")
         xs.append(x_index.args[0])
-        activations.append(_match_activation(t, down_in, gu))
+        activations.append(read_activation(down_in, gu, t.seen))
     w13 = _dequantized(t, _same(w13s, "gate_up weights"), "gate_up")
     w2 = _dequantized(t, _same(w2s, "down weights"), "down")
     count = fake_value(w13).shape[0]
@@ -430,67 +403,8 @@ def _match_per_expert_loop(final: torch.fx.Node) -> _Match:
                   _same(activations, "activations"), final, t.seen)
 
 
-def _up_gu(t: _Tracker, node) -> torch.fx.Node:
-    """The gate_up GEMM's result (with bias) that the activation ending at `node` splits: the operand of the first
-    slice/split above node (casts stripped). The activation is a few ops, so the search stops after
-    _ACTIVATION_OPS nodes."""
-    frontier, visited = [node], set()
-    while frontier and len(visited) < _ACTIVATION_OPS:
-        current = frontier.pop()
-        if current in visited or not isinstance(current, torch.fx.Node):
-            continue
-        visited.add(current)
-        if is_call(current, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default):
-            return t.strip_casts(current.args[0])
-        frontier.extend(a for a in current.args if isinstance(a, torch.fx.Node))
-    raise Refusal("no gate/up split found before the down GEMM")
-
-
-def _squeezed_bmm(t: _Tracker, node, what: str):
-    """One row per (token, slot) times its expert's gathered weight -> (W [E, N, K] operand, ids, v):
-        squeeze(bmm(index(W, [ids]), unsqueeze(v, -1)), -1)                      W[ids] @ v[..., None]
-        squeeze(bmm(unsqueeze(v, 1), index(transpose(W), [ids])), 1)            v[:, None] @ W^T[ids]
-    (the second is transformers' batched_mm on [E, in, out] weights)."""
-    squeeze = t.take(t.strip_casts(node), aten.squeeze.dim)
-    bmm = t.take(squeeze.args[0], aten.bmm.default)
-    if is_call(bmm.args[0], aten.index.Tensor):
-        gathered = t.take(bmm.args[0], aten.index.Tensor)
-        vector = t.take(bmm.args[1], aten.unsqueeze.default)
-        weight = gathered.args[0]
-        if squeeze.args[1] not in (-1, 2) or vector.args[1] not in (-1, 2):
-            raise Refusal(f"the {what} bmm is not W[ids] @ v[..., None]")
-    else:
-        vector = t.take(bmm.args[0], aten.unsqueeze.default)
-        gathered = t.take(bmm.args[1], aten.index.Tensor)
-        if squeeze.args[1] != 1 or vector.args[1] != 1:
-            raise Refusal(f"the {what} bmm is not v[:, None] @ W[ids]")
-        weight = _untransposed(t, gathered.args[0], what)
-    if len(gathered.args[1]) != 1:
-        raise Refusal(f"the {what} bmm gathers its weights by more than one index")
-    return weight, gathered.args[1][0], vector.args[0]
-
-
-def _biased(t: _Tracker, node):
-    """node = value + bias[ids] (either order, bias [E, N]) -> (value, bias tensor, ids); else (node, None, None)."""
-    before = t.snapshot()
-    for value, bias in _operands(t, node, aten.add.Tensor):
-        if (is_call(bias, aten.index.Tensor) and len(bias.args[1]) == 1 and fake_value(bias.args[0]) is not None
-                and fake_value(bias.args[0]).dim() == 2):
-            t.seen.add(bias)
-            return value, bias.args[0], bias.args[1][0]
-    t.restore(before)
-    return node, None, None
-
-
-def _token_sum(t: _Tracker, out):
-    """sum(view(v, [T, k, H]), [1]) -> (v, k)."""
-    total = t.take(out, aten.sum.dim_IntList)
-    if list(total.args[1]) != [1] or _arg(total, 2, "keepdim", False):
-        raise Refusal("the combine does not sum over the top-k slots")
-    view = t.take(total.args[0], aten.view.default, aten.reshape.default, aten._unsafe_view.default)
-    shape = fake_value(view).shape
-    return view.args[0], shape[1]
-
+# ---------------------------------------------------------------------------------------------------------------
+# Structure: gathered bmm
 
 def _match_gathered_bmm(out: torch.fx.Node) -> _Match:
     """out = the combine's aten.sum over the slots."""
@@ -517,14 +431,38 @@ def _match_gathered_bmm(out: torch.fx.Node) -> _Match:
     w13, ids_up, rows = _squeezed_bmm(t, gu_value, "gate_up")
     if ids_up is not ids or any(b is not None and b_ids is not ids for b, b_ids in ((b2, b2_ids), (b13, b13_ids))):
         raise Refusal("the GEMMs and biases gather by different ids")
-    activation = _match_activation(t, a, gu)
-    flat_ids = _clamp_bounds(t, ids)[0]  # under EP the gathers read clamp(flat ids, 0, E-1), checked below
+    activation = read_activation(a, gu, t.seen)
+    flat_ids = clamp_bounds(ids, t.seen)[0]  # under EP the gathers read clamp(flat ids, 0, E-1), checked below
     topk_ids = t.take(flat_ids, aten.view.default, aten.reshape.default).args[0]
     w13 = _dequantized(t, w13, "gate_up")
     experts = fake_value(w13).shape[0]
     _check_sentinels_impossible(t, masks, [ids], flat_ids, topk_ids, experts)
     x = _repeated_rows(t, rows, k)
     return _Match(x, topk_ids, topk_weights, w13, _dequantized(t, w2, "down"), b13, b2, activation, out, t.seen, k)
+
+
+def _squeezed_bmm(t: _Tracker, node, what: str):
+    """One row per (token, slot) times its expert's gathered weight -> (W [E, N, K] operand, ids, v):
+        squeeze(bmm(index(W, [ids]), unsqueeze(v, -1)), -1)                      W[ids] @ v[..., None]
+        squeeze(bmm(unsqueeze(v, 1), index(transpose(W), [ids])), 1)            v[:, None] @ W^T[ids]
+    (the second is transformers' batched_mm on [E, in, out] weights)."""
+    squeeze = t.take(t.strip_casts(node), aten.squeeze.dim)
+    bmm = t.take(squeeze.args[0], aten.bmm.default)
+    if is_call(bmm.args[0], aten.index.Tensor):
+        gathered = t.take(bmm.args[0], aten.index.Tensor)
+        vector = t.take(bmm.args[1], aten.unsqueeze.default)
+        weight = gathered.args[0]
+        if squeeze.args[1] not in (-1, 2) or vector.args[1] not in (-1, 2):
+            raise Refusal(f"the {what} bmm is not W[ids] @ v[..., None]")
+    else:
+        vector = t.take(bmm.args[0], aten.unsqueeze.default)
+        gathered = t.take(bmm.args[1], aten.index.Tensor)
+        if squeeze.args[1] != 1 or vector.args[1] != 1:
+            raise Refusal(f"the {what} bmm is not v[:, None] @ W[ids]")
+        weight = _untransposed(t, gathered.args[0], what)
+    if len(gathered.args[1]) != 1:
+        raise Refusal(f"the {what} bmm gathers its weights by more than one index")
+    return weight, gathered.args[1][0], vector.args[0]
 
 
 def _repeated_rows(t: _Tracker, rows, k) -> torch.fx.Node:
@@ -540,6 +478,9 @@ def _repeated_rows(t: _Tracker, rows, k) -> torch.fx.Node:
         raise Refusal("the GEMM rows are not each token repeated k times")
     return unsqueeze.args[0]
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# Structure: grouped mm
 
 def _match_grouped_mm(out: torch.fx.Node) -> _Match:
     """out = the combine's aten.sum over the slots (transformers' grouped_mm experts)."""
@@ -580,7 +521,7 @@ def _match_grouped_mm(out: torch.fx.Node) -> _Match:
     rows = _sentinel_unmasked(t, rows, masks)
     if offsets_up is not offsets:
         raise Refusal("the two grouped GEMMs use different group offsets")
-    activation = _match_activation(t, a, gu)
+    activation = read_activation(a, gu, t.seen)
     topk_ids = t.take(sort.args[0], aten.view.default, aten.reshape.default).args[0]
     w13 = _grouped_weight(t, w13_op, "gate_up")
     w2 = _grouped_weight(t, w2_op, "down")
@@ -602,56 +543,6 @@ def _match_grouped_mm(out: torch.fx.Node) -> _Match:
     return _Match(source.args[0], topk_ids, topk_weights, w13, w2, b13, b2, activation, out, t.seen, k)
 
 
-def _sentinel_unmasked(t: _Tracker, node, masks: list):
-    """v of where(mask, scalar_tensor, v) (a masked_fill of expert-parallel sentinel rows), its mask appended to
-    masks; node itself when it is no such where. The fill value is not checked: _check_sentinels_impossible accepts
-    the masks only where they never fire, and a where that keeps v's shape and dtype is then v."""
-    if is_call(node, aten.where.self) and is_call(node.args[1], aten.scalar_tensor.default):
-        value, kept = fake_value(node.args[2]), fake_value(node)
-        if value is not None and kept is not None and (kept.shape, kept.dtype) == (value.shape, value.dtype):
-            t.seen.update((node, node.args[1]))
-            masks.append(node.args[0])
-            return node.args[2]
-    return node
-
-
-def _check_sentinels_impossible(t: _Tracker, masks: list, gather_ids: list, ids, topk_ids, experts: int):
-    """Each of gather_ids (what the weight or bias gathers read) is ids, clamp_max(ids, E-1) or clamp(ids, 0, E-1);
-    each mask is ids >= E, possibly unsqueezed to broadcast over rows. Masks and clamps serve sentinel ids (>= E,
-    expert parallelism), which the fused op does not have: they are accepted only where they are identities, ids
-    being (a view of) the indices of a top-k over the E experts' scores, so in [0, E)."""
-    clamped = False
-    for gathered_by in gather_ids:
-        unclamped, low, high = _clamp_bounds(t, gathered_by)
-        if unclamped is not ids or (low, high) not in ((None, None), (None, experts - 1), (0, experts - 1)):
-            raise Refusal("expert weights or biases are gathered by other ids than the routed expert ids")
-        clamped |= high is not None
-    for mask in masks:
-        if is_call(mask, aten.unsqueeze.default) and mask.args[1] in (-1, 1):
-            t.seen.add(mask)
-            mask = mask.args[0]
-        ge = t.take(mask, aten.ge.Scalar)
-        if ge.args[0] is not ids or ge.args[1] != experts:
-            raise Refusal(f"expert rows or routing weights are masked by something else than the sentinel mask "
-                          f"(expert ids >= {experts}): {mask.format_node()}")
-    if (masks or clamped) and not _top_k_indices(topk_ids, experts):
-        raise Refusal(f"sentinel masks on expert ids that do not come from a top-k over the {experts} experts "
-                      f"(expert parallelism: sentinel slots are not supported)")
-
-
-def _top_k_indices(ids, experts: int) -> bool:
-    """Whether ids are, under views and dtype casts, the indices of an aten.topk over a last dimension of size
-    `experts`: then every id is below `experts`."""
-    while is_call(ids, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                  prims.convert_element_type.default, aten._to_copy.default):
-        ids = ids.args[0]
-    if not (is_call(ids, operator.getitem) and ids.args[1] == 1 and is_call(ids.args[0], aten.topk.default)):
-        return False
-    topk = ids.args[0]
-    scores = fake_value(topk.args[0])
-    return _arg(topk, 2, "dim", -1) in (-1, scores.dim() - 1) and scores.shape[-1] == experts
-
-
 def _grouped_operands(t: _Tracker, node, grouped) -> tuple:
     """A grouped GEMM without bias or output dtype: (rows, weight operand, offsets)."""
     mm = t.take(t.strip_casts(node), *grouped)
@@ -660,19 +551,6 @@ def _grouped_operands(t: _Tracker, node, grouped) -> tuple:
     if _arg(mm, 3, "bias") is not None or _arg(mm, 4, "out_dtype") is not None or offsets is None:
         raise Refusal("a grouped GEMM with a bias, an output dtype or no offsets")
     return rows, weight, offsets
-
-
-def _untransposed(t: _Tracker, node, what: str) -> torch.fx.Node:
-    """W under permute(W, [0, 2, 1]) / transpose(W, 1, 2) (transformers' [E, in, out] view of an [E, out, in]
-    weight); a refusal if node is not such a view."""
-    node = t.strip_casts(node)
-    if (is_call(node, aten.permute.default) and list(node.args[1]) == [0, 2, 1]) or (
-            is_call(node, aten.transpose.int) and set(node.args[1:]) in ({1, 2}, {-1, -2})):
-        t.seen.add(node)
-        return node.args[0]
-    if not is_call(node, _DEQUANTIZE):
-        _dequantized(t, node, what)  # plain weights: that refusal says more
-    raise Refusal(f"the {what} expert GEMM multiplies by a dequantized weight that is not transposed")
 
 
 def _grouped_weight(t: _Tracker, node, what: str) -> torch.fx.Node:
