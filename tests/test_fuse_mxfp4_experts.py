@@ -347,9 +347,24 @@ class _GeluExperts(nn.Module):
         return self.moe(x)
 
 
+class _ScaledSigmoidExperts(_GeluExperts):
+    """gate / (exp(-gate) + 2·1) * up (add with alpha 2): silu's third spelling but for the alpha, which makes it
+    not silu (taken for silu before the activations became patterns)."""
+
+    def __init__(self):
+        super().__init__()
+
+        def activation(gate_up):
+            gate, up = gate_up.chunk(2, -1)
+            return gate / torch.add(torch.exp(-gate), 1, alpha=2) * up
+
+        self.moe.experts.activation = activation
+
+
 @pytest.mark.parametrize("model,reason", [
     (_WeightEscapes, "a dequantized weight has a use outside the MoE layer"),
     (_GeluExperts, "unrecognised activation between the expert GEMMs"),
+    (_ScaledSigmoidExperts, "unrecognised activation between the expert GEMMs"),
 ])
 def test_refusals_leave_the_layer_to_the_fallback(model, reason):
     torch._dynamo.reset()
