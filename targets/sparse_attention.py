@@ -13,7 +13,8 @@ MHA (Hkv = H) is supported with per-head gathers (no MMA); it is not the DSA sha
 FP8 latent cache (dzc.kv_cache's 656 B/token layout, FlashMLA's): the kernels load each gathered row's e4m3 NoPE
 bytes and its fp32 scales (one per 128 values), dequantize value * scale to q's dtype in registers (what
 dzc.kv_cache.dequantize_latent computes, the reference's oracle), load the bf16 RoPE part, then the same MMAs.
-Triton only: the TileLang template has no FP8 reader (no configs for such a spec, so lowering picks Triton).
+In TileLang only the warp-specialized kernel reads it (its producer dequantizes into shared memory); not run on a
+GPU yet, so "auto" picks Triton for that cache (tilelang_supports) unless codegen="tilelang" is asked for.
 
 Tuning bucket: query rows, rounded up to a power of two.
 """
@@ -456,11 +457,20 @@ _TILELANG_MMA_STEP = 16
 
 
 def tilelang_source(spec: SparseAttentionSpec, profile: DeviceProfile) -> str:
+    d_v_cache = spec.d_v if spec.separate_v else spec.d_qk
     fields = dict(profile=profile.name, spec=spec.describe(), heads=spec.heads, kv_heads=spec.kv_heads,
-                  d_main=spec.d_main, d_tail=spec.d_tail, d_v=spec.d_v,
-                  d_v_cache=spec.d_v if spec.separate_v else spec.d_qk, v_is_k_main=spec.v_is_k_main,
-                  separate_v=spec.separate_v, topk=spec.topk, page_size=spec.page_size,
-                  tl_dtype=_TILELANG_DTYPES[spec.dtype])
+                  d_main=spec.d_main, d_tail=spec.d_tail, d_v=spec.d_v, d_v_cache=d_v_cache,
+                  v_is_k_main=spec.v_is_k_main, separate_v=spec.separate_v, topk=spec.topk,
+                  page_size=spec.page_size, tl_dtype=_TILELANG_DTYPES[spec.dtype], fp8_cache=spec.fp8_cache,
+                  k_cache_last=spec.d_qk, k_cache_dtype=_TILELANG_DTYPES[spec.dtype], v_cache_last=d_v_cache,
+                  v_cache_dtype=_TILELANG_DTYPES[spec.dtype], fp8_group=kv_cache.FP8_LATENT_TILE, fp8_scale_at=0,
+                  fp8_rope_at=0)
+    if spec.fp8_cache:  # the cache's bytes as e4m3 (k_cache) and as bf16 (v_cache): tilelang_launch's views
+        token_bytes = kv_cache.fp8_latent_token_bytes(spec.d_main, spec.d_tail)
+        scale_at, rope_at = kv_cache.fp8_latent_parts(spec.d_main)
+        half = kv_cache.ROPE_DTYPE.itemsize  # v_cache's element: the bytes as bf16
+        fields.update(k_cache_last=token_bytes, k_cache_dtype="float8_e4m3", v_cache_last=token_bytes // half,
+                      v_cache_dtype="bfloat16", fp8_scale_at=scale_at // half, fp8_rope_at=rope_at // half)
     return Template((TEMPLATES / "sparse_attention.tilelang.py.tmpl").read_text()).substitute(fields)
 
 
@@ -469,12 +479,14 @@ def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[
     and the decode split kernel (SPLITS >= 1); none when a Dqk part or Dv is not whole MMA steps. The fp32
     accumulator [BLOCK_H, Dv] is kept at most 128 values per thread. Already pruned to what is legal on
     `profile`."""
-    if spec.fp8_cache or any(d % _TILELANG_MMA_STEP for d in (spec.d_main, spec.d_tail, spec.d_v)):
-        return []  # no FP8 latent reader in the TileLang template (Triton serves that cache)
     if spec.topk is None or spec.page_size is None:
         return []  # the kernels are specialised on both (Triton serves symbolic ones)
     if spec.extras:
         return []  # no window, sinks or index blocks in the TileLang template yet (Triton serves them)
+    if spec.fp8_cache:  # only the warp-specialized kernel reads the FP8 latent cache (dequantizing in its producer)
+        return _warp_specialized_configs(spec, profile) if _fp8_reader_fits(spec) else []
+    if any(d % _TILELANG_MMA_STEP for d in (spec.d_main, spec.d_tail, spec.d_v)):
+        return []
     head_blocks = [h for h in (16, 32, 64) if h <= max(16, _pow2_at_least(spec.heads))] if spec.shared_kv else [16]
     configs = []
     # Every TileLang config is a separate compile (tens of seconds): a small space, splits {0 (prefill), 2, 8}.
@@ -494,17 +506,37 @@ def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[
                         configs.append(config)
     # Only the most heads per block that fits: fewer heads per block gather the same rows again.
     most_heads = max((c["BLOCK_H"] for c in configs), default=0)
-    configs = [c for c in configs if c["BLOCK_H"] == most_heads]
-    if _warp_specialization_fits(spec, profile):
-        # Prefill, then decode with 1 split (enough programs at 64+ rows) up to 16 (a 2-row step on 132 SMs).
-        for splits in (0, 1, 4, 16):
-            config = KernelConfig.make(num_warps=_WS_THREADS // profile.warp_size, num_stages=2, SPLITS=splits,
-                                       BLOCK_H=_WS_BLOCK, BLOCK_N=_WS_BLOCK, THREADS=_WS_THREADS, NUM_STAGES=2,
-                                       WARP_SPECIALIZED=1)
-            if not config_problems(profile, threads=_WS_THREADS, num_warps=None,
-                                   shared_memory_bytes=tilelang_shared_memory_bytes(spec, config), dtypes=spec.dtypes):
-                configs.append(config)
+    return [c for c in configs if c["BLOCK_H"] == most_heads] + _warp_specialized_configs(spec, profile)
+
+
+def _warp_specialized_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """Prefill, then decode with 1 split (enough programs at 64+ rows) up to 16 (a 2-row step on 132 SMs), where
+    the warp-specialized kernel fits (none otherwise)."""
+    if not _warp_specialization_fits(spec, profile):
+        return []
+    configs = []
+    for splits in (0, 1, 4, 16):
+        config = KernelConfig.make(num_warps=_WS_THREADS // profile.warp_size, num_stages=2, SPLITS=splits,
+                                   BLOCK_H=_WS_BLOCK, BLOCK_N=_WS_BLOCK, THREADS=_WS_THREADS, NUM_STAGES=2,
+                                   WARP_SPECIALIZED=1)
+        if not config_problems(profile, threads=_WS_THREADS, num_warps=None,
+                               shared_memory_bytes=tilelang_shared_memory_bytes(spec, config), dtypes=spec.dtypes):
+            configs.append(config)
     return configs
+
+
+def _fp8_reader_fits(spec: SparseAttentionSpec) -> bool:
+    """The warp-specialized producer's FP8 reader: each of a row's 8 threads dequantizes D_main / 8 values within
+    one scale group and copies 16 bytes of bf16 RoPE (DeepSeek-V3.2's 512 + 64)."""
+    per_thread = spec.d_main // 8
+    return (per_thread % 16 == 0 and kv_cache.FP8_LATENT_TILE % per_thread == 0
+            and spec.d_tail * kv_cache.ROPE_DTYPE.itemsize == 8 * 16)
+
+
+def tilelang_supports(spec: SparseAttentionSpec) -> bool:
+    """Whether "auto" may pick TileLang for this spec. The FP8 latent reader has not run on a GPU yet: Triton
+    serves that cache unless codegen="tilelang" is asked for."""
+    return not spec.fp8_cache
 
 
 # The warp-specialized kernel (the template's _warp_specialized): 64 heads x 64 gathered rows, three warpgroups.
@@ -573,12 +605,21 @@ def tilelang_launch_arguments(q, k_cache, v_cache, block_table, seq_lens, query_
                                              (out, lse), (scale_log2,))
 
 
+def _tilelang_fp8_views(spec: SparseAttentionSpec, k_cache):
+    """The FP8 latent cache's bytes as e4m3 and as bf16 (views of its memory, for the warp-specialized kernel's
+    typed loads), after fp8_cache_views' checks that its tokens are dense, 4-byte aligned byte rows."""
+    fp8_cache_views(spec, k_cache)
+    return k_cache.view(torch.float8_e4m3fn), k_cache.view(kv_cache.ROPE_DTYPE)
+
+
 def tilelang_launch(compiled, config: KernelConfig, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices,
                     query_pos, sinks, window, scale_log2, spec, out):
     """`compiled` is tilelang_codegen's KernelsByConfig (see tilelang_launch_arguments). Its specs have no window
     or sinks (tilelang_configs): query_pos, sinks and window are the absent ones' stand-ins."""
     rows = q.shape[0]
     splits = config["SPLITS"]
+    if spec.fp8_cache:  # the template's k_cache / v_cache: the cache's bytes as e4m3 and as bf16
+        k_cache, v_cache = _tilelang_fp8_views(spec, k_cache)
     if splits == 1 and _warp_specialized(config):
         # One split is the whole selection: the prefill kernel writes the output itself (no fp32 partial to write
         # and combine; at 64 sequences x 2 rows that is 33 MB each way).

@@ -607,7 +607,9 @@ def test_every_emitted_config_is_legal(profile):
             mha_tilelang = codegen == "tilelang" and not getattr(spec, "shared_kv", True)
             where = (profile.name, codegen, spec.describe())
             if codegen == "tilelang" and getattr(spec, "fp8_cache", False):
-                assert not legal, where  # no FP8 latent reader in the TileLang template: Triton serves it
+                # Only the warp-specialized kernel reads the FP8 latent cache: on profiles with wgmma and TMA.
+                wants = profile.matrix_instruction == "wgmma" and profile.bulk_tensor_copies and not fp8_without_fp8
+                assert bool(legal) == wants, where
             else:
                 assert bool(legal) != fp8_without_fp8 or mha_tilelang and legal, where
             smem = getattr(family, f"{codegen}_shared_memory_bytes")
@@ -1265,17 +1267,42 @@ def test_warp_specialized_partial_head_block_lowers_for_sm90a(tmp_path):
     assert load_q < source.index("fence_proxy_async") < source.index("bar_q[0].arrive()")
 
 
+def test_warp_specialized_fp8_reader_lowers_and_is_opt_in(tmp_path):
+    """The FP8 latent cache (656 B/token) gets the warp-specialized kernel only (its producer dequantizes: e4m3
+    values as a 16-byte vector, x the group's fp32 scale, rounded to bf16, stored to shared memory; the RoPE bytes
+    by cp.async; both arrive on the stage's barrier, 256 arrivals). Until it runs on a GPU, "auto" keeps Triton
+    for that cache (tilelang_supports)."""
+    from dzc.lowering import Execution, choose_codegen
+    from dzc.options import CompileOptions
+    from dzc.targets.device_runtime import CudaRuntime
+
+    spec = dataclasses.replace(MLA, fp8_cache=True)
+    configs = sparse_attention.tilelang_configs(spec, SM_90)
+    assert configs and all(c["WARP_SPECIALIZED"] == 1 for c in configs)
+    assert not sparse_attention.tilelang_supports(spec) and sparse_attention.tilelang_supports(MLA)
+    assert choose_codegen("sparse_attention", CompileOptions(), Execution(CudaRuntime()), spec, SM_90) == "triton"
+    path = tmp_path / "sparse_attention_tilelang.py"
+    path.write_text(sparse_attention.tilelang_source(spec, SM_90))
+    [prefill] = [c for c in configs if c["SPLITS"] == 0]
+    source = tilelang_codegen.lower_to_device_source(path, sparse_attention.TILELANG_FACTORY_NAME, prefill, SM_90)
+    assert "fp8_e4_16_t" in source and "__float22bfloat162_rn" in source and "wgmma" in source
+    assert "bar_k_ready[0].init(256)" in source
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads, splits", [(128, 0), (128, 1), (128, 16), (16, 0), (16, 16)],
-                         ids=["128h-prefill", "128h-1-split", "128h-16-splits", "16h-prefill", "16h-16-splits"])
-def test_warp_specialized_sparse_attention_on_gpu(heads, splits, seed, tmp_path):
+@pytest.mark.parametrize("heads, splits, fp8", [(128, 0, False), (128, 1, False), (128, 16, False), (16, 0, False),
+                                                (16, 16, False), (128, 0, True), (128, 16, True)],
+                         ids=["128h-prefill", "128h-1-split", "128h-16-splits", "16h-prefill", "16h-16-splits",
+                              "fp8-128h-prefill", "fp8-128h-16-splits"])
+def test_warp_specialized_sparse_attention_on_gpu(heads, splits, fp8, seed, tmp_path):
     """Sequences longer and shorter than top-k through a shuffled block table, rows with invalid indices (−1, past
-    the sequence) and rows with none valid; unowned cache slots hold NaN, the output is poisoned, and shared
-    memory is left full of NaN before each launch. 16 heads: one padded head block."""
-    spec = dataclasses.replace(MLA, heads=heads)
+    the sequence) and rows with none valid; unowned cache slots hold NaN (random bytes in the FP8 cache), the
+    output is poisoned, and shared memory is left full of NaN before each launch. 16 heads: one padded head
+    block; fp8: the FP8 latent cache, dequantized by the producer."""
+    spec = dataclasses.replace(MLA, heads=heads, fp8_cache=fp8)
     [config] = _warp_specialized_configs(spec, (splits,))
     args = dsa_cases.sparse_attention_args([3000, 700, 2500, 40], [3, 2, 3, 1], heads, 1, 576, 512, False,
-                                           device=DEVICE, generator=_generator(seed), **DSA_V32)
+                                           device=DEVICE, generator=_generator(seed), fp8_cache=fp8, **DSA_V32)
     path = tmp_path / "sparse_attention_tilelang.py"
     path.write_text(sparse_attention.tilelang_source(spec, SM_90))
     compiled = tilelang_codegen.load(sparse_attention, path, spec, SM_90)

@@ -17,7 +17,8 @@ time ÷ the time of one read of the fp32 logits at 4.8 TB/s, sparse attention TF
 --musa-legal runs the same kernels restricted to configs legal on MUSA mp_22 (≤ 8 warps, 72 KiB shared memory,
 BF16 indexer): it validates on the H200 the algorithm MUSA will run. --quick: a subset with untuned defaults.
 --fp8-cache: the decode rows read the FP8 latent cache (656 B/token: e4m3 + fp32 scale per 128 + bf16 rope,
-dzc.kv_cache's layout; Triton only, the TileLang template has no FP8 reader); the dense baselines run on its
+dzc.kv_cache's layout; TileLang through its warp-specialized kernel, asked for by --codegens even though "auto"
+keeps Triton for that cache until it has run on a GPU); the dense baselines run on its
 dequantized bf16 rows. --long-context: one decode step at 1M tokens of context (batch --long-context-batch, 2 query
 rows each): each kernel, then the whole step (indexer -> top-k -> sparse attention on its indices) timed, with
 its peak memory above the caches and in total.
@@ -312,9 +313,7 @@ class Bench:
         flops = 2 * HEADS * TOPK * (D_QK + D_V) * problem.rows
         baseline = self.dense_baselines(problem)
         dzc_times: dict[str, float] = {}
-        for codegen in self.args.codegens:
-            if problem.fp8_latent and codegen == "tilelang":
-                continue  # no FP8 latent reader in the TileLang template
+        for codegen in self.args.codegens:  # TileLang over the FP8 latent cache: its warp-specialized kernel
             run, record = self.kernel("sparse_attention", args, codegen)
             out = run()
             _check(f"sparse_attention[{codegen}] {label}", out[:problem.check_rows],

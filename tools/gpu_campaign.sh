@@ -171,8 +171,10 @@ s22-1)
   ;;
 s22-2)
   # (carry .whl-gpu2 and .public-kernels, after s22-1) Issue 14: the warp-specialized sparse attention after its
-  # producer resolves a stage's addresses ahead (CPU-checked only): numerics of every config, then prefill and
-  # decode beside Triton and the public kernels; the TileLang indexer's page-64 cases (-x: a failure prints).
+  # producer resolves a stage's addresses ahead, with padded 16-head blocks and the FP8 latent reader (all
+  # CPU-checked only): numerics, then prefill and decode (bf16 and FP8 caches) beside Triton and the public
+  # kernels; the TileLang indexer's page-64 cases (-x: a failure prints). If the 16-head and FP8 tests pass, make
+  # them untuned choices (tilelang_default_config's `verified`, tilelang_supports).
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   TAIL=25 part gpu_tests_sparse_ws 200 python3 -m pytest -q -p no:logging -rf -x -m gpu -k warp_specialized \
     tests/test_dsa_kernels.py
@@ -182,6 +184,9 @@ s22-2)
   TAIL=40 part bench_sparse_decode 200 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
     --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
     --out "$OUT/dsa_sparse_ws_decode_h200.md"
+  TAIL=40 part bench_sparse_decode_fp8 200 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
+    --fp8-cache --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
+    --out "$OUT/dsa_sparse_ws_decode_fp8_h200.md"
   TAIL=20 part gpu_tests_indexer_page64 150 python3 -m pytest -q -p no:logging -rf -x -m gpu -k "64" \
     tests/test_dsa_indexer_tilelang.py
   ;;
