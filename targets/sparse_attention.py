@@ -527,10 +527,11 @@ def _warp_specialized_configs(spec: SparseAttentionSpec, profile: DeviceProfile)
 
 def _fp8_reader_fits(spec: SparseAttentionSpec) -> bool:
     """The warp-specialized producer's FP8 reader: each of a row's 8 threads dequantizes D_main / 8 values within
-    one scale group and copies 16 bytes of bf16 RoPE (DeepSeek-V3.2's 512 + 64)."""
+    one scale group and copies 16 bytes of bf16 RoPE (DeepSeek-V3.2's 512 + 64) as they are, so q's dtype (the
+    shared tile's) must be the RoPE's."""
     per_thread = spec.d_main // 8
-    return (per_thread % 16 == 0 and kv_cache.FP8_LATENT_TILE % per_thread == 0
-            and spec.d_tail * kv_cache.ROPE_DTYPE.itemsize == 8 * 16)
+    return (spec.dtype == kv_cache.ROPE_DTYPE and per_thread % 16 == 0
+            and kv_cache.FP8_LATENT_TILE % per_thread == 0 and spec.d_tail * kv_cache.ROPE_DTYPE.itemsize == 8 * 16)
 
 
 def tilelang_supports(spec: SparseAttentionSpec) -> bool:

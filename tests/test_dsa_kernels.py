@@ -1281,6 +1281,8 @@ def test_warp_specialized_fp8_reader_lowers_and_is_opt_in(tmp_path):
     assert configs and all(c["WARP_SPECIALIZED"] == 1 for c in configs)
     assert not sparse_attention.tilelang_supports(spec) and sparse_attention.tilelang_supports(MLA)
     assert choose_codegen("sparse_attention", CompileOptions(), Execution(CudaRuntime()), spec, SM_90) == "triton"
+    # The RoPE bytes are copied as they are: an fp16 model's tile would misread them.
+    assert not sparse_attention.tilelang_configs(dataclasses.replace(spec, dtype=torch.float16), SM_90)
     path = tmp_path / "sparse_attention_tilelang.py"
     path.write_text(sparse_attention.tilelang_source(spec, SM_90))
     [prefill] = [c for c in configs if c["SPLITS"] == 0]
