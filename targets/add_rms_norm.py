@@ -15,7 +15,7 @@ import torch
 
 from dzc.targets import tilelang_codegen
 from dzc.targets.kernel_config import KernelConfig
-from dzc.targets.legality import config_problems
+from dzc.targets.legality import tilelang_config_legal
 from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -335,9 +335,7 @@ def tilelang_configs(spec: AddRmsNormSpec, profile: DeviceProfile) -> list[Kerne
                 break
             config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=1,
                                        THREADS=threads, ROWS=rows)
-            if not config_problems(profile, threads=threads, num_warps=None,
-                                   shared_memory_bytes=tilelang_shared_memory_bytes(spec, config),
-                                   dtypes=spec.dtypes):
+            if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                 configs.append(config)
     return configs
 

@@ -31,7 +31,7 @@ from dzc import kv_cache
 from dzc.ops import dsa as dsa_ops
 from dzc.targets import dsa_cases, tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
-from dzc.targets.legality import config_problems
+from dzc.targets.legality import tilelang_config_legal
 from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -241,9 +241,7 @@ def tilelang_configs(spec: DsaIndexerSpec, profile: DeviceProfile) -> list[Kerne
         for stages in TILELANG_STAGES:
             config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=stages, THREADS=threads,
                                        BLOCK_N=block_n, ROWS=rows, STAGES=stages, CHUNK=TILELANG_CHUNK)
-            if not config_problems(profile, threads=threads, num_warps=None,
-                                   shared_memory_bytes=tilelang_shared_memory_bytes(spec, config),
-                                   dtypes=spec.dtypes):
+            if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                 configs.append(config)
     return configs
 

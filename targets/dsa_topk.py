@@ -36,7 +36,7 @@ import torch
 from dzc.ops import dsa as dsa_ops
 from dzc.targets import dsa_cases, tilelang_codegen
 from dzc.targets.kernel_config import KernelConfig
-from dzc.targets.legality import config_problems
+from dzc.targets.legality import tilelang_config_legal
 from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -195,9 +195,7 @@ def tilelang_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelCo
             for sweep in TILELANG_SWEEPS[threads]:
                 config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=1, THREADS=threads,
                                            WIDTH=width, CANDIDATES=TILELANG_CANDIDATES, SWEEP=sweep)
-                if not config_problems(profile, threads=threads, num_warps=None,
-                                       shared_memory_bytes=tilelang_shared_memory_bytes(spec, config),
-                                       dtypes=spec.dtypes):
+                if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                     configs.append(config)
     return configs
 

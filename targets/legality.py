@@ -41,3 +41,11 @@ def config_problems(
         if not profile.supports_dtype(dtype):
             problems.append(f"{dtype} is not native on {profile.arch}")
     return problems
+
+
+def tilelang_config_legal(profile: DeviceProfile, config, shared_memory_bytes: int,
+                          dtypes: Iterable[torch.dtype]) -> bool:
+    """Whether a TileLang config, which states its block's THREADS (no warp-count rule), is legal on `profile`: the
+    families' config spaces keep only these."""
+    return not config_problems(profile, threads=config["THREADS"], num_warps=None,
+                               shared_memory_bytes=shared_memory_bytes, dtypes=dtypes)

@@ -41,7 +41,7 @@ from dzc.ops.mxfp4_moe import ACTIVATIONS, FP8_GROUP, check_mxfp4_moe_args, fp8_
 from dzc.targets import mxfp4_moe_routing as routing
 from dzc.targets import tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
-from dzc.targets.legality import config_problems
+from dzc.targets.legality import tilelang_config_legal
 from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -833,8 +833,7 @@ def tilelang_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelC
             continue
         config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=stages, BLOCK_M=block_m,
                                    BLOCK_N=block_n, BLOCK_K=block_k, THREADS=threads, NUM_STAGES=stages)
-        if not config_problems(profile, threads=threads, num_warps=None,
-                               shared_memory_bytes=tilelang_shared_memory_bytes(spec, config), dtypes=spec.dtypes):
+        if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
             configs.append(config)
     return configs
 

@@ -35,7 +35,7 @@ from dzc import ir, kv_cache
 from dzc.ops import dsa as dsa_ops
 from dzc.targets import dsa_cases, tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
-from dzc.targets.legality import config_problems
+from dzc.targets.legality import config_problems, tilelang_config_legal
 from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -251,16 +251,22 @@ def prepare(spec: SparseAttentionSpec, q, k_cache, v_cache, block_table, seq_len
     return inputs, (out,), q.shape[0], out
 
 
+def _check_fp8_token_rows(k_cache) -> None:
+    """The FP8 latent cache's tokens must be dense byte rows, 4-byte aligned: the kernels view them as e4m3, fp32
+    and bf16."""
+    if any(stride % kv_cache.SCALE_BYTES for stride in k_cache.stride()[:3]) or k_cache.stride(3) != 1 \
+            or k_cache.storage_offset() % kv_cache.SCALE_BYTES:
+        raise ValueError("sparse_attention: the FP8 latent cache's tokens must be dense byte rows, 4-byte aligned "
+                         f"(got strides {k_cache.stride()}, offset {k_cache.storage_offset()})")
+
+
 def fp8_cache_views(spec: SparseAttentionSpec, k_cache):
     """(e4m3 values, fp32 scales, bf16 rope) views of an FP8 latent cache for the kernels' typed loads, each based
     at its part of token 0 (dzc.kv_cache.fp8_latent_parts), so that a token's byte offset divided by the element
     size indexes all three; other caches: k_cache three times (never read as such)."""
     if not spec.fp8_cache:
         return k_cache, k_cache, k_cache
-    if any(stride % kv_cache.SCALE_BYTES for stride in k_cache.stride()[:3]) or k_cache.stride(3) != 1 \
-            or k_cache.storage_offset() % kv_cache.SCALE_BYTES:
-        raise ValueError("sparse_attention: the FP8 latent cache's tokens must be dense byte rows, 4-byte aligned "
-                         f"(got strides {k_cache.stride()}, offset {k_cache.storage_offset()})")
+    _check_fp8_token_rows(k_cache)
     scale_at, rope_at = kv_cache.fp8_latent_parts(spec.d_main)
     return (k_cache.view(torch.float8_e4m3fn), k_cache[..., scale_at:rope_at].view(torch.float32),
             k_cache[..., rope_at:].view(kv_cache.ROPE_DTYPE))
@@ -500,9 +506,8 @@ def tilelang_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[
                     config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=stages,
                                                SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, THREADS=threads,
                                                NUM_STAGES=stages)
-                    if not config_problems(profile, threads=threads, num_warps=None,
-                                           shared_memory_bytes=tilelang_shared_memory_bytes(spec, config),
-                                           dtypes=spec.dtypes):
+                    if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config),
+                                             spec.dtypes):
                         configs.append(config)
     # Only the most heads per block that fits: fewer heads per block gather the same rows again.
     most_heads = max((c["BLOCK_H"] for c in configs), default=0)
@@ -519,8 +524,7 @@ def _warp_specialized_configs(spec: SparseAttentionSpec, profile: DeviceProfile)
         config = KernelConfig.make(num_warps=_WS_THREADS // profile.warp_size, num_stages=2, SPLITS=splits,
                                    BLOCK_H=_WS_BLOCK, BLOCK_N=_WS_BLOCK, THREADS=_WS_THREADS, NUM_STAGES=2,
                                    WARP_SPECIALIZED=1)
-        if not config_problems(profile, threads=_WS_THREADS, num_warps=None,
-                               shared_memory_bytes=tilelang_shared_memory_bytes(spec, config), dtypes=spec.dtypes):
+        if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
             configs.append(config)
     return configs
 
@@ -606,10 +610,10 @@ def tilelang_launch_arguments(q, k_cache, v_cache, block_table, seq_lens, query_
                                              (out, lse), (scale_log2,))
 
 
-def _tilelang_fp8_views(spec: SparseAttentionSpec, k_cache):
+def _tilelang_fp8_views(k_cache):
     """The FP8 latent cache's bytes as e4m3 and as bf16 (views of its memory, for the warp-specialized kernel's
-    typed loads), after fp8_cache_views' checks that its tokens are dense, 4-byte aligned byte rows."""
-    fp8_cache_views(spec, k_cache)
+    typed loads)."""
+    _check_fp8_token_rows(k_cache)
     return k_cache.view(torch.float8_e4m3fn), k_cache.view(kv_cache.ROPE_DTYPE)
 
 
@@ -620,7 +624,7 @@ def tilelang_launch(compiled, config: KernelConfig, q, k_cache, v_cache, block_t
     rows = q.shape[0]
     splits = config["SPLITS"]
     if spec.fp8_cache:  # the template's k_cache / v_cache: the cache's bytes as e4m3 and as bf16
-        k_cache, v_cache = _tilelang_fp8_views(spec, k_cache)
+        k_cache, v_cache = _tilelang_fp8_views(k_cache)
     if splits == 1 and _warp_specialized(config):
         # One split is the whole selection: the prefill kernel writes the output itself (no fp32 partial to write
         # and combine; at 64 sequences x 2 rows that is 33 MB each way).

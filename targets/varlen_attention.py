@@ -33,7 +33,7 @@ from dzc import ir
 from dzc.ops.varlen_attention import check_varlen_attention_args
 from dzc.targets import tilelang_codegen
 from dzc.targets.kernel_config import KernelConfig
-from dzc.targets.legality import config_problems
+from dzc.targets.legality import config_problems, tilelang_config_legal
 from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -494,9 +494,7 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
                     continue
                 config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=num_stages,
                                            BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, THREADS=threads)
-                if not config_problems(profile, threads=threads, num_warps=None,
-                                       shared_memory_bytes=tilelang_shared_memory_bytes(spec, config),
-                                       dtypes=spec.dtypes):
+                if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                     configs.append(config)
     return configs
 
