@@ -13,8 +13,8 @@ MHA (Hkv = H) is supported with per-head gathers (no MMA); it is not the DSA sha
 FP8 latent cache (dzc.kv_cache's 656 B/token layout, FlashMLA's): the kernels load each gathered row's e4m3 NoPE
 bytes and its fp32 scales (one per 128 values), dequantize value * scale to q's dtype in registers (what
 dzc.kv_cache.dequantize_latent computes, the reference's oracle), load the bf16 RoPE part, then the same MMAs.
-In TileLang only the warp-specialized kernel reads it (its producer dequantizes into shared memory); not run on a
-GPU yet, so "auto" picks Triton for that cache (tilelang_supports) unless codegen="tilelang" is asked for.
+In TileLang only the warp-specialized kernel reads it (its producer dequantizes into shared memory): the untuned
+choice where it fits (H200, 2026-12-03: 1.6x Triton's decode over that cache).
 
 Tuning bucket: query rows, rounded up to a power of two.
 """
@@ -536,12 +536,6 @@ def _fp8_reader_fits(spec: SparseAttentionSpec) -> bool:
     per_thread = spec.d_main // 8
     return (spec.dtype == kv_cache.ROPE_DTYPE and per_thread % 16 == 0
             and kv_cache.FP8_LATENT_TILE % per_thread == 0 and spec.d_tail * kv_cache.ROPE_DTYPE.itemsize == 8 * 16)
-
-
-def tilelang_supports(spec: SparseAttentionSpec) -> bool:
-    """Whether "auto" may pick TileLang for this spec. The FP8 latent reader has not run on a GPU yet: Triton
-    serves that cache unless codegen="tilelang" is asked for."""
-    return not spec.fp8_cache
 
 
 # The warp-specialized kernel (the template's _warp_specialized): 64 heads x 64 gathered rows, three warpgroups.

@@ -17,7 +17,7 @@
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Session 21: s21-1 (carry .whl-gpu1), s21-2 (carry .whl-gpu2 and .public-kernels); then on a fresh machine s21b-1
 # (carry .whl-gpu1), s21b-2 (carry .whl-gpu2 and .public-kernels), s21b-bench. Next session: s22-1 (carry
-# .whl-gpu1), s22-2 (carry .whl-gpu2 and .public-kernels). Earlier sessions' steps are
+# .whl-gpu1), s22-2 (carry .whl-gpu2 and .public-kernels), s22-decode. Earlier sessions' steps are
 # in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -181,13 +181,16 @@ s22-2)
   TAIL=40 part bench_sparse_prefill 200 python3 tools/bench_dsa.py --only prefill --prefill-contexts 8192 --quick \
     --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
     --out "$OUT/dsa_sparse_ws_prefill_h200.md"
-  TAIL=40 part bench_sparse_decode 200 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
+  ;;
+s22-decode)
+  # (after s22-2, warm machine) decode with the bf16 and FP8 caches, then the TileLang indexer's page-64 cases.
+  TAIL=40 part bench_sparse_decode 180 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
     --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
     --out "$OUT/dsa_sparse_ws_decode_h200.md"
-  TAIL=40 part bench_sparse_decode_fp8 200 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
+  TAIL=40 part bench_sparse_decode_fp8 180 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
     --fp8-cache --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
     --out "$OUT/dsa_sparse_ws_decode_fp8_h200.md"
-  TAIL=20 part gpu_tests_indexer_page64 150 python3 -m pytest -q -p no:logging -rf -x -m gpu -k "64" \
+  TAIL=20 part gpu_tests_indexer_page64 180 python3 -m pytest -q -p no:logging -rf -x -m gpu -k "64" \
     tests/test_dsa_indexer_tilelang.py
   ;;
 esac
