@@ -13,15 +13,20 @@ through Triton's interpreter; torch.compile's fallback is Inductor's C++ backend
 (autotune off): tuning is per device and has its own database. --quick: llama_decoder, dzc only. --layers: build
 the models with N layers (llama_decoder: decoder layers; multimodal: decoder and vision layers each). --regions:
 dzc with CompileOptions.nested_regions on (the bench's default and dzc's), off, or both (a row each). --cold-only:
-skip the warm run.
+skip the warm run. --profile-warm DIR: run each warm first call under cProfile and write its 60 costliest calls
+(cumulative) and what the fallback compile spends to DIR/<model>-<compiler>-warm.txt (where a warm compile's
+seconds go).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import inspect
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -52,12 +57,18 @@ def child(args) -> None:
         torch._dynamo.config.capture_dynamic_output_shape_ops = True
         torch._dynamo.config.capture_scalar_outputs = True
         runnable = torch.compile(model)
+    profile = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), profile or contextlib.nullcontext():
         runnable(*inputs)
-    if device == "cuda":
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
     result = {"seconds": time.perf_counter() - start, "device": device}
+    if profile is not None:
+        with open(args.profile, "w") as f:
+            stats = pstats.Stats(profile, stream=f).sort_stats("cumulative")
+            stats.print_stats(60)
+            stats.print_callees("compile_fx_inner|_fallback")
     if args.child == "dzc":
         report = runnable.report
         result.update(breakdown=format_seconds(report.compile_seconds()),
@@ -67,12 +78,14 @@ def child(args) -> None:
     print(TAG + json.dumps(result), flush=True)
 
 
-def run(kind: str, model: str, cache_dir: str, layers: int | None = None, regions: str = "on") -> dict:
+def run(kind: str, model: str, cache_dir: str, layers: int | None = None, regions: str = "on",
+        profile: str | None = None) -> dict:
     env = dict(os.environ, DZC_CACHE_DIR=os.path.join(cache_dir, "dzc"),
                TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
                TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
     command = [sys.executable, __file__, "--child", kind, "--model", model, "--cache-dir", env["DZC_CACHE_DIR"],
-               "--regions", regions, *(["--layers", str(layers)] if layers else [])]
+               "--regions", regions, *(["--layers", str(layers)] if layers else []),
+               *(["--profile", profile] if profile else [])]
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
         if line.startswith(TAG):
@@ -92,13 +105,17 @@ def main() -> None:
     parser.add_argument("--regions", choices=["on", "off", "both"], default="on",
                         help="dzc's nested compile regions (CompileOptions.nested_regions)")
     parser.add_argument("--cold-only", action="store_true", help="skip the warm run")
+    parser.add_argument("--profile-warm", metavar="DIR", help="cProfile each warm first call into DIR")
     parser.add_argument("--child", choices=["dzc", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--profile", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
         return
+    if args.profile_warm:
+        os.makedirs(args.profile_warm, exist_ok=True)
     models = ["llama_decoder"] if args.quick else args.models
     kinds = ["dzc"] if args.quick or args.no_torch else ["dzc", "torch"]
     settings = ["on", "off"] if args.regions == "both" else [args.regions]
@@ -110,7 +127,9 @@ def main() -> None:
         for kind, regions in [(kind, r) for kind in kinds for r in (settings if kind == "dzc" else ["on"])]:
             with tempfile.TemporaryDirectory(prefix="dzc-bench-compile-") as cache_dir:
                 cold = run(kind, model, cache_dir, args.layers, regions)
-                warm = cold if args.cold_only else run(kind, model, cache_dir, args.layers, regions)
+                profile = (os.path.join(args.profile_warm, f"{model}-{kind}-warm.txt") if args.profile_warm
+                           else None)
+                warm = cold if args.cold_only else run(kind, model, cache_dir, args.layers, regions, profile)
             print(TAG + json.dumps({"model": model, "layers": args.layers, "kind": kind, "regions": regions,
                                     "cold": cold, "warm": None if args.cold_only else warm}), flush=True)
             device = cold.get("device", device)

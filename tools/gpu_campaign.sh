@@ -17,7 +17,8 @@
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Session 21: s21-1 (carry .whl-gpu1), s21-2 (carry .whl-gpu2 and .public-kernels); then on a fresh machine s21b-1
 # (carry .whl-gpu1), s21b-2 (carry .whl-gpu2 and .public-kernels), s21b-bench. Next session: s22-1 (carry
-# .whl-gpu1), s22-2 (carry .whl-gpu2 and .public-kernels), s22-decode. Earlier sessions' steps are
+# .whl-gpu1), s22-2 (carry .whl-gpu2 and .public-kernels), s22-decode; on
+# a fresh machine s22b-1 (carry .whl-gpu1), s22b-2 (carry .whl-gpu2 and .public-kernels). Earlier sessions' steps are
 # in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -192,6 +193,27 @@ s22-decode)
     --out "$OUT/dsa_sparse_ws_decode_fp8_h200.md"
   TAIL=20 part gpu_tests_indexer_page64 180 python3 -m pytest -q -p no:logging -rf -x -m gpu -k "64" \
     tests/test_dsa_indexer_tilelang.py
+  ;;
+s22b-1)
+  # (carry .whl-gpu1, fresh machine) issue 18: where a warm compile's seconds go on the GPU (cProfile of the warm
+  # first calls, dzc and torch.compile).
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=6 part bench_compile_profile 200 python3 tools/bench_compile.py --models llama_decoder \
+    --profile-warm "$OUT/compile_profiles" --out "$OUT/compile_llama_h200.md"
+  ;;
+s22b-2)
+  # (carry .whl-gpu2 and .public-kernels, after s22b-1) issue 14: the warp-specialized kernel with prefill's output
+  # stored through shared memory by TMA and the FP8 reader's loads ahead of the stage's wait: numerics (7 cases),
+  # prefill beside Triton and the public kernels, decode over the FP8 cache beside Triton.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=12 part gpu_tests_sparse_ws 150 python3 -m pytest -q -p no:logging -rf -x -m gpu -k warp_specialized \
+    tests/test_dsa_kernels.py
+  TAIL=30 part bench_sparse_prefill 170 python3 tools/bench_dsa.py --only prefill --prefill-contexts 8192 --quick \
+    --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
+    --out "$OUT/dsa_sparse_ws_prefill_h200.md"
+  TAIL=30 part bench_sparse_decode_fp8 150 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
+    --fp8-cache --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
+    --no-public-kernels --out "$OUT/dsa_sparse_ws_decode_fp8_h200.md"
   ;;
 esac
 # The device tool brings back only a few files per call: everything goes back as one archive.
