@@ -325,6 +325,11 @@ class Signature:
     pays: bool | None = None
     copy_outputs: bool = False  # a replay found the outputs it lent still held: later replays copy them out
     pending: tuple | None = None  # CUDA events around a timed replay not read yet
+    # Keys above max_tokens: the direct inputs' addresses at the key's last call before its first capture, and
+    # the inputs its graphs read at their own address because those repeated (CudaGraphRunner._read_in_place;
+    # None: not decided yet, empty: copied).
+    addresses: tuple = ()
+    reads: frozenset | None = None
 
     def merge(self, later: "Signature") -> "Signature":
         """This key's signature after another call run as it is showed `later`."""
@@ -425,10 +430,11 @@ class CudaGraphRunner:
     Calls with more than `max_tokens` tokens: a key is observed from its second call on (prefill of ever new
     lengths costs only the key), captured as above, and its first replays are timed on the GPU (copies included);
     the key keeps replaying only if that GPU time is below the host time of its warm call run as it is (the call
-    was host-bound), otherwise its graphs are dropped and it runs as it is (`describe()` says so). At most
-    MAX_LARGE_GRAPHS such keys hold graphs (their buffers are large); the least recently used is dropped. A
-    `block_table` argument is padded to a power-of-two page count (pad_block_table). Calls that cannot be keyed
-    (`bypassed` says why) or that change their argument objects' Python state run `fn`.
+    was host-bound), otherwise its graphs are dropped and it runs as it is (`describe()` says so). Where its calls
+    bring their inputs at the same addresses, its graphs read them there instead of copying them
+    (_read_in_place). At most MAX_LARGE_GRAPHS such keys hold graphs (their buffers are large); the least
+    recently used is dropped. A `block_table` argument is padded to a power-of-two page count (pad_block_table).
+    Calls that cannot be keyed (`bypassed` says why) or that change their argument objects' Python state run `fn`.
 
     A capture that fails (the call waits on the GPU, uses a stream or generator the capture does not follow, or
     Dynamo compiles during it) leaves CUDA as it was (capture ended, allocator and stream restored, the CUDA RNG
@@ -468,6 +474,8 @@ class CudaGraphRunner:
             if signature.tokens > self.max_tokens and not signature.refused:
                 state += (f"; {signature.tokens} tokens: " + ("replays pay" if signature.pays else
                                                                 "replays being timed"))
+            if signature.reads:
+                state += f"; inputs {sorted(signature.reads)} read in place (they came at the same addresses)"
             if signature.copy_outputs:
                 state += "; outputs copied out (a caller held a replay's outputs)"
             lines.append(f"  key {n}: {state}; in place: {sorted(signature.in_place)}")
@@ -497,6 +505,8 @@ class CudaGraphRunner:
         if signature.refused:
             self.signatures.move_to_end(key)
             return self.fn(*args, **kwargs)
+        if signature.tokens > self.max_tokens:
+            self._read_in_place(key, signature, call)
         if not signature.warm:
             return self._observe(key, signature, padded_args, padded_kwargs, call)
         self.signatures.move_to_end(key)
@@ -556,11 +566,38 @@ class CudaGraphRunner:
         signature.pays = host_s is not None and replay_s < host_s
         if not signature.pays:
             signature.refused = (f"{signature.tokens} tokens (above {self.max_tokens}): a replay takes "
-                                 f"{replay_s * 1e6:.0f} us of GPU time, copies included, the call as it is "
-                                 f"{(host_s or 0) * 1e6:.0f} us of host time: not host-bound, it runs as it is")
+                                 f"{replay_s * 1e6:.0f} us of GPU time, "
+                                 f"{'inputs read in place' if signature.reads else 'copies included'}, the call "
+                                 f"as it is {(host_s or 0) * 1e6:.0f} us of host time: not host-bound, it runs as it "
+                                 "is")
             for full_key in [k for k in self.graphs if k[0] == key]:
                 del self.graphs[full_key]
         return signature.pays
+
+    def _read_in_place(self, key, signature: Signature, call: FlatCall) -> None:
+        """A key above max_tokens whose calls bring their inputs at the same addresses (a serving engine's static
+        input buffers, a benchmark loop) is captured reading them there: a replay then copies nothing (at 4096
+        tokens of hidden 2880 the two inputs' copies cost as much GPU time as the kernel). Decided when the key is
+        first captured: from the addresses of its last two calls. Reading in place is safe for any tensor at those
+        addresses with the key's metadata: the graph never writes them, and an input at its own address is alive
+        during the call. The first call at other addresses turns it off for good: the key's graphs are dropped,
+        and it is captured again copying its inputs (replays timed again), as other keys are."""
+        addresses = tuple(a.data_ptr() for a in call.inputs)
+        if signature.reads is None:
+            if signature.graphs == 0 and not (signature.warm and signature.capturable()):
+                signature.addresses = addresses  # not capturable yet: the next call is compared with this one
+                return
+            signature.reads = frozenset(i for i, a in enumerate(call.inputs) if i not in signature.in_place
+                                        and _dense(a)) if addresses == signature.addresses else frozenset()
+            signature.in_place |= signature.reads
+        elif signature.reads and addresses != signature.addresses:
+            signature.in_place -= signature.reads
+            signature.reads = frozenset()
+            signature.graphs, signature.replay_s, signature.pays, signature.pending = 0, (), None, None
+            for full_key in [k for k in self.graphs if k[0] == key]:
+                del self.graphs[full_key]
+            return
+        signature.addresses = addresses
 
     def _keep(self, full_key, graph: "_CapturedGraph", signature: Signature) -> None:
         """Keep a captured graph: MAX_GRAPHS in all, MAX_LARGE_GRAPHS of keys above max_tokens."""

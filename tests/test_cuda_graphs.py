@@ -305,6 +305,33 @@ def test_large_calls_take_the_guarded_path_until_a_repeated_key_is_judged(seed, 
     assert bool(runner.graphs) == judged.pays, runner.describe()
 
 
+def test_a_large_key_reads_inputs_at_repeated_addresses_in_place(seed, tmp_path):
+    """Above max_tokens, calls that bring the same tensors (new values each time) are captured reading them where
+    they are: the graph holds no input copies, and replays see the new values; the first call with other tensors
+    turns that off and the key is captured again copying its inputs. Every result is the guarded path's."""
+    model = _model(AddRMSNorm, 256, seed)
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), cuda_graph_max_tokens=16))
+    runner = compiled._cuda_graphs
+    guarded = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), cuda_graph_max_tokens=0))
+    compiled(*_inputs(32, 256))  # the first call compiles, before any graph exists
+    x, r = _inputs(64, 256)
+    for _ in range(6):  # the key's first call, an observed one, then the capture (a recompile may add one)
+        x.normal_(), r.normal_()
+        torch.testing.assert_close(compiled(x, r), guarded(x, r), rtol=0, atol=0)
+        if runner.graphs:
+            break
+    [(full_key, graph)] = runner.graphs.items()
+    assert runner.signatures[full_key[0]].reads == {0, 1} and not graph.buffers, runner.describe()
+    x.normal_(), r.normal_()  # one replay (timed: the key is judged after two)
+    torch.testing.assert_close(compiled(x, r), guarded(x, r), rtol=0, atol=0)
+    other_x, other_r = _inputs(64, 256)
+    torch.testing.assert_close(compiled(other_x, other_r), guarded(other_x, other_r), rtol=0, atol=0)
+    signature = runner.signatures[full_key[0]]
+    [graph] = runner.graphs.values()
+    assert signature.reads == frozenset() and len(graph.buffers) == 2, runner.describe()
+    torch.testing.assert_close(compiled(x, r), guarded(x, r), rtol=0, atol=0)  # copied in now
+
+
 def test_a_host_read_kept_on_the_device_replays_with_fresh_values(seed, tmp_path):
     compiled = dzc.compile(ScaleByHostValue(), "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), fallback="eager"))
     for step in range(3):  # new values each call: a replay that baked in the first call's amax would be wrong

@@ -241,6 +241,41 @@ def test_merged_signatures_keep_every_write_and_refusal():
                                  "  bypassed 2x: an argument holds a function")
 
 
+def test_large_keys_read_inputs_that_repeat_their_addresses_in_place():
+    """Above max_tokens, a key whose last two calls before its capture brought the same tensors' addresses is
+    captured reading its dense inputs there (no copy a replay); the first call at other addresses drops its graphs
+    and turns that off for good (the next capture copies); a key whose addresses moved before the capture copies."""
+    from dzc.runtime import _compiles
+
+    runner = CudaGraphRunner(lambda *a: a, 4, reuse_outputs=False)
+    x, r, strided = _randn(8, 16), _randn(8, 16, seed=1), _randn(8, 32, seed=2)[:, ::2]
+    call = flatten_call((x, r, strided), {})
+    key = graph_key(call)
+    signature = Signature(tokens=8)
+    runner._read_in_place(key, signature, call)  # not warm: only the addresses are kept
+    assert signature.reads is None and signature.addresses == (x.data_ptr(), r.data_ptr(), strided.data_ptr())
+    signature.warm, signature.warm_at = True, _compiles()
+    runner._read_in_place(key, signature, flatten_call((x, r, strided), {}))  # capturable: decided
+    assert signature.reads == {0, 1} and signature.in_place == {0, 1}, "the strided input is not dense: copied"
+    runner.signatures[key] = signature
+    assert "inputs [0, 1] read in place" in runner.describe()
+    signature.graphs = 1
+    runner.graphs[(key, (x.data_ptr(), r.data_ptr()))] = "the key's graph"  # what the switch must drop
+    runner._read_in_place(key, signature, flatten_call((x, r, strided), {}))
+    assert signature.reads == {0, 1} and runner.graphs
+    runner._read_in_place(key, signature, flatten_call((x.clone(), r, strided), {}))  # x elsewhere
+    assert signature.reads == frozenset() and signature.in_place == frozenset() and not runner.graphs
+    assert signature.graphs == 0 and signature.pays is None and signature.replay_s == ()
+    runner._read_in_place(key, signature, flatten_call((x, r, strided), {}))  # back at first addresses: still off
+    assert signature.reads == frozenset()
+
+    moved = Signature(tokens=8, warm=True)
+    runner._read_in_place(key, moved, call)  # warm but not capturable (warm_at is not now): addresses kept
+    moved.warm_at = _compiles()
+    runner._read_in_place(key, moved, flatten_call((x.clone(), r, strided), {}))
+    assert moved.reads == frozenset() and moved.in_place == frozenset()
+
+
 def _ending(error_inside):
     """What torch.cuda.graph's exit does when the capture was invalidated: capture_end raises over the error."""
     try:

@@ -119,7 +119,8 @@ def main() -> None:
     models = ["llama_decoder"] if args.quick else args.models
     kinds = ["dzc"] if args.quick or args.no_torch else ["dzc", "torch"]
     settings = ["on", "off"] if args.regions == "both" else [args.regions]
-    lines = ["| model | compiler | cold s | warm s | warm/cold | dzc breakdown (cold; warm) | dzc compile cache (warm) |",
+    lines = ["| model | compiler | cold s | warm s | warm/cold | dzc breakdown (cold; warm) "
+             "| dzc compile cache (warm) |",
              "|---|---|---|---|---|---|---|"]
     device = "?"
     label = f" ({args.layers} layers)" if args.layers else ""

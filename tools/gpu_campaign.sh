@@ -196,10 +196,14 @@ s22-decode)
   ;;
 s22b-1)
   # (carry .whl-gpu1, fresh machine) issue 18: where a warm compile's seconds go on the GPU (cProfile of the warm
-  # first calls, dzc and torch.compile).
+  # first calls, dzc and torch.compile); CUDA-graph tests and add+RMSNorm back to back.
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=6 part bench_compile_profile 200 python3 tools/bench_compile.py --models llama_decoder \
+  TAIL=6 part bench_compile_profile 150 python3 tools/bench_compile.py --models llama_decoder \
     --profile-warm "$OUT/compile_profiles" --out "$OUT/compile_llama_h200.md"
+  # The CUDA-graph runner reading a large key's inputs in place (no copies a replay), then add+RMSNorm back to back.
+  TAIL=8 part gpu_tests_cuda_graphs 120 python3 -m pytest -q -p no:logging -rf -x -m gpu tests/test_cuda_graphs.py
+  TAIL=14 part bench_add_rms_norm_b2b 150 python3 tools/bench_add_rms_norm.py --back-to-back --codegens triton \
+    --tokens 1 64 1024 4096 --out "$OUT/add_rms_norm_back_to_back_h200.md"
   ;;
 s22b-2)
   # (carry .whl-gpu2 and .public-kernels, after s22b-1) issue 14: the warp-specialized kernel with prefill's output
