@@ -462,6 +462,12 @@ _TILELANG_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bf
 _TILELANG_MMA_STEP = 16
 
 
+def _fast_math(profile: DeviceProfile) -> dict:
+    """The template's PASS_CONFIGS: fast math, unless the profile pins it (MUSA's TileLang kernels run without)."""
+    pinned = any(name == "TL_ENABLE_FAST_MATH" for name, _ in profile.tilelang_pass_configs)
+    return {} if pinned else {"TL_ENABLE_FAST_MATH": True}
+
+
 def tilelang_source(spec: SparseAttentionSpec, profile: DeviceProfile) -> str:
     d_v_cache = spec.d_v if spec.separate_v else spec.d_qk
     fields = dict(profile=profile.name, spec=spec.describe(), heads=spec.heads, kv_heads=spec.kv_heads,
@@ -470,7 +476,7 @@ def tilelang_source(spec: SparseAttentionSpec, profile: DeviceProfile) -> str:
                   page_size=spec.page_size, tl_dtype=_TILELANG_DTYPES[spec.dtype], fp8_cache=spec.fp8_cache,
                   k_cache_last=spec.d_qk, k_cache_dtype=_TILELANG_DTYPES[spec.dtype], v_cache_last=d_v_cache,
                   v_cache_dtype=_TILELANG_DTYPES[spec.dtype], fp8_group=kv_cache.FP8_LATENT_TILE, fp8_scale_at=0,
-                  fp8_rope_at=0)
+                  fp8_rope_at=0, pass_configs=repr(_fast_math(profile)))
     if spec.fp8_cache:  # the cache's bytes as e4m3 (k_cache) and as bf16 (v_cache): tilelang_launch's views
         token_bytes = kv_cache.fp8_latent_token_bytes(spec.d_main, spec.d_tail)
         scale_at, rope_at = kv_cache.fp8_latent_parts(spec.d_main)

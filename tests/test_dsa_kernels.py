@@ -1267,6 +1267,19 @@ def test_warp_specialized_partial_head_block_lowers_for_sm90a(tmp_path):
     assert load_q < source.index("fence_proxy_async") < source.index("bar_q[0].arrive()")
 
 
+def test_tilelang_kernels_take_fast_math_unless_the_profile_pins_it(tmp_path):
+    """The softmax's exp2 as one MUFU.EX2 (nvcc --use_fast_math, as Triton's exp2 and the public TileLang kernels):
+    on sm_90, not on MUSA profiles, whose TileLang kernels run without fast math."""
+    import tilelang
+
+    for profile, fast in ((SM_90, True), (SM_80, True), (MP_22, None), (MP_31, None)):
+        path = tmp_path / f"sparse_attention_{profile.arch}.py"
+        path.write_text(sparse_attention.tilelang_source(MLA, profile))
+        configs = tilelang_codegen.kernel_pass_configs(path, profile)
+        pinned = dict(profile.tilelang_pass_configs).get("TL_ENABLE_FAST_MATH")
+        assert configs.get(tilelang.PassConfigKey.TL_ENABLE_FAST_MATH) == (fast if fast else pinned), profile.name
+
+
 def test_warp_specialized_fp8_reader_lowers_and_is_chosen(tmp_path):
     """The FP8 latent cache (656 B/token) gets the warp-specialized kernel only (its producer dequantizes: e4m3
     values as a 16-byte vector, x the group's fp32 scale, rounded to bf16, stored to shared memory; the RoPE bytes

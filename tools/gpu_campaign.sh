@@ -15,11 +15,9 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Session 21: s21-1 (carry .whl-gpu1), s21-2 (carry .whl-gpu2 and .public-kernels); then on a fresh machine s21b-1
-# (carry .whl-gpu1), s21b-2 (carry .whl-gpu2 and .public-kernels), s21b-bench. Next session: s22-1 (carry
-# .whl-gpu1), s22-2 (carry .whl-gpu2 and .public-kernels), s22-decode; on
-# a fresh machine s22b-1 (carry .whl-gpu1), s22b-2 (carry .whl-gpu2 and .public-kernels). Earlier sessions' steps are
-# in git history; their results are in docs/results.
+# Session 22: s22-1 (carry .whl-gpu1), s22-2 (carry .whl-gpu2 and .public-kernels), s22-decode. Next session:
+# s23-1 (carry .whl-gpu1), s23-2 (carry .whl-gpu2 and .public-kernels), s23-ncu. Earlier sessions' steps are in
+# git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
 step=$1
@@ -115,53 +113,6 @@ triton)
   TAIL=20 part bench_add_layer_norm 60 python3 tools/bench_add_rms_norm.py --op add_layer_norm --quick \
     --codegens triton --out "$OUT/add_layer_norm_h200.md"
   ;;
-s21-1)
-  # (carry .whl-gpu1) Issue 18: every add_rms_norm config at 1K-32K tokens beside torch.compile's kernel and a
-  # copy (why 4096 tokens ran at 0.69x torch.compile in s20). Issue 13: the MXFP4 zoo rows s20 did not reach.
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  TAIL=8 part diagnose_add_rms_norm 200 python3 tools/diagnose_add_rms_norm_configs.py
-  if python3 -c "import transformers" 2>/dev/null; then
-    TAIL=20 part zoo_mxfp4 170 python3 tools/zoo.py "Mixtral (MXFP4 experts)" "DeepseekV3 (MXFP4 experts)"
-  else
-    echo "zoo: transformers not installed on this machine"
-  fi
-  ;;
-s21-2)
-  # (carry .whl-gpu2 and .public-kernels, after s21-1 on this warm machine) Issue 14: the TileLang indexer's
-  # 64-token-page cases; the indexer's decode tuned across both codegens (B=1 was 0.73x Triton untuned).
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=12 part gpu_tests_indexer_page64 150 python3 -m pytest -q -p no:logging -rf -m gpu -k 64 \
-    tests/test_dsa_indexer_tilelang.py
-  TAIL=30 part bench_indexer_decode_tuned 300 python3 tools/bench_dsa.py --only decode --batches 1 64 \
-    --contexts 32768 --queries 2 --indexer-codegens triton tilelang --topk-codegens tilelang --codegens triton \
-    --no-baselines --no-public-kernels --out "$OUT/dsa_indexer_decode_tuned_h200.md"
-  ;;
-s21b-1)
-  # (carry .whl-gpu1, fresh machine) Issue 18: where a 4096-token add+RMSNorm call back to back spends its time
-  # beyond the 25 µs kernel (s21-1: every config and torch.compile's kernel take 25-26 µs; calls took 72 and 50).
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=70 part diagnose_overhead_4096 150 python3 tools/diagnose_overhead.py --tokens 4096
-  ;;
-s21b-2)
-  # (carry .whl-gpu2 and .public-kernels, after s21b-1) Issue 14: the warp-specialized TileLang sparse attention's
-  # first GPU run (prefill, and decode with 16 splits + combine); the indexer config that failed once in s21-2.
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=25 part gpu_tests_sparse_ws 260 python3 -m pytest -q -p no:logging -rf -x -m gpu -k warp_specialized \
-    tests/test_dsa_kernels.py
-  TAIL=40 part gpu_tests_indexer_rows2 120 python3 -m pytest -q -p no:logging -rf -x \
-    "tests/test_dsa_indexer_tilelang.py::test_tilelang_indexer_every_config_matches_reference_on_gpu[BLOCK_N=64 CHUNK=4 ROWS=2 STAGES=2 THREADS=128 num_warps=4 num_stages=2]"
-  ;;
-s21b-bench)
-  # (after s21b-2) Issue 14: sparse attention prefill and decode, dzc Triton and TileLang (warp-specialized,
-  # untuned defaults) beside the public TileLang kernels, same run.
-  TAIL=40 part bench_sparse_prefill 260 python3 tools/bench_dsa.py --only prefill --prefill-contexts 8192 --quick \
-    --codegens triton tilelang --indexer-codegens triton --topk-codegens triton --no-baselines \
-    --out "$OUT/dsa_sparse_ws_prefill_h200.md"
-  TAIL=40 part bench_sparse_decode 300 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
-    --codegens triton tilelang --indexer-codegens triton --topk-codegens triton --no-baselines \
-    --out "$OUT/dsa_sparse_ws_decode_h200.md"
-  ;;
 s22-1)
   # (carry .whl-gpu1, fresh machine) installs the first TileLang wheel folder; issue 13's MXFP4 zoo rows as the
   # Triton check (all four passed in s20/s21).
@@ -194,30 +145,37 @@ s22-decode)
   TAIL=20 part gpu_tests_indexer_page64 180 python3 -m pytest -q -p no:logging -rf -x -m gpu -k "64" \
     tests/test_dsa_indexer_tilelang.py
   ;;
-s22b-1)
-  # (carry .whl-gpu1, fresh machine) issue 18: where a warm compile's seconds go on the GPU (cProfile of the warm
-  # first calls, dzc and torch.compile); CUDA-graph tests and add+RMSNorm back to back.
+s23-1)
+  # (carry .whl-gpu1, fresh machine) issue 18: compile time with the compile call timed too (torch.compile()
+  # imports Inductor before it returns), llama_decoder and multimodal, dzc and torch.compile.
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=6 part bench_compile_profile 150 python3 tools/bench_compile.py --models llama_decoder \
-    --profile-warm "$OUT/compile_profiles" --out "$OUT/compile_llama_h200.md"
-  # The CUDA-graph runner reading a large key's inputs in place (no copies a replay), then add+RMSNorm back to back.
-  TAIL=8 part gpu_tests_cuda_graphs 120 python3 -m pytest -q -p no:logging -rf -x -m gpu tests/test_cuda_graphs.py
-  TAIL=14 part bench_add_rms_norm_b2b 150 python3 tools/bench_add_rms_norm.py --back-to-back --codegens triton \
-    --tokens 1 64 1024 4096 --out "$OUT/add_rms_norm_back_to_back_h200.md"
+  TAIL=8 part bench_compile 330 python3 tools/bench_compile.py --models llama_decoder multimodal \
+    --out "$OUT/compile_time_h200.md"
   ;;
-s22b-2)
-  # (carry .whl-gpu2 and .public-kernels, after s22b-1) issue 14: the warp-specialized kernel with prefill's output
-  # stored through shared memory by TMA and the FP8 reader's loads ahead of the stage's wait: numerics (7 cases),
-  # prefill beside Triton and the public kernels, decode over the FP8 cache beside Triton.
+s23-2)
+  # (carry .whl-gpu2 and .public-kernels, after s23-1) issue 14: the sparse-attention TileLang kernels with fast
+  # math (not run on a GPU yet): numerics first (-x), then prefill beside Triton and the public kernels.
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=12 part gpu_tests_sparse_ws 150 python3 -m pytest -q -p no:logging -rf -x -m gpu -k warp_specialized \
-    tests/test_dsa_kernels.py
-  TAIL=30 part bench_sparse_prefill 170 python3 tools/bench_dsa.py --only prefill --prefill-contexts 8192 --quick \
+  TAIL=12 part gpu_tests_sparse_ws 130 python3 -m pytest -q -p no:logging -rf -x -m gpu \
+    -k "warp_specialized or sparse_attention" tests/test_dsa_kernels.py
+  TAIL=30 part bench_sparse_prefill 140 python3 tools/bench_dsa.py --only prefill --prefill-contexts 8192 --quick \
     --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
     --out "$OUT/dsa_sparse_ws_prefill_h200.md"
-  TAIL=30 part bench_sparse_decode_fp8 150 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
-    --fp8-cache --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
-    --no-public-kernels --out "$OUT/dsa_sparse_ws_decode_fp8_h200.md"
+  TAIL=30 part bench_sparse_decode 200 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
+    --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
+    --out "$OUT/dsa_sparse_ws_decode_h200.md"
+  ;;
+s23-ncu)
+  # (after s23-2, warm machine) Nsight Compute on dzc's warp-specialized prefill and the public pipelined kernel
+  # (each checked, then launched once more), and on the FP8-cache decode kernel: where the time goes.
+  ncu=(ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats
+       --section Occupancy --section MemoryWorkloadAnalysis)
+  TAIL=4 part ncu_prefill 200 "${ncu[@]}" --kernel-name regex:"^(sparse_attention_kernel|main_kernel)$" \
+    --launch-count 4 python3 tools/diagnose_sparse_attention_configs.py --variants prefill --codegen tilelang \
+    --only-default --launches 1 --public .public-kernels/deepseek_v32
+  TAIL=4 part ncu_decode_fp8 150 "${ncu[@]}" --kernel-name regex:"^sparse_attention_kernel$" --launch-count 2 \
+    python3 tools/diagnose_sparse_attention_configs.py --variants decode --fp8-cache --codegen tilelang \
+    --only-default --launches 1
   ;;
 esac
 # The device tool brings back only a few files per call: everything goes back as one archive.
