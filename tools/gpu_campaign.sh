@@ -16,7 +16,7 @@
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Session 22: s22-1 (carry .whl-gpu1), s22-2 (carry .whl-gpu2 and .public-kernels), s22-decode. Next session:
-# s23-1 (carry .whl-gpu1), s23-2 (carry .whl-gpu2 and .public-kernels), s23-ncu. Earlier sessions' steps are in
+# s23-1 (carry .whl-gpu1), s23-2 (carry .whl-gpu2 and .public-kernels), s23-long, s23-ncu. Earlier sessions' steps are in
 # git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -164,6 +164,12 @@ s23-2)
   TAIL=30 part bench_sparse_decode 200 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
     --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
     --out "$OUT/dsa_sparse_ws_decode_h200.md"
+  ;;
+s23-long)
+  # (after s23-2, warm machine) issue 14: one decode step at 1M tokens of context (never run on a GPU): each kernel,
+  # the chained step and its peak memory.
+  TAIL=30 part bench_long_context 240 python3 tools/bench_dsa.py --only long --codegens triton tilelang \
+    --indexer-codegens tilelang --topk-codegens tilelang --no-baselines --out "$OUT/dsa_long_context_h200.md"
   ;;
 s23-ncu)
   # (after s23-2, warm machine) Nsight Compute on dzc's warp-specialized prefill and the public pipelined kernel
