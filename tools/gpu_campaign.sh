@@ -16,8 +16,8 @@
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Session 22: s22-1 (carry .whl-gpu1), s22-2 (carry .whl-gpu2 and .public-kernels), s22-decode. Next session:
-# s23-1 (carry .whl-gpu1), s23-2 (carry .whl-gpu2 and .public-kernels), s23-long, s23-ncu. Earlier sessions' steps are in
-# git history; their results are in docs/results.
+# s23-1 (carry .whl-gpu1), s23-2 (carry .whl-gpu2 and .public-kernels), s23-long, s23-ncu. Earlier sessions'
+# steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
 step=$1
