@@ -2,7 +2,7 @@
 process, with dzc's compile-time breakdown.
 
     python tools/bench_compile.py [--quick] [--models llama_decoder multimodal ...] [--no-torch] [--out table.md]
-                                  [--layers N] [--regions on|off|both] [--cold-only]
+                                  [--layers N] [--regions on|off|both] [--cold-only] [--profile-warm DIR]
 
 Times are the compile call (dzc.compile / torch.compile) plus the first call: torch.compile() imports Inductor
 before it returns, dzc.compile() at the first call (before session 22 only the first call was timed, which left
@@ -125,9 +125,9 @@ def main() -> None:
     models = ["llama_decoder"] if args.quick else args.models
     kinds = ["dzc"] if args.quick or args.no_torch else ["dzc", "torch"]
     settings = ["on", "off"] if args.regions == "both" else [args.regions]
-    lines = ["| model | compiler | cold s | warm s | warm/cold | dzc breakdown (cold; warm) "
-             "| dzc compile cache (warm) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | compiler | cold s | warm s | warm/cold | of which the compile call (cold; warm) "
+             "| dzc breakdown (cold; warm) | dzc compile cache (warm) |",
+             "|---|---|---|---|---|---|---|---|"]
     device = "?"
     label = f" ({args.layers} layers)" if args.layers else ""
     for model in models:
@@ -141,13 +141,15 @@ def main() -> None:
                                     "cold": cold, "warm": None if args.cold_only else warm}), flush=True)
             device = cold.get("device", device)
             if "failed" in cold or "failed" in warm:
-                lines.append(f"| {model}{label} | {kind} | {cold.get('failed', '')} | {warm.get('failed', '')} | | | |")
+                lines.append(f"| {model}{label} | {kind} | {cold.get('failed', '')} | {warm.get('failed', '')} "
+                             "| | | | |")
                 continue
             name = f"dzc, regions {regions}" if kind == "dzc" else "torch.compile"
             breakdown = f"{cold['breakdown']}; {warm['breakdown']}" if kind == "dzc" else ""
             cache = ", ".join(warm.get("cache", []))
             lines.append(f"| {model}{label} | {name} | {cold['seconds']:.1f} | {warm['seconds']:.1f} | "
-                         f"{warm['seconds'] / cold['seconds']:.2f} | {breakdown} | {cache} |")
+                         f"{warm['seconds'] / cold['seconds']:.2f} | "
+                         f"{cold['compile_call_s']:.2f}; {warm['compile_call_s']:.2f} | {breakdown} | {cache} |")
             print(lines[-1], flush=True)
     import torch
 
