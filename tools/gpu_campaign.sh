@@ -146,10 +146,16 @@ s22-decode)
     tests/test_dsa_indexer_tilelang.py
   ;;
 s23-1)
-  # (carry .whl-gpu1, fresh machine) issue 18: compile time with the compile call timed too (torch.compile()
-  # imports Inductor before it returns), llama_decoder and multimodal, dzc and torch.compile.
+  # (carry .whl-gpu1, fresh machine) issue 17 on one GPU (never run on a GPU): dzc's one-shot all-reduce + add +
+  # RMSNorm kernel at world size 1 and bench_distributed at world size 1; issue 18: compile time with the compile
+  # call timed too (torch.compile() imports Inductor before it returns).
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=8 part bench_compile 330 python3 tools/bench_compile.py --models llama_decoder multimodal \
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # no NVLink multicast on these machines
+  TAIL=12 part gpu_tests_one_shot_world1 120 python3 -m pytest -q -p no:logging -rs -rf -s \
+    tests/test_all_reduce_kernel.py::test_one_shot_kernel_at_world_size_1_on_one_gpu
+  TAIL=30 part bench_distributed_world1 200 python3 tools/bench_distributed.py \
+    --out "$OUT/distributed_world1_h200.md"
+  TAIL=8 part bench_compile 200 python3 tools/bench_compile.py --models llama_decoder moe_mxfp4 \
     --out "$OUT/compile_time_h200.md"
   ;;
 s23-2)
