@@ -1292,32 +1292,47 @@ def test_warp_specialized_fp8_reader_lowers_and_is_chosen(tmp_path):
     spec = dataclasses.replace(MLA, fp8_cache=True)
     configs = sparse_attention.tilelang_configs(spec, SM_90)
     assert configs and all(c["WARP_SPECIALIZED"] == 1 for c in configs)
+    # The interleaved column order is a tuning candidate beside each split count; the untuned choice is not it.
+    interleaved = [c for c in configs if dict(c.params).get("FP8_INTERLEAVED")]
+    assert {c["SPLITS"] for c in interleaved} == {0, 1, 4, 16} and len(configs) == 2 * len(interleaved)
+    assert not dict(sparse_attention.tilelang_default_config(spec, SM_90).params).get("FP8_INTERLEAVED")
+    assert not any(dict(c.params).get("FP8_INTERLEAVED") for c in sparse_attention.tilelang_configs(MLA, SM_90))
     assert choose_codegen("sparse_attention", CompileOptions(), Execution(CudaRuntime()), spec, SM_90) == "tilelang"
     assert choose_codegen("sparse_attention", CompileOptions(), Execution(CudaRuntime()), spec, SM_80) == "triton"
     # The RoPE bytes are copied as they are: an fp16 model's tile would misread them.
     assert not sparse_attention.tilelang_configs(dataclasses.replace(spec, dtype=torch.float16), SM_90)
     path = tmp_path / "sparse_attention_tilelang.py"
     path.write_text(sparse_attention.tilelang_source(spec, SM_90))
-    [prefill] = [c for c in configs if c["SPLITS"] == 0]
-    source = tilelang_codegen.lower_to_device_source(path, sparse_attention.TILELANG_FACTORY_NAME, prefill, SM_90)
+    plain, interleaved = sorted((c for c in configs if c["SPLITS"] == 0),
+                                key=lambda c: dict(c.params).get("FP8_INTERLEAVED", 0))
+    source = tilelang_codegen.lower_to_device_source(path, sparse_attention.TILELANG_FACTORY_NAME, plain, SM_90)
     assert "fp8_e4_16_t" in source and "__float22bfloat162_rn" in source and "wgmma" in source
     assert "bar_k_ready[0].init(256)" in source
+    # Interleaved: 8 e4m3 values (8 bytes) of each 64-column block a thread, its 16-byte stores a row's 8 threads
+    # side by side in one block (not 8 KiB apart, one bank group).
+    source = tilelang_codegen.lower_to_device_source(path, sparse_attention.TILELANG_FACTORY_NAME, interleaved,
+                                                     SM_90)
+    assert "fp8_e4_8_t" in source and "fp8_e4_16_t" not in source and "bar_k_ready[0].init(256)" in source
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads, splits, fp8", [(128, 0, False), (128, 1, False), (128, 16, False), (16, 0, False),
-                                                (16, 16, False), (128, 0, True), (128, 16, True)],
+                                                (16, 16, False), (128, 0, "plain"), (128, 16, "plain"),
+                                                (128, 0, "interleaved"), (128, 16, "interleaved")],
                          ids=["128h-prefill", "128h-1-split", "128h-16-splits", "16h-prefill", "16h-16-splits",
-                              "fp8-128h-prefill", "fp8-128h-16-splits"])
+                              "fp8-128h-prefill", "fp8-128h-16-splits", "fp8-interleaved-128h-prefill",
+                              "fp8-interleaved-128h-16-splits"])
 def test_warp_specialized_sparse_attention_on_gpu(heads, splits, fp8, seed, tmp_path):
     """Sequences longer and shorter than top-k through a shuffled block table, rows with invalid indices (−1, past
     the sequence) and rows with none valid; unowned cache slots hold NaN (random bytes in the FP8 cache), the
     output is poisoned, and shared memory is left full of NaN before each launch. 16 heads: one padded head
-    block; fp8: the FP8 latent cache, dequantized by the producer."""
-    spec = dataclasses.replace(MLA, heads=heads, fp8_cache=fp8)
-    [config] = _warp_specialized_configs(spec, (splits,))
+    block; fp8: the FP8 latent cache, dequantized by the producer (each thread's columns in one scale group, or
+    interleaved as the bf16 gather's)."""
+    spec = dataclasses.replace(MLA, heads=heads, fp8_cache=bool(fp8))
+    [config] = [c for c in _warp_specialized_configs(spec, (splits,))
+                if bool(dict(c.params).get("FP8_INTERLEAVED")) == (fp8 == "interleaved")]
     args = dsa_cases.sparse_attention_args([3000, 700, 2500, 40], [3, 2, 3, 1], heads, 1, 576, 512, False,
-                                           device=DEVICE, generator=_generator(seed), fp8_cache=fp8, **DSA_V32)
+                                           device=DEVICE, generator=_generator(seed), fp8_cache=bool(fp8), **DSA_V32)
     path = tmp_path / "sparse_attention_tilelang.py"
     path.write_text(sparse_attention.tilelang_source(spec, SM_90))
     compiled = tilelang_codegen.load(sparse_attention, path, spec, SM_90)

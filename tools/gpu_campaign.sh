@@ -187,6 +187,10 @@ s23-ncu)
   TAIL=4 part ncu_prefill 200 "${ncu[@]}" --kernel-name regex:"^(sparse_attention_kernel|main_kernel)$" \
     --launch-count 4 python3 tools/diagnose_sparse_attention_configs.py --variants prefill --codegen tilelang \
     --only-default --launches 1 --public .public-kernels/deepseek_v32
+  # FP8 decode: every TileLang config timed (the interleaved reader beside the plain one), then under ncu the
+  # untuned one's second launch.
+  TAIL=30 part fp8_decode_configs 200 python3 tools/diagnose_sparse_attention_configs.py --variants decode \
+    --fp8-cache --codegen tilelang
   TAIL=4 part ncu_decode_fp8 150 "${ncu[@]}" --kernel-name regex:"^sparse_attention_kernel$" --launch-count 2 \
     python3 tools/diagnose_sparse_attention_configs.py --variants decode --fp8-cache --codegen tilelang \
     --only-default --launches 1
