@@ -570,9 +570,13 @@ class CudaGraphRunner:
                                  f"{'inputs read in place' if signature.reads else 'copies included'}, the call "
                                  f"as it is {(host_s or 0) * 1e6:.0f} us of host time: not host-bound, it runs as it "
                                  "is")
-            for full_key in [k for k in self.graphs if k[0] == key]:
-                del self.graphs[full_key]
+            self._drop_graphs(key)
         return signature.pays
+
+    def _drop_graphs(self, key) -> None:
+        """Forget the graphs captured for `key` (every address of its in-place inputs)."""
+        for full_key in [k for k in self.graphs if k[0] == key]:
+            del self.graphs[full_key]
 
     def _read_in_place(self, key, signature: Signature, call: FlatCall) -> None:
         """A key above max_tokens whose calls bring their inputs at the same addresses (a serving engine's static
@@ -594,8 +598,7 @@ class CudaGraphRunner:
             signature.in_place -= signature.reads
             signature.reads = frozenset()
             signature.graphs, signature.replay_s, signature.pays, signature.pending = 0, (), None, None
-            for full_key in [k for k in self.graphs if k[0] == key]:
-                del self.graphs[full_key]
+            self._drop_graphs(key)
             return
         signature.addresses = addresses
 
