@@ -634,6 +634,26 @@ def _compiled(jit_function, *args):
         return None
 
 
+def public_attention_inputs(problem: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The public sparse-attention kernels' q [B, S, H, 576], dense KV [B, S_kv, 1, 576] (dzc's paged latent cache
+    gathered through the block table, an FP8 one dequantized to bf16) and indices [B, S, 1, top-k]."""
+    latent = kv_cache.dequantize_latent(problem.latent, D_V, torch.bfloat16) if problem.fp8_latent \
+        else problem.latent
+    kv = latent[problem.block_table.long()].reshape(problem.batch, -1, 1, D_QK).contiguous()
+    q = problem.q.view(problem.batch, problem.queries, HEADS, D_QK).contiguous()
+    indices = problem.indices.view(problem.batch, problem.queries, 1, TOPK).contiguous()
+    return q, kv, indices
+
+
+def pipelined_attention(module, problem: Problem, q, kv, indices):
+    """A call of the public `sparse_mla_fwd_pipelined` kernel, compiled once, its causal start at context − queries
+    (dzc's query rows are the context's last)."""
+    start = problem.context - problem.queries
+    kernel = module.sparse_mla_fwd_interface(q, kv, indices, start, 1, sm_scale=D_QK ** -0.5, return_kernel=True)
+    start_t = torch.tensor([start], dtype=torch.int32, device=q.device)
+    return lambda: kernel(q, kv, indices, start_t)
+
+
 class PublicBaselines:
     """The public TileLang DeepSeek-V3.2 example kernels (tile-ai/tilelang examples/deepseek_v32, copied by
     tools/fetch_public_kernels.sh into a git-ignored folder) run on the inputs of dzc's rows:
@@ -827,7 +847,7 @@ class PublicBaselines:
         else:
             seconds = _time(lambda: selector.tl_topk(logits, starts, ends, TOPK))
         floor = logits.numel() * 4 / PEAK_BYTES_PER_S
-        versus = "; ".join(self._versus(dzc, seconds, f"dzc[{codegen}]") for codegen, dzc in dzc_seconds.items())
+        versus = "; ".join(self._versus(mine, seconds, f"dzc[{codegen}]") for codegen, mine in dzc_seconds.items())
         self._row(name, label, seconds, f"{seconds / floor:.1f}× one read",
                   f"{versus or 'no dzc time'}; {check}", "topk_selector")
 
@@ -886,13 +906,7 @@ class PublicBaselines:
             for module, name in names:
                 self._not_run(name, label, f"its contiguous KV would be {kv_bytes / 2**30:.0f} GiB", module)
             return
-        table = problem.block_table.long()
-        latent = kv_cache.dequantize_latent(problem.latent, D_V, torch.bfloat16) if problem.fp8_latent \
-            else problem.latent
-        kv = latent[table].reshape(problem.batch, -1, 1, D_QK).contiguous()
-        del latent
-        q = problem.q.view(problem.batch, problem.queries, HEADS, D_QK).contiguous()
-        indices = problem.indices.view(problem.batch, problem.queries, 1, TOPK).contiguous()
+        q, kv, indices = public_attention_inputs(problem)
         reference = sparse_attention_reference(*problem.first_sequence(problem.attention_args(), (0, 5, 6)))
         for module, name in names:
             self._guarded(name, label, module, lambda: self._attention(problem, label, module, name, q, kv, indices,
@@ -900,19 +914,16 @@ class PublicBaselines:
 
     def _attention(self, problem, label, module_name, name, q, kv, indices, reference, dzc_times):
         module = self.module(module_name)
-        sm_scale = D_QK ** -0.5
-        start = problem.context - problem.queries
         note = ""
         if module_name == "sparse_mla_fwd_pipelined":
-            start_t = torch.tensor([start], dtype=torch.int32, device=q.device)
-            kernel = module.sparse_mla_fwd_interface(q, kv, indices, start, 1, sm_scale=sm_scale, return_kernel=True)
-
-            def run():
-                return kernel(q, kv, indices, start_t)
+            run = pipelined_attention(module, problem, q, kv, indices)
             expected = reference
         else:
+            sm_scale = D_QK ** -0.5
+            start = problem.context - problem.queries
             # sparse_mla_fwd_interface's call, compiled once (its defaults: block_I 64, 2 stages, 256 threads).
-            kernel = _compiled(getattr(module, "sparse_mla_fwd", None), q, kv, indices, HEADS, D_V, D_QK - D_V, TOPK, 1, sm_scale, True)
+            kernel = _compiled(getattr(module, "sparse_mla_fwd", None), q, kv, indices, HEADS, D_V, D_QK - D_V, TOPK,
+                               1, sm_scale, True)
 
             def run():
                 if kernel is not None:

@@ -25,7 +25,7 @@ import dzc  # noqa: F401  (first: it decides Triton's mode)
 import torch
 
 from bench_dsa import (D_QK, D_V, HEADS, PEAK_BF16_FLOPS, TOPK, Problem, PublicBaselines,  # tools/ is on sys.path
-                       _check, _time)
+                       _check, _time, pipelined_attention, public_attention_inputs)
 from dzc.ops.dsa import sparse_attention_reference
 from dzc.targets import sparse_attention as family
 from dzc.targets import tilelang_codegen, triton_codegen
@@ -116,16 +116,7 @@ def _public(args, problem: Problem, expected: torch.Tensor, flops: int) -> None:
     """The public pipelined kernel on the same rows (its dense [B, S_kv, 1, 576] KV gathered through the block
     table, its causal start at context − queries), checked against dzc's reference."""
     module = PublicBaselines(None, args.public).module("sparse_mla_fwd_pipelined")
-    kv = problem.latent[problem.block_table.long()].reshape(problem.batch, -1, 1, D_QK).contiguous()
-    q = problem.q.view(problem.batch, problem.queries, HEADS, D_QK).contiguous()
-    indices = problem.indices.view(problem.batch, problem.queries, 1, TOPK).contiguous()
-    start = problem.context - problem.queries
-    kernel = module.sparse_mla_fwd_interface(q, kv, indices, start, 1, sm_scale=D_QK ** -0.5, return_kernel=True)
-    start_t = torch.tensor([start], dtype=torch.int32, device=q.device)
-
-    def run():
-        return kernel(q, kv, indices, start_t)
-
+    run = pipelined_attention(module, problem, *public_attention_inputs(problem))
     _check("public sparse_mla_fwd_pipelined", run()[0].view(-1, HEADS, D_V)[:problem.check_rows], expected)
     _report("prefill" if problem.queries > 2 else "decode", "public sparse_mla_fwd_pipelined", run, flops,
             args.launches)
