@@ -81,7 +81,11 @@ def _run_requests(seed, options, device):
     # rounding of each other at the top-k boundary, eager, dzc and the oracle may each select differently
     # (measured: eager itself is 25% off on some seeds; tests/test_dsa_models.py tolerates such rows too). A wrong
     # rewrite is off in every prefill or every decode step, not in one call.
-    bound = 2 * max(errors["eager"]) + 2**-7  # dzc rounds at other places than eager: measured up to 1.5x eager's
+    # dzc rounds at other places than eager (a kernel's softmax weights in bf16 before their matmul, as flash
+    # attention does, where the CPU's eager attention keeps fp32): measured 1.0-2.8x eager's error in most seeds, and
+    # 3.5-6x in one (1140267170: 0.027-0.065 against eager's 0.006-0.011, in two requests), still 5x below a wrong
+    # rewrite's error.
+    bound = 4 * max(errors["eager"]) + 2**-7
     # A near-tie flip in a request's prefill stays in its cache and can carry into its decode steps: count the
     # requests with a call off, not the calls (a wrong rewrite is off in every request).
     off = {seq for seq, error in zip(call_sequences, errors["dzc"]) if error > bound}
