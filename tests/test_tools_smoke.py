@@ -109,3 +109,14 @@ def test_tool_smallest_mode_runs_on_the_cpu(runs, tool):
 def test_shell_tools_parse(script):
     result = subprocess.run(["bash", "-n", str(TOOLS / script)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_gpu_busy_share_counts_overlapping_activity_once_and_gaps_as_idle():
+    """bench_multimodal's GPU-busy figure (issue 18's decode goal) from a trace's activity spans."""
+    import sys
+    sys.path.insert(0, str(TOOLS))
+    from bench_multimodal import busy_fraction
+    assert busy_fraction([(20, 30), (0, 10), (5, 12)]) == pytest.approx(22 / 30)  # 0-12 and 20-30 of 0-30
+    assert busy_fraction([(0, 4), (4, 9)]) == 1.0  # back to back: no gap
+    with pytest.raises(ValueError, match="no GPU activity"):
+        busy_fraction([])

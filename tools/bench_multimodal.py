@@ -1,8 +1,9 @@
 """Benchmark the multimodal reference model end to end on a CUDA GPU: dzc against eager PyTorch and
-torch.compile (mode max-autotune, or reduce-overhead), in one run — a prefill of images + text, and a batched decode step.
+torch.compile (mode max-autotune, or reduce-overhead), in one run — a prefill of images + text, and a batched
+decode step.
 
     python tools/bench_multimodal.py [--quick] [--out results.md] [--batch 32] [--context 4096]
-                                     [--compile-mode max-autotune|reduce-overhead]
+                                     [--compile-mode max-autotune|reduce-overhead] [--no-torch-compile] [--no-warm]
 
 The model is dzc.models.multimodal's "h200" config (see its docstring: Qwen2.5-VL vision dims, gpt-oss-20b MoE
 with MXFP4 experts, DeepSeek-V3.2 DSA dims, gpt-oss vocabulary), bf16, BF16 indexer key cache; --quick cuts it to
@@ -20,6 +21,10 @@ logits out, over its own paged KV cache) compiled separately, the embedding merg
 max-autotune's compile of the quick model alone outran 400 s twice, more than a device call holds next to the rest.
 Times: back-to-back calls, host and device together (tools/bench_add_rms_norm.loop_time), the way a serving
 loop sees them. Ratios: baseline time ÷ dzc time (goals: ≥ 1.5× torch.compile, ≥ 3× eager).
+GPU busy (decode): over 20 back-to-back steps under torch.profiler, the share of the time from the first kernel's
+start to the last one's end in which a kernel, copy or memset runs: below 100% where the host does not keep the GPU
+fed (goal ≥ 90% for dzc).
+--no-torch-compile and --no-warm skip the torch.compile baseline and the warm-compile process (a shorter run).
 Numerics: before timing, each variant's logits are compared with eager's (max |Δ| ÷ max |eager|, and how often
 the greedy next token agrees); a gross mismatch, a failed torch.compile baseline or a dzc decode that was not
 replayed from a CUDA graph is written into the table, and the run then exits non-zero.
@@ -39,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import dzc  # noqa: F401  (first: it decides Triton's mode)
@@ -138,6 +144,39 @@ def first_calls(setup: Setup, vision, decoder) -> dict[str, float]:
     return times
 
 
+def busy_fraction(spans: Iterable[tuple[float, float]]) -> float:
+    """The share of [first start, last end] that the union of the (start, end) spans covers."""
+    spans = sorted(spans)
+    if not spans:
+        raise ValueError("no GPU activity was recorded")
+    covered, (start, end) = 0.0, spans[0]
+    first = start
+    for begin, finish in spans[1:]:
+        if begin > end:  # a gap: close the current run of overlapping spans
+            covered += end - start
+            start = begin
+        end = max(end, finish)
+    covered += end - start
+    return covered / (end - first) if end > first else 1.0
+
+
+def gpu_busy(fn: Callable[[], object], calls: int = 20) -> float:
+    """busy_fraction of the GPU activity (kernels, copies, memsets) of `calls` back-to-back calls of fn, from the
+    profiler's trace."""
+    fn()
+    torch.cuda.synchronize()
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+        profile.export_chrome_trace(trace.name)
+        events = json.load(open(trace.name))["traceEvents"]
+    return busy_fraction((e["ts"], e["ts"] + e["dur"]) for e in events
+                         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+
+
 def compare(actual: torch.Tensor, expected: torch.Tensor) -> tuple[str, bool]:
     """(max |Δ| ÷ max |eager| and the share of equal greedy next tokens, as text; whether it is within rounding)."""
     error = ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
@@ -159,6 +198,8 @@ def main():
     parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)  # the warm-compile child
     parser.add_argument("--compile-mode", default="max-autotune", choices=["max-autotune", "reduce-overhead"],
                         help="torch.compile baseline's mode (both use CUDA graphs; see the doc)")
+    parser.add_argument("--no-torch-compile", action="store_true", help="skip the torch.compile baseline")
+    parser.add_argument("--no-warm", action="store_true", help="skip the warm-compile process")
     parser.add_argument("--out", help="write the markdown table here too")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: check the arguments, build what needs no device, print the plan")
@@ -191,7 +232,7 @@ def main():
     cold = first_calls(setup, *variants["dzc"])
     print("dzc first calls (cold):", {k: f"{v:.1f} s" for k, v in cold.items()}, flush=True)
     variants["eager"] = (setup.model.vision, DecoderStep(setup.model.language, setup.cache()))
-    broken, errors, times = [], {}, {}
+    broken, errors, times, busy = [], {}, {}, {}
     with torch.no_grad():
         expected = {"prefill": setup.prefill(*variants["eager"]), "decode": setup.decode(variants["eager"][1])}
 
@@ -209,30 +250,36 @@ def main():
                     broken.append(f"{name} {step}: logits {errors[name][step]} from eager")
         times[name] = {"prefill": loop_time(lambda: setup.prefill(vision, decoder), calls=10),
                        "decode": loop_time(lambda: setup.decode(decoder), calls=50)}
-        print(name, {k: f"{v * 1e6:.0f} µs" for k, v in times[name].items()}, errors.get(name, ""), flush=True)
+        with torch.no_grad():
+            busy[name] = gpu_busy(lambda: setup.decode(decoder))
+        print(name, {k: f"{v * 1e6:.0f} µs" for k, v in times[name].items()}, f"decode GPU busy {busy[name]:.0%}",
+              errors.get(name, ""), flush=True)
 
     check_and_time("dzc")
     check_and_time("eager")
     skips_before = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
-    try:
-        inductor = torch_compile_variant(setup, args.compile_mode)
-        inductor_first = first_calls(setup, *inductor)
-        variants["torch.compile"] = inductor
-    except Exception as error:  # noqa: BLE001  (a baseline that fails is reported in the table, not fatal)
-        inductor_first = f"failed: {type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
-        print(f"torch.compile baseline {inductor_first}", flush=True)
-        broken.append(f"torch.compile baseline {inductor_first}")
+    if args.no_torch_compile:
+        inductor_first = "not run (--no-torch-compile)"
+    else:
+        try:
+            inductor = torch_compile_variant(setup, args.compile_mode)
+            inductor_first = first_calls(setup, *inductor)
+            variants["torch.compile"] = inductor
+        except Exception as error:  # noqa: BLE001  (a baseline that fails is reported in the table, not fatal)
+            inductor_first = f"failed: {type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+            print(f"torch.compile baseline {inductor_first}", flush=True)
+            broken.append(f"torch.compile baseline {inductor_first}")
     inductor_skips = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - skips_before
     if "torch.compile" in variants:
         check_and_time("torch.compile")
 
-    warm = warm_compile_times(args)
+    warm = "not run (--no-warm)" if args.no_warm else warm_compile_times(args)
     for compiled in variants["dzc"]:
         print(compiled.report)
     replayed = any(graph is not None for graph in variants["dzc"][1]._cuda_graphs.graphs.values())
     if not replayed:
         broken.append("dzc decode: no CUDA graph was captured (it ran through the compiled graph instead)")
-    text = table(args, setup, times, errors, cold, warm, inductor_first, inductor_skips, broken)
+    text = table(args, setup, times, busy, errors, cold, warm, inductor_first, inductor_skips, broken)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
@@ -266,7 +313,7 @@ def warm_compile_times(args) -> dict[str, float] | str:
     return f"failed (exit {result.returncode}): {result.stderr.strip().splitlines()[-1:]}"
 
 
-def table(args, setup, times, errors, cold, warm, inductor_first, inductor_skips, broken) -> str:
+def table(args, setup, times, busy, errors, cold, warm, inductor_first, inductor_skips, broken) -> str:
     cfg = setup.cfg
     props = torch.cuda.get_device_properties(0)
     meta = (f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, tilelang "
@@ -282,14 +329,18 @@ def table(args, setup, times, errors, cold, warm, inductor_first, inductor_skips
                          f"{setup.prefill_tokens} tokens",
               "decode": f"{args.batch} sequences × 1 token, context {args.context}"}
     lines = ["| step | shape | eager µs | torch.compile µs | dzc µs | dzc vs eager | dzc vs torch.compile "
-             "| dzc error vs eager | torch.compile error vs eager |", "|" + "---|" * 9]
+             "| dzc error vs eager | torch.compile error vs eager | GPU busy: eager / torch.compile / dzc |",
+             "|" + "---|" * 10]
     for step in ("prefill", "decode"):
         t = {name: times[name][step] for name in times}
         inductor = t.get("torch.compile")
+        shares = (f"{busy[name]:.0%}" if name in busy else "n/a" for name in ("eager", "torch.compile", "dzc"))
+        missing = "not run" if args.no_torch_compile else "failed"
         cells = [step, shapes[step], f"{t['eager'] * 1e6:.0f}",
-                 "failed" if inductor is None else f"{inductor * 1e6:.0f}", f"{t['dzc'] * 1e6:.0f}",
+                 missing if inductor is None else f"{inductor * 1e6:.0f}", f"{t['dzc'] * 1e6:.0f}",
                  f"{t['eager'] / t['dzc']:.2f}×", "n/a" if inductor is None else f"{inductor / t['dzc']:.2f}×",
-                 errors["dzc"][step], errors.get("torch.compile", {}).get(step, "n/a")]
+                 errors["dzc"][step], errors.get("torch.compile", {}).get(step, "n/a"),
+                 " / ".join(shares) if step == "decode" else "not measured"]
         lines.append("| " + " | ".join(cells) + " |")
 
     def seconds(entry):
@@ -302,8 +353,8 @@ def table(args, setup, times, errors, cold, warm, inductor_first, inductor_skips
                      f"| torch.compile {args.compile_mode} (this process) | {seconds(inductor_first)} |"]
     notes = ("Times: back-to-back calls, host and device together (loop_time). Ratios: baseline time ÷ dzc time "
              "(goal ≥ 1.5× torch.compile, ≥ 3× eager). Errors: max |Δ logits| ÷ max |eager logits|, and the share "
-             "of greedy next tokens equal to eager's. Decode: dzc replays a CUDA graph; the merge (embedding + image "
-             "rows) runs eagerly in every variant.")
+             "of greedy next tokens equal to eager's. Decode: dzc replays a CUDA graph; the merge (embedding + "
+             "image rows) runs eagerly in every variant. GPU busy: see the module's docstring (goal ≥ 90% for dzc).")
     problems = [f"PROBLEM: {line}" for line in broken]
     return "\n".join([meta, "", *lines, "", *compile_lines, "", notes, *problems]) + "\n"
 
