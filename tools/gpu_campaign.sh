@@ -16,7 +16,7 @@
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Session 22: s22-1 (carry .whl-gpu1), s22-2 (carry .whl-gpu2 and .public-kernels), s22-decode. Next session:
-# s23-1 (carry .whl-gpu1), s23-busy, s23-2 (carry .whl-gpu2 and .public-kernels), s23-long, s23-ncu. Earlier sessions'
+# s23-1 (carry .whl-gpu1), s23-2 (carry .whl-gpu2 and .public-kernels), s23-busy, s23-long, s23-ncu. Earlier sessions'
 # steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -159,11 +159,11 @@ s23-1)
     --out "$OUT/compile_time_h200.md"
   ;;
 s23-busy)
-  # (after s23-1, before s23-2: TileLang not importable yet, so dzc's kernels are Triton's and nothing waits on
-  # TileLang compiles) issue 18: is a decode step of the reference model host-bound? GPU busy share under the
+  # (after s23-1) issue 18: is a decode step of the reference model host-bound? GPU busy share under the
   # profiler for eager, torch.compile (reduce-overhead: CUDA graphs) and dzc; bench_multimodal has never finished
-  # on a GPU (max-autotune's compile outran the call).
-  TAIL=30 part bench_multimodal 420 python3 tools/bench_multimodal.py --quick --compile-mode reduce-overhead \
+  # on a GPU (max-autotune's compile outran the call). Without the second wheel folder TileLang is not importable,
+  # so dzc's kernels are Triton's and nothing waits on TileLang compiles (10-75 s a kernel).
+  TAIL=30 part bench_multimodal 420 env PYTHONPATH=/tmp/site-gpu1:$PWD python3 tools/bench_multimodal.py --quick --compile-mode reduce-overhead \
     --no-warm --out "$OUT/multimodal_quick_h200.md"
   ;;
 s23-2)
