@@ -14,6 +14,7 @@ import inspect
 import time
 import traceback
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -456,6 +457,7 @@ class CudaGraphRunner:
         self.graphs: OrderedDict[tuple, _CapturedGraph] = OrderedDict()
         self.bypassed: collections.Counter[str] = collections.Counter()
         self.pool = None
+        self.pool_graphs: weakref.WeakSet = weakref.WeakSet()  # the live graphs captured into self.pool
         self.capture_streams: dict = {}  # per device: one stream for every capture into the shared pool
 
     def reset(self) -> None:
@@ -643,7 +645,10 @@ class CudaGraphRunner:
         """Capture the call on the graph's own copies of its copied inputs; None (the key refused, the reason
         recorded and warned once) when it cannot be captured, so that such calls run `fn`."""
         device = call.inputs[0].device if call.inputs else call.state[0].device
-        if self.pool is None:
+        if not self.pool_graphs:
+            # A fresh pool once no captured graph lives: the allocator marks a pool whose graphs are all gone (its
+            # blocks possibly still held by returned outputs) as being freed, and asserts when a capture joins it
+            # (H200: "it->second->use_count > 0 INTERNAL ASSERT FAILED" after a key's graphs were dropped).
             self.pool = torch.cuda.graph_pool_handle()
         static = [a if i in signature.in_place else _own_copy(a) for i, a in enumerate(call.inputs)]
         static_args, static_kwargs = call.rebuild(args, kwargs, static)
@@ -677,6 +682,7 @@ class CudaGraphRunner:
             warnings.warn(f"dzc: calls of this signature run without a CUDA graph: {signature.refused}",
                           stacklevel=3)
             return None
+        self.pool_graphs.add(graph)
         copied = [(i, s) for i, s in enumerate(static) if i not in signature.in_place]
         return _CapturedGraph(graph, copied, outputs, signature.written)
 

@@ -332,6 +332,32 @@ def test_a_large_key_reads_inputs_at_repeated_addresses_in_place(seed, tmp_path)
     torch.testing.assert_close(compiled(x, r), guarded(x, r), rtol=0, atol=0)  # copied in now
 
 
+def test_a_key_is_captured_again_after_every_graph_of_the_runner_is_gone(seed, tmp_path):
+    """Once no captured graph lives (dropped here by reset; a replay's output still held, so the old pool keeps
+    blocks), the next capture takes a pool of its own: torch's allocator asserts when a capture joins a pool whose
+    graphs are all gone (seen on the H200: "use_count > 0 INTERNAL ASSERT FAILED", and the key ran without graphs).
+    """
+    model = _model(AddRMSNorm, 256, seed)
+    options = dzc.CompileOptions(cache_dir=str(tmp_path), cuda_graph_max_tokens=64,
+                                 cuda_graph_reuse_outputs=True)
+    compiled = dzc.compile(model, "cuda", options)
+    runner = compiled._cuda_graphs
+    x, r = _inputs(8, 256)
+    with torch.no_grad():
+        expected = model(x, r)
+        for attempt in range(2):
+            for _ in range(4):  # observed first, captured once a call compiled nothing
+                compiled(x, r)
+                if runner.graphs:
+                    break
+            assert runner.graphs and not any(s.refused for s in runner.signatures.values()), runner.describe()
+            held = compiled(x, r)  # a replay: with reuse_outputs, the graph's own buffers (blocks of its pool)
+            for a, e in zip(held, expected):
+                torch.testing.assert_close(a, e, atol=0.02, rtol=0.02)
+            if attempt == 0:
+                runner.reset()  # every graph gone, `held` still alive
+
+
 def test_a_host_read_kept_on_the_device_replays_with_fresh_values(seed, tmp_path):
     compiled = dzc.compile(ScaleByHostValue(), "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), fallback="eager"))
     for step in range(3):  # new values each call: a replay that baked in the first call's amax would be wrong
