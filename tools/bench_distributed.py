@@ -1,6 +1,6 @@
 """Multi-GPU benchmark of dzc's tensor- and expert-parallel paths, one process per GPU (torchrun), in one run:
 
-    torchrun --nproc-per-node 2 tools/bench_distributed.py [--out docs/results/distributed_h200.md]
+    torchrun --nproc-per-node 2 tools/bench_distributed.py [--out docs/results/distributed_h200.md] [--no-tune]
     python tools/bench_distributed.py                 # world size 1 on one GPU (the sharded paths, unsharded)
     python tools/bench_distributed.py --quick         # tiny sizes on the CPU with gloo (smoke test)
 
@@ -14,9 +14,12 @@
     the one-token step time. The layer is dzc.distributed's TPDecoder (dense attention, SwiGLU MLP; one layer,
     hidden 7168): the DSA + MXFP4 MoE reference layer has no TP sharding yet (issue 17's DSA-under-TP item), so
     its TP numbers are not measured here. Goals: prefill >= 1.7x, step <= 0.65x at TP = 2.
-(3) the MXFP4 MoE layer (gpt-oss-120b's shapes, 32 experts: the weights are quantized on the host) with experts split over the ranks (dzc.distributed's
-    ExpertParallelMoE: all_to_all_single with the router's splits, local experts in dzc.mxfp4_moe) vs the whole
-    layer on one GPU (rank 0 alone), on the same tokens per rank.
+(3) the MXFP4 MoE layer (gpt-oss-120b's shapes, 32 experts: the weights are quantized on the host) with experts
+    split over the ranks (dzc.distributed's ExpertParallelMoE: all_to_all_single with the router's splits, local
+    experts in dzc.mxfp4_moe) vs the whole layer on one GPU (rank 0 alone), on the same tokens per rank.
+
+--no-tune: dzc's untuned default configs (tuning the MoE kernels' token buckets takes minutes on a GPU: at world
+size 1 on the H200 it outran a 200 s run). Each table is printed as soon as it is complete.
 
 Every dzc result is checked against the eager model on the same inputs before it is timed; every compile report
 must show its fusion fired. Times: median of back-to-back calls (host + device), after warm-up, a barrier
@@ -212,6 +215,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny sizes on the CPU with gloo (smoke test)")
     parser.add_argument("--target", default="cuda")
     parser.add_argument("--out", help="append the tables to this markdown file (rank 0)")
+    parser.add_argument("--no-tune", action="store_true", help="dzc's untuned default configs")
     args = parser.parse_args()
 
     sizes = QUICK if args.quick else FULL
@@ -230,25 +234,33 @@ def main() -> None:
 
     mesh = init_device_mesh(device.type, (world,))
     group = dist.group.WORLD
-    # The CPU interpreter would tune for minutes; on the GPU dzc tunes as users get it.
-    options = dzc.CompileOptions(autotune=not args.quick)
-    tables = ["| op | hidden | tokens | dzc parts (µs) | all-reduce + torch.compile add+norm (µs) | speed-up | "
-              "dzc one-shot fused (µs) | one-shot speed-up |",
-              "|---|---|---|---|---|---|---|---|", *all_reduce_norm(sizes, options, args.target, device, group, rank), "",
-              "| layer | prefill tokens/s | step (µs) | prefill vs TP=1 | step vs TP=1 |", "|---|---|---|---|---|",
-              *tp_layer(sizes, options, args.target, device, mesh, rank, world), "",
-              "| MoE | tokens per rank | EP layer (µs) | whole layer, one device (µs) | speed-up |",
-              "|---|---|---|---|---|", *ep_layer(sizes, options, args.target, device, group, rank, world)]
-    if rank == 0:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-        header = (f"## bench_distributed: world {world} ({backend}), {name}, torch {torch.__version__}, "
-                  f"{datetime.date.today()}{' (--quick)' if args.quick else ''}")
-        text = "\n".join([header, "", *tables, ""])
-        print(text)
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(text + "\n")
+    # The CPU interpreter would tune for minutes; on the GPU dzc tunes as users get it unless --no-tune.
+    tuned = not (args.quick or args.no_tune)
+    options = dzc.CompileOptions(autotune=tuned)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    emit(rank, args.out, f"## bench_distributed: world {world} ({backend}), {name}, torch {torch.__version__}, "
+                         f"{datetime.date.today()}{' (--quick)' if args.quick else ''}, dzc "
+                         f"{'tuned' if tuned else 'untuned defaults'}\n")
+    emit(rank, args.out, "| op | hidden | tokens | dzc parts (µs) | all-reduce + torch.compile add+norm (µs) | "
+                         "speed-up | dzc one-shot fused (µs) | one-shot speed-up |",
+         "|---|---|---|---|---|---|---|---|",
+         *all_reduce_norm(sizes, options, args.target, device, group, rank), "")
+    emit(rank, args.out, "| layer | prefill tokens/s | step (µs) | prefill vs TP=1 | step vs TP=1 |",
+         "|---|---|---|---|---|", *tp_layer(sizes, options, args.target, device, mesh, rank, world), "")
+    emit(rank, args.out, "| MoE | tokens per rank | EP layer (µs) | whole layer, one device (µs) | speed-up |",
+         "|---|---|---|---|---|", *ep_layer(sizes, options, args.target, device, group, rank, world), "")
     dist.destroy_process_group()
+
+
+def emit(rank: int, out: str | None, *lines: str) -> None:
+    """Rank 0 prints a finished table (and appends it to --out) at once: a run cut short keeps what it measured."""
+    if rank != 0:
+        return
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(text + "\n")
 
 
 if __name__ == "__main__":
