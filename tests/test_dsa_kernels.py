@@ -220,6 +220,25 @@ def test_topk_sampled_bounds_on_long_rows_match_reference(tmp_path):
                                atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("width, ties", [(1000, True), (1024, False)], ids=["padded-ties", "whole-pieces"])
+def test_topk_of_long_rows_in_pieces_matches_reference(width, ties, seed, tmp_path, monkeypatch):
+    """split_rows (rows at least SPLIT_FROM wide: the k largest of each piece, then of those), at small sizes:
+    pieces of 128 from 256 positions on, the real kernel in both rounds (a small config: the interpreter runs a
+    program per piece). Lengths end before, at, inside and past piece boundaries, below k and at 0; NaNs (the
+    largest) in one row; outputs poisoned."""
+    monkeypatch.setattr(dsa_topk, "SPLIT_WIDTH", 128)
+    monkeypatch.setattr(dsa_topk, "SPLIT_FROM", 256)
+    lengths = [width, 0, 5, 128, 129, 700, width - 1, 2 * width]
+    args = dsa_cases.topk_args(len(lengths), width, lengths, 16, DEVICE, _generator(seed), ties=ties)
+    args[0][0, 3::37] = float("nan")
+    # The largest finite logit at position 0, where the first round's −1s gather their values from: a second
+    # round that read past the valid candidates would pick those and answer −1.
+    args[0][:, 0] = 1e30
+    spec = dsa_topk.DsaTopkSpec()
+    indices = _run_triton(dsa_topk, spec, _load_triton(dsa_topk, spec, tmp_path), TOPK_CONFIGS[0], args)
+    torch.testing.assert_close(indices, dsa_topk_reference(*args), atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # sparse_attention
 
