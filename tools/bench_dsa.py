@@ -378,14 +378,14 @@ class Bench:
 
     def decode_shapes(self) -> list[tuple[int, int, int]]:
         """(batch, queries, context) of every decode problem."""
-        batches = (1, 64) if self.args.quick else self.args.batches
-        contexts = (32768,) if self.args.quick else self.args.contexts
+        batches = self.args.batches or ((1, 64) if self.args.quick else (1, 8, 64, 128))
+        contexts = self.args.contexts or ((32768,) if self.args.quick else (32768, 131072))
         queries_per_step = self.args.queries or ((2,) if self.args.quick else (1, 2))
         return [(batch, queries, context) for context in contexts for batch in batches
                 for queries in queries_per_step]
 
     def prefill_contexts(self) -> tuple[int, ...]:
-        return (8192,) if self.args.quick else tuple(self.args.prefill_contexts)
+        return tuple(self.args.prefill_contexts or ((8192,) if self.args.quick else (8192, 32768, 131072)))
 
     def plan(self):
         """--dry-run: every problem built on the meta device (shapes, no memory), its sparse-attention spec and
@@ -970,7 +970,8 @@ def _tuned(record) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="a subset (decode B in {1, 64}, 2 queries, 32K; prefill at 8K), untuned defaults")
+                        help="a subset (decode B in {1, 64}, 2 queries, 32K; prefill at 8K, where the size options "
+                             "do not say otherwise), untuned defaults")
     parser.add_argument("--musa-legal", action="store_true", help="only configs legal on MUSA mp_22, BF16 indexer")
     parser.add_argument("--codegens", nargs="+", default=["triton", "tilelang"],
                         help="code generators for sparse attention")
@@ -991,9 +992,9 @@ def main():
                         help="decode rows over the FP8 latent cache (656 B/token) instead of bf16")
     parser.add_argument("--long-context", action="store_true", help="a decode step at 1M tokens of context")
     parser.add_argument("--long-context-batch", type=int, default=1, help="sequences in the 1M-token decode step")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 128], help="decode batch sizes")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072], help="decode contexts")
-    parser.add_argument("--prefill-contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--batches", type=int, nargs="+", help="decode batch sizes (default 1 8 64 128)")
+    parser.add_argument("--contexts", type=int, nargs="+", help="decode contexts (default 32768 131072)")
+    parser.add_argument("--prefill-contexts", type=int, nargs="+", help="default 8192 32768 131072")
     parser.add_argument("--cache-dir", default="/tmp/dzc-bench-dsa-cache")
     parser.add_argument("--out", help="write the markdown table here too")
     parser.add_argument("--public-kernels", metavar="DIR",

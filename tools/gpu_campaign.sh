@@ -15,9 +15,8 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Session 22: s22-1 (carry .whl-gpu1), s22-2 (carry .whl-gpu2 and .public-kernels), s22-decode. Next session:
-# s23-1 (carry .whl-gpu1), s23-2 (carry .whl-gpu2 and .public-kernels), s23-busy, s23-long, s23-ncu. Earlier sessions'
-# steps are in git history; their results are in docs/results.
+# Next session: s24-1 (carry .whl-gpu1), s24-busy, s24-2 (carry .whl-gpu2 and .public-kernels), s24-ncu. Earlier
+# sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
 step=$1
@@ -113,82 +112,37 @@ triton)
   TAIL=20 part bench_add_layer_norm 60 python3 tools/bench_add_rms_norm.py --op add_layer_norm --quick \
     --codegens triton --out "$OUT/add_layer_norm_h200.md"
   ;;
-s22-1)
-  # (carry .whl-gpu1, fresh machine) installs the first TileLang wheel folder; issue 13's MXFP4 zoo rows as the
-  # Triton check (all four passed in s20/s21).
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  TAIL=8 part gpu_tests_moe_default 60 python3 -m pytest -q -p no:logging -rf -x -m "gpu or anydevice" \
-    -k "swap_ab or default or only_where" tests/test_mxfp4_moe_kernels.py
-  ;;
-s22-2)
-  # (carry .whl-gpu2 and .public-kernels, after s22-1) Issue 14: the warp-specialized sparse attention after its
-  # producer resolves a stage's addresses ahead, with padded 16-head blocks and the FP8 latent reader (all
-  # CPU-checked only): numerics, then prefill and decode (bf16 and FP8 caches) beside Triton and the public
-  # kernels; the TileLang indexer's page-64 cases (-x: a failure prints). If the 16-head and FP8 tests pass, make
-  # them untuned choices (tilelang_default_config's `verified`, tilelang_supports).
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=25 part gpu_tests_sparse_ws 200 python3 -m pytest -q -p no:logging -rf -x -m gpu -k warp_specialized \
-    tests/test_dsa_kernels.py
-  TAIL=40 part bench_sparse_prefill 200 python3 tools/bench_dsa.py --only prefill --prefill-contexts 8192 --quick \
-    --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
-    --out "$OUT/dsa_sparse_ws_prefill_h200.md"
-  ;;
-s22-decode)
-  # (after s22-2, warm machine) decode with the bf16 and FP8 caches, then the TileLang indexer's page-64 cases.
-  TAIL=40 part bench_sparse_decode 180 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
-    --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
-    --out "$OUT/dsa_sparse_ws_decode_h200.md"
-  TAIL=40 part bench_sparse_decode_fp8 180 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
-    --fp8-cache --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
-    --out "$OUT/dsa_sparse_ws_decode_fp8_h200.md"
-  TAIL=20 part gpu_tests_indexer_page64 180 python3 -m pytest -q -p no:logging -rf -x -m gpu -k "64" \
-    tests/test_dsa_indexer_tilelang.py
-  ;;
-s23-1)
-  # (carry .whl-gpu1, fresh machine) issue 17 on one GPU (never run on a GPU): dzc's one-shot all-reduce + add +
-  # RMSNorm kernel at world size 1 and bench_distributed at world size 1; issue 18: compile time with the compile
-  # call timed too (torch.compile() imports Inductor before it returns).
+s24-1)
+  # (carry .whl-gpu1, fresh machine) the CUDA-graph runner's fresh pool (new test: a key captured again after every
+  # graph is gone), bench_distributed at world size 1 untuned (issue 17: its all-reduce part hit the allocator
+  # assert in s23, its MoE part spent the rest of the call tuning).
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # no NVLink multicast on these machines
-  TAIL=12 part gpu_tests_one_shot_world1 120 python3 -m pytest -q -p no:logging -rs -rf -s \
-    tests/test_all_reduce_kernel.py::test_one_shot_kernel_at_world_size_1_on_one_gpu
-  TAIL=30 part bench_distributed_world1 200 python3 tools/bench_distributed.py \
+  TAIL=12 part gpu_tests_cuda_graphs 150 python3 -m pytest -q -p no:logging -rf tests/test_cuda_graphs.py
+  TAIL=30 part bench_distributed_world1 200 python3 tools/bench_distributed.py --no-tune \
     --out "$OUT/distributed_world1_h200.md"
-  TAIL=8 part bench_compile 200 python3 tools/bench_compile.py --models llama_decoder moe_mxfp4 \
-    --out "$OUT/compile_time_h200.md"
   ;;
-s23-busy)
-  # (after s23-1) issue 18: is a decode step of the reference model host-bound? GPU busy share under the
-  # profiler for eager, torch.compile (reduce-overhead: CUDA graphs) and dzc; bench_multimodal has never finished
-  # on a GPU (max-autotune's compile outran the call). Without the second wheel folder TileLang is not importable,
-  # so dzc's kernels are Triton's and nothing waits on TileLang compiles (10-75 s a kernel).
-  TAIL=30 part bench_multimodal 420 env PYTHONPATH=/tmp/site-gpu1:$PWD python3 tools/bench_multimodal.py --quick --compile-mode reduce-overhead \
-    --no-warm --out "$OUT/multimodal_quick_h200.md"
+s24-busy)
+  # (after s24-1) issue 18: is a decode step of the reference model host-bound? GPU busy share under the profiler
+  # for eager, torch.compile (reduce-overhead: CUDA graphs) and dzc; bench_multimodal has never finished on a GPU
+  # (max-autotune's compile outran the call). Without the second wheel folder on the path TileLang is not
+  # importable, so dzc's kernels are Triton's and nothing waits on TileLang compiles (10-75 s a kernel).
+  TAIL=30 part bench_multimodal 420 env PYTHONPATH=/tmp/site-gpu1:$PWD python3 tools/bench_multimodal.py --quick \
+    --compile-mode reduce-overhead --no-warm --out "$OUT/multimodal_quick_h200.md"
   ;;
-s23-2)
-  # (carry .whl-gpu2 and .public-kernels, after s23-1) issue 14: the sparse-attention TileLang kernels with fast
-  # math (not run on a GPU yet): numerics first (-x), then prefill beside Triton and the public kernels.
+s24-2)
+  # (carry .whl-gpu2 and .public-kernels, after s24-1) issue 14: dsa_topk's split rows (never run on a GPU):
+  # top-k at 1M positions (1 and 8 sequences x 2 rows), both codegens, checked exactly against the reference,
+  # untuned (--quick), beside torch.topk and the public tl_topk; then one decode step at 1M untuned (s23's tuned
+  # run spent its time compiling tuning candidates): each kernel, the chained step and its peak memory.
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=12 part gpu_tests_sparse_ws 130 python3 -m pytest -q -p no:logging -rf -x -m gpu \
-    -k "warp_specialized or sparse_attention" tests/test_dsa_kernels.py
-  TAIL=30 part bench_sparse_prefill 140 python3 tools/bench_dsa.py --only prefill --prefill-contexts 8192 --quick \
-    --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines \
-    --out "$OUT/dsa_sparse_ws_prefill_h200.md"
-  # Decode from CUDA graphs (every row, the public kernels' too): at one sequence the launches' host work hides
-  # the kernels (96-140 µs a call in session 22 against the public kernel's 73).
-  TAIL=30 part bench_sparse_decode 200 python3 tools/bench_dsa.py --only decode --quick --contexts 32768 \
-    --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang --no-baselines --cuda-graphs \
-    --out "$OUT/dsa_sparse_ws_decode_h200.md"
-  ;;
-s23-long)
-  # (after s23-2, warm machine) issue 14: one decode step at 1M tokens of context (never run on a GPU): each kernel,
-  # the chained step and its peak memory.
-  TAIL=30 part bench_long_context 240 python3 tools/bench_dsa.py --only long --codegens triton tilelang \
+  TAIL=30 part bench_topk_split 200 python3 tools/bench_dsa.py --only topk --quick --batches 1 8 \
+    --contexts 1048576 --topk-codegens triton tilelang --cuda-graphs --out "$OUT/dsa_topk_split_h200.md"
+  TAIL=30 part bench_long_context 240 python3 tools/bench_dsa.py --only long --quick --codegens triton tilelang \
     --indexer-codegens tilelang --topk-codegens tilelang --no-baselines --out "$OUT/dsa_long_context_h200.md"
   ;;
-s23-ncu)
-  # (after s23-2, warm machine) Nsight Compute on dzc's warp-specialized prefill and the public pipelined kernel
+s24-ncu)
+  # (after s24-2, warm machine) Nsight Compute on dzc's warp-specialized prefill and the public pipelined kernel
   # (each checked, then launched once more), and on the FP8-cache decode kernel: where the time goes.
   ncu=(ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats
        --section Occupancy --section MemoryWorkloadAnalysis)
