@@ -15,8 +15,8 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session: s24-1 (carry .whl-gpu1), s24-busy, s24-2 (carry .whl-gpu2 and .public-kernels), s24-ncu. Earlier
-# sessions' steps are in git history; their results are in docs/results.
+# Next session: s24-1 (carry .whl-gpu1), s24-moe (carry .triton-kernels), s24-busy, s24-2 (carry .whl-gpu2 and
+# .public-kernels), s24-ncu. Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
 step=$1
@@ -129,6 +129,14 @@ s24-busy)
   # importable, so dzc's kernels are Triton's and nothing waits on TileLang compiles (10-75 s a kernel).
   TAIL=30 part bench_multimodal 420 env PYTHONPATH=/tmp/site-gpu1:$PWD python3 tools/bench_multimodal.py --quick \
     --compile-mode reduce-overhead --no-warm --out "$OUT/multimodal_quick_h200.md"
+  ;;
+s24-moe)
+  # (after s24-1, carry .triton-kernels) issue 15: W4A8 at prefill sizes, never timed (gpt-oss-120b reaches 128
+  # rows per expert at 4096 tokens; the goal is >= 800 TFLOP/s at >= 256): tuned, beside W4A16, grouped_mm BF16 and
+  # triton_kernels in the same run. Triton only (TileLang not importable before s24-2).
+  TAIL=20 part bench_moe_w4a8_prefill 420 env PYTHONPATH=/tmp/site-gpu1:$PWD python3 tools/bench_mxfp4_moe.py \
+    --models gpt-oss-120b --tokens 8192 --routing uniform --codegens triton --w4a8 --memory-layers 0 \
+    --out "$OUT/mxfp4_moe_w4a8_prefill_h200.md"
   ;;
 s24-2)
   # (carry .whl-gpu2 and .public-kernels, after s24-1) issue 14: dsa_topk's split rows (never run on a GPU):
