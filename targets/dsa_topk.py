@@ -245,26 +245,29 @@ def tilelang_launch(compiled, config: KernelConfig, logits, lengths, k, indices,
 # Both codegens
 
 
-# Rows at least SPLIT_FROM positions wide are selected in SPLIT_WIDTH-position pieces (split_rows): with one program
-# (or thread block) a row, a few long rows leave most of the GPU idle. H200, session 23, 2 rows of 1M positions:
-# TileLang's kernel 425 µs and Triton's 4.3 ms whole, torch.topk 140 µs; TileLang takes 128 rows of 32K in 20 µs.
-# The split itself has not run on a GPU yet.
+# Fewer than SPLIT_ROWS_BELOW rows at least SPLIT_FROM positions wide are selected in SPLIT_WIDTH-position pieces
+# (split_rows): with one program (or thread block) a row, a few long rows leave most of the GPU idle. H200, session
+# 23, 2 rows of 1M positions: TileLang's kernel 425 µs and Triton's 4.3 ms whole, torch.topk 140 µs; TileLang
+# takes 128 rows of 32K in 20 µs. Rows enough to fill the GPU (half an H200's SMs and more) stay whole: their
+# pieces would take several waves. The split itself has not run on a GPU yet.
 SPLIT_WIDTH = 32768
 SPLIT_FROM = 262144
+SPLIT_ROWS_BELOW = 64
 
 
 def split_rows(launch, logits, lengths, k: int, indices) -> None:
-    """launch(logits, lengths, indices) runs the kernel over rows; rows at least SPLIT_FROM wide take two rounds of
-    it: the k largest of each SPLIT_WIDTH-position piece of every row (the pieces as rows of their own), then the k
-    largest of those candidates. Exact, with the same ties: the row's k largest are among its pieces' k largest.
-    Every piece before the one holding the row's length is whole, so it keeps exactly k valid positions; that
-    piece keeps min(k, what is left) and then −1s, later pieces only −1s. The valid candidates are therefore a
-    prefix of the candidate row, in ascending position order, so the second round's ties (the smaller candidate
-    first) are the row's (the smaller position first)."""
+    """launch(logits, lengths, indices) runs the kernel over rows; fewer than SPLIT_ROWS_BELOW rows at least
+    SPLIT_FROM wide take two rounds of it: the k largest of each SPLIT_WIDTH-position piece of every row (the
+    pieces as rows of their own), then the k largest of those candidates. Exact, with the same ties: the row's k
+    largest are among its pieces' k largest. Every piece before the one holding the row's length is whole, so it
+    keeps exactly k valid positions; that piece keeps min(k, what is left) and then −1s, later pieces only −1s.
+    The valid candidates are therefore a prefix of the candidate row, in ascending position order, so the second
+    round's ties (the smaller candidate first) are the row's (the smaller position first)."""
     rows, width = logits.shape
     piece = SPLIT_WIDTH
     pieces = -(-width // piece)
-    if width < SPLIT_FROM or pieces * k >= width:  # the candidates would be no fewer than the positions
+    # (pieces * k >= width: the candidates would be no fewer than the positions)
+    if width < SPLIT_FROM or rows >= SPLIT_ROWS_BELOW or pieces * k >= width:
         launch(logits, lengths, indices)
         return
     if width % piece or not logits.is_contiguous():

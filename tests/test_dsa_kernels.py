@@ -229,6 +229,7 @@ def test_topk_of_long_rows_in_pieces_matches_reference(width, ties, seed, tmp_pa
     monkeypatch.setattr(dsa_topk, "SPLIT_WIDTH", 128)
     monkeypatch.setattr(dsa_topk, "SPLIT_FROM", 256)
     lengths = [width, 0, 5, 128, 129, 700, width - 1, 2 * width]
+    assert len(lengths) < dsa_topk.SPLIT_ROWS_BELOW
     args = dsa_cases.topk_args(len(lengths), width, lengths, 16, DEVICE, _generator(seed), ties=ties)
     args[0][0, 3::37] = float("nan")
     # The largest finite logit at position 0, where the first round's −1s gather their values from: a second
