@@ -172,7 +172,8 @@ def gpu_busy(fn: Callable[[], object], calls: int = 20) -> float:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as trace:
         profile.export_chrome_trace(trace.name)
-        events = json.load(open(trace.name))["traceEvents"]
+        with open(trace.name) as f:
+            events = json.load(f)["traceEvents"]
     return busy_fraction((e["ts"], e["ts"] + e["dur"]) for e in events
                          if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
 
