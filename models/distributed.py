@@ -1,7 +1,8 @@
 """Reference sharded models for several devices: a small decoder with a `tp_plan`, sharded by torch.distributed's
 parallel styles (DTensor) or by hand with functional collectives, a DSA attention layer sharded over its heads as
-DeepSeek-V3.2's reference code shards it, and an expert-parallel MoE block exchanging tokens with
-all_to_all_single. tests/test_distributed.py, `dzc-dump --tp` and tools/bench_distributed.py use them."""
+DeepSeek-V3.2's reference code shards it, an expert-parallel MoE block exchanging tokens with all_to_all_single,
+and the DSA + MoE decoder layer made of both. tests/test_distributed.py, `dzc-dump --tp` and
+tools/bench_distributed.py use them."""
 
 from __future__ import annotations
 
@@ -239,3 +240,28 @@ class ExpertParallelMoE(nn.Module):
         y = self.experts(rows, local_ids[:, None], weights[:, None])
         back = funcol.all_to_all_single(y, send_splits, receive_splits, self.group)
         return torch.zeros_like(x).index_add_(0, source, back)
+
+
+class TensorParallelDecoderLayer(nn.Module):
+    """A DSA + MoE decoder layer (dzc.models.multimodal.DecoderLayer) across the ranks of `group`: attention over
+    this rank's heads (shard_dsa_attention: its output projection row-split and all-reduced, so every rank holds
+    every token's hidden state), the MoE's experts split (ExpertParallelMoE) with each rank routing a contiguous
+    1/world share of the tokens, and the shares' results summed across the ranks (an all-reduce of the share
+    placed among zero rows: an all-gather of uneven shares). Equals `layer` on the same inputs; the norms are
+    replicated."""
+
+    def __init__(self, layer, rank: int, world: int, group, shard_indexer: bool = False):
+        super().__init__()
+        self.rank, self.world, self.group = rank, world, group
+        self.input_layernorm = copy.deepcopy(layer.input_layernorm)
+        self.attn = shard_dsa_attention(layer.attn, rank, world, group, shard_indexer)
+        self.post_attention_layernorm = copy.deepcopy(layer.post_attention_layernorm)
+        self.mlp = ExpertParallelMoE(layer.mlp, rank, world, group)
+
+    def forward(self, x, positions, block_table, slots, cache):
+        x = x + self.attn(self.input_layernorm(x), positions, block_table, slots, cache)
+        h = self.post_attention_layernorm(x).reshape(-1, x.shape[-1])
+        tokens = h.shape[0]
+        start, end = self.rank * tokens // self.world, (self.rank + 1) * tokens // self.world
+        share = F.pad(self.mlp(h[start:end]), (0, 0, start, tokens - end))
+        return x + funcol.all_reduce(share, "sum", self.group).view_as(x)

@@ -93,6 +93,23 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
                 outputs.append(fused.step(compiled, x))
         results[name] = _summary(compiled, outputs, expected)
 
+    # The DSA + MoE decoder layer under TP: attention heads split, experts split, each rank routing a share of the
+    # tokens; a prefill then a decode step over each rank's cache, against the whole layer run eagerly.
+    from dzc.models.multimodal import CONFIGS, build_multimodal, new_cache
+
+    cfg = CONFIGS["tiny"]
+    whole = build_multimodal(cfg, torch.float32).language.layers[0]
+    compiled = dzc.compile(sharded.TensorParallelDecoderLayer(whole, rank, world, dist.group.WORLD), target="cuda",
+                           options=options)
+    eager, fused = (DSASession(new_cache(cfg, 8, 2, fp8_index=True, dtype=torch.float32)) for _ in range(2))
+    outputs, expected = [], []
+    for seq in (11, 1):
+        x = torch.randn(2, seq, cfg.hidden, generator=torch.Generator().manual_seed(40 + seq))
+        with torch.no_grad():
+            expected.append(eager.step(whole, x))
+            outputs.append(fused.step(compiled, x))
+    results["decoder_layer"] = _summary(compiled, outputs, expected)
+
     # EP: each rank routes its own tokens; experts 0-1 on rank 0, 2-3 on rank 1.
     block = build_moe("tiny-gptoss")
     layer = sharded.ExpertParallelMoE(block, rank, world, dist.group.WORLD)
@@ -174,6 +191,22 @@ def test_tensor_parallel_dsa_attention_matches_the_whole_layer(ranks, case_name)
             lowered = case["lowered"]
             assert lowered.index("dzc.dsa_indexer.default") < lowered.index("_c10d_functional.all_reduce.default") \
                 < lowered.index("aten.topk.default")
+
+
+def test_tensor_parallel_dsa_moe_decoder_layer_matches_the_whole_layer(ranks):
+    for rank, results in enumerate(ranks):
+        case = results["decoder_layer"]
+        assert case["error"] < 1e-4, (rank, case["error"])
+        assert (case["breaks"], case["retries"]) == (0, [])
+        for collective in ("all_reduce", "all_to_all_single"):
+            assert f"_c10d_functional.{collective}" in case["captured"], collective
+        # Per graph (prefill, decode) on every rank: the attention over this rank's heads, its local experts, and
+        # the attention output's all-reduce with the residual add + post-attention norm.
+        fired = case["passes"]
+        assert fired["fuse_sparse_attention"] == fired["fuse_mxfp4_experts"] == case["graphs"] >= 1, case["refusals"]
+        assert fired["fuse_all_reduce_residual_norm"] == case["graphs"], case["refusals"]
+        for op in ("sparse_attention", "mxfp4_moe", "add_rms_norm"):
+            assert f"dzc.{op}.default" in case["lowered"], op
 
 
 def test_expert_parallel_moe_matches_single_device_layer(ranks):
