@@ -11,9 +11,11 @@
     not a lowering yet, called directly): timed where the profile has `symmetric_memory` and torch's symmetric
     memory is usable, else its column says why it was skipped.
 (2) a decoder layer at TP = world vs TP = 1 (rank 0 alone, the whole layer): prefill throughput (tokens/s) and
-    the one-token step time. The layer is dzc.distributed's TPDecoder (dense attention, SwiGLU MLP; one layer,
-    hidden 7168): the DSA + MXFP4 MoE reference layer has no TP sharding yet (issue 17's DSA-under-TP item), so
-    its TP numbers are not measured here. Goals: prefill >= 1.7x, step <= 0.65x at TP = 2.
+    the one-token step time, for two layers: dzc.models.distributed's TPDecoder (dense attention, SwiGLU MLP;
+    hidden 7168), and the reference DSA + MXFP4-MoE layer (one layer of dzc.models.multimodal's "h200" config:
+    hidden 2880, 64 MLA heads, gpt-oss-20b's 32 experts) as TensorParallelDecoderLayer runs it (heads split,
+    experts split, each rank routing a share of the tokens) over a paged cache. Goals: prefill >= 1.7x,
+    step <= 0.65x at TP = 2.
 (3) the MXFP4 MoE layer (gpt-oss-120b's shapes, 32 experts: the weights are quantized on the host) with experts
     split over the ranks (dzc.distributed's ExpertParallelMoE: all_to_all_single with the router's splits, local
     experts in dzc.mxfp4_moe) vs the whole layer on one GPU (rank 0 alone), on the same tokens per rank.
@@ -45,14 +47,18 @@ from torch import nn
 from dzc import distributed
 from dzc.models import distributed as sharded
 from dzc.models.decoder import HFRMSNorm
+from dzc.models.dsa import DSASession
 from dzc.models.moe import CONFIGS, build_moe
+from dzc.models.multimodal import CONFIGS as DECODER_CONFIGS
+from dzc.models.multimodal import build_multimodal, new_cache
 from dzc.targets import all_reduce_add_rms_norm as one_shot
 from dzc.targets import resolve_target
 
 FULL = dict(hidden=7168, tokens=[1, 64, 4096], layer=dict(hidden=7168, heads=56, intermediate=18432, vocab=1024),
-            prefill=4096, moe=replace(CONFIGS["gpt-oss-120b"], experts=32), moe_tokens=[64, 4096], iterations=20)
+            prefill=4096, moe=replace(CONFIGS["gpt-oss-120b"], experts=32), moe_tokens=[64, 4096], iterations=20,
+            decoder="h200")
 QUICK = dict(hidden=64, tokens=[1, 8], layer=dict(hidden=64, heads=4, intermediate=128, vocab=128),
-             prefill=16, moe="tiny-gptoss", moe_tokens=[8], iterations=2)
+             prefill=16, moe="tiny-gptoss", moe_tokens=[8], iterations=2, decoder="tiny")
 
 
 class AllReduceAddNorm(nn.Module):
@@ -188,6 +194,44 @@ def tp_layer(sizes, options, target, device, mesh, rank, world) -> list[str]:
             f"{results[(tp, 'step')] / results[(1, 'step')]:.2f}x |" for tp in sorted({1, world})]
 
 
+def dsa_moe_layer(sizes, options, target, device, group, rank, world) -> list[str]:
+    """(2b) The reference DSA + MXFP4-MoE decoder layer (dzc.models.multimodal's, one layer of its config) at
+    TP = world (TensorParallelDecoderLayer) vs the whole layer on rank 0: a prefill of sizes["prefill"] tokens
+    and a one-token step after it, each rewriting its own slots of a paged cache every call."""
+    cfg = replace(DECODER_CONFIGS[sizes["decoder"]], layers=1)
+    whole = build_multimodal(cfg, torch.bfloat16, device=device).language.layers[0]
+    prefill = sizes["prefill"]
+    session = DSASession(new_cache(cfg, -(-(prefill + 1) // 16) + 1, 1, fp8_index=False, dtype=torch.bfloat16,
+                                   device=device))
+    generator = torch.Generator(device=device).manual_seed(3)
+    inputs = {name: session.inputs(torch.randn(1, seq, cfg.hidden, device=device, dtype=torch.bfloat16,
+                                               generator=generator))[:-1]
+              for name, seq in (("prefill", prefill), ("step", 1))}
+    with torch.no_grad():
+        expected = {name: whole(*args, session.cache) for name, args in inputs.items()}
+    results = {}
+    for tp in sorted({1, world}):
+        if tp == 1 and rank != 0:
+            dist.barrier()  # TP = 1 runs on rank 0 alone
+            continue
+        layer = whole if tp == 1 else sharded.TensorParallelDecoderLayer(whole, rank, world, group)
+        compiled = dzc.compile(layer, target=target, options=options)
+        with torch.no_grad():
+            for name, args in inputs.items():
+                check(f"DSA+MoE layer TP={tp} {name}", compiled(*args, session.cache), expected[name], 2 ** -4)
+                results[(tp, name)] = timed(lambda args=args: compiled(*args, session.cache), sizes["iterations"],
+                                            device, together=tp > 1)
+        for name in ("fuse_sparse_attention", "fuse_mxfp4_experts"):
+            fired(compiled, name)
+        if tp == 1 and world > 1:
+            dist.barrier()
+    if rank != 0:
+        return []
+    return [f"| DSA+MoE ({sizes['decoder']}), TP={tp} | {prefill / results[(tp, 'prefill')]:.0f} | "
+            f"{results[(tp, 'step')] * 1e6:.1f} | {results[(1, 'prefill')] / results[(tp, 'prefill')]:.2f}x | "
+            f"{results[(tp, 'step')] / results[(1, 'step')]:.2f}x |" for tp in sorted({1, world})]
+
+
 def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
     block = build_moe(sizes["moe"]).to(device)
     hidden = block.cfg.hidden
@@ -246,7 +290,8 @@ def main() -> None:
          "|---|---|---|---|---|---|---|---|",
          *all_reduce_norm(sizes, options, args.target, device, group, rank), "")
     emit(rank, args.out, "| layer | prefill tokens/s | step (µs) | prefill vs TP=1 | step vs TP=1 |",
-         "|---|---|---|---|---|", *tp_layer(sizes, options, args.target, device, mesh, rank, world), "")
+         "|---|---|---|---|---|", *tp_layer(sizes, options, args.target, device, mesh, rank, world),
+         *dsa_moe_layer(sizes, options, args.target, device, group, rank, world), "")
     emit(rank, args.out, "| MoE | tokens per rank | EP layer (µs) | whole layer, one device (µs) | speed-up |",
          "|---|---|---|---|---|", *ep_layer(sizes, options, args.target, device, group, rank, world), "")
     dist.destroy_process_group()
