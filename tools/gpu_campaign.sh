@@ -16,7 +16,7 @@
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Next session: s24-1 (carry .whl-gpu1), s24-moe (carry .triton-kernels), s24-busy, s24-2 (carry .whl-gpu2 and
-# .public-kernels), s24-ncu. Earlier sessions' steps are in git history; their results are in docs/results.
+# .public-kernels), s24-topk, s24-ncu. Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
 step=$1
@@ -149,6 +149,13 @@ s24-2)
     --contexts 1048576 --topk-codegens triton tilelang --cuda-graphs --out "$OUT/dsa_topk_split_h200.md"
   TAIL=30 part bench_long_context 240 python3 tools/bench_dsa.py --only long --quick --codegens triton tilelang \
     --indexer-codegens tilelang --topk-codegens tilelang --no-baselines --out "$OUT/dsa_long_context_h200.md"
+  ;;
+s24-topk)
+  # (after s24-2, warm machine) issue 14: the TileLang top-k's tuning candidates at 64 x 2 rows of 32K and 128K
+  # (each timed and logged: 8 loads in flight a thread, the untuned choice, against 16-32): is any within the
+  # goal of 3x one read of the logits (the untuned one: 5.9x at 32K)?
+  TAIL=30 part topk_tuned 240 env DZC_AUTOTUNE_LOG=1 python3 tools/bench_dsa.py --only topk --batches 64 --queries 2 \
+    --contexts 32768 131072 --topk-codegens tilelang --cuda-graphs --out "$OUT/dsa_topk_tuned_h200.md"
   ;;
 s24-ncu)
   # (after s24-2, warm machine) Nsight Compute on dzc's warp-specialized prefill and the public pipelined kernel
