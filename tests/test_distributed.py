@@ -49,6 +49,19 @@ class _SharedPartial(nn.Module):
         return self.weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype), reduced * 2
 
 
+def _prefill_then_decode(whole, compiled, new_session, hidden: int, seed: int) -> dict:
+    """A prefill of 11 tokens then a decode step for 2 sequences, the whole layer eagerly and the compiled
+    shard each over its own session's paged cache; the compiled run's _summary against the eager one."""
+    eager, fused = new_session(), new_session()
+    outputs, expected = [], []
+    for seq in (11, 1):
+        x = torch.randn(2, seq, hidden, generator=torch.Generator().manual_seed(seed + seq))
+        with torch.no_grad():
+            expected.append(eager.step(whole, x))
+            outputs.append(fused.step(compiled, x))
+    return _summary(compiled, outputs, expected)
+
+
 def _ranks(rank: int, world: int, out_dir: str) -> None:
     import dzc
     from dzc import distributed
@@ -83,15 +96,9 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
         model = sharded.shard_dsa_attention(build_dsa_attention(dtype=torch.float32), rank, world, dist.group.WORLD,
                                             shard_indexer)
         compiled = dzc.compile(model, target="cuda", options=options)
-        eager, fused = (DSASession(PagedKVCache(TINY_DSA.cache_config(), 8, 2, fp8_index=True,
-                                                latent_dtype=torch.float32)) for _ in range(2))
-        outputs, expected = [], []
-        for seq in (11, 1):
-            x = torch.randn(2, seq, TINY_DSA.hidden, generator=torch.Generator().manual_seed(30 + seq))
-            with torch.no_grad():
-                expected.append(eager.step(layer, x))
-                outputs.append(fused.step(compiled, x))
-        results[name] = _summary(compiled, outputs, expected)
+        results[name] = _prefill_then_decode(
+            layer, compiled, lambda: DSASession(PagedKVCache(TINY_DSA.cache_config(), 8, 2, fp8_index=True,
+                                                             latent_dtype=torch.float32)), TINY_DSA.hidden, 30)
 
     # The DSA + MoE decoder layer under TP: attention heads split, experts split, each rank routing a share of the
     # tokens; a prefill then a decode step over each rank's cache, against the whole layer run eagerly.
@@ -101,14 +108,8 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
     whole = build_multimodal(cfg, torch.float32).language.layers[0]
     compiled = dzc.compile(sharded.TensorParallelDecoderLayer(whole, rank, world, dist.group.WORLD), target="cuda",
                            options=options)
-    eager, fused = (DSASession(new_cache(cfg, 8, 2, fp8_index=True, dtype=torch.float32)) for _ in range(2))
-    outputs, expected = [], []
-    for seq in (11, 1):
-        x = torch.randn(2, seq, cfg.hidden, generator=torch.Generator().manual_seed(40 + seq))
-        with torch.no_grad():
-            expected.append(eager.step(whole, x))
-            outputs.append(fused.step(compiled, x))
-    results["decoder_layer"] = _summary(compiled, outputs, expected)
+    results["decoder_layer"] = _prefill_then_decode(
+        whole, compiled, lambda: DSASession(new_cache(cfg, 8, 2, fp8_index=True, dtype=torch.float32)), cfg.hidden, 40)
 
     # EP: each rank routes its own tokens; experts 0-1 on rank 0, 2-3 on rank 1.
     block = build_moe("tiny-gptoss")

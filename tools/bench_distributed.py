@@ -186,10 +186,14 @@ def tp_layer(sizes, options, target, device, mesh, rank, world) -> list[str]:
             fired(compiled, "fuse_all_reduce_residual_norm")
         elif world > 1:
             dist.barrier()
+    return tp_rows("", sizes["prefill"], results, rank, world)
+
+
+def tp_rows(label: str, prefill: int, results: dict, rank: int, world: int) -> list[str]:
+    """Rank 0's table rows of a layer's TP = 1 and TP = world runs: results[(tp, "prefill" | "step")] in seconds."""
     if rank != 0:
         return []
-    prefill = sizes["prefill"]
-    return [f"| TP={tp} | {prefill / results[(tp, 'prefill')]:.0f} | {results[(tp, 'step')] * 1e6:.1f} | "
+    return [f"| {label}TP={tp} | {prefill / results[(tp, 'prefill')]:.0f} | {results[(tp, 'step')] * 1e6:.1f} | "
             f"{results[(1, 'prefill')] / results[(tp, 'prefill')]:.2f}x | "
             f"{results[(tp, 'step')] / results[(1, 'step')]:.2f}x |" for tp in sorted({1, world})]
 
@@ -225,11 +229,7 @@ def dsa_moe_layer(sizes, options, target, device, group, rank, world) -> list[st
             fired(compiled, name)
         if tp == 1 and world > 1:
             dist.barrier()
-    if rank != 0:
-        return []
-    return [f"| DSA+MoE ({sizes['decoder']}), TP={tp} | {prefill / results[(tp, 'prefill')]:.0f} | "
-            f"{results[(tp, 'step')] * 1e6:.1f} | {results[(1, 'prefill')] / results[(tp, 'prefill')]:.2f}x | "
-            f"{results[(tp, 'step')] / results[(1, 'step')]:.2f}x |" for tp in sorted({1, world})]
+    return tp_rows(f"DSA+MoE ({sizes['decoder']}), ", prefill, results, rank, world)
 
 
 def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
