@@ -12,7 +12,7 @@ from torch._dynamo.exc import BackendCompilerFailed
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
 
-from dzc import autotune, config, hf_attention, regions, runtime
+from dzc import autotune, config, frame_cache, hf_attention, regions, runtime
 from dzc.capture import DzcBackend
 from dzc.options import CompileOptions
 from dzc.targets import resolve_target
@@ -71,8 +71,10 @@ class CompiledModel:
                 self.backend.report.nested_regions += "; not marked: " + "; ".join(self.backend.marking.refused)
         else:
             self.backend.report.nested_regions = "off"
-        self._compiled = torch.compile(model, backend=self.backend, dynamic=None if options.dynamic_tokens else False,
-                                       **_OWN_RECOMPILE_BUDGET)
+        # Dynamo's bytecode and guards kept across processes (dzc/frame_cache.py): looked up at the first call.
+        self.frame_cache = frame_cache.FrameCache(model, self.backend, self.backend.target, options)
+        self.backend.report.frame_cache = self.frame_cache.state
+        self._compiled = None if self.frame_cache.function is not None else self._torch_compile()
         # Dynamo reads these when it traces, which any call may do (a guard fails). Entering a config.patch around
         # every call costs ~25 µs of host time (measured on the CPU host: as much as a small kernel takes on the
         # GPU), so dzc turns the captures its options ask for on process-wide, once; other torch.compile users in
@@ -88,6 +90,15 @@ class CompiledModel:
         if options.cuda_graph_max_tokens > 0 and self.backend.target.profile.torch_device_type == "cuda":
             self._cuda_graphs = runtime.CudaGraphRunner(self._run_compiled, options.cuda_graph_max_tokens,
                                                         reuse_outputs=options.cuda_graph_reuse_outputs, model=model)
+
+    def _torch_compile(self, frames: frame_cache.FrameCache | None = None):
+        """torch.compile of the model with dzc's backend; with `frames`, of its forward's copy, with the frame
+        entry's package (installed or empty) and guard filter."""
+        dynamic = None if self.options.dynamic_tokens else False
+        if frames is None:
+            return torch.compile(self.model, backend=self.backend, dynamic=dynamic, **_OWN_RECOMPILE_BUDGET)
+        return torch._dynamo.optimize(self.backend, dynamic=dynamic, package=frames.package,
+                                      guard_filter_fn=frames.guard_filter, **_OWN_RECOMPILE_BUDGET)(frames.function)
 
     @property
     def report(self):
@@ -118,21 +129,36 @@ class CompiledModel:
         return self._replayable_at[1]
 
     def _run_compiled(self, *args, _retry: bool = False, **kwargs):
+        if self._compiled is None:  # the first call: find the frame entry, in the calls' grad mode
+            with torch.no_grad():
+                try:
+                    self.frame_cache.load()
+                except Exception as err:  # noqa: BLE001  (a torch whose internals moved: compile as usual)
+                    self.frame_cache.off(f"finding it failed: {type(err).__name__}: {str(err)[:160]}")
+            found = self.frame_cache.package is not None
+            self._compiled = self._torch_compile(self.frame_cache if found else None)
+            self.backend.report.frame_cache = self.frame_cache.state
         if self.options.dynamic_tokens and not self.backend.report.graphs and not _retry:
-            # A hint for the first compile; later compiles of the frame keep what Dynamo learnt was dynamic.
-            hf_attention.mark_varying_dims(args)
-            hf_attention.mark_varying_dims(kwargs)
+            # A hint for the first compile, taken off after the call; later compiles of the frame keep what Dynamo
+            # learnt was dynamic. (Graphs built from a frame entry were compiled with it.)
+            marked = hf_attention.mark_varying_dims((args, kwargs))
+            try:
+                return self._run_compiled(*args, _retry=True, **kwargs)
+            finally:
+                hf_attention.forget_marks(marked)
         frames_tried = self.backend.start_call()
         try:
             # dzc compiles inference graphs (AOTAutograd's inference path); serving loops run with grad off
             # already, and skipping the no_grad context saves its host time there.
             if torch.is_grad_enabled():
                 with torch.no_grad(), self._dynamo_settings:
-                    result = self._compiled(*args, **kwargs)
+                    result = self._call(*args, **kwargs)
             else:
                 with self._dynamo_settings:
-                    result = self._compiled(*args, **kwargs)
+                    result = self._call(*args, **kwargs)
         except Exception as error:
+            if self._refuse_frame_entry():
+                return self._run_compiled(*args, _retry=True, **kwargs)
             inner = error.inner_exception if isinstance(error, BackendCompilerFailed) else error
             if inner is self.backend.failure:
                 # dzc's own stage failed: its error as it is, not inside Dynamo's "report a bug to PyTorch" text
@@ -147,6 +173,27 @@ class CompiledModel:
             warnings.warn(f"dzc.compile: {reason}. Raise the limit, or compile one model and reuse it "
                           "(the report's eager_runs says so too)", RuntimeWarning, stacklevel=3)
         return result
+
+    def _call(self, *args, **kwargs):
+        result = self._compiled(*args, **kwargs)
+        if self.frame_cache.package is not None:
+            self.frame_cache.save()  # after graphs compiled in this call; nothing to do otherwise
+            self.backend.report.frame_cache = self.frame_cache.state
+        return result
+
+    def _refuse_frame_entry(self) -> bool:
+        """After a capture failed on a guard torch cannot save (frame_cache.FrameCache.guard_filter): compile the
+        model itself from now on, without a frame entry, and say so; the call is then retried. What the failed
+        capture compiled leaves the report."""
+        refusal = self.frame_cache.refusal() if self.frame_cache.package is not None else ""
+        if not refusal:
+            return False
+        self.frame_cache.off(refusal)
+        self.backend.report.frame_cache = self.frame_cache.state
+        if self.backend.checkpoint is not None:
+            self.backend.report.restore(self.backend.checkpoint)
+        self._compiled = self._torch_compile()
+        return True
 
     def _refuse_regions(self, error: Exception, frames_tried: int) -> bool:
         """After a capture with nested compile regions failed (a graph break inside a region, which Dynamo cannot

@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters as dynamo_counters
 from torch._inductor.decomposition import select_decomp_table
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dzc import compile_cache, config, distributed, ir, regions, runtime
@@ -197,8 +197,54 @@ class DzcBackend:
         # input's version counter, which CudaGraphRunner reads).
         self._aot = aot_autograd(fw_compiler=self._refuse_training, inference_compiler=self._compile_graph,
                                  decompositions=_DECOMPOSITIONS, keep_inference_input_mutations=True)
+        # Dynamo's graph names (gm._backend_id, set where dzc keeps a frame entry: dzc/frame_cache.py) -> the
+        # capture-entry lookup of the graph, whose key the frame entry records.
+        self._frame_graphs: dict[str, _CaptureCache] = {}
+        # The report as it was before the current call's first compile (CompileReport.checkpoint), or None.
+        self.checkpoint: tuple | None = None
+
+    def enabled_passes(self) -> list:
+        return _enabled_passes(self.target, self.options)
+
+    def capture_entry_of(self, backend_id: str) -> tuple[str | None, str]:
+        """(the key of the capture entry of Dynamo's graph `backend_id`, "") once it is stored, else (None, why)."""
+        capture = self._frame_graphs.get(backend_id)
+        if capture is None:
+            return None, "not compiled by this backend"
+        if capture.key is None or capture.why:
+            return None, capture.why or "no key"
+        if not capture.cache.capture_path(capture.key).exists():
+            return None, capture.stored or "not stored"
+        return capture.key, ""
+
+    def compile_capture_entry(self, key: str):
+        """The runnable graph of capture entry `key`, built without Dynamo and AOTAutograd (a frame entry's graph:
+        dzc/frame_cache.py), or why it cannot be."""
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: PLC0415
+
+        cache = compile_cache.CompileCache(self.options.resolved_cache_dir())
+        self._timer = CompileTimer()
+        with self._timer.stage("compile cache"):
+            entry, why = cache.load_capture(key)
+            if entry is None:
+                return f"capture entry {key}: {why or 'not found'}"
+            fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+            cached, why = cache.load(entry.entry, fake_mode, warn=False)
+            if cached is None:
+                return f"graph entry {entry.entry}: {why or 'not found'}"
+        self._graph_break = None
+        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            try:
+                compiled = self._compile_captured(*_CaptureHit(entry, cached).graph_module_and_inputs(),
+                                                  hit=_CaptureHit(entry, cached))
+            except Exception as error:  # noqa: BLE001  (the frame entry is not used; Dynamo compiles as usual)
+                return f"building it failed ({type(error).__name__}: {str(error)[:160]})"
+        self.report.graphs[-1].compile_cache = "hit (frame entry: Dynamo and AOTAutograd skipped)"
+        return compiled
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        if self.checkpoint is None:  # the call's first compile
+            self.checkpoint = self.report.checkpoint()
         if self.marking:
             misplaced = regions.misplaced_parameters(gm, example_inputs, self.marking)
             if misplaced:  # dzc.compile restores the layers' classes and captures again
@@ -217,6 +263,9 @@ class DzcBackend:
         self._timer = CompileTimer()
         self._timer.add("dynamo", _dynamo_seconds())
         self._capture = _CaptureCache(self.target, self.options, gm, example_inputs, self._timer)
+        backend_id = getattr(gm, "_backend_id", None)  # Dynamo's name for the graph, where a frame entry is kept
+        if backend_id is not None:
+            self._frame_graphs[backend_id] = self._capture
         if self._capture.hit is not None:  # the whole compile is cached: AOTAutograd's trace is skipped too
             try:
                 return self._compile_captured(*self._capture.hit.graph_module_and_inputs(), hit=self._capture.hit)
@@ -247,6 +296,7 @@ class DzcBackend:
             self._unsupported_total = self._unsupported_seen.total()
         self._call_start = time.perf_counter()
         self._graphs_before = len(self.report.graphs)
+        self.checkpoint = None
         return dynamo_counters["frames"]["total"]
 
     @staticmethod
@@ -493,6 +543,7 @@ class _CaptureCache:
         self.hit: _CaptureHit | None = None
         self.key: str | None = None
         self.why = "off"  # why there is no capture entry to write (where there is none)
+        self.stored = "not stored yet (the first call's rewrite check stores it)"
         self.convention: tuple[tuple[int, ...] | None, str] = (None, "not compiled through AOTAutograd")
         self.inputs = len(example_inputs)
         if not compile_cache.enabled():
@@ -537,6 +588,7 @@ class _CaptureCache:
                or (f"its constants take {size / 2**20:.1f} MiB" if size > compile_cache.MAX_CAPTURE_CONSTANT_BYTES
                    else ""))
         if why:
+            self.why = why
             return (lambda outcome: None), why
         guards = compile_cache.guards_expression(example_inputs)
         with unset_fake_temporarily():
@@ -545,7 +597,7 @@ class _CaptureCache:
         def store(outcome: str) -> None:
             entry = compile_cache.CaptureEntry(build.cache_key, constants, frozenset(written), bumped, guards,
                                                outcome)
-            self.cache.store_capture(self.key, self.parts, entry)
+            self.stored = self.cache.store_capture(self.key, self.parts, entry) or "stored"
 
         return store, ""
 

@@ -27,6 +27,9 @@ written only where AOTAutograd's runtime wrapper has nothing to do but call the 
 graph has no collectives (every rank must take the same path), and the rewrite check passed or did not apply;
 its hit reports the check as done when the entry was built.
 
+Frame entries (dzc/frame_cache.py, `<cache>/compile/frames/`) go one step further: Dynamo's bytecode and guards for
+a compiled model, pointing at capture entries, so that a warm start skips Dynamo's trace as well.
+
 The cache directory (DZC_CACHE_DIR or CompileOptions.cache_dir) is one self-contained directory: kernels/, the
 tuning database, compile/ entries; copy it to another machine of the same kind (same GPU, same versions) and the
 first compile there is warm. Set TRITON_CACHE_DIR inside it too to carry Triton's compiled binaries.
@@ -129,21 +132,26 @@ def pass_identity(graph_pass) -> str:
     return f"{graph_pass.__name__} ({where})"
 
 
+def chosen_options(options) -> str:
+    """The options that change what the passes and lowering make of a graph, as text."""
+    chosen = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+              if f.name not in _KEY_EXCLUDED_OPTIONS}
+    chosen["check_rewrites"] = options.resolved_check_rewrites()
+    return repr(sorted(chosen.items()))
+
+
 def entry_key(captured_text: str, gm: torch.fx.GraphModule, example_inputs, target, options,
               passes: list, extra_versions: dict[str, str] | None = None,
               extra_parts: dict | None = None) -> tuple[str, dict]:
     """(the entry's key, the parts it hashes). captured_text: ir.print_graph of the captured graph; passes: the
     pipeline's passes that run (disabled ones left out)."""
-    chosen = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
-              if f.name not in _KEY_EXCLUDED_OPTIONS}
-    chosen["check_rewrites"] = options.resolved_check_rewrites()
     parts = {
         "graph": captured_text,
         "inputs": [_describe_input(value) for value in example_inputs],
         "constants": _constants(gm),
         "target": target.name,
         "profile": target.profile.fingerprint,
-        "options": repr(sorted(chosen.items())),
+        "options": chosen_options(options),
         "passes": [pass_identity(p) for p in passes],
         "versions": {**versions(), **(extra_versions or {})},
         **(extra_parts or {}),
@@ -247,7 +255,7 @@ class CompileCache:
         full disk), why (the compile stands, it is only not cached)."""
         data = pickle.dumps({"format": FORMAT_VERSION, "key": key, "parts": parts, "graph": graph,
                              "stages": stages, "torch_artifacts": torch_artifacts})
-        return _write_atomically(self.path(key), data)
+        return write_atomically(self.path(key), data)
 
     def capture_path(self, key: str) -> Path:
         return self.directory / "capture" / f"{key}.pkl"
@@ -273,11 +281,11 @@ class CompileCache:
 
     def store_capture(self, key: str, parts: dict, entry: CaptureEntry) -> str:
         """Write a capture entry; "" or why it could not be written."""
-        return _write_atomically(self.capture_path(key), pickle.dumps(
+        return write_atomically(self.capture_path(key), pickle.dumps(
             {"format": FORMAT_VERSION, "key": key, "parts": parts, "entry": entry}))
 
 
-def _write_atomically(path: Path, data: bytes) -> str:
+def write_atomically(path: Path, data: bytes) -> str:
     """Write `path` as a whole or not at all (temporary file + rename); "" or why it could not be written (the
     compile stands, it is only not cached)."""
     try:
@@ -356,6 +364,23 @@ MAX_CAPTURE_CONSTANT_BYTES = 16 * 2**20
 _VERSIONED_MODULES = ("torch", "_operator", "operator", "math", "builtins", "_functools", "functools")
 
 
+def global_state() -> str:
+    """The process state tracing depends on and the graph does not show (grad mode, autocast, the attention kernels
+    SDPA may pick, the GPU), as text."""
+    state = {
+        "grad": torch.is_grad_enabled(), "inference mode": torch.is_inference_mode_enabled(),
+        "autocast": {d: str(torch.get_autocast_dtype(d)) for d in torch._C._autocast_supported_devices()
+                     if torch.is_autocast_enabled(d)},
+        "deterministic": torch.are_deterministic_algorithms_enabled(), "default dtype": str(torch.get_default_dtype()),
+        "functorch config": hashlib.sha256(torch._functorch.config.save_config()).hexdigest()[:16],
+        # Which attention op SDPA traces to depends on these and on the GPU.
+        "sdpa": [f() for f in (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled,
+                               torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.cudnn_sdp_enabled)],
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    return repr(sorted(state.items()))
+
+
 def capture_key(gm: torch.fx.GraphModule, example_inputs, target, options, passes) -> tuple[str | None, dict | str]:
     """(the key, its parts) of a graph as Dynamo captured it, or (None, why it has no capture entry)."""
     placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
@@ -386,21 +411,10 @@ def capture_key(gm: torch.fx.GraphModule, example_inputs, target, options, passe
     storages: dict[int, int] = {}
     aliasing = [storages.setdefault(v.untyped_storage().data_ptr(), i) if isinstance(v, torch.Tensor) else None
                 for i, v in enumerate(example_inputs)]
-    state = {
-        "grad": torch.is_grad_enabled(), "inference mode": torch.is_inference_mode_enabled(),
-        "autocast": {d: str(torch.get_autocast_dtype(d)) for d in torch._C._autocast_supported_devices()
-                     if torch.is_autocast_enabled(d)},
-        "deterministic": torch.are_deterministic_algorithms_enabled(), "default dtype": str(torch.get_default_dtype()),
-        "functorch config": hashlib.sha256(torch._functorch.config.save_config()).hexdigest()[:16],
-        # Which attention op SDPA traces to depends on these and on the GPU.
-        "sdpa": [f() for f in (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.mem_efficient_sdp_enabled,
-                               torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.cudnn_sdp_enabled)],
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-    }
     code = "".join([gm.code, *(f"\n# body {name}\n{module.code}" for name, module in bodies)])
     return entry_key("captured by Dynamo\n" + code, gm, values, target, options, passes,
                      extra_parts={"kind": "capture", "aliasing": aliasing, "functions": functions,
-                                  "global state": repr(sorted(state.items()))})
+                                  "global state": global_state()})
 
 
 def enabled() -> bool:

@@ -84,11 +84,17 @@ COMPILE_CACHE = Knob("DZC_COMPILE_CACHE", "1",
                      "1: keep what the passes made of each captured graph in <cache dir>/compile and reuse it in "
                      "later processes (warm compile); 0: off", "0 or 1", _one_of("0", "1"))
 
+FRAME_CACHE = Knob("DZC_FRAME_CACHE", "1",
+                   "1: with the compile cache on, also keep Dynamo's bytecode and guards for a compiled model "
+                   "(<cache dir>/compile/frames), so that a warm start skips Dynamo's trace; 0: off", "0 or 1",
+                   _one_of("0", "1"))
+
 NESTED_REGIONS = Knob("DZC_NESTED_REGIONS", "1",
                       "1 (default): capture the repeated layers of an nn.ModuleList once, as nested compile "
                       "regions; 0: off (CompileOptions.nested_regions wins)", "0 or 1", _one_of("0", "1"))
 
-KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB, CHECK_REWRITES, COMPILE_CACHE, NESTED_REGIONS)
+KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB, CHECK_REWRITES, COMPILE_CACHE, FRAME_CACHE,
+         NESTED_REGIONS)
 
 
 def debug_level() -> int:

@@ -256,24 +256,35 @@ def take_over(model, mode: str, owner) -> Selection | None:
 _SIZE_HELPER_MODULES = {"transformers.vision_utils": None, "transformers.utils.generic": ("get_max_seqlen",)}
 
 
-def mark_varying_dims(value) -> None:
+def mark_varying_dims(value) -> list[torch.Tensor]:
     """Leading dims of floating tensors (all dims of integer ones, e.g. token ids) may vary between calls: what
-    dzc.compile assumes of a model's inputs, and of what the size helpers hand the graph.
+    dzc.compile assumes of a model's inputs, and of what the size helpers hand the graph. Returns the tensors it
+    marked that carried no mark before (forget_marks takes the marks off them again).
 
     maybe_mark_dynamic is a hint, not an assertion: a dim the model code specialises (a size of 1, a size
     compared with a constant) stays static instead of raising.
     """
     if isinstance(value, torch.Tensor):
-        dims = value.dim() - 1 if value.is_floating_point() else value.dim()
-        for dim in range(dims):
-            if value.shape[dim] > 1:
-                torch._dynamo.maybe_mark_dynamic(value, dim)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            mark_varying_dims(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            mark_varying_dims(item)
+        fresh = not getattr(value, "_has_dynamo_dim_marking", False)
+        dims = [dim for dim in range(value.dim() - 1 if value.is_floating_point() else value.dim())
+                if value.shape[dim] > 1]
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(value, dim)
+        return [value] if fresh and dims else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [tensor for item in value for tensor in mark_varying_dims(item)]
+    return []
+
+
+def forget_marks(tensors: list[torch.Tensor]) -> None:
+    """Take the hints mark_varying_dims put on a call's inputs off again once the call is done: Dynamo compares a
+    tensor's marks with those its graph was compiled for (a frame entry's saved guards reject marked inputs), and
+    the caller's tensors should not carry dzc's hints into other compiles."""
+    for tensor in tensors:
+        for name in ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking"):
+            tensor.__dict__.pop(name, None)
 
 
 @functools.cache

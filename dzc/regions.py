@@ -51,6 +51,8 @@ from __future__ import annotations
 import collections
 import functools
 import operator
+import sys
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -84,10 +86,30 @@ class RegionNarrowing(RegionRefusal):
 def _region_class(cls: type) -> type:
     if cls not in _REGION_CLASSES:
         region = torch.compiler.nested_compile_region(cls.forward)
-        _REGION_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": region, "__module__": cls.__module__,
-                                                           "__qualname__": cls.__qualname__,
-                                                           "_dzc_region_of": cls})
+        # Named like the original (modules' reprs, messages, Dynamo's guards on the layers' type), in a module of
+        # its own that every process marking the class makes: pickle finds it there (frame entries save those
+        # guards: dzc/frame_cache.py).
+        module = _marked_module(cls.__module__)
+        marked = type(cls.__name__, (cls,), {"forward": region, "__module__": module.__name__,
+                                             "__qualname__": cls.__qualname__, "_dzc_region_of": cls})
+        if cls.__qualname__ == cls.__name__:  # (a nested class is not found by name; it is left unpicklable)
+            setattr(module, cls.__name__, marked)
+        _REGION_CLASSES[cls] = marked
     return _REGION_CLASSES[cls]
+
+
+def _marked_module(original: str) -> types.ModuleType:
+    """dzc.regions.marked.<original>: the module of the marked subclasses of `original`'s classes, with every
+    package above it, in sys.modules."""
+    parts = f"marked.{original}".split(".")
+    parent = sys.modules[__name__]
+    for depth, part in enumerate(parts):
+        prefix = ".".join([__name__, *parts[:depth + 1]])
+        if prefix not in sys.modules:
+            sys.modules[prefix] = types.ModuleType(prefix, "dzc: subclasses of marked layers (dzc/regions.py)")
+            setattr(parent, part, sys.modules[prefix])
+        parent = sys.modules[prefix]
+    return parent
 
 
 def _size_expressions(value):

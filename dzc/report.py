@@ -112,6 +112,9 @@ class CompileReport:
     # Captures with regions tried again with the regions kept (dims a region specialised no longer marked dynamic,
     # or fewer layers marked: dzc/regions.py), one line each; refusals are in nested_regions.
     region_retries: list[str] = field(default_factory=list)
+    # The frame entry (dzc/frame_cache.py): "hit (...)" (Dynamo's trace skipped), "miss", "stored", "off (why)",
+    # "not saved (why)".
+    frame_cache: str = ""
 
     @property
     def compiles(self) -> int:
@@ -162,6 +165,16 @@ class CompileReport:
         self.pass_sites.setdefault(name, []).extend(rewrites)
         self.refusals.setdefault(name, []).extend(refusals)
 
+    def checkpoint(self) -> tuple:
+        """What the compiles from now on change (restore puts it back)."""
+        return (len(self.graphs), dict(self.passes), {k: list(v) for k, v in self.pass_sites.items()},
+                {k: list(v) for k, v in self.refusals.items()}, list(self.kernels))
+
+    def restore(self, checkpoint: tuple) -> None:
+        """Forget the compiles since `checkpoint` (a capture that was thrown away and done again)."""
+        graphs, self.passes, self.pass_sites, self.refusals, self.kernels = checkpoint
+        del self.graphs[graphs:]
+
     def drop_rewrites(self, name: str, graph: str, rewrites: list[str], error: str) -> None:
         """A pass's rewrites in one graph were dropped by the rewrite check: they no longer count as fired."""
         self.passes[name] -= len(rewrites)
@@ -194,6 +207,8 @@ class CompileReport:
             lines.append(f"  nested compile regions: {self.nested_regions}")
         for retry in self.region_retries:
             lines.append(f"    regions retried: {retry}")
+        if self.frame_cache:
+            lines.append(f"  frame entry: {self.frame_cache}")
         for dropped in self.dropped_rewrites:
             lines.append(f"  REWRITE DROPPED: {dropped['pass']} in graph {dropped['graph']} at "
                          f"{', '.join(dropped['sites'])}: {dropped['error']}")

@@ -204,7 +204,8 @@ def test_the_check_can_be_turned_off(options, seed, monkeypatch):
         y, _ = compiled(x, residual)
         assert not torch.allclose(y, model(x, residual)[0], atol=1e-2)
         assert compiled.report.fired() == {"fuse_residual_norm": 1} and not compiled.report.dropped_rewrites
-        assert compiled.report.graphs[0].rewrite_check == "skipped: off (CompileOptions.check_rewrites)"
+        # (the second compile is built from the first one's compile cache entries: the same check, off)
+        assert compiled.report.graphs[0].rewrite_check.startswith("skipped: off (CompileOptions.check_rewrites)")
     with config.scope(DZC_CHECK_REWRITES="yes"), pytest.raises(ValueError, match="DZC_CHECK_REWRITES"):
         dzc.compile(model, "cuda", options)
 

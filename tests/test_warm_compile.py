@@ -31,7 +31,9 @@ with torch.no_grad():
     y, h = compiled(x, residual)
 torch.save({"y": y, "h": h, "x": x, "residual": residual, "weight": model.norm.weight}, out)
 report = compiled.report
+from torch._dynamo.utils import counters
 print("RESULTS " + json.dumps({"cache": [g.compile_cache for g in report.graphs], "fired": report.fired(),
+                               "frame": report.frame_cache, "traced": counters["frames"]["total"],
                                "summary": str(report), "stages": [sorted(g.compile_seconds) for g in report.graphs],
                                "check": [g.rewrite_check for g in report.graphs]}))
 """
@@ -49,8 +51,13 @@ def _run_worker(cache, out):
 def test_a_fresh_process_hits_the_cache_and_computes_the_same(tmp_path):
     cold = _run_worker(tmp_path / "cache", tmp_path / "cold.pt")
     warm = _run_worker(tmp_path / "cache", tmp_path / "warm.pt")
-    assert cold["cache"] == ["miss"] and warm["cache"] == ["hit"], (cold["cache"], warm["cache"])
+    assert cold["cache"] == ["miss"] and warm["cache"] == ["hit (frame entry: Dynamo and AOTAutograd skipped)"], \
+        (cold["cache"], warm["cache"])
     assert "compile cache: hit" in warm["summary"] and "compile time" in warm["summary"]
+    # Dynamo's bytecode and guards came from the frame entry: the warm process traced nothing.
+    assert (cold["frame"], cold["traced"]) == ("stored", 1) and warm["traced"] == 0, (cold["frame"], warm["traced"])
+    assert warm["frame"].startswith("hit (1 graph") and "frame entry: hit" in warm["summary"], warm["frame"]
+    assert "dynamo" in cold["stages"][0] and "dynamo" not in warm["stages"][0], warm["stages"]
     assert cold["fired"] == warm["fired"] and warm["fired"].get("fuse_residual_norm") == 1, warm["fired"]
     # The whole compile came from the cache: no AOTAutograd trace, no pass, no second rewrite check (the cold
     # compile's passed; its first call returned the graph as captured, the warm one the fused kernel's results).
@@ -77,6 +84,7 @@ def _compile_once(options, x, residual, model):
 @pytest.fixture
 def norm_case(seed, monkeypatch):
     monkeypatch.setenv("DZC_COMPILE_CACHE", "1")
+    monkeypatch.setenv("DZC_FRAME_CACHE", "0")  # the graph and capture entries (frame entries: test_frame_cache)
     model = AddRMSNorm().to(torch.bfloat16)
     return model, torch.randn(5, 64, dtype=torch.bfloat16), torch.randn(5, 64, dtype=torch.bfloat16)
 

@@ -120,6 +120,12 @@ s24-1)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # no NVLink multicast on these machines
   TAIL=12 part gpu_tests_cuda_graphs 150 python3 -m pytest -q -p no:logging -rf tests/test_cuda_graphs.py
+  # issue 18: frame entries (Dynamo skipped on a warm start) on the GPU: a graph's Inductor fallback built outside
+  # Dynamo's trace; then the warm compile of llama_decoder in a fresh process against torch.compile's warm start.
+  TAIL=12 part gpu_tests_frame_cache 150 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
+    tests/test_frame_cache.py tests/test_warm_compile_capture.py
+  TAIL=20 part bench_compile_llama 240 python3 tools/bench_compile.py --models llama_decoder \
+    --out "$OUT/compile_time_h200_frames.md"
   TAIL=30 part bench_distributed_world1 200 python3 tools/bench_distributed.py --no-tune \
     --out "$OUT/distributed_world1_h200.md"
   ;;

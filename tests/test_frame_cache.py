@@ -1,0 +1,183 @@
+"""Frame entries (dzc/frame_cache.py): a later compile of the same model code over the same cache directory installs
+Dynamo's saved bytecode and guards and builds its graphs from their capture entries, so Dynamo traces nothing while
+the guards hold; guards that reject a call still make Dynamo compile (and the entry grows); a guard torch cannot
+save on an object not found by name refuses the frame entry; a damaged entry is replaced."""
+
+import dataclasses
+import gc
+import pickle
+
+import pytest
+import torch
+from conftest import assert_add_rms_norm_matches_eager
+from torch._dynamo.utils import counters
+
+import dzc
+from dzc import frame_cache, regions
+from dzc.models.decoder import AddRMSNorm
+
+HIT = "hit (frame entry: Dynamo and AOTAutograd skipped)"
+
+
+@pytest.fixture
+def norm(seed, monkeypatch):
+    monkeypatch.setenv("DZC_COMPILE_CACHE", "1")
+    monkeypatch.setenv("DZC_FRAME_CACHE", "1")
+    model = AddRMSNorm().to(torch.bfloat16)
+    with torch.no_grad():
+        model.norm.weight.normal_(1.0, 0.1)
+    generator = torch.Generator().manual_seed(seed)
+    return model, [torch.randn(2, 5, 64, generator=generator).bfloat16() for _ in range(2)]
+
+
+def _compile_and_run(model, options, inputs):
+    """(report, outputs of the second call, frames Dynamo tried during both) of a fresh dzc.compile called twice
+    (a cold compile's first call runs the graph as captured, for its rewrite check)."""
+    compiled = dzc.compile(model, "cuda", options)
+    frames = counters["frames"]["total"]
+    with torch.no_grad():
+        for _ in range(2):
+            outputs = compiled(*[t.clone() for t in inputs])  # (a compile marks its first inputs' dims dynamic)
+    report = compiled.report
+    del compiled
+    gc.collect()  # the graphs Dynamo installed go with the compiled model (a later load may install them again)
+    return report, outputs, counters["frames"]["total"] - frames
+
+
+def test_a_second_compile_skips_dynamo_and_computes_the_same(options, norm):
+    model, inputs = norm
+    cold, cold_out, cold_frames = _compile_and_run(model, options, inputs)
+    assert cold.frame_cache == "stored" and cold_frames == 1, cold.frame_cache
+    warm, warm_out, warm_frames = _compile_and_run(model, options, inputs)
+    assert warm.frame_cache.startswith("hit (1 graph"), warm.frame_cache
+    assert warm_frames == 0, "Dynamo traced the model"
+    [graph] = warm.graphs
+    assert graph.compile_cache == HIT and "dynamo" not in graph.compile_seconds, graph.compile_seconds
+    assert warm.fired() == cold.fired() and warm.fired().get("fuse_residual_norm") == 1, warm.fired()
+    assert all(torch.equal(a, b) for a, b in zip(cold_out, warm_out)), "the same rewritten graph computes the same"
+    assert_add_rms_norm_matches_eager(model, *inputs, *warm_out)
+
+
+def test_a_call_the_guards_reject_is_compiled_and_the_entry_grows(options, norm):
+    model, inputs = norm
+    _compile_and_run(model, options, inputs)
+    compiled = dzc.compile(model, "cuda", options)
+    wider = [torch.randn(3, 64).bfloat16() for _ in range(2)]  # another rank: the saved guards reject it
+    with torch.no_grad():
+        compiled(*[t.clone() for t in inputs])
+        frames = counters["frames"]["total"]
+        y, h = compiled(*wider)
+    assert counters["frames"]["total"] > frames, "Dynamo compiled the call the guards rejected"
+    assert_add_rms_norm_matches_eager(model, *wider, y, h)
+    assert [g.compile_cache == HIT for g in compiled.report.graphs] == [True, False], compiled.report.graphs
+    del compiled
+    gc.collect()
+    # Both graphs are in the entry now: a third compile traces neither call.
+    compiled = dzc.compile(model, "cuda", options)
+    frames = counters["frames"]["total"]
+    with torch.no_grad():
+        compiled(*[t.clone() for t in inputs])
+        compiled(*[t.clone() for t in wider])
+    assert counters["frames"]["total"] == frames and compiled.report.frame_cache.startswith("hit (2 graphs")
+
+
+def test_another_option_or_the_knob_off_misses(options, norm, monkeypatch):
+    model, inputs = norm
+    _compile_and_run(model, options, inputs)
+    other, _, frames = _compile_and_run(model, dataclasses.replace(options, moe_fp8_activations=True), inputs)
+    assert other.frame_cache == "stored" and frames == 1, other.frame_cache
+    monkeypatch.setenv("DZC_FRAME_CACHE", "0")
+    off, _, frames = _compile_and_run(model, options, inputs)
+    assert off.frame_cache.startswith("off") and frames == 1, off.frame_cache
+
+
+def test_an_unreadable_entry_is_replaced(options, norm):
+    model, inputs = norm
+    _compile_and_run(model, options, inputs)
+    [path] = (frame_cache.Path(options.resolved_cache_dir()) / "compile" / "frames").glob("*.pkl")
+    path.write_bytes(path.read_bytes()[:100])
+    damaged, outputs, frames = _compile_and_run(model, options, inputs)
+    assert damaged.frame_cache.startswith("stored (entry unreadable, replaced") and frames == 1, damaged.frame_cache
+    assert_add_rms_norm_matches_eager(model, *inputs, *outputs)
+    warm, _, frames = _compile_and_run(model, options, inputs)
+    assert warm.frame_cache.startswith("hit") and frames == 0, warm.frame_cache
+
+
+def _make_scale(factor):
+    def scale(t):
+        return t * factor
+    return scale
+
+
+SCALE = _make_scale(2)  # a function made by a factory: not found by name in another process
+
+
+class CallsAMadeFunction(AddRMSNorm):
+    def forward(self, x, residual):
+        y, h = super().forward(x, residual)
+        return SCALE(y), h
+
+
+def test_a_guard_on_an_object_not_found_by_name_refuses_the_entry(options, norm):
+    _, inputs = norm
+    model = CallsAMadeFunction().to(torch.bfloat16)
+    compiled = dzc.compile(model, "cuda", options)
+    with torch.no_grad():
+        y, h = compiled(*inputs)
+        expected_y, expected_h = model(*inputs)
+    report = compiled.report
+    assert report.frame_cache.startswith("off (a CLOSURE_MATCH guard on G['SCALE']"), report.frame_cache
+    assert len(report.graphs) == 1 and report.fired().get("fuse_residual_norm") == 1, report.graphs
+    torch.testing.assert_close(h, expected_h, rtol=0, atol=2 ** -6)
+    torch.testing.assert_close(y, expected_y, rtol=2 ** -6, atol=2 ** -5)
+    assert not list((frame_cache.Path(options.resolved_cache_dir()) / "compile" / "frames").glob("*.pkl"))
+
+
+def test_a_model_with_hooks_has_no_frame_entry(options, norm):
+    model, inputs = norm
+    model.register_forward_hook(lambda module, args, output: None)
+    report, _, _ = _compile_and_run(model, options, inputs)
+    assert report.frame_cache == "off (it has forward hooks (dzc would compile forward alone))"
+
+
+def module_function():
+    return 1
+
+
+def test_objects_found_by_name():
+    assert frame_cache._by_name(torch) == "torch"
+    assert frame_cache._by_name(torch.ops.dzc) == "torch:ops.dzc"
+    assert frame_cache._by_name(torch.ops.dzc.add_rms_norm) == "torch:ops.dzc.add_rms_norm"
+    assert frame_cache._by_name(torch.zeros_like) == "torch:zeros_like"  # a C builtin, by its module's name
+    assert frame_cache._by_name(module_function) == f"{__name__}:module_function"
+    assert frame_cache._by_name(SCALE) is None and frame_cache._by_name(torch.nn.Linear(2, 2)) is None
+    assert frame_cache._holds("torch:ops.dzc") and not frame_cache._holds("torch:no_such_attribute")
+
+
+def test_marked_layer_classes_pickle_as_themselves():
+    """Dynamo's guards on a marked layer's type are saved by reference (dzc/regions.py names the subclass)."""
+    marked = regions._region_class(AddRMSNorm)
+    assert marked.__name__ == "AddRMSNorm" and pickle.loads(pickle.dumps(marked)) is marked
+
+
+class LeavesOpsToInductor(AddRMSNorm):
+    """An add+RMSNorm with elementwise ops after it: on a GPU the fallback compiles them with Inductor."""
+
+    def forward(self, x, residual):
+        y, h = super().forward(x, residual)
+        return torch.relu(y) * 2 + 1, h
+
+
+@pytest.mark.gpu
+def test_a_frame_entry_on_the_gpu_builds_its_inductor_fallback(options, norm):
+    """The graph of a frame entry is built outside Dynamo's trace: Inductor compiles its leftovers there too."""
+    _, inputs = norm
+    model = LeavesOpsToInductor().to("cuda", torch.bfloat16)
+    inputs = [t.cuda() for t in inputs]
+    cold, cold_out, _ = _compile_and_run(model, options, inputs)
+    warm, warm_out, frames = _compile_and_run(model, options, inputs)
+    assert cold.frame_cache == "stored" and warm.frame_cache.startswith("hit (1 graph") and frames == 0, \
+        (cold.frame_cache, warm.frame_cache)
+    [graph] = warm.graphs
+    assert graph.fallback == "inductor" and graph.compile_cache == HIT, (graph.fallback, graph.compile_cache)
+    assert all(torch.equal(a, b) for a, b in zip(cold_out, warm_out))
