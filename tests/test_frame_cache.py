@@ -17,6 +17,7 @@ from dzc import frame_cache, regions
 from dzc.models.decoder import AddRMSNorm
 
 HIT = "hit (frame entry: Dynamo and AOTAutograd skipped)"
+pytestmark = pytest.mark.skipif(bool(frame_cache._unsupported_torch()), reason=frame_cache._unsupported_torch())
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import torch
 from conftest import assert_add_rms_norm_matches_eager
 
 import dzc
-from dzc import compile_cache
+from dzc import compile_cache, frame_cache
 from dzc.models.decoder import AddRMSNorm
 from dzc.pipeline import build_pipeline
 from dzc.targets import resolve_target
@@ -51,13 +51,14 @@ def _run_worker(cache, out):
 def test_a_fresh_process_hits_the_cache_and_computes_the_same(tmp_path):
     cold = _run_worker(tmp_path / "cache", tmp_path / "cold.pt")
     warm = _run_worker(tmp_path / "cache", tmp_path / "warm.pt")
-    assert cold["cache"] == ["miss"] and warm["cache"] == ["hit (frame entry: Dynamo and AOTAutograd skipped)"], \
-        (cold["cache"], warm["cache"])
+    frames = not frame_cache._unsupported_torch()  # (torch 2.13 keeps Dynamo's work: dzc/frame_cache.py)
+    hit = "hit (frame entry: Dynamo and AOTAutograd skipped)" if frames else "hit"
+    assert cold["cache"] == ["miss"] and warm["cache"] == [hit], (cold["cache"], warm["cache"])
     assert "compile cache: hit" in warm["summary"] and "compile time" in warm["summary"]
-    # Dynamo's bytecode and guards came from the frame entry: the warm process traced nothing.
-    assert (cold["frame"], cold["traced"]) == ("stored", 1) and warm["traced"] == 0, (cold["frame"], warm["traced"])
-    assert warm["frame"].startswith("hit (1 graph") and "frame entry: hit" in warm["summary"], warm["frame"]
-    assert "dynamo" in cold["stages"][0] and "dynamo" not in warm["stages"][0], warm["stages"]
+    if frames:  # Dynamo's bytecode and guards came from the frame entry: the warm process traced nothing.
+        assert (cold["frame"], cold["traced"]) == ("stored", 1) and warm["traced"] == 0, (cold["frame"], warm["traced"])
+        assert warm["frame"].startswith("hit (1 graph") and "frame entry: hit" in warm["summary"], warm["frame"]
+        assert "dynamo" in cold["stages"][0] and "dynamo" not in warm["stages"][0], warm["stages"]
     assert cold["fired"] == warm["fired"] and warm["fired"].get("fuse_residual_norm") == 1, warm["fired"]
     # The whole compile came from the cache: no AOTAutograd trace, no pass, no second rewrite check (the cold
     # compile's passed; its first call returned the graph as captured, the warm one the fused kernel's results).

@@ -158,7 +158,8 @@ def breakdown(name: str, fn, calls: int, probes: Probes, synchronize) -> list[st
     rows = [f"  {name} (median of {len(probes.per_call)} calls)"]
     host = 0.0
     for layer in LAYERS + sorted(set(medians) - set(LAYERS)):
-        if layer not in medians:
+        if layer not in medians:  # (no CUDA graphs on the CPU; no AOTAutograd wrapper on a compile cache hit)
+            rows.append(f"    {layer:52s} {'-':>8s} (not on this call's path)")
             continue
         us = medians[layer]
         if "not host time" not in layer:
