@@ -217,9 +217,9 @@ class DzcBackend:
             return None, capture.stored or "not stored"
         return capture.key, ""
 
-    def compile_capture_entry(self, key: str):
+    def compile_capture_entry(self, key: str, compile_id: str):
         """The runnable graph of capture entry `key`, built without Dynamo and AOTAutograd (a frame entry's graph:
-        dzc/frame_cache.py), or why it cannot be."""
+        dzc/frame_cache.py; its record and dumps named `compile_id`), or why it cannot be."""
         from torch.fx.experimental.symbolic_shapes import ShapeEnv  # noqa: PLC0415
 
         cache = compile_cache.CompileCache(self.options.resolved_cache_dir())
@@ -235,8 +235,8 @@ class DzcBackend:
         self._graph_break = None
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
             try:
-                compiled = self._compile_captured(*_CaptureHit(entry, cached).graph_module_and_inputs(),
-                                                  hit=_CaptureHit(entry, cached))
+                hit = _CaptureHit(entry, cached)
+                compiled = self._compile_captured(*hit.graph_module_and_inputs(), hit=hit, compile_id=compile_id)
             except Exception as error:  # noqa: BLE001  (the frame entry is not used; Dynamo compiles as usual)
                 return f"building it failed ({type(error).__name__}: {str(error)[:160]})"
         self.report.graphs[-1].compile_cache = "hit (frame entry: Dynamo and AOTAutograd skipped)"
@@ -340,14 +340,15 @@ class DzcBackend:
             self.failure = error
             raise
 
-    def _compile_captured(self, gm: torch.fx.GraphModule, example_inputs, hit: _CaptureHit | None = None):
+    def _compile_captured(self, gm: torch.fx.GraphModule, example_inputs, hit: _CaptureHit | None = None,
+                          compile_id: str | None = None):
         """Compile AOTAutograd's graph `gm` (or, on a capture-level cache hit, the cached graph of `hit`, whose
-        rewrite check ran when its entry was built)."""
+        rewrite check ran when its entry was built). compile_id: the record's, where Dynamo did not compile it."""
         # as captured, region bodies inlined, for the rewrite check (lowering binds kernels in place)
         captured = regions.inlined(gm) if hit is None else None
         written = hit.entry.written if hit else written_inputs(captured)  # before passes touch the graph
         dynamo_id = torch._guards.CompileContext.current_compile_id()
-        compile_id = str(dynamo_id) if dynamo_id is not None else "0/0"
+        compile_id = compile_id or (str(dynamo_id) if dynamo_id is not None else "0/0")
         # A recompile is a second graph for a frame this backend already compiled (Dynamo's own compile counter
         # is per code object and process, so it also counts other models sharing the same forward).
         frame = dynamo_id.frame_id if dynamo_id is not None else None

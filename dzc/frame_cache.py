@@ -225,8 +225,8 @@ class FrameCache:
         captures = _rename_graphs(stored)
         checkpoint = self.backend.report.checkpoint()
         graphs = {}
-        for backend_id, capture in captures.items():
-            compiled = self.backend.compile_capture_entry(capture)
+        for index, (backend_id, capture) in enumerate(captures.items()):
+            compiled = self.backend.compile_capture_entry(capture, f"entry/{index}")
             if isinstance(compiled, str):
                 self.backend.report.restore(checkpoint)
                 return f"graph {backend_id}: {compiled}"
