@@ -250,7 +250,7 @@ class FrameCache:
     def guard_filter(self, entries) -> list[bool]:
         """Dynamo's guard_filter_fn: every guard is kept but those torch cannot save whose object is found by name
         (recorded, and checked again when an entry is loaded). A kept guard torch cannot save fails the capture;
-        `refused` then says why, and dzc compiles without a frame entry."""
+        refusal() then says why, and dzc compiles without a frame entry."""
         keep = []
         for entry in entries:
             kinds = (entry.guard_type, *entry.derived_guard_types)
@@ -280,6 +280,9 @@ class FrameCache:
         entry = self.package.cache_entry()
         if len(entry.codes) != 1:
             self.state = "not saved (graph breaks: Dynamo compiled more than the forward's frame)"
+            return
+        if entry.codes[0].bypassed:  # (torch's own refusals: a graph holding parameters at static addresses)
+            self.state = "not saved (torch bypassed the frame's package)"
             return
         captures = dict(self._stored)
         for backend_id in entry.backend_ids:
