@@ -73,7 +73,6 @@ class CompiledModel:
             self.backend.report.nested_regions = "off"
         # Dynamo's bytecode and guards kept across processes (dzc/frame_cache.py): looked up at the first call.
         self.frame_cache = frame_cache.FrameCache(model, self.backend, self.backend.target, options)
-        self.backend.report.frame_cache = self.frame_cache.state
         self._compiled = None if self.frame_cache.function is not None else self._torch_compile()
         # Dynamo reads these when it traces, which any call may do (a guard fails). Entering a config.patch around
         # every call costs ~25 µs of host time (measured on the CPU host: as much as a small kernel takes on the
@@ -137,7 +136,6 @@ class CompiledModel:
                     self.frame_cache.off(f"finding it failed: {type(err).__name__}: {str(err)[:160]}")
             found = self.frame_cache.package is not None
             self._compiled = self._torch_compile(self.frame_cache if found else None)
-            self.backend.report.frame_cache = self.frame_cache.state
         if self.options.dynamic_tokens and not self.backend.report.graphs and not _retry:
             # A hint for the first compile, taken off after the call; later compiles of the frame keep what Dynamo
             # learnt was dynamic. (Graphs built from a frame entry were compiled with it.)
@@ -152,10 +150,10 @@ class CompiledModel:
             # already, and skipping the no_grad context saves its host time there.
             if torch.is_grad_enabled():
                 with torch.no_grad(), self._dynamo_settings:
-                    result = self._call(*args, **kwargs)
+                    result = self._compiled(*args, **kwargs)
             else:
                 with self._dynamo_settings:
-                    result = self._call(*args, **kwargs)
+                    result = self._compiled(*args, **kwargs)
         except Exception as error:
             if self._refuse_frame_entry():
                 return self._run_compiled(*args, _retry=True, **kwargs)
@@ -169,16 +167,11 @@ class CompiledModel:
             if not self._retry_capture(inner, frames_tried):
                 raise
             return self._run_compiled(*args, **kwargs)
+        if self.frame_cache.package is not None:
+            self.frame_cache.save()  # after graphs compiled in this call; nothing to do otherwise
         for reason in self.backend.eager_runs_since(frames_tried):
             warnings.warn(f"dzc.compile: {reason}. Raise the limit, or compile one model and reuse it "
                           "(the report's eager_runs says so too)", RuntimeWarning, stacklevel=3)
-        return result
-
-    def _call(self, *args, **kwargs):
-        result = self._compiled(*args, **kwargs)
-        if self.frame_cache.package is not None:
-            self.frame_cache.save()  # after graphs compiled in this call; nothing to do otherwise
-            self.backend.report.frame_cache = self.frame_cache.state
         return result
 
     def _refuse_frame_entry(self) -> bool:
@@ -189,7 +182,6 @@ class CompiledModel:
         if not refusal:
             return False
         self.frame_cache.off(refusal)
-        self.backend.report.frame_cache = self.frame_cache.state
         if self.backend.checkpoint is not None:
             self.backend.report.restore(self.backend.checkpoint)
         self._compiled = self._torch_compile()

@@ -265,6 +265,19 @@ class CompileCache:
         file is unreadable (it is rebuilt)."""
         return self._read(self.capture_path(key), key, lambda stored: stored["entry"], warn=True)
 
+    def frame_path(self, key: str) -> Path:
+        return self.directory / "frames" / f"{key}.pkl"
+
+    def load_frame(self, key: str) -> tuple[object | None, str]:
+        """(the frame entry dzc/frame_cache.py stored, "") on a hit; (None, "") when there is none; (None, why) when
+        the file is unreadable (no warning: the report says so, and it is replaced)."""
+        return self._read(self.frame_path(key), key, lambda stored: stored["entry"], warn=False)
+
+    def store_frame(self, key: str, parts: dict, entry) -> str:
+        """Write a frame entry; "" or why it could not be written."""
+        return write_atomically(self.frame_path(key), pickle.dumps(
+            {"format": FORMAT_VERSION, "key": key, "parts": parts, "entry": entry}))
+
     def _read(self, path: Path, key: str, make, warn: bool):
         """(make(the stored dict), "") for a readable format-FORMAT_VERSION file of `key`; (None, "") when there is
         none; (None, why) when it is unreadable, with a warning if `warn`."""

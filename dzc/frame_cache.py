@@ -34,12 +34,10 @@ import importlib
 import inspect
 import itertools
 import marshal
-import pickle
 import re
 import types
 import uuid
 import weakref
-from pathlib import Path
 
 import torch
 from torch._dynamo.guards import CheckFunctionManager
@@ -47,7 +45,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dzc import compile_cache, config
 
-_FORMAT = 1
 # Guard kinds torch cannot save (torch._dynamo.guards.CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES):
 # they compare an object's identity or a dict's version.
 _UNSAVED_GUARDS = frozenset(getattr(CheckFunctionManager, "UNSUPPORTED_SERIALIZATION_GUARD_TYPES", ()))
@@ -148,7 +145,8 @@ class FrameCache:
     that compiled graphs. `state` is what the report shows."""
 
     def __init__(self, model, backend, target, options):
-        self.backend, self.state = backend, "off (DZC_FRAME_CACHE or DZC_COMPILE_CACHE is 0)"
+        self.backend = backend
+        self.state = "off (DZC_FRAME_CACHE or DZC_COMPILE_CACHE is 0)"
         self.package = None
         self.function = None  # the copy of forward that Dynamo compiles, bound to the model
         self._named: set[str] = set()  # guards left out, by name (this process's compiles)
@@ -176,8 +174,16 @@ class FrameCache:
                       "code": hashlib.sha256(marshal.dumps(forward.__code__)).hexdigest()[:16],
                       "target": target.name, "profile": target.profile.fingerprint, "options": chosen,
                       "passes": passes, "versions": compile_cache.versions()}
-        self.directory = Path(options.resolved_cache_dir()) / "compile" / "frames"
+        self.cache = compile_cache.CompileCache(options.resolved_cache_dir())
         self.state = "miss"
+
+    @property
+    def state(self) -> str:
+        return self.backend.report.frame_cache
+
+    @state.setter
+    def state(self, value: str) -> None:
+        self.backend.report.frame_cache = value
 
     def load(self) -> None:
         """Before the first call (inside dzc.compile's call context: grad mode as its graphs see it): find this
@@ -187,7 +193,8 @@ class FrameCache:
         # (the layers marked as nested compile regions: their classes, which the bytecode's guards name)
         self.parts.update({"global state": compile_cache.global_state(), "regions": self.backend.marking.describe()})
         self.key = hashlib.sha256(repr(sorted(self.parts.items())).encode()).hexdigest()[:32]
-        stored, why = self._read()
+        stored, why = self.cache.load_frame(self.key)
+        why = why and f"entry unreadable, replaced ({why})"
         if stored is not None:
             why = self._install(stored)
             if not why:
@@ -198,18 +205,6 @@ class FrameCache:
         if why:
             self.state = f"miss ({why})"
         self.package = CompilePackage(self.function.__func__)
-
-    def _read(self) -> tuple[_Stored | None, str]:
-        path = self.directory / f"{self.key}.pkl"
-        try:
-            stored = pickle.loads(path.read_bytes())
-            if not isinstance(stored, dict) or stored.get("format") != _FORMAT or stored.get("key") != self.key:
-                raise ValueError(f"not a format-{_FORMAT} frame entry for this key")
-            return stored["entry"], ""
-        except FileNotFoundError:
-            return None, ""
-        except Exception as err:  # noqa: BLE001  (a damaged entry is replaced by this process's)
-            return None, f"entry unreadable, replaced ({type(err).__name__}: {str(err)[:160]})"
 
     def _install(self, stored: _Stored) -> str:
         """Install a loaded entry on the forward's copy; "" or why it cannot be used (nothing is left installed)."""
@@ -294,11 +289,10 @@ class FrameCache:
                 captures[backend_id] = capture
         stored = _Stored(entry, {b: captures[b] for b in entry.backend_ids}, sorted(self._named))
         try:
-            data = pickle.dumps({"format": _FORMAT, "key": self.key, "parts": self.parts, "entry": stored})
+            problem = self.cache.store_frame(self.key, self.parts, stored)
         except Exception as err:  # noqa: BLE001  (an object in Dynamo's state that does not pickle)
             self.state = f"not saved ({type(err).__name__}: {str(err)[:160]})"
             return
-        problem = compile_cache.write_atomically(self.directory / f"{self.key}.pkl", data)
         if problem:
             self.state = f"not saved ({problem})"
         elif not self.state.startswith("hit"):  # (a miss keeps its reason)
