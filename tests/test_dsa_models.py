@@ -206,7 +206,9 @@ def test_hf_deepseek_v32_sdpa_fuses_and_matches_eager():
     assert len(stages) == 3
     for graph, graph_stages in stages:
         result = next(s.result for s in graph_stages if s.name == "fuse_sparse_attention")
-        assert [where.split(" ")[0] for where in result.rewrites] == ["sdpa_attention.py:182"], result.refusals
+        # one site: the SDPA call in transformers' sdpa_attention.py (its line moves between transformers releases)
+        assert [where.split(" ")[0].split(":")[0] for where in result.rewrites] == ["sdpa_attention.py"], \
+            result.refusals
 
 
 @pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
