@@ -76,6 +76,11 @@ class AllReduceAddNorm(nn.Module):
         return self.norm(h), h
 
 
+# The share of rows a selecting layer may get another way than eager (see check): 1% measured, margin for TP's
+# different partial sums.
+FLIPPED_ROWS = 0.03
+
+
 def timed(fn, iterations: int, device, together: bool = True) -> float:
     """Median seconds of `iterations` back-to-back calls (after two warm-up calls); `together`: every rank in step
     (a barrier before each call), else this rank alone (the one-GPU baselines)."""
@@ -95,10 +100,27 @@ def timed(fn, iterations: int, device, together: bool = True) -> float:
     return statistics.median(times)
 
 
-def check(name: str, actual, expected, tolerance: float) -> None:
-    error = ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30)).item()
-    if not error <= tolerance:
-        raise SystemExit(f"{name}: dzc differs from eager by {error:.3g} of the largest |value| (> {tolerance})")
+def check(name: str, actual, expected, tolerance: float, selects: bool = False) -> None:
+    """dzc's result against eager's: the largest difference over the largest |value| within `tolerance`.
+    `selects`: the layer picks among values in bf16 (a router's or an indexer's top-k). Two correct computations that
+    round differently then pick another expert or position where two scores nearly tie, and such a row differs by
+    a whole expert's output (on the H200, 42 of 4096 rows of the DSA+MoE layer's prefill even with both of dzc's
+    rewrites off: Inductor's rounding against eager's; dzc's own rewrite check skips such graphs for that reason).
+    There the check is per row: at most FLIPPED_ROWS of the rows beyond `tolerance`, the median row within a quarter
+    of it."""
+    scale = expected.float().abs().max().clamp_min(1e-30)
+    rows = (actual.float() - expected.float()).abs().flatten(0, -2).amax(-1) / scale
+    beyond = (rows > tolerance).float().mean().item()
+    if not selects and not rows.max().item() <= tolerance:
+        raise SystemExit(f"{name}: dzc differs from eager by {rows.max().item():.3g} of the largest |value| "
+                         f"(> {tolerance})")
+    if selects and not (beyond <= FLIPPED_ROWS and rows.median().item() <= tolerance / 4):
+        raise SystemExit(f"{name}: {beyond:.1%} of the rows differ from eager's by more than {tolerance} of the "
+                         f"largest |value| (at most {FLIPPED_ROWS:.0%} may: near-tie selections), the median row by "
+                         f"{rows.median().item():.3g} (at most {tolerance / 4})")
+    if selects and beyond:
+        print(f"{name}: {beyond:.1%} of the rows beyond {tolerance} of the largest |value| (near-tie selections), "
+              f"median row {rows.median().item():.3g}", flush=True)
 
 
 def fired(compiled, name: str) -> None:
@@ -222,7 +244,8 @@ def dsa_moe_layer(sizes, options, target, device, group, rank, world) -> list[st
         compiled = dzc.compile(layer, target=target, options=options)
         with torch.no_grad():
             for name, args in inputs.items():
-                check(f"DSA+MoE layer TP={tp} {name}", compiled(*args, session.cache), expected[name], 2 ** -4)
+                check(f"DSA+MoE layer TP={tp} {name}", compiled(*args, session.cache), expected[name], 2 ** -4,
+                      selects=True)
                 results[(tp, name)] = timed(lambda args=args: compiled(*args, session.cache), sizes["iterations"],
                                             device, together=tp > 1)
         for name in ("fuse_sparse_attention", "fuse_mxfp4_experts"):
@@ -244,7 +267,8 @@ def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
                         generator=torch.Generator(device=device).manual_seed(tokens)).bfloat16()
         mine = x[rank * tokens:(rank + 1) * tokens]
         with torch.no_grad():
-            check(f"EP={world} T={tokens}", compiled_ep(mine), block(x)[rank * tokens:(rank + 1) * tokens], 2 ** -4)
+            check(f"EP={world} T={tokens}", compiled_ep(mine), block(x)[rank * tokens:(rank + 1) * tokens], 2 ** -4,
+                  selects=True)
             ep_s = timed(lambda: compiled_ep(mine), sizes["iterations"], device)
             one_s = timed(lambda: compiled_one(mine), sizes["iterations"], device, together=False) if rank == 0 else 0.0
         if world > 1:
