@@ -581,9 +581,7 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
         hidden_n = torch.empty(tokens, width, dtype=spec.hidden_dtype, device=device)
         kernels["moe_reorder_kernel"][(tokens, -(-width // REORDER_BLOCK))](
             hidden, hidden_n, hidden.stride(0), BLOCK=REORDER_BLOCK, ACT_ORDER=order, num_warps=4)
-    # Tiles on grid axis 0 (row blocks x column blocks, the column blocks of a row block consecutive: the
-    # kernels' _tile), split-K slices on axis 1.
-    gate_up_tiles = plan.max_blocks * -(-spec.inter // block_n)
+    gate_up_tiles = _tiles(plan, spec.inter, block_n)
     # W4A8's scale arguments (x_scales_ptr, w_block_scales_ptr): any pointer will do, with FP8 = False the
     # kernels never read them.
     kernels["moe_gate_up_kernel"][(gate_up_tiles, split_k)](
@@ -597,7 +595,7 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
             num_warps=config.num_warps)
     if use_workspace:
         _dequantize_experts(kernels, w2_blocks, w2_scales, plan, ws, spec.hidden, spec.inter, spec)
-    kernels["moe_down_kernel"][(plan.max_blocks * -(-spec.hidden // block_n), split_k)](
+    kernels["moe_down_kernel"][(_tiles(plan, spec.hidden, block_n), split_k)](
         act, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
         w2_blocks, w2_scales, ws, w2_bias_arg, topk_weights.reshape(-1), pair_out, pair_out, pair_out, pairs,
         down_source, **options)
@@ -663,7 +661,7 @@ def _launch_w4a8(kernels, plan: Routing, options: dict, hidden, topk_weights, w1
     ws_values, ws_scales = ws[:weight_bytes], ws[scales_offset:].view(torch.float32)
     bias = [b if b is not None else hidden for b in (w13_bias, w2_bias)]  # absent: never read
     _convert_experts(kernels, w13_blocks, w13_scales, plan, ws_values, ws_scales, 2 * spec.inter, spec.hidden, spec)
-    kernels["moe_gate_up_kernel"][(plan.max_blocks * -(-spec.inter // options["BLOCK_N"]), 1)](
+    kernels["moe_gate_up_kernel"][(_tiles(plan, spec.inter, options["BLOCK_N"]), 1)](
         x8.view(e4m3), plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end,
         plan.expert_slots, w13_blocks, w13_scales, ws_values.view(e4m3), bias[0], act, pair_out, x_scales, ws_scales,
         alpha, limit, pairs, w13_blocks, w13_blocks, **options)
@@ -672,10 +670,16 @@ def _launch_w4a8(kernels, plan: Routing, options: dict, hidden, topk_weights, w1
     kernels["moe_quantize_e4m3_kernel"][(pairs, _groups(spec.inter))](
         act, act8, act_scales, act.stride(0), K=spec.inter, REORDER=False, num_warps=4)
     _convert_experts(kernels, w2_blocks, w2_scales, plan, ws_values, ws_scales, spec.hidden, spec.inter, spec)
-    kernels["moe_down_kernel"][(plan.max_blocks * -(-spec.hidden // options["BLOCK_N"]), 1)](
+    kernels["moe_down_kernel"][(_tiles(plan, spec.hidden, options["BLOCK_N"]), 1)](
         act8.view(e4m3), plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end,
         plan.expert_slots, w2_blocks, w2_scales, ws_values.view(e4m3), bias[1], topk_weights.reshape(-1), pair_out,
         act_scales, ws_scales, pairs, w2_blocks, **options)
+
+
+def _tiles(plan: Routing, columns: int, block_n: int) -> int:
+    """Grid axis 0 of a GEMM: its row blocks x column blocks, the column blocks of a row block consecutive (the
+    kernels' _tile); split-K slices are axis 1."""
+    return plan.max_blocks * -(-columns // block_n)
 
 
 def _groups(k: int) -> int:

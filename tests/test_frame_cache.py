@@ -6,7 +6,6 @@ save on an object not found by name refuses the frame entry; a damaged entry is 
 import dataclasses
 import gc
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from conftest import assert_add_rms_norm_matches_eager
 from torch._dynamo.utils import counters
 
 import dzc
-from dzc import frame_cache, regions
+from dzc import compile_cache, frame_cache, regions
 from dzc.models.decoder import AddRMSNorm
 
 HIT = "hit (frame entry: Dynamo and AOTAutograd skipped)"
@@ -30,6 +29,10 @@ def norm(seed, monkeypatch):
         model.norm.weight.normal_(1.0, 0.1)
     generator = torch.Generator().manual_seed(seed)
     return model, [torch.randn(2, 5, 64, generator=generator).bfloat16() for _ in range(2)]
+
+
+def _frames_directory(options):
+    return compile_cache.CompileCache(options.resolved_cache_dir()).frame_path("").parent
 
 
 def _compile_and_run(model, options, inputs):
@@ -96,7 +99,7 @@ def test_another_option_or_the_knob_off_misses(options, norm, monkeypatch):
 def test_an_unreadable_entry_is_replaced(options, norm):
     model, inputs = norm
     _compile_and_run(model, options, inputs)
-    [path] = (Path(options.resolved_cache_dir()) / "compile" / "frames").glob("*.pkl")
+    [path] = _frames_directory(options).glob("*.pkl")
     path.write_bytes(path.read_bytes()[:100])
     damaged, outputs, frames = _compile_and_run(model, options, inputs)
     assert damaged.frame_cache.startswith("stored (entry unreadable, replaced") and frames == 1, damaged.frame_cache
@@ -132,7 +135,7 @@ def test_a_guard_on_an_object_not_found_by_name_refuses_the_entry(options, norm)
     assert len(report.graphs) == 1 and report.fired().get("fuse_residual_norm") == 1, report.graphs
     torch.testing.assert_close(h, expected_h, rtol=0, atol=2 ** -6)
     torch.testing.assert_close(y, expected_y, rtol=2 ** -6, atol=2 ** -5)
-    assert not list((Path(options.resolved_cache_dir()) / "compile" / "frames").glob("*.pkl"))
+    assert not list(_frames_directory(options).glob("*.pkl"))
 
 
 def test_a_model_with_hooks_has_no_frame_entry(options, norm):

@@ -110,17 +110,16 @@ def check(name: str, actual, expected, tolerance: float, selects: bool = False) 
     of it."""
     scale = expected.float().abs().max().clamp_min(1e-30)
     rows = (actual.float() - expected.float()).abs().flatten(0, -2).amax(-1) / scale
-    beyond = (rows > tolerance).float().mean().item()
-    if not selects and not rows.max().item() <= tolerance:
-        raise SystemExit(f"{name}: dzc differs from eager by {rows.max().item():.3g} of the largest |value| "
-                         f"(> {tolerance})")
-    if selects and not (beyond <= FLIPPED_ROWS and rows.median().item() <= tolerance / 4):
+    worst, median, beyond = rows.max().item(), rows.median().item(), (rows > tolerance).float().mean().item()
+    if not selects and not worst <= tolerance:
+        raise SystemExit(f"{name}: dzc differs from eager by {worst:.3g} of the largest |value| (> {tolerance})")
+    if selects and not (beyond <= FLIPPED_ROWS and median <= tolerance / 4):
         raise SystemExit(f"{name}: {beyond:.1%} of the rows differ from eager's by more than {tolerance} of the "
                          f"largest |value| (at most {FLIPPED_ROWS:.0%} may: near-tie selections), the median row by "
-                         f"{rows.median().item():.3g} (at most {tolerance / 4})")
+                         f"{median:.3g} (at most {tolerance / 4})")
     if selects and beyond:
         print(f"{name}: {beyond:.1%} of the rows beyond {tolerance} of the largest |value| (near-tie selections), "
-              f"median row {rows.median().item():.3g}", flush=True)
+              f"median row {median:.3g}", flush=True)
 
 
 def fired(compiled, name: str) -> None:
