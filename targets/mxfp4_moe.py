@@ -301,16 +301,19 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
     tier = [c for c in configs if c["BLOCK_M"] in block_ms and dict(c.params).get("WORKSPACE", 0) in workspace_flags]
     if not tier:
         return configs, default
-    want_workspace = rows_per_expert(spec, bucket) >= WORKSPACE_MIN_ROWS_PER_EXPERT
+    # Where the MMA is wgmma, SWAP_AB tiles (the decoded weights as wgmma's A operand, from registers) at every
+    # size: with their activations in swap order they were the tuner's pick at 1, 8 and 64 tokens of both shapes,
+    # 1.04-1.24x faster than the TMA tile (docs/results/mxfp4_moe_swap_h200.md), and at gpt-oss T=2048 and 8192
+    # 1.6x and 1.46x faster than the best plain online and workspace tiles (docs/results/mxfp4_moe_h200.md,
+    # session 26). Elsewhere the workspace path from WORKSPACE_MIN_ROWS_PER_EXPERT rows an expert.
+    want_swap = profile.matrix_instruction == "wgmma" and any(_swap_ab(c) for c in tier)
+    want_workspace = rows_per_expert(spec, bucket) >= WORKSPACE_MIN_ROWS_PER_EXPERT and not want_swap
     # Where descriptor loads are bulk copies (Hopper's TMA), a decode tile's TMA twin: 1.07-1.19x faster at 1-64
-    # tokens on gpt-oss-120b and DeepSeek-style shapes on the H200 (docs/results/mxfp4_moe_tma_h200.md); larger
-    # buckets were not measured. Where the MMA is wgmma, the decode tile's SWAP_AB form (the decoded weights as
-    # wgmma's A operand, from registers): with its activations in swap order it was the tuner's pick at 1, 8 and
-    # 64 tokens of both shapes, 1.04-1.24x faster than the TMA tile (docs/results/mxfp4_moe_swap_h200.md).
-    # DOT_SCALED tiles were slower everywhere: tuning only.
+    # tokens on gpt-oss-120b and DeepSeek-style shapes on the H200 (docs/results/mxfp4_moe_tma_h200.md); at
+    # T=8192 the 128-row SWAP_AB tiles were 1.06-1.6x slower with TMA (session 26). DOT_SCALED tiles were slower
+    # everywhere: tuning only.
     decode = rows_per_expert(spec, bucket) <= DECODE_MAX_ROWS_PER_EXPERT
     want_tma = profile.bulk_tensor_copies and decode
-    want_swap = profile.matrix_instruction == "wgmma" and decode
 
     def preference(c: KernelConfig):
         # The cost model's path, the tier's largest row block, then mid-size tiles (64 x 128) with 128 threads:
@@ -492,6 +495,11 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
                                       BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=split_k, SWAP_AB=1, **tma)
                     for block_m, splits in ((16, (1, 2, 4, 8)), (32, (1, 2)), (64, (1,))) for block_n in (64, 128)
                     for split_k in splits for tma in tmas]
+        # Prefill: 128 token rows a tile, so each decoded weight feeds twice the MMA work of a 64-row tile. A
+        # 128-row weight tile takes two warp groups (its gate and up accumulators fill 4 warps' registers).
+        configs += [KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=128, BLOCK_N=block_n,
+                                      BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, **tma)
+                    for block_n, warps in ((64, 4), (128, 8)) for stages in (3, 4) for tma in tmas]
     return list(dict.fromkeys(configs))  # the lists overlap (64-row DOT_SCALED tiles): each config once
 
 

@@ -19,7 +19,7 @@ from dzc.targets import TARGETS, mxfp4_moe, mxfp4_moe_routing, tilelang_codegen,
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.launch import legal_configs
 from dzc.targets.legality import config_problems
-from dzc.targets.profiles import MP_22, SM_90
+from dzc.targets.profiles import MP_22, MP_31, SM_90
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.anydevice  # every test here runs on DEVICE
@@ -45,6 +45,9 @@ DOT_SCALED_TMA_SPLIT = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=32, 
 SWAP_AB = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0, SWAP_AB=1)
 SWAP_AB_TMA_SPLIT = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0,
                                       SPLIT_K=2, SWAP_AB=1, TMA=1)
+# The prefill SWAP_AB tile: 128 token rows, a 128-row weight tile over two warp groups.
+SWAP_AB_PREFILL = KernelConfig.make(num_warps=8, num_stages=3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, WORKSPACE=0,
+                                    SWAP_AB=1)
 
 
 def tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict:
@@ -144,6 +147,7 @@ NUMERIC_CASES = [
     ("silu-concat-nobias-T37-skewed", SWAP_AB),
     ("gptoss-T37-skewed-bf16-weights", SWAP_AB_TMA_SPLIT),
     ("silu-concat-nobias-T37-skewed", SWAP_AB_TMA_SPLIT),
+    ("gptoss-T37-skewed-bf16-weights", SWAP_AB_PREFILL),
 ]
 
 
@@ -215,9 +219,9 @@ def test_config_on_weights_off_16_byte_alignment_runs_by_plain_loads(config, see
 def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
     """TMA tiles where the profile's Triton has tensor descriptors, DOT_SCALED ones where it compiles dot_scaled
     and the activations are bf16, SWAP_AB ones for bf16 activations. The untuned choice of a decode bucket is a
-    TMA tile exactly where descriptor loads are bulk copies, and a SWAP_AB one exactly where the MMA is wgmma and
-    the activations are bf16 (both measured faster there); DOT_SCALED tiles (measured slower) never are, nor TMA
-    or SWAP_AB past decode sizes (not measured)."""
+    TMA tile exactly where descriptor loads are bulk copies (measured faster there, slower at prefill size), and
+    that of every bucket a SWAP_AB one exactly where the MMA is wgmma and the activations are bf16 (measured
+    faster at every size); DOT_SCALED tiles (measured slower) never are."""
     spec = mxfp4_moe.spec_from_args(*case_args(case, 0)[:11])
     bf16 = spec.hidden_dtype == torch.bfloat16
     for profile in PROFILES.values():
@@ -234,7 +238,7 @@ def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
             options = dict(default.params)
             decode = mxfp4_moe.rows_per_expert(spec, bucket) <= mxfp4_moe.DECODE_MAX_ROWS_PER_EXPERT
             assert bool(options.get("TMA")) == (profile.bulk_tensor_copies and decode), (profile.name, bucket)
-            assert bool(options.get("SWAP_AB")) == (profile.matrix_instruction == "wgmma" and decode and bf16), \
+            assert bool(options.get("SWAP_AB")) == (profile.matrix_instruction == "wgmma" and bf16), \
                 (profile.name, bucket)
             assert "DOT_SCALED" not in options, (profile.name, bucket)
 
@@ -365,16 +369,22 @@ def test_mp_22_prunes_wide_tiles_and_keeps_decode_configs():
     assert all(c["BLOCK_M"] == 16 for c in tier)
 
 
-def test_cost_model_picks_online_for_decode_and_workspace_for_prefill():
+def test_cost_model_picks_online_for_decode_and_workspace_for_prefill_without_wgmma():
+    """Online for decode; at 8192 tokens (8192 * 4 / 128 = 256 rows an expert) the workspace path where the MMA
+    is not wgmma, and on Hopper the online SWAP_AB tile with 128 token rows (measured 1.46x faster there)."""
     spec = SPECS["gptoss-120b"]
-    legal, _ = legal_configs(mxfp4_moe, "triton", spec, SM_90)
-    default = mxfp4_moe.triton_default_config(spec, SM_90)
     paths = {}
-    for bucket in (1, 64, 8192):
-        _, config = mxfp4_moe.configs_for_bucket(spec, SM_90, bucket, legal, default)
-        paths[bucket] = mxfp4_moe.describe_config(config)
-    assert paths[1].startswith("online") and paths[64].startswith("online")
-    assert paths[8192].startswith("workspace")  # 8192 * 4 / 128 = 256 rows per expert
+    for profile in (SM_90, MP_31):
+        legal, _ = legal_configs(mxfp4_moe, "triton", spec, profile)
+        default = mxfp4_moe.triton_default_config(spec, profile)
+        for bucket in (1, 64, 8192):
+            _, config = mxfp4_moe.configs_for_bucket(spec, profile, bucket, legal, default)
+            paths[profile.name, bucket] = mxfp4_moe.describe_config(config), config
+    for profile in (SM_90, MP_31):
+        assert paths[profile.name, 1][0].startswith("online") and paths[profile.name, 64][0].startswith("online")
+    assert paths[MP_31.name, 8192][0].startswith("workspace")
+    description, config = paths[SM_90.name, 8192]
+    assert description.startswith("online") and "A operand" in description and config["BLOCK_M"] == 128
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -442,7 +452,9 @@ _AOT_SCRIPT = textwrap.dedent("""
              ("gptoss-bf16", "decode-swap_ab",
               KernelConfig.make(4, 3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0, SPLIT_K=2, SWAP_AB=1)),
              ("gptoss-bf16", "decode-tma-swap_ab",
-              KernelConfig.make(4, 3, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, WORKSPACE=0, TMA=1, SWAP_AB=1))]
+              KernelConfig.make(4, 3, BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, WORKSPACE=0, TMA=1, SWAP_AB=1)),
+             ("gptoss-bf16", "prefill-swap_ab",
+              KernelConfig.make(8, 3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, WORKSPACE=0, SWAP_AB=1))]
     for spec_name, config_name, config in cases:
         spec = specs[spec_name]
         path = out / f"mxfp4_moe_{spec_name}.py"
@@ -499,7 +511,7 @@ _AOT_SCRIPT = textwrap.dedent("""
 def test_triton_kernels_compile_ahead_of_time_for_sm_90(tmp_path):
     results = run_ahead_of_time_script(_AOT_SCRIPT, tmp_path)
     labels = [r["label"] for r in results]
-    assert len(results) == 4 + 3 + 1 + 3 + 2 + 2 + 2 + 3 + 2 + 5, labels
+    assert len(results) == 4 + 3 + 1 + 3 + 2 + 2 + 2 + 3 + 2 + 2 + 5, labels
     for r in results:
         assert r["ptx"], r
         # TMA: the weight loads pipelined (stages - 1 prologue copies, then one per step, per weight tile); not

@@ -178,6 +178,20 @@ s25-ncu)
     python3 tools/diagnose_sparse_attention_configs.py --variants decode --fp8-cache --codegen tilelang \
     --only-default --launches 1
   ;;
+s26-swap)
+  # (carry .triton-kernels, fresh machine: no TileLang needed) issue 15: the MoE GEMMs' SWAP_AB tiles at prefill
+  # size, new 128-token-row ones among them (the decoded weights as wgmma's A operand, each feeding 128 token
+  # columns), kernel by kernel at T=8192 beside the workspace tile tuned in s25-1 (8910-9349 µs: its
+  # dequantization alone 3716 µs) and triton_kernels (3971 µs).
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=60 part moe_swap_8192 400 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8192 --configs \
+    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=64,SPLIT_K=1,WORKSPACE=1,num_warps=4,num_stages=4" \
+    "BLOCK_M=64,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3" \
+    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3" \
+    "BLOCK_M=128,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=8,num_stages=3" \
+    "BLOCK_M=128,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,TMA=1,num_warps=8,num_stages=3" \
+    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,TMA=1,num_warps=4,num_stages=4"
+  ;;
 esac
 # The device tool brings back only a few files per call: everything goes back as one archive.
 (cd "$OUT" && tar czf "/tmp/campaign_$step.tgz" . && rm -rf ./* && mv "/tmp/campaign_$step.tgz" .)
