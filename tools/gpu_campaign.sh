@@ -15,9 +15,9 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session: s25-1 (carry .whl-gpu1 and .triton-kernels), s25-decode, s25-dist, s25-2 (carry .whl-gpu2 and
-# .public-kernels), s25-busy, then s25-topk and s25-ncu if time is left. Earlier sessions' steps are in git
-# history; their results are in docs/results.
+# Next session: s26-bench (carry .triton-kernels; the tuned MoE bench with the stacked gate/up), then s25-busy;
+# s25-topk and s25-ncu need TileLang: on a fresh machine run s25-1 and s25-2 first (they install the wheels).
+# Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
 step=$1
@@ -191,6 +191,27 @@ s26-swap)
     "BLOCK_M=128,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=8,num_stages=3" \
     "BLOCK_M=128,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,TMA=1,num_warps=8,num_stages=3" \
     "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,TMA=1,num_warps=4,num_stages=4"
+  ;;
+s26-stacked)
+  # (carry .triton-kernels, fresh machine) issue 15: the SWAP_AB gate/up GEMM with gate and up stacked into one
+  # operand and one accumulator (ptxas had serialized every wgmma of the two-accumulator form, C7515), and the
+  # scales loaded one K tile ahead: kernel by kernel at 8 and 8192 tokens beside triton_kernels (s26-swap, two
+  # accumulators: T=8192 6399 µs at best; bench: T=8 241 µs).
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=80 part moe_stacked 200 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8 8192 --configs \
+    "BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3" \
+    "BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,TMA=1,num_warps=4,num_stages=3" \
+    "BLOCK_M=64,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3" \
+    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3" \
+    "BLOCK_M=128,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=8,num_stages=3"
+  ;;
+s26-bench)
+  # (carry .triton-kernels, fresh machine) issue 15: the tuned bench at decode and prefill sizes with the stacked
+  # SWAP_AB gate/up and the scales a step ahead (s26-stacked: T=8192 5941 µs in the kernel-by-kernel tool; the
+  # last tuned bench, before that change: 65 / 241 / 781 / 2240 / 6535 µs at 1 / 8 / 64 / 2048 / 8192 tokens).
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=20 part bench_moe 500 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 1 8 64 2048 8192 \
+    --routing uniform --codegens triton --memory-layers 0 --out "$OUT/mxfp4_moe_h200.md"
   ;;
 esac
 # The device tool brings back only a few files per call: everything goes back as one archive.
