@@ -25,12 +25,18 @@ def backend(target: str = "cuda", options: CompileOptions | None = None) -> DzcB
 
 
 def _process_wide_dynamo_settings(options: CompileOptions):
-    """Make Dynamo's capture settings what `options` asks where that means turning a capture on (process-wide,
-    once); returns the context to enter around each call: a no-op, or a config.patch when the options turn off a
-    capture the process has on."""
+    """Make Dynamo's capture settings what `options` asks where that means turning a capture on, and its fake
+    tensors' cache off (process-wide, once); returns the context to enter around each call: a no-op, or a
+    config.patch when the options turn off a capture the process has on."""
     wanted = {"capture_dynamic_output_shape_ops": options.capture_dynamic_output_shapes,
               "capture_scalar_outputs": options.capture_scalar_outputs}
     config = torch._dynamo.config
+    # Fake tensors' dispatch cache off too (process-wide): where sizes are data-dependent (an MoE's per-expert loop,
+    # each expert's nonzero a fresh unbacked size) rebuilding a cached output's symbolic sizes costs more than the
+    # op's meta function. 32 experts captured in 9.2 s (Dynamo and AOTAutograd) with it off against 14.9 s with it
+    # on, 128 in 29 s against 41 s; other graphs within noise (docs/results/compile_time_cpu.md, session 26). A cache
+    # of what the meta functions compute: no captured graph changes.
+    config.fake_tensor_cache_enabled = False
     for name, value in wanted.items():
         if value and not getattr(config, name):
             setattr(config, name, True)

@@ -51,6 +51,17 @@ def _window_count(x, grid):
     return x * len(windows.tolist())
 
 
+def test_captures_run_without_the_fake_tensor_cache(options, seed):
+    """dzc.compile turns Dynamo's fake-tensor cache off (dzc.api: on per-expert loops it cost more than it saved);
+    the data-dependent branch above still compiles to the model's values with it off."""
+    torch._dynamo.reset()
+    model = _DataDependentBranch()
+    compiled = dzc.compile(model, "cuda", options)
+    assert torch._dynamo.config.fake_tensor_cache_enabled is False
+    x = torch.randn(6, 16)
+    torch.testing.assert_close(compiled(x), model(x))
+
+
 def test_a_capture_that_fails_with_dzc_settings_is_retried_without_them(options):
     torch._dynamo.reset()
     compiled = dzc.compile(_window_count, "cuda", options)
