@@ -45,6 +45,8 @@ DOT_SCALED_TMA_SPLIT = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=32, 
 SWAP_AB = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0, SWAP_AB=1)
 SWAP_AB_TMA_SPLIT = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0,
                                       SPLIT_K=2, SWAP_AB=1, TMA=1)
+SWAP_AB_SPLIT = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0,
+                                  SPLIT_K=2, SWAP_AB=1)
 # The prefill SWAP_AB tile: 128 token rows, a 128-row weight tile over two warp groups.
 SWAP_AB_PREFILL = KernelConfig.make(num_warps=8, num_stages=3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, WORKSPACE=0,
                                     SWAP_AB=1)
@@ -175,7 +177,7 @@ def test_triton_path_matches_reference(case, config, seed, tmp_path):
             mxfp4_moe.workspace_elements(spec, args[0].shape[0]) * (4 if spec.dot_fp32 else 2))
 
 
-@pytest.mark.parametrize("config", [SWAP_AB, SWAP_AB_TMA_SPLIT], ids=["plain", "tma-split"])
+@pytest.mark.parametrize("config", [SWAP_AB, SWAP_AB_SPLIT, SWAP_AB_TMA_SPLIT], ids=["plain", "split", "tma-split"])
 def test_swap_ab_over_several_k_tiles_with_tails(config, seed, tmp_path):
     """SWAP_AB reorders each 128-column K tile: H = 288 and I = 160 give whole tiles, a partial last tile (one
     and a quarter MX groups) and partial row blocks in both GEMMs, with a NaN scale in one down-weight group."""
@@ -186,6 +188,28 @@ def test_swap_ab_over_several_k_tiles_with_tails(config, seed, tmp_path):
     args[7] = scales
     check_against_reference_with_nan_column(args, run_triton(args, config, tmp_path), column=5,
                                             expert=1, topk_ids=args[1])
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("config", [SWAP_AB, SWAP_AB_SPLIT, SWAP_AB_TMA_SPLIT, SWAP_AB_PREFILL],
+                         ids=["plain", "split", "tma-split", "prefill"])
+def test_swap_ab_gate_up_nan_scale_reaches_its_tokens_only(config, interleaved, seed, tmp_path):
+    """A NaN scale in one gate/up weight row of one expert: the stacked (non-TMA) and two-accumulator (TMA) gate/up
+    GEMMs put NaN in that activation column, so every output column of the tokens routed to that expert is NaN
+    (the reference's NaN weight does the same); the other tokens match the reference, over several K tiles."""
+    # 24 tokens over 4 experts, top-2: each token misses expert 2 with probability 1/2, so both kinds of token occur
+    args = list(mxfp4_moe.random_moe_args(torch.device(DEVICE), torch.Generator().manual_seed(seed), tokens=24,
+                                          hidden=288, inter=160, experts=4, top_k=2, interleaved=interleaved))
+    scales = args[4].clone()
+    scales[2, 161, 5] = 255  # expert 2: an up row (interleaved: of column 80; halves: of column 1), columns 160..191
+    args[4] = scales
+    out = run_triton(args, config, tmp_path)
+    expected = mxfp4_moe_reference(*args)
+    routed = (args[1] == 2).any(dim=1)
+    assert routed.any() and (~routed).any() and expected[routed].isnan().all()
+    assert out[routed].isnan().all()
+    assert not out[~routed].isnan().any(), "NaN in the output: an element was not written (outputs are poisoned)"
+    torch.testing.assert_close(out[~routed], expected[~routed], **tolerance(out.dtype, expected[~routed]))
 
 
 def check_against_reference_with_nan_column(args, out, column, expert, topk_ids):
