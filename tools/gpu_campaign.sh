@@ -16,7 +16,7 @@
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Next session: s26-bench (carry .triton-kernels; the tuned MoE bench with the stacked gate/up), then s25-busy;
-# s25-topk and s25-ncu need TileLang: on a fresh machine run s25-1 and s25-2 first (they install the wheels).
+# s25-topk and s25-ncu need TileLang: on a fresh machine run wheels-1 and wheels-2 first.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -114,57 +114,28 @@ triton)
   TAIL=20 part bench_add_layer_norm 60 python3 tools/bench_add_rms_norm.py --op add_layer_norm --quick \
     --codegens triton --out "$OUT/add_layer_norm_h200.md"
   ;;
-s25-1)
-  # (carry .whl-gpu1 and .triton-kernels, fresh machine) issue 15: the MoE GEMMs with their tiles in the new order
-  # (the column blocks of a row block consecutive, commit 8f02014): first where a T=8192 call's time goes, kernel
-  # by kernel (online and workspace tiles, beside triton_kernels), then the tuned bench at 2048 and 8192 tokens,
-  # W4A16 and W4A8, against grouped_mm and triton_kernels in the same run (before: 157 and 114 TFLOP/s at 8192).
+wheels-1|wheels-2)
+  # (carry .whl-gpu1, then .whl-gpu2) TileLang for the steps below that use it, and dzc itself: installs only
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=40 part moe_parts_8192 150 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8192 --configs \
-    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,num_warps=4,num_stages=2" \
-    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=64,SPLIT_K=1,WORKSPACE=1,num_warps=4,num_stages=4" \
-    "BLOCK_M=128,BLOCK_N=128,BLOCK_K=64,SPLIT_K=1,WORKSPACE=1,num_warps=8,num_stages=3"
-  TAIL=20 part bench_moe_prefill 400 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 2048 8192 \
-    --routing uniform --codegens triton --w4a8 --memory-layers 0 --out "$OUT/mxfp4_moe_prefill_h200.md"
-  ;;
-s25-decode)
-  # (after s25-1) issue 15: decode sizes with the new tile order (a regression check: before 76 / 338 / 1136 µs
-  # at 1 / 8 / 64 tokens), beside triton_kernels.
-  TAIL=20 part bench_moe_decode 300 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 1 8 64 \
-    --routing uniform --codegens triton --memory-layers 0 --out "$OUT/mxfp4_moe_decode_h200.md"
-  ;;
-s25-dist)
-  # (after s25-1) issue 17 at world size 1: the whole tool now that selecting layers are judged per row (s24-1
-  # stopped on the DSA+MoE layer's whole-tensor maximum: 1% of rows take other bf16 top-k selections).
-  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # no NVLink multicast on these machines
-  TAIL=30 part bench_distributed_world1 300 python3 tools/bench_distributed.py --no-tune \
-    --out "$OUT/distributed_world1_h200.md"
-  ;;
-s25-2)
-  # (carry .whl-gpu2 and .public-kernels, after s25-1) issue 14: the 1M decode step from CUDA graphs, as dzc runs
-  # a decode step (s24-2 timed it back to back: top-k 603 µs there against 99 µs from graphs on normal logits;
-  # replayed on the CPU, the logits take the normal candidate path, so the gap should be host time).
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=30 part bench_long_context_graphs 300 python3 tools/bench_dsa.py --only long --quick --cuda-graphs \
-    --codegens triton tilelang --indexer-codegens tilelang --topk-codegens tilelang \
-    --out "$OUT/dsa_long_context_graphs_h200.md"
   ;;
 s25-busy)
-  # (after s25-1) issues 18/14/15: bench_multimodal --quick again, its torch.compile column now falling back to
-  # mode "default" when reduce-overhead's capture fails (as in s24-busy); Triton kernels only.
+  # (after wheels-1 or s26-bench: dzc installed) issues 18/14/15: bench_multimodal --quick again, its
+  # torch.compile column falling back to mode "default" when reduce-overhead's capture fails (as in s24-busy);
+  # Triton kernels only.
   TAIL=30 part bench_multimodal 420 env PYTHONPATH=/tmp/site-gpu1:$PWD python3 tools/bench_multimodal.py --quick \
     --compile-mode reduce-overhead --no-warm --out "$OUT/multimodal_quick_h200.md"
   ;;
 s25-topk)
-  # (after s25-2, warm machine) issue 14: the TileLang top-k's tuning candidates at 64 x 2 rows of 32K and 128K
+  # (after wheels-1 and wheels-2) issue 14: the TileLang top-k's tuning candidates at 64 x 2 rows of 32K and 128K
   # (each timed and logged: 8 loads in flight a thread, the untuned choice, against 16-32): is any within the
   # goal of 3x one read of the logits (the untuned one: 5.9x at 32K)?
   TAIL=30 part topk_tuned 240 env DZC_AUTOTUNE_LOG=1 python3 tools/bench_dsa.py --only topk --batches 64 --queries 2 \
     --contexts 32768 131072 --topk-codegens tilelang --cuda-graphs --out "$OUT/dsa_topk_tuned_h200.md"
   ;;
 s25-ncu)
-  # (after s25-2, warm machine) Nsight Compute on dzc's warp-specialized prefill and the public pipelined kernel
-  # (each checked, then launched once more), and on the FP8-cache decode kernel: where the time goes.
+  # (after wheels-1 and wheels-2; carry .public-kernels) Nsight Compute on dzc's warp-specialized prefill and the
+  # public pipelined kernel (each checked, then launched once more), and on the FP8-cache decode kernel: where the
+  # time goes.
   ncu=(ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats
        --section Occupancy --section MemoryWorkloadAnalysis)
   TAIL=4 part ncu_prefill 200 "${ncu[@]}" --kernel-name regex:"^(sparse_attention_kernel|main_kernel)$" \
@@ -177,33 +148,6 @@ s25-ncu)
   TAIL=4 part ncu_decode_fp8 150 "${ncu[@]}" --kernel-name regex:"^sparse_attention_kernel$" --launch-count 2 \
     python3 tools/diagnose_sparse_attention_configs.py --variants decode --fp8-cache --codegen tilelang \
     --only-default --launches 1
-  ;;
-s26-swap)
-  # (carry .triton-kernels, fresh machine: no TileLang needed) issue 15: the MoE GEMMs' SWAP_AB tiles at prefill
-  # size, new 128-token-row ones among them (the decoded weights as wgmma's A operand, each feeding 128 token
-  # columns), kernel by kernel at T=8192 beside the workspace tile tuned in s25-1 (8910-9349 µs: its
-  # dequantization alone 3716 µs) and triton_kernels (3971 µs).
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=60 part moe_swap_8192 400 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8192 --configs \
-    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=64,SPLIT_K=1,WORKSPACE=1,num_warps=4,num_stages=4" \
-    "BLOCK_M=64,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3" \
-    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3" \
-    "BLOCK_M=128,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=8,num_stages=3" \
-    "BLOCK_M=128,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,TMA=1,num_warps=8,num_stages=3" \
-    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,TMA=1,num_warps=4,num_stages=4"
-  ;;
-s26-stacked)
-  # (carry .triton-kernels, fresh machine) issue 15: the SWAP_AB gate/up GEMM with gate and up stacked into one
-  # operand and one accumulator (ptxas had serialized every wgmma of the two-accumulator form, C7515), and the
-  # scales loaded one K tile ahead: kernel by kernel at 8 and 8192 tokens beside triton_kernels (s26-swap, two
-  # accumulators: T=8192 6399 µs at best; bench: T=8 241 µs).
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=80 part moe_stacked 200 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8 8192 --configs \
-    "BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3" \
-    "BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,TMA=1,num_warps=4,num_stages=3" \
-    "BLOCK_M=64,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3" \
-    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3" \
-    "BLOCK_M=128,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=8,num_stages=3"
   ;;
 s26-bench)
   # (carry .triton-kernels, fresh machine) issue 15: the tuned bench at decode and prefill sizes with the stacked
