@@ -137,6 +137,14 @@ def pass_configs(profile: DeviceProfile) -> dict:
             if hasattr(tilelang.PassConfigKey, name)}
 
 
+def fast_math_pass_configs(profile: DeviceProfile) -> dict:
+    """A template's PASS_CONFIGS for nvcc's fast math (--use_fast_math: exp2 is one MUFU.EX2, divisions are
+    approximate, as in Triton's and the public TileLang kernels), unless the profile pins it (MUSA's TileLang kernels
+    run without)."""
+    pinned = any(name == "TL_ENABLE_FAST_MATH" for name, _ in profile.tilelang_pass_configs)
+    return {} if pinned else {"TL_ENABLE_FAST_MATH": True}
+
+
 def kernel_pass_configs(path: Path, profile: DeviceProfile) -> dict:
     """pass_configs(profile) and those the generated module at `path` names in PASS_CONFIGS (PassConfigKey member
     names -> values: a kernel that places its own barriers turns TileLang's automatic ones off). A name the installed

@@ -475,6 +475,7 @@ def tilelang_source(spec: VarlenAttentionSpec, profile: DeviceProfile) -> str:
         q_element=_tilelang_operand("q", "seq_start + q_start + i", "(q_start + i < seq_len) & (d < HEAD_DIM)",
                                     spec.rope),
         key_value_loads=_tilelang_key_value_loads(spec),
+        pass_configs=repr(tilelang_codegen.fast_math_pass_configs(profile)),
     )
     return Template((TEMPLATES / "varlen_attention.tilelang.py.tmpl").read_text()).substitute(fields)
 
@@ -483,7 +484,8 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
     """Query block × key block × pipeline stages × threads, pruned to what is legal on `profile`.
 
     Threads are whole warps of the profile and at most 2 per query row: T.gemm's FullRow policy gives each
-    128-thread group (a Hopper warpgroup) 64 query rows."""
+    128-thread group (a Hopper warpgroup) 64 query rows. Then, where it fits, the warp-specialized kernel
+    (WARP_SPECIALIZED=1: 128 query rows, 384 threads) with 64- and 128-key blocks."""
     if not tilelang_supports(spec):
         return []
     configs = []
@@ -496,7 +498,26 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
                                            BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=num_stages, THREADS=threads)
                 if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                     configs.append(config)
+    if _warp_specialization_fits(spec, profile):
+        for block_n in (64, 128):
+            config = KernelConfig.make(num_warps=_WS_THREADS // profile.warp_size, num_stages=2, BLOCK_M=128,
+                                       BLOCK_N=block_n, NUM_STAGES=2, THREADS=_WS_THREADS, WARP_SPECIALIZED=1)
+            if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
+                configs.append(config)
     return configs
+
+
+# The warp-specialized kernel (the template's _warp_specialized): 128 query rows, a producer and two consumer
+# warpgroups, a two-stage ring.
+_WS_THREADS = 384
+
+
+def _warp_specialization_fits(spec: VarlenAttentionSpec, profile: DeviceProfile) -> bool:
+    """On a target with warpgroup MMAs (wgmma_gemm, register-sourced P), TMA and mbarriers; without rotary
+    embedding: the producer only issues TMA copies (a padded head dim's last box reads zeros past the row: 72 ->
+    80). Rotating k tiles element-wise in the producer spilled (ptxas: 2 KB at head dim 80) and stays in the
+    pipelined kernel."""
+    return profile.matrix_instruction == "wgmma" and profile.bulk_tensor_copies and not spec.rope
 
 
 def tilelang_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -> KernelConfig:
@@ -513,11 +534,13 @@ def tilelang_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -
 
 
 def tilelang_shared_memory_bytes(spec: VarlenAttentionSpec, config: KernelConfig) -> int:
-    """The q tile, a k and a v tile per pipeline stage, the reduction workspace (one fp32 per thread)."""
+    """The q tile, a k and a v tile per pipeline stage, the reduction workspace (one fp32 per thread); the
+    warp-specialized kernel's ring has two stages and adds its 10 mbarriers."""
     width = tilelang_padded_dim(spec.head_dim)
     item = spec.dtype.itemsize
     stages = max(1, config["NUM_STAGES"])
-    return (config["BLOCK_M"] + 2 * stages * config["BLOCK_N"]) * width * item + 4 * config["THREADS"]
+    barriers = 10 * 8 if dict(config.params).get("WARP_SPECIALIZED") else 0
+    return (config["BLOCK_M"] + 2 * stages * config["BLOCK_N"]) * width * item + 4 * config["THREADS"] + barriers
 
 
 def tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, _cu_seqlens_k, _query_pos,

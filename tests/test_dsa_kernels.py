@@ -1312,10 +1312,10 @@ def test_warp_specialized_fp8_reader_lowers_and_is_chosen(tmp_path):
     spec = dataclasses.replace(MLA, fp8_cache=True)
     configs = sparse_attention.tilelang_configs(spec, SM_90)
     assert configs and all(c["WARP_SPECIALIZED"] == 1 for c in configs)
-    # The interleaved column order is a tuning candidate beside each split count; the untuned choice is not it.
+    # The interleaved column order beside each split count, and the untuned choice (measured faster on the H200).
     interleaved = [c for c in configs if dict(c.params).get("FP8_INTERLEAVED")]
     assert {c["SPLITS"] for c in interleaved} == {0, 1, 4, 16} and len(configs) == 2 * len(interleaved)
-    assert not dict(sparse_attention.tilelang_default_config(spec, SM_90).params).get("FP8_INTERLEAVED")
+    assert dict(sparse_attention.tilelang_default_config(spec, SM_90).params).get("FP8_INTERLEAVED") == 1
     assert not any(dict(c.params).get("FP8_INTERLEAVED") for c in sparse_attention.tilelang_configs(MLA, SM_90))
     assert choose_codegen("sparse_attention", CompileOptions(), Execution(CudaRuntime()), spec, SM_90) == "tilelang"
     assert choose_codegen("sparse_attention", CompileOptions(), Execution(CudaRuntime()), spec, SM_80) == "triton"

@@ -457,6 +457,58 @@ def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
         assert tilelang_codegen.nvcc_compile(cuda, SM_90, tmp_path / "nvcc").stat().st_size > 0
 
 
+def test_warp_specialized_configs_only_where_the_producer_is_tma():
+    """The warp-specialized kernel: on sm_90 for q/k/v without rotary embedding (its producer only issues TMA
+    copies), 64- and 128-key blocks; never with RoPE, and never on targets without wgmma/TMA (sm_80, MUSA)."""
+    def specialized(spec, profile):
+        return [c for c in family.tilelang_configs(spec, profile) if dict(c.params).get("WARP_SPECIALIZED")]
+
+    for head_dim in (72, 80, 128):
+        assert [c["BLOCK_N"] for c in specialized(family.make_spec(head_dim, BF16, None), SM_90)] == [64, 128]
+        assert specialized(family.make_spec(head_dim, BF16, FP32), SM_90) == []
+        for name in ("cuda:sm_80", "musa:mp_22", "musa:mp_31"):
+            assert specialized(family.make_spec(head_dim, BF16, None), TARGETS[name].profile) == []
+
+
+def test_tilelang_kernels_take_fast_math_unless_the_profile_pins_it(tmp_path):
+    """Both TileLang kernels' softmax exp2 as one MUFU.EX2 (nvcc --use_fast_math) on sm_90; MUSA profiles keep
+    what they pin."""
+    import tilelang
+
+    for name in ("cuda:sm_90", "musa:mp_22"):
+        profile = TARGETS[name].profile
+        path = tmp_path / f"varlen_attention_{profile.arch}.py"
+        path.write_text(family.tilelang_source(family.make_spec(80, BF16, None), profile))
+        configs = tilelang_codegen.kernel_pass_configs(path, profile)
+        pinned = dict(profile.tilelang_pass_configs).get("TL_ENABLE_FAST_MATH")
+        assert configs.get(tilelang.PassConfigKey.TL_ENABLE_FAST_MATH) == (pinned if pinned is not None else True)
+
+
+def test_tilelang_warp_specialized_lowers_and_compiles_for_sm_90(tmp_path):
+    """Head dim 72 (tiles padded to 80): the producer warpgroup gives its registers to the consumers and loads k and
+    v tiles by TMA only, five 16-column boxes a tile, the last reading zeros past the 72-wide row (the barrier
+    expects the whole boxes' bytes); the consumers issue S = Q K^T and O += P V (P from registers) back to back and
+    wait for the first alone. nvcc compiles it."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    spec = family.make_spec(72, BF16, None)
+    config = next(c for c in family.tilelang_configs(spec, SM_90)
+                  if dict(c.params).get("WARP_SPECIALIZED") and c["BLOCK_N"] == 128)
+    path = tmp_path / "varlen_attention_tilelang.py"
+    path.write_text(family.tilelang_source(spec, SM_90))
+    artifact = tilelang_codegen.lower(path, family.TILELANG_FACTORY_NAME, config, SM_90)
+    cuda = artifact.kernel_source
+    (device_func,) = artifact.device_mod.functions.values()
+    assert int(device_func.attrs.get("dyn_shared_memory_buf", 0)) <= family.tilelang_shared_memory_bytes(spec, config)
+    assert "__launch_bounds__(384, 1)" in cuda
+    assert "warpgroup_reg_alloc<240>" in cuda and "warpgroup_reg_dealloc<24>" in cuda
+    # k and v reach the kernel only as TMA descriptors; each tile is 128 rows x 80 columns of bf16.
+    assert "CUtensorMap k_desc" in cuda and "CUtensorMap v_desc" in cuda and "bfloat16_t* __restrict__ k," not in cuda
+    assert cuda.count("expect_transaction(20480)") == 2
+    assert "wgmma_rs" in cuda and "wait_wgmma<1>" in cuda
+    assert tilelang_codegen.nvcc_compile(cuda, SM_90, tmp_path / "nvcc").stat().st_size > 0
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU
 
@@ -494,10 +546,13 @@ def test_tilelang_on_gpu(case_id, seed, tmp_path):
     kernels = tilelang_codegen.load(family, path, spec, SM_90)
     args = make_pack(case, seed, strided=True)
     expected = varlen_attention_reference(*args)
-    # The default; on the first case also the smallest tile (each config is an nvcc compile of ~10-30 s).
+    # The default and the warp-specialized kernels; on the first case also the smallest tile (each config is an
+    # nvcc compile of ~10-30 s).
     configs = [family.tilelang_default_config(spec, SM_90)]
     if case_id == FIRST_GPU_CASE:
         configs.append(family.tilelang_configs(spec, SM_90)[0])
+    configs += [c for c in family.tilelang_configs(spec, SM_90)
+                if dict(c.params).get("WARP_SPECIALIZED") and c not in configs]
     for config in configs:
         # The first config also runs with max_seqlen far below the longest segment (blocks must stride on).
         for max_seqlen in (args[4], 64) if config == configs[0] else (args[4],):

@@ -58,7 +58,7 @@ QUICK_PACKS = ("mixed", "windows")
 TRITON_SHORTLIST = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in (
     (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2))]
 TILELANG_SHORTLIST = [dict(BLOCK_M=m, BLOCK_N=n, THREADS=t, NUM_STAGES=s) for m, n, t, s in (
-    (128, 64, 256, 2), (128, 128, 256, 2), (64, 64, 128, 2))]
+    (128, 64, 256, 2), (128, 128, 256, 2), (64, 64, 128, 2), (128, 64, 384, 2), (128, 128, 384, 2))]
 # Allowed error of any variant, in bf16 epsilons (2^-7) of the segment's largest |v| (see the kernel tests).
 MAX_EPSILONS = 4.0
 
@@ -186,6 +186,7 @@ def tune(kernel: DzcKernel, configs, args, expected, lengths) -> tuple[KernelCon
         except Exception as err:  # a config that fails to compile or run is reported, not fatal
             notes.append(f"{config}: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
             continue
+        print(f"  dzc[{kernel.codegen}] d={kernel.spec.head_dim} {config}: {seconds * 1e6:.1f} us", flush=True)
         if best is None or seconds < best[1]:
             best = (config, seconds)
     if best is None:
@@ -205,6 +206,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="head dim 80, mixed and windows packs, no compile "
                                                              "baseline, default configs only: ~2 minutes")
     parser.add_argument("--full-tune", action="store_true", help="time every legal config, not the shortlist")
+    parser.add_argument("--no-compile-baseline", action="store_true", help="leave out the torch.compile baseline")
     parser.add_argument("--musa-legal", action="store_true", help="only configs legal on MUSA mp_22")
     parser.add_argument("--work-dir", default="/tmp/dzc-bench-vision-attention")
     parser.add_argument("--out", help="write the markdown table here too")
@@ -247,7 +249,7 @@ def main():
                 with torch.no_grad():
                     expected = varlen_attention_reference(*inputs)
                 baselines = {"eager": eager_attention, "cudnn": cudnn_attention}
-                if not args.quick:
+                if not (args.quick or args.no_compile_baseline):
                     baselines["compile"] = compiled_attention
                 times, configs, errors = {}, {}, {}
                 for name, attention in baselines.items():

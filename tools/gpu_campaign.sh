@@ -15,8 +15,8 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session: s26-bench (carry .triton-kernels; the tuned MoE bench with the stacked gate/up), then s25-busy;
-# s25-topk and s25-ncu need TileLang: on a fresh machine run wheels-1 and wheels-2 first.
+# This session (27): wheels-1 (carry .whl-gpu1), s27-vision-2 (carry .whl-gpu2), s27-vision-72.
+# Still to run: s25-busy (the multimodal bench).
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -148,6 +148,23 @@ s25-ncu)
   TAIL=4 part ncu_decode_fp8 150 "${ncu[@]}" --kernel-name regex:"^sparse_attention_kernel$" --launch-count 2 \
     python3 tools/diagnose_sparse_attention_configs.py --variants decode --fp8-cache --codegen tilelang \
     --only-default --launches 1
+  ;;
+s27-vision-2)
+  # (carry .whl-gpu2, after wheels-1) issue 14: the warp-specialized TileLang varlen kernel (producer warpgroup
+  # of TMA copies, S_j issued before P_{j-1} V_{j-1}, softmax under the MMA): GPU numerics of every case without
+  # RoPE (its configs), then the bench at head dims 80 and 128 (every timed config checked against the reference).
+  TAIL=12 part gpu_tests_varlen_tilelang 240 python3 -m pytest -q -p no:logging -rf -m gpu \
+    tests/test_varlen_attention_kernels.py -k "tilelang_on_gpu and rope0"
+  TAIL=30 part bench_vision_80_128 320 python3 tools/bench_vision_attention.py --head-dims 80 128 \
+    --packs mixed large --no-compile-baseline --out "$OUT/vision_attention_80_128_h200.md"
+  ;;
+s27-vision-72)
+  # (after s27-vision-2) head dim 72 (padded to 80 in the kernel), then the FP8-cache sparse attention tests with
+  # the interleaved reader now the untuned choice.
+  TAIL=30 part bench_vision_72 300 python3 tools/bench_vision_attention.py --head-dims 72 --packs mixed large \
+    64x256 --no-compile-baseline --out "$OUT/vision_attention_72_h200.md"
+  TAIL=12 part gpu_tests_sparse_fp8 200 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_dsa_kernels.py \
+    -k "fp8 and (warp_specialized or sparse_attention)"
   ;;
 s26-bench)
   # (carry .triton-kernels, fresh machine) issue 15: the tuned bench at decode and prefill sizes with the stacked
