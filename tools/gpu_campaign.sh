@@ -15,7 +15,8 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# This session (27): wheels-1 (carry .whl-gpu1), s27-vision-2 (carry .whl-gpu2), s27-vision-72.
+# This session (27): wheels-1 (carry .whl-gpu1), s27-vision-2 (carry .whl-gpu2), s27-vision-72,
+# s27-vision-mask.
 # Still to run: s25-busy (the multimodal bench).
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
@@ -165,6 +166,14 @@ s27-vision-72)
     64x256 --no-compile-baseline --out "$OUT/vision_attention_72_h200.md"
   TAIL=12 part gpu_tests_sparse_fp8 200 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_dsa_kernels.py \
     -k "fp8 and (warp_specialized or sparse_attention)"
+  ;;
+s27-vision-mask)
+  # (after s27-vision-72) the warp-specialized kernel with the mask on a segment's last key block only: numerics,
+  # then TileLang beside cuDNN at head dims 80 and 128 on the mixed pack.
+  TAIL=12 part gpu_tests_varlen_tilelang 240 python3 -m pytest -q -p no:logging -rf -m gpu \
+    tests/test_varlen_attention_kernels.py -k "tilelang_on_gpu and rope0"
+  TAIL=30 part bench_vision_mask 240 python3 tools/bench_vision_attention.py --head-dims 80 128 --packs mixed \
+    --codegens tilelang --no-compile-baseline --out "$OUT/vision_attention_mask_h200.md"
   ;;
 s26-bench)
   # (carry .triton-kernels, fresh machine) issue 15: the tuned bench at decode and prefill sizes with the stacked
