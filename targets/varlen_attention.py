@@ -416,16 +416,22 @@ def tilelang_padded_dim(head_dim: int) -> int:
     return -(-head_dim // 16) * 16
 
 
-def _tilelang_operand(tensor: str, row: str, valid: str, rope: bool) -> str:
-    """The TIR expression for element (row, d) of a q or k tile (with rotary embedding if `rope`); 0 where not
-    `valid`. if_then_else evaluates only the branch taken, so masked elements never read out of bounds."""
+def _tilelang_element(tensor: str, row: str, rope: bool) -> str:
+    """The TIR expression for element (row, d) of q or k, with rotary embedding if `rope` (in fp32, rounded to
+    DTYPE)."""
     element = f"{tensor}[{row}, head, d]"
     if rope:
         partner = f"{tensor}[{row}, head, T.if_then_else(d < HALF_DIM, d + HALF_DIM, d - HALF_DIM)]"
         rotated = f'T.if_then_else(d < HALF_DIM, -T.cast({partner}, "float32"), T.cast({partner}, "float32"))'
         element = (f'T.cast(T.cast({element}, "float32") * T.cast(cos[{row}, d], "float32") + '
                    f'{rotated} * T.cast(sin[{row}, d], "float32"), DTYPE)')
-    return f"T.if_then_else({valid}, {element}, T.cast(0, DTYPE))"
+    return element
+
+
+def _tilelang_operand(tensor: str, row: str, valid: str, rope: bool) -> str:
+    """The element of a q or k tile (_tilelang_element); 0 where not `valid`. if_then_else evaluates only the branch
+    taken, so masked elements never read out of bounds."""
+    return f"T.if_then_else({valid}, {_tilelang_element(tensor, row, rope)}, T.cast(0, DTYPE))"
 
 
 def tilelang_supports(spec: VarlenAttentionSpec) -> bool:
@@ -476,6 +482,12 @@ def tilelang_source(spec: VarlenAttentionSpec, profile: DeviceProfile) -> str:
                                     spec.rope),
         key_value_loads=_tilelang_key_value_loads(spec),
         pass_configs=repr(tilelang_codegen.fast_math_pass_configs(profile)),
+        # The warp-specialized kernel reads q as it is (already rotated where the spec has rotary embedding).
+        ws_q_element=_tilelang_operand("q", "seq_start + q_start + i", "(q_start + i < seq_len) & (d < HEAD_DIM)",
+                                       rope=False),
+        rope_tl_dtype=_TILELANG_DTYPES[spec.rope_dtype] if spec.rope else "float32",
+        q_rotated=_tilelang_element("q", "block * ROTATE_ROWS + i", rope=True),
+        k_rotated=_tilelang_element("k", "block * ROTATE_ROWS + i", rope=True),
     )
     return Template((TEMPLATES / "varlen_attention.tilelang.py.tmpl").read_text()).substitute(fields)
 
@@ -485,7 +497,8 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
 
     Threads are whole warps of the profile and at most 2 per query row: T.gemm's FullRow policy gives each
     128-thread group (a Hopper warpgroup) 64 query rows. Then, where it fits, the warp-specialized kernel
-    (WARP_SPECIALIZED=1: 128 query rows, 384 threads) with 64- and 128-key blocks."""
+    (WARP_SPECIALIZED=1: 128 query rows, 384 threads) with 64- and 128-key blocks, its two consumer warpgroups
+    issuing their MMAs together or taking turns (PINGPONG=1)."""
     if not tilelang_supports(spec):
         return []
     configs = []
@@ -499,11 +512,14 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
                 if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                     configs.append(config)
     if _warp_specialization_fits(spec, profile):
-        for block_n in (64, 128):
-            config = KernelConfig.make(num_warps=_WS_THREADS // profile.warp_size, num_stages=2, BLOCK_M=128,
-                                       BLOCK_N=block_n, NUM_STAGES=2, THREADS=_WS_THREADS, WARP_SPECIALIZED=1)
-            if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
-                configs.append(config)
+        for pingpong in (0, 1):
+            for block_n in (64, 128):
+                extra = {"PINGPONG": 1} if pingpong else {}
+                config = KernelConfig.make(num_warps=_WS_THREADS // profile.warp_size, num_stages=2, BLOCK_M=128,
+                                           BLOCK_N=block_n, NUM_STAGES=2, THREADS=_WS_THREADS, WARP_SPECIALIZED=1,
+                                           **extra)
+                if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
+                    configs.append(config)
     return configs
 
 
@@ -513,19 +529,40 @@ _WS_THREADS = 384
 
 
 def _warp_specialization_fits(spec: VarlenAttentionSpec, profile: DeviceProfile) -> bool:
-    """On a target with warpgroup MMAs (wgmma_gemm, register-sourced P), TMA and mbarriers; without rotary
-    embedding: the producer only issues TMA copies (a padded head dim's last box reads zeros past the row: 72 ->
-    80). Rotating k tiles element-wise in the producer spilled (ptxas: 2 KB at head dim 80) and stays in the
-    pipelined kernel."""
-    return profile.matrix_instruction == "wgmma" and profile.bulk_tensor_copies and not spec.rope
+    """On a target with warpgroup MMAs (wgmma_gemm, register-sourced P), TMA and mbarriers. Its producer only issues
+    TMA copies (a padded head dim's last box reads zeros past the row: 72 -> 80), so with rotary embedding q and k
+    are rotated by a kernel of their own first (rotating k tiles element-wise in the producer spilled: ptxas, 2 KB
+    at head dim 80)."""
+    return profile.matrix_instruction == "wgmma" and profile.bulk_tensor_copies
+
+
+def _warp_specialized(config: KernelConfig) -> bool:
+    return bool(dict(config.params).get("WARP_SPECIALIZED", 0))
+
+
+def tilelang_kernel_configs(spec: VarlenAttentionSpec, config: KernelConfig) -> dict[str, KernelConfig]:
+    """Factory config of every TileLang kernel `config` launches: the attention kernel, and before it the rotation
+    (PART=1) where the warp-specialized kernel serves a spec with rotary embedding."""
+    kernels = {TILELANG_FACTORY_NAME: config}
+    if spec.rope and _warp_specialized(config):
+        kernels["rotate"] = KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), PART=1)
+    return kernels
 
 
 def tilelang_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -> KernelConfig:
-    """Untuned choice: the first legal of 128 x 64 tiles with 256 threads, 64 x 64 with 128 (most stages first),
-    then anything."""
+    """Untuned choice: without RoPE, the warp-specialized kernel with 128-key blocks where it fits (on the H200 the
+    fastest TileLang config at head dims 72, 80 and 128 on every pack timed: 1.08-1.15x cuDNN at 80, 0.94x at 128,
+    docs/results/vision_attention_h200.md); else the first legal of 128 x 64 tiles with 256 threads, 64 x 64 with
+    128 (most stages first), then anything."""
     configs = tilelang_configs(spec, profile)
     if not configs:
         raise ValueError(f"no legal TileLang varlen_attention config for {spec.describe()} on {profile.name}")
+    for config in configs:
+        # With rotary embedding (a rotation kernel first), and ping-ponging, it has not run on a GPU yet: tuning
+        # candidates only.
+        if _warp_specialized(config) and config["BLOCK_N"] == 128 and not spec.rope \
+                and not dict(config.params).get("PINGPONG"):
+            return config
     for block_m, block_n, threads in ((128, 64, 256), (64, 64, 128)):
         for config in sorted(configs, key=lambda c: -c["NUM_STAGES"]):
             if (config["BLOCK_M"], config["BLOCK_N"], config["THREADS"]) == (block_m, block_n, threads):
@@ -535,11 +572,11 @@ def tilelang_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -
 
 def tilelang_shared_memory_bytes(spec: VarlenAttentionSpec, config: KernelConfig) -> int:
     """The q tile, a k and a v tile per pipeline stage, the reduction workspace (one fp32 per thread); the
-    warp-specialized kernel's ring has two stages and adds its 10 mbarriers."""
+    warp-specialized kernel's ring has two stages and adds its 12 mbarriers."""
     width = tilelang_padded_dim(spec.head_dim)
     item = spec.dtype.itemsize
     stages = max(1, config["NUM_STAGES"])
-    barriers = 10 * 8 if dict(config.params).get("WARP_SPECIALIZED") else 0
+    barriers = 12 * 8 if _warp_specialized(config) else 0
     return (config["BLOCK_M"] + 2 * stages * config["BLOCK_N"]) * width * item + 4 * config["THREADS"] + barriers
 
 
@@ -561,6 +598,13 @@ def tilelang_launch(compiled, config: KernelConfig, q, k, v, cu_seqlens, max_seq
     decoders' parts (tilelang_supports): the four arguments before out are their absent stand-ins."""
     if q.shape[0] == 0 or q.shape[1] == 0 or cu_seqlens.shape[0] < 2:
         return
+    if cos is not None and _warp_specialized(config):
+        # Its attention kernel reads q and k rotated: the rotation kernel (part 1) writes them first.
+        rotated = (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+                   torch.empty(k.shape, dtype=k.dtype, device=k.device))
+        rotate = KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), PART=1)
+        tilelang_codegen.launch_arguments((q, k, cos, sin), rotated).launch(compiled.kernel_for(rotate))
+        (q, k), cos, sin = rotated, None, None
     arguments = tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, _cu_seqlens_k,
                                           _query_pos, _window, _sinks, out)
     arguments.launch(compiled.kernel_for(config))

@@ -435,15 +435,17 @@ def test_triton_compiles_ahead_of_time_for_sm_90(tmp_path):
 
 @pytest.mark.parametrize("head_dim, rope", [(72, FP32), (80, None)], ids=["72-rope", "80"])
 def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
-    """Head dim 72 with RoPE: tiles padded to 80 columns (the matrix instructions' k-step) built element-wise,
-    rotated on the way; its CUDA is compiled by nvcc. Head dim 80 without: bulk copies of k and v (TMA); lowered
-    only (nvcc takes ~20 s a kernel on the CI machine)."""
+    """The pipelined kernel (the untuned choice with RoPE). Head dim 72 with RoPE: tiles padded to 80 columns (the
+    matrix instructions' k-step) built element-wise, rotated on the way; its CUDA is compiled by nvcc. Head dim 80
+    without: bulk copies of k and v (TMA); lowered only (nvcc takes ~20 s a kernel on the CI machine)."""
     if shutil.which("nvcc") is None and rope is not None:
         pytest.skip("nvcc is not on PATH")
     spec = family.make_spec(head_dim, BF16, rope)
     path = tmp_path / "varlen_attention_tilelang.py"
     path.write_text(family.tilelang_source(spec, SM_90))
-    config = family.tilelang_default_config(spec, SM_90)
+    config = next(c for c in family.tilelang_configs(spec, SM_90) if not dict(c.params).get("WARP_SPECIALIZED")
+                  and (c["BLOCK_M"], c["BLOCK_N"], c["THREADS"], c["NUM_STAGES"]) == (128, 64, 256, 2))
+    assert (config == family.tilelang_default_config(spec, SM_90)) == (rope is not None)
     artifact = tilelang_codegen.lower(path, family.TILELANG_FACTORY_NAME, config, SM_90)
     cuda = artifact.kernel_source
     (device_func,) = artifact.device_mod.functions.values()
@@ -457,17 +459,63 @@ def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
         assert tilelang_codegen.nvcc_compile(cuda, SM_90, tmp_path / "nvcc").stat().st_size > 0
 
 
-def test_warp_specialized_configs_only_where_the_producer_is_tma():
-    """The warp-specialized kernel: on sm_90 for q/k/v without rotary embedding (its producer only issues TMA
-    copies), 64- and 128-key blocks; never with RoPE, and never on targets without wgmma/TMA (sm_80, MUSA)."""
+def test_warp_specialized_configs_on_wgmma_targets_only():
+    """The warp-specialized kernel: on sm_90, 64- and 128-key blocks, with and without ping-pong; the untuned choice
+    without RoPE (128-key blocks, no ping-pong); with RoPE a tuning candidate whose launch runs the rotation kernel
+    (PART=1) first; never on targets without wgmma/TMA (sm_80, MUSA)."""
     def specialized(spec, profile):
         return [c for c in family.tilelang_configs(spec, profile) if dict(c.params).get("WARP_SPECIALIZED")]
 
     for head_dim in (72, 80, 128):
-        assert [c["BLOCK_N"] for c in specialized(family.make_spec(head_dim, BF16, None), SM_90)] == [64, 128]
-        assert specialized(family.make_spec(head_dim, BF16, FP32), SM_90) == []
-        for name in ("cuda:sm_80", "musa:mp_22", "musa:mp_31"):
-            assert specialized(family.make_spec(head_dim, BF16, None), TARGETS[name].profile) == []
+        for rope in (None, FP32, BF16):
+            spec = family.make_spec(head_dim, BF16, rope)
+            configs = specialized(spec, SM_90)
+            assert [(c["BLOCK_N"], dict(c.params).get("PINGPONG", 0)) for c in configs] == [
+                (64, 0), (128, 0), (64, 1), (128, 1)]
+            default = family.tilelang_default_config(spec, SM_90)
+            assert (default == configs[1]) == (rope is None)
+            for config in configs:
+                kernels = family.tilelang_kernel_configs(spec, config)
+                assert list(kernels) == ([family.TILELANG_FACTORY_NAME, "rotate"] if rope else
+                                         [family.TILELANG_FACTORY_NAME])
+                assert all(dict(k.params).get("PART", 0) == (name == "rotate") for name, k in kernels.items())
+            for name in ("cuda:sm_80", "musa:mp_22", "musa:mp_31"):
+                assert specialized(spec, TARGETS[name].profile) == []
+
+
+def test_tilelang_ping_pong_lowers_for_sm_90(tmp_path):
+    """PINGPONG=1: each consumer warpgroup its own 64 query rows (the second's q operand 64 rows into the tile) and
+    its own fragments; each issues its MMAs in its turn (waits on its turn barrier, then arrives on the other's) at
+    three places: the first key block's S, the loop's S with P V, the last P V."""
+    spec = family.make_spec(128, BF16, None)
+    config = next(c for c in family.tilelang_configs(spec, SM_90)
+                  if dict(c.params).get("PINGPONG") and c["BLOCK_N"] == 128)
+    path = tmp_path / "varlen_attention_tilelang.py"
+    path.write_text(family.tilelang_source(spec, SM_90))
+    cuda = tilelang_codegen.lower_to_device_source(path, family.TILELANG_FACTORY_NAME, config, SM_90)
+    for group in (0, 1):
+        assert cuda.count(f"turn[{group}].wait(") == 3 and cuda.count(f"turn[{1 - group}].arrive()") == 3
+        assert f"q_ready[{group}].arrive()" in cuda and f"q_free[{group}].arrive()" in cuda
+    assert "(&(((bfloat16_t*)q_tile)[0])) + 8192)" in cuda  # the second group's rows: 64 x 64 x 2 bytes in
+    assert "probs_1" in cuda and "acc_1" in cuda
+    assert cuda.count("tl::warpgroup_reg_alloc<240>") == 1 and "tl::warpgroup_reg_dealloc<24>" in cuda
+
+
+def test_tilelang_rotation_kernel_lowers_for_sm_90(tmp_path):
+    """With RoPE the warp-specialized launch rotates q and k first (part 1): a kernel of q, k, cos, sin into two
+    dense outputs, and an attention kernel that takes no cos/sin and reads k and v by TMA only."""
+    spec = family.make_spec(80, BF16, FP32)
+    config = next(c for c in family.tilelang_configs(spec, SM_90) if dict(c.params).get("WARP_SPECIALIZED"))
+    path = tmp_path / "varlen_attention_tilelang.py"
+    path.write_text(family.tilelang_source(spec, SM_90))
+    kernels = family.tilelang_kernel_configs(spec, config)
+    rotate = tilelang_codegen.lower_to_device_source(path, family.TILELANG_FACTORY_NAME, kernels["rotate"], SM_90)
+    assert re.search(r"rotate_kernel\(const float\* __restrict__ cos\w*, const bfloat16_t\* __restrict__ k, "
+                     r"bfloat16_t\* __restrict__ k_rotated", rotate), rotate[:2000]
+    attention = tilelang_codegen.lower_to_device_source(path, family.TILELANG_FACTORY_NAME, config, SM_90)
+    (parameters,) = re.findall(r"void __launch_bounds__\([^)]*\) varlen_attention_kernel\(([^)]*)\)", attention)
+    assert "cos" not in parameters and "sin" not in parameters
+    assert "CUtensorMap k_desc" in attention and "CUtensorMap v_desc" in attention
 
 
 def test_tilelang_kernels_take_fast_math_unless_the_profile_pins_it(tmp_path):
@@ -546,13 +594,14 @@ def test_tilelang_on_gpu(case_id, seed, tmp_path):
     kernels = tilelang_codegen.load(family, path, spec, SM_90)
     args = make_pack(case, seed, strided=True)
     expected = varlen_attention_reference(*args)
-    # The default and the warp-specialized kernels; on the first case also the smallest tile (each config is an
-    # nvcc compile of ~10-30 s).
+    # The default, the warp-specialized kernels and the pipelined kernel's 128 x 64 tile; on the first case also
+    # the smallest tile (each config is an nvcc compile of ~10-30 s).
+    legal = family.tilelang_configs(spec, SM_90)
     configs = [family.tilelang_default_config(spec, SM_90)]
     if case_id == FIRST_GPU_CASE:
-        configs.append(family.tilelang_configs(spec, SM_90)[0])
-    configs += [c for c in family.tilelang_configs(spec, SM_90)
-                if dict(c.params).get("WARP_SPECIALIZED") and c not in configs]
+        configs.append(legal[0])
+    configs += [c for c in legal if c not in configs and (dict(c.params).get("WARP_SPECIALIZED") or (
+        c["BLOCK_M"], c["BLOCK_N"], c["THREADS"], c["NUM_STAGES"]) == (128, 64, 256, 2))]
     for config in configs:
         # The first config also runs with max_seqlen far below the longest segment (blocks must stride on).
         for max_seqlen in (args[4], 64) if config == configs[0] else (args[4],):

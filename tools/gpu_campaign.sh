@@ -15,9 +15,9 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# This session (27): wheels-1 (carry .whl-gpu1), s27-vision-2 (carry .whl-gpu2), s27-vision-72,
-# s27-vision-mask.
-# Still to run: s25-busy (the multimodal bench).
+# Session 27 ran wheels-1, s27-vision-2, s27-vision-72, s27-vision-mask (docs/results/vision_attention_h200.md).
+# Next session: wheels-1 (carry .whl-gpu1), s28-vision-2 (carry .whl-gpu2), then s25-busy (the multimodal
+# bench).
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -174,6 +174,16 @@ s27-vision-mask)
     tests/test_varlen_attention_kernels.py -k "tilelang_on_gpu and rope0"
   TAIL=30 part bench_vision_mask 240 python3 tools/bench_vision_attention.py --head-dims 80 128 --packs mixed \
     --codegens tilelang --no-compile-baseline --out "$OUT/vision_attention_mask_h200.md"
+  ;;
+s28-vision-2)
+  # (carry .whl-gpu2, after wheels-1) issue 14: the warp-specialized varlen kernel with RoPE (the rotation kernel,
+  # part 1, then the attention) and with ping-pong (PINGPONG=1), both run for the first time: GPU numerics of every
+  # case and warp-specialized config, then TileLang beside cuDNN with --rope (each spec with and without) at head
+  # dims 80 and 128, every timed config checked against the reference.
+  TAIL=12 part gpu_tests_varlen_tilelang 300 python3 -m pytest -q -p no:logging -rf -m gpu \
+    tests/test_varlen_attention_kernels.py -k "tilelang_on_gpu"
+  TAIL=30 part bench_vision_rope 280 python3 tools/bench_vision_attention.py --head-dims 80 128 --packs mixed \
+    --rope --codegens tilelang --no-compile-baseline --out "$OUT/vision_attention_rope_h200.md"
   ;;
 s26-bench)
   # (carry .triton-kernels, fresh machine) issue 15: the tuned bench at decode and prefill sizes with the stacked
