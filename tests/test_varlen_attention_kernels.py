@@ -24,6 +24,7 @@ import pytest
 import torch
 from conftest import run_ahead_of_time_script
 
+from dzc import config as dzc_config
 from dzc.ops.varlen_attention import varlen_attention_reference
 from dzc.targets import TARGETS, tilelang_codegen, triton_codegen
 from dzc.targets import varlen_attention as family
@@ -469,18 +470,23 @@ def test_warp_specialized_configs_on_wgmma_targets_only():
     for head_dim in (72, 80, 128):
         for rope in (None, FP32, BF16):
             spec = family.make_spec(head_dim, BF16, rope)
-            configs = specialized(spec, SM_90)
+            # Without DZC_UNRUN_CONFIGS, only what has run on the H200: no RoPE, no ping-pong.
+            assert [c["BLOCK_N"] for c in specialized(spec, SM_90)] == ([] if rope else [64, 128])
+            with dzc_config.scope(DZC_UNRUN_CONFIGS="1"):
+                configs = specialized(spec, SM_90)
+                default = family.tilelang_default_config(spec, SM_90)
             assert [(c["BLOCK_N"], dict(c.params).get("PINGPONG", 0)) for c in configs] == [
                 (64, 0), (128, 0), (64, 1), (128, 1)]
-            default = family.tilelang_default_config(spec, SM_90)
             assert (default == configs[1]) == (rope is None)
+            assert default == family.tilelang_default_config(spec, SM_90)
             for config in configs:
                 kernels = family.tilelang_kernel_configs(spec, config)
                 assert list(kernels) == ([family.TILELANG_FACTORY_NAME, "rotate"] if rope else
                                          [family.TILELANG_FACTORY_NAME])
                 assert all(dict(k.params).get("PART", 0) == (name == "rotate") for name, k in kernels.items())
             for name in ("cuda:sm_80", "musa:mp_22", "musa:mp_31"):
-                assert specialized(spec, TARGETS[name].profile) == []
+                with dzc_config.scope(DZC_UNRUN_CONFIGS="1"):
+                    assert specialized(spec, TARGETS[name].profile) == []
 
 
 def test_tilelang_ping_pong_lowers_for_sm_90(tmp_path):
@@ -488,8 +494,9 @@ def test_tilelang_ping_pong_lowers_for_sm_90(tmp_path):
     its own fragments; each issues its MMAs in its turn (waits on its turn barrier, then arrives on the other's) at
     three places: the first key block's S, the loop's S with P V, the last P V."""
     spec = family.make_spec(128, BF16, None)
-    config = next(c for c in family.tilelang_configs(spec, SM_90)
-                  if dict(c.params).get("PINGPONG") and c["BLOCK_N"] == 128)
+    with dzc_config.scope(DZC_UNRUN_CONFIGS="1"):
+        config = next(c for c in family.tilelang_configs(spec, SM_90)
+                      if dict(c.params).get("PINGPONG") and c["BLOCK_N"] == 128)
     path = tmp_path / "varlen_attention_tilelang.py"
     path.write_text(family.tilelang_source(spec, SM_90))
     cuda = tilelang_codegen.lower_to_device_source(path, family.TILELANG_FACTORY_NAME, config, SM_90)
@@ -505,7 +512,8 @@ def test_tilelang_rotation_kernel_lowers_for_sm_90(tmp_path):
     """With RoPE the warp-specialized launch rotates q and k first (part 1): a kernel of q, k, cos, sin into two
     dense outputs, and an attention kernel that takes no cos/sin and reads k and v by TMA only."""
     spec = family.make_spec(80, BF16, FP32)
-    config = next(c for c in family.tilelang_configs(spec, SM_90) if dict(c.params).get("WARP_SPECIALIZED"))
+    with dzc_config.scope(DZC_UNRUN_CONFIGS="1"):
+        config = next(c for c in family.tilelang_configs(spec, SM_90) if dict(c.params).get("WARP_SPECIALIZED"))
     path = tmp_path / "varlen_attention_tilelang.py"
     path.write_text(family.tilelang_source(spec, SM_90))
     kernels = family.tilelang_kernel_configs(spec, config)
