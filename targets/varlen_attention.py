@@ -544,12 +544,17 @@ def _warp_specialized(config: KernelConfig) -> bool:
     return bool(dict(config.params).get("WARP_SPECIALIZED", 0))
 
 
+def _rotation_config(config: KernelConfig) -> KernelConfig:
+    """The factory config of the rotation kernel (part 1) that `config`'s launch runs first with rotary embedding."""
+    return KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), PART=1)
+
+
 def tilelang_kernel_configs(spec: VarlenAttentionSpec, config: KernelConfig) -> dict[str, KernelConfig]:
     """Factory config of every TileLang kernel `config` launches: the attention kernel, and before it the rotation
     (PART=1) where the warp-specialized kernel serves a spec with rotary embedding."""
     kernels = {TILELANG_FACTORY_NAME: config}
     if spec.rope and _warp_specialized(config):
-        kernels["rotate"] = KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), PART=1)
+        kernels["rotate"] = _rotation_config(config)
     return kernels
 
 
@@ -605,8 +610,8 @@ def tilelang_launch(compiled, config: KernelConfig, q, k, v, cu_seqlens, max_seq
         # Its attention kernel reads q and k rotated: the rotation kernel (part 1) writes them first.
         rotated = (torch.empty(q.shape, dtype=q.dtype, device=q.device),
                    torch.empty(k.shape, dtype=k.dtype, device=k.device))
-        rotate = KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), PART=1)
-        tilelang_codegen.launch_arguments((q, k, cos, sin), rotated).launch(compiled.kernel_for(rotate))
+        rotation = compiled.kernel_for(_rotation_config(config))
+        tilelang_codegen.launch_arguments((q, k, cos, sin), rotated).launch(rotation)
         (q, k), cos, sin = rotated, None, None
     arguments = tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, _cu_seqlens_k,
                                           _query_pos, _window, _sinks, out)

@@ -2,7 +2,8 @@
 
     python tools/bench_vision_attention.py [--quick] [--musa-legal] [--out results.md]
 
-Vision-encoder attention over packed images: 16 heads, head dims 72 (MoonViT) and 80 (Qwen2.5-VL), bf16.
+Vision-encoder attention over packed images: 16 heads, head dims 72 (MoonViT), 80 (Qwen2.5-VL) and 128
+(InternViT-6B), bf16.
 Packs (patch counts per image): "mixed" {1024, 4096, 256, 2304, 9216}; "64x256" (64 images of 256); "large"
 {4096, 9216} (the >= 4096-patch goal); window layers: "windows" = the mixed pack cut into 64-token windows.
 With --rope, a variant that applies HF's vision rotary embedding to q and k (in-kernel for dzc; as separate ops
@@ -200,7 +201,7 @@ def tune(kernel: DzcKernel, configs, args, expected, lengths) -> tuple[KernelCon
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--head-dims", type=int, nargs="+", default=[72, 80])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[72, 80, 128])
     parser.add_argument("--packs", nargs="+", default=list(PACKS), choices=list(PACKS))
     parser.add_argument("--codegens", nargs="+", default=["triton", "tilelang"])
     parser.add_argument("--rope", action="store_true", help="also the variant with the rotary embedding")
