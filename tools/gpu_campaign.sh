@@ -15,9 +15,8 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Session 27 ran wheels-1, s27-vision-2, s27-vision-72, s27-vision-mask (docs/results/vision_attention_h200.md).
-# Next session: wheels-1 (carry .whl-gpu1), s28-vision-2 (carry .whl-gpu2), then s25-busy (the multimodal
-# bench).
+# Next session: s28-moe (carry .triton-kernels), wheels-1 (carry .whl-gpu1), s28-vision-2 (carry .whl-gpu2),
+# then s25-busy (the multimodal bench).
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -120,60 +119,11 @@ wheels-1|wheels-2)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   ;;
 s25-busy)
-  # (after wheels-1 or s26-bench: dzc installed) issues 18/14/15: bench_multimodal --quick again, its
+  # (after wheels-1 or s28-moe: dzc installed) issues 18/14/15: bench_multimodal --quick again, its
   # torch.compile column falling back to mode "default" when reduce-overhead's capture fails (as in s24-busy);
   # Triton kernels only.
   TAIL=30 part bench_multimodal 420 env PYTHONPATH=/tmp/site-gpu1:$PWD python3 tools/bench_multimodal.py --quick \
     --compile-mode reduce-overhead --no-warm --out "$OUT/multimodal_quick_h200.md"
-  ;;
-s25-topk)
-  # (after wheels-1 and wheels-2) issue 14: the TileLang top-k's tuning candidates at 64 x 2 rows of 32K and 128K
-  # (each timed and logged: 8 loads in flight a thread, the untuned choice, against 16-32): is any within the
-  # goal of 3x one read of the logits (the untuned one: 5.9x at 32K)?
-  TAIL=30 part topk_tuned 240 env DZC_AUTOTUNE_LOG=1 python3 tools/bench_dsa.py --only topk --batches 64 --queries 2 \
-    --contexts 32768 131072 --topk-codegens tilelang --cuda-graphs --out "$OUT/dsa_topk_tuned_h200.md"
-  ;;
-s25-ncu)
-  # (after wheels-1 and wheels-2; carry .public-kernels) Nsight Compute on dzc's warp-specialized prefill and the
-  # public pipelined kernel (each checked, then launched once more), and on the FP8-cache decode kernel: where the
-  # time goes.
-  ncu=(ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats
-       --section Occupancy --section MemoryWorkloadAnalysis)
-  TAIL=4 part ncu_prefill 200 "${ncu[@]}" --kernel-name regex:"^(sparse_attention_kernel|main_kernel)$" \
-    --launch-count 4 python3 tools/diagnose_sparse_attention_configs.py --variants prefill --codegen tilelang \
-    --only-default --launches 1 --public .public-kernels/deepseek_v32
-  # FP8 decode: every TileLang config timed (the interleaved reader beside the plain one), then under ncu the
-  # untuned one's second launch.
-  TAIL=30 part fp8_decode_configs 200 python3 tools/diagnose_sparse_attention_configs.py --variants decode \
-    --fp8-cache --codegen tilelang
-  TAIL=4 part ncu_decode_fp8 150 "${ncu[@]}" --kernel-name regex:"^sparse_attention_kernel$" --launch-count 2 \
-    python3 tools/diagnose_sparse_attention_configs.py --variants decode --fp8-cache --codegen tilelang \
-    --only-default --launches 1
-  ;;
-s27-vision-2)
-  # (carry .whl-gpu2, after wheels-1) issue 14: the warp-specialized TileLang varlen kernel (producer warpgroup
-  # of TMA copies, S_j issued before P_{j-1} V_{j-1}, softmax under the MMA): GPU numerics of every case without
-  # RoPE (its configs), then the bench at head dims 80 and 128 (every timed config checked against the reference).
-  TAIL=12 part gpu_tests_varlen_tilelang 240 python3 -m pytest -q -p no:logging -rf -m gpu \
-    tests/test_varlen_attention_kernels.py -k "tilelang_on_gpu and rope0"
-  TAIL=30 part bench_vision_80_128 320 python3 tools/bench_vision_attention.py --head-dims 80 128 \
-    --packs mixed large --no-compile-baseline --out "$OUT/vision_attention_80_128_h200.md"
-  ;;
-s27-vision-72)
-  # (after s27-vision-2) head dim 72 (padded to 80 in the kernel), then the FP8-cache sparse attention tests with
-  # the interleaved reader now the untuned choice.
-  TAIL=30 part bench_vision_72 300 python3 tools/bench_vision_attention.py --head-dims 72 --packs mixed large \
-    64x256 --no-compile-baseline --out "$OUT/vision_attention_72_h200.md"
-  TAIL=12 part gpu_tests_sparse_fp8 200 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_dsa_kernels.py \
-    -k "fp8 and (warp_specialized or sparse_attention)"
-  ;;
-s27-vision-mask)
-  # (after s27-vision-72) the warp-specialized kernel with the mask on a segment's last key block only: numerics,
-  # then TileLang beside cuDNN at head dims 80 and 128 on the mixed pack.
-  TAIL=12 part gpu_tests_varlen_tilelang 240 python3 -m pytest -q -p no:logging -rf -m gpu \
-    tests/test_varlen_attention_kernels.py -k "tilelang_on_gpu and rope0"
-  TAIL=30 part bench_vision_mask 240 python3 tools/bench_vision_attention.py --head-dims 80 128 --packs mixed \
-    --codegens tilelang --no-compile-baseline --out "$OUT/vision_attention_mask_h200.md"
   ;;
 s28-vision-2)
   # (carry .whl-gpu2, after wheels-1) issue 14: the warp-specialized varlen kernel with RoPE (the rotation kernel,
@@ -186,13 +136,15 @@ s28-vision-2)
   TAIL=30 part bench_vision_rope 280 python3 tools/bench_vision_attention.py --head-dims 80 128 --packs mixed \
     --rope --codegens tilelang --no-compile-baseline --out "$OUT/vision_attention_rope_h200.md"
   ;;
-s26-bench)
-  # (carry .triton-kernels, fresh machine) issue 15: the tuned bench at decode and prefill sizes with the stacked
-  # SWAP_AB gate/up and the scales a step ahead (s26-stacked: T=8192 5941 µs in the kernel-by-kernel tool; the
-  # last tuned bench, before that change: 65 / 241 / 781 / 2240 / 6535 µs at 1 / 8 / 64 / 2048 / 8192 tokens).
+s28-moe)
+  # (carry .triton-kernels) issue 15: split-K with a compile-time step count (no C7515 on the SWAP_AB gate/up with
+  # Triton 3.9's ptxas): the MoE kernels' numerics on the GPU, then the tuned decode bench (session 27: 60.7 /
+  # 225.8 / 762.8 µs at 1 / 8 / 64 tokens).
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=20 part bench_moe 500 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 1 8 64 2048 8192 \
-    --routing uniform --codegens triton --memory-layers 0 --out "$OUT/mxfp4_moe_h200.md"
+  TAIL=12 part gpu_tests_moe 280 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_kernels.py \
+    tests/test_mxfp4_moe_w4a8.py
+  TAIL=20 part bench_moe_decode 280 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 1 8 64 \
+    --routing uniform --codegens triton --memory-layers 0 --out "$OUT/mxfp4_moe_decode_h200.md"
   ;;
 esac
 # The device tool brings back only a few files per call: everything goes back as one archive.
