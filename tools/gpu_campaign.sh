@@ -15,8 +15,8 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session: s28-moe (carry .triton-kernels), wheels-1 (carry .whl-gpu1), s28-vision-2 (carry .whl-gpu2),
-# then s25-busy (the multimodal bench).
+# Next session: s28-moe (carry .triton-kernels), s28-moe-prefill, wheels-1 (carry .whl-gpu1), s28-vision-2
+# (carry .whl-gpu2), then s25-busy (the multimodal bench).
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -145,6 +145,13 @@ s28-moe)
     tests/test_mxfp4_moe_w4a8.py
   TAIL=20 part bench_moe_decode 280 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 1 8 64 \
     --routing uniform --codegens triton --memory-layers 0 --out "$OUT/mxfp4_moe_decode_h200.md"
+  ;;
+s28-moe-prefill)
+  # (after s28-moe) issue 15: the tuned prefill bench with the new 8-warp 128 x 64 SWAP_AB tile as a candidate
+  # (the 4-warp one, the pick at T=8192 in session 27, spills with Triton 3.9's ptxas; this one does not).
+  TAIL=20 part bench_moe_prefill 500 env DZC_AUTOTUNE_LOG=1 python3 tools/bench_mxfp4_moe.py --models \
+    gpt-oss-120b --tokens 2048 8192 --routing uniform --codegens triton --memory-layers 0 \
+    --out "$OUT/mxfp4_moe_prefill_h200.md"
   ;;
 esac
 # The device tool brings back only a few files per call: everything goes back as one archive.
