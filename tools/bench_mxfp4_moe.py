@@ -375,8 +375,9 @@ def bucket_configs(spec, codegen: str, bucket: int, musa_legal: bool,
     def shape(config):  # the tile without its split, path and variants
         return {k: v for k, v in config.params if k not in ("SPLIT_K", "WORKSPACE", *variants)}
 
-    alternatives = [c for c in others if c not in splits and c.num_warps == default.num_warps
-                    and shape(c) == shape(default)]
+    # (and the default's own tile on other warp counts)
+    alternatives = [c for c in others if c not in splits and shape(c) == shape(default)
+                    and (c.num_warps == default.num_warps or c.params == default.params)]
     rest = [c for c in others if c not in splits + alternatives]
     step = max(1, len(rest) // max(how_many, 1))
     return [("default", default)] + [("candidate", c) for c in splits + alternatives + rest[::step][:how_many]]
