@@ -498,8 +498,8 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
 
     Threads are whole warps of the profile and at most 2 per query row: T.gemm's FullRow policy gives each
     128-thread group (a Hopper warpgroup) 64 query rows. Then, where it fits, the warp-specialized kernel
-    (WARP_SPECIALIZED=1: 128 query rows, 384 threads) with 64- and 128-key blocks, its two consumer warpgroups
-    issuing their MMAs together or taking turns (PINGPONG=1)."""
+    (WARP_SPECIALIZED=1: 128 query rows, 384 threads) with 64-, 128- and 176-key blocks, its two consumer
+    warpgroups issuing their MMAs together or taking turns (PINGPONG=1)."""
     if not tilelang_supports(spec):
         return []
     configs = []
@@ -513,11 +513,12 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
                 if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                     configs.append(config)
     if _warp_specialization_fits(spec, profile):
-        # The RoPE form (a rotation kernel first) and ping-pong have not run on a GPU yet: listed only with
+        # The RoPE form (a rotation kernel first), ping-pong and 176-key blocks (FlashAttention-3's at head dim
+        # 128; no spills, 213 KB of shared memory there) have not run on a GPU yet: listed only with
         # DZC_UNRUN_CONFIGS=1.
         unrun = UNRUN_CONFIGS.get() == "1"
         for pingpong in [p for p in (0, 1) if unrun or (p == 0 and not spec.rope)]:
-            for block_n in (64, 128):
+            for block_n in (64, 128, 176) if unrun else (64, 128):
                 extra = {"PINGPONG": 1} if pingpong else {}
                 config = KernelConfig.make(num_warps=_WS_THREADS // profile.warp_size, num_stages=2, BLOCK_M=128,
                                            BLOCK_N=block_n, NUM_STAGES=2, THREADS=_WS_THREADS, WARP_SPECIALIZED=1,

@@ -461,9 +461,9 @@ def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
 
 
 def test_warp_specialized_configs_on_wgmma_targets_only():
-    """The warp-specialized kernel: on sm_90, 64- and 128-key blocks, with and without ping-pong; the untuned choice
-    without RoPE (128-key blocks, no ping-pong); with RoPE a tuning candidate whose launch runs the rotation kernel
-    (PART=1) first; never on targets without wgmma/TMA (sm_80, MUSA)."""
+    """The warp-specialized kernel: on sm_90, 64- and 128-key blocks (and, not run on a GPU yet, 176), with and
+    without ping-pong; the untuned choice without RoPE (128-key blocks, no ping-pong); with RoPE a tuning candidate
+    whose launch runs the rotation kernel (PART=1) first; never on targets without wgmma/TMA (sm_80, MUSA)."""
     def specialized(spec, profile):
         return [c for c in family.tilelang_configs(spec, profile) if dict(c.params).get("WARP_SPECIALIZED")]
 
@@ -476,7 +476,7 @@ def test_warp_specialized_configs_on_wgmma_targets_only():
                 configs = specialized(spec, SM_90)
                 default = family.tilelang_default_config(spec, SM_90)
             assert [(c["BLOCK_N"], dict(c.params).get("PINGPONG", 0)) for c in configs] == [
-                (64, 0), (128, 0), (64, 1), (128, 1)]
+                (64, 0), (128, 0), (176, 0), (64, 1), (128, 1), (176, 1)]
             assert (default == configs[1]) == (rope is None)
             assert default == family.tilelang_default_config(spec, SM_90)
             for config in configs:
