@@ -16,7 +16,7 @@
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Next session: s28-moe (carry .triton-kernels), s28-moe-prefill, wheels-1 (carry .whl-gpu1), s28-vision-2
-# (carry .whl-gpu2), then s25-busy (the multimodal bench).
+# (carry .whl-gpu2), s28-vision-bench, then s25-busy (the multimodal bench).
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -126,15 +126,17 @@ s25-busy)
     --compile-mode reduce-overhead --no-warm --out "$OUT/multimodal_quick_h200.md"
   ;;
 s28-vision-2)
-  # (carry .whl-gpu2, after wheels-1) issue 14: the warp-specialized varlen kernel with RoPE (the rotation kernel,
-  # part 1, then the attention) and with ping-pong (PINGPONG=1), both run for the first time: GPU numerics of every
-  # case and warp-specialized config, then TileLang beside cuDNN with --rope (each spec with and without) at head
-  # dims 80 and 128, every timed config checked against the reference.
-  export DZC_UNRUN_CONFIGS=1  # both are listed only with it until they pass here
-  TAIL=12 part gpu_tests_varlen_tilelang 300 python3 -m pytest -q -p no:logging -rf -m gpu \
+  # (carry .whl-gpu2, after wheels-1) issue 14: the warp-specialized varlen kernel's unrun forms (DZC_UNRUN_CONFIGS:
+  # RoPE through the rotation kernel, ping-pong, 176-key blocks), GPU numerics of every case and config.
+  TAIL=12 part gpu_tests_varlen_tilelang 540 env DZC_UNRUN_CONFIGS=1 python3 -m pytest -q -p no:logging -rf -m gpu \
     tests/test_varlen_attention_kernels.py -k "tilelang_on_gpu"
-  TAIL=30 part bench_vision_rope 280 python3 tools/bench_vision_attention.py --head-dims 80 128 --packs mixed \
-    --rope --codegens tilelang --no-compile-baseline --out "$OUT/vision_attention_rope_h200.md"
+  ;;
+s28-vision-bench)
+  # (after s28-vision-2, whose numerics must pass first) TileLang beside cuDNN with --rope (each spec with and
+  # without) at head dims 80 and 128 on the mixed pack, the unrun forms among the timed configs (each checked
+  # against the reference before timing).
+  TAIL=30 part bench_vision_rope 540 env DZC_UNRUN_CONFIGS=1 python3 tools/bench_vision_attention.py --head-dims \
+    80 128 --packs mixed --rope --codegens tilelang --no-compile-baseline --out "$OUT/vision_attention_rope_h200.md"
   ;;
 s28-moe)
   # (carry .triton-kernels) issue 15: split-K with a compile-time step count (no C7515 on the SWAP_AB gate/up with
