@@ -93,13 +93,8 @@ NESTED_REGIONS = Knob("DZC_NESTED_REGIONS", "1",
                       "1 (default): capture the repeated layers of an nn.ModuleList once, as nested compile "
                       "regions; 0: off (CompileOptions.nested_regions wins)", "0 or 1", _one_of("0", "1"))
 
-UNRUN_CONFIGS = Knob("DZC_UNRUN_CONFIGS", "0",
-                     "1: kernel config lists also hold the configs whose kernels have not run on a GPU yet (the GPU "
-                     "campaign that runs them first sets it); 0 (default): they are left out, so neither the "
-                     "autotuner nor an untuned choice launches one", "0 or 1", _one_of("", "0", "1"))
-
 KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB, CHECK_REWRITES, COMPILE_CACHE, FRAME_CACHE,
-         NESTED_REGIONS, UNRUN_CONFIGS)
+         NESTED_REGIONS)
 
 
 def debug_level() -> int:

@@ -496,12 +496,10 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
                     for block_m, splits in ((16, (1, 2, 4, 8)), (32, (1, 2)), (64, (1,))) for block_n in (64, 128)
                     for split_k in splits for tma in tmas]
         # Prefill: 128 token rows a tile, so each decoded weight feeds twice the MMA work of a 64-row tile. A
-        # 128-row weight tile takes two warp groups (its gate and up accumulators fill 4 warps' registers); a
-        # 64-row one on one warp group spills (ptxas, Triton 3.9: 256 B at 255 registers, the H200's tuned pick at
-        # T=8192), on two it does not (222 registers).
+        # 128-row weight tile takes two warp groups (its gate and up accumulators fill 4 warps' registers).
         configs += [KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=128, BLOCK_N=block_n,
                                       BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, **tma)
-                    for block_n, warps in ((64, 4), (64, 8), (128, 8)) for stages in (3, 4) for tma in tmas]
+                    for block_n, warps in ((64, 4), (128, 8)) for stages in (3, 4) for tma in tmas]
     return list(dict.fromkeys(configs))  # the lists overlap (64-row DOT_SCALED tiles): each config once
 
 

@@ -30,7 +30,6 @@ from string import Template
 import torch
 
 from dzc import ir
-from dzc.config import UNRUN_CONFIGS
 from dzc.ops.varlen_attention import check_varlen_attention_args
 from dzc.targets import tilelang_codegen
 from dzc.targets.kernel_config import KernelConfig
@@ -513,12 +512,8 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
                 if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                     configs.append(config)
     if _warp_specialization_fits(spec, profile):
-        # The RoPE form (a rotation kernel first), ping-pong and 176-key blocks (FlashAttention-3's at head dim
-        # 128; no spills, 213 KB of shared memory there) have not run on a GPU yet: listed only with
-        # DZC_UNRUN_CONFIGS=1.
-        unrun = UNRUN_CONFIGS.get() == "1"
-        for pingpong in [p for p in (0, 1) if unrun or (p == 0 and not spec.rope)]:
-            for block_n in (64, 128, 176) if unrun else (64, 128):
+        for pingpong in (0, 1):
+            for block_n in (64, 128, 176):
                 extra = {"PINGPONG": 1} if pingpong else {}
                 config = KernelConfig.make(num_warps=_WS_THREADS // profile.warp_size, num_stages=2, BLOCK_M=128,
                                            BLOCK_N=block_n, NUM_STAGES=2, THREADS=_WS_THREADS, WARP_SPECIALIZED=1,
@@ -560,17 +555,16 @@ def tilelang_kernel_configs(spec: VarlenAttentionSpec, config: KernelConfig) -> 
 
 
 def tilelang_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -> KernelConfig:
-    """Untuned choice: without RoPE, the warp-specialized kernel with 128-key blocks where it fits (on the H200 the
-    fastest TileLang config at head dims 72, 80 and 128 on every pack timed: 1.08-1.15x cuDNN at 80, 0.94x at 128,
-    docs/results/vision_attention_h200.md); else the first legal of 128 x 64 tiles with 256 threads, 64 x 64 with
-    128 (most stages first), then anything."""
+    """Untuned choice: the warp-specialized kernel with 128-key blocks, not ping-ponging, where it fits. On the H200
+    (docs/results/vision_attention_h200.md, session 28) it was the fastest TileLang config or within 5% of it at head
+    dims 72, 80 and 128, with and without RoPE, on the mixed and large packs: 176-key blocks were up to 0.5% faster
+    with RoPE, ping-pong 1-5% faster at 72 and 7-8% slower at 80. Else the first legal of 128 x 64 tiles with 256
+    threads, 64 x 64 with 128 (most stages first), then anything."""
     configs = tilelang_configs(spec, profile)
     if not configs:
         raise ValueError(f"no legal TileLang varlen_attention config for {spec.describe()} on {profile.name}")
     for candidate in configs:
-        # Not with RoPE, nor ping-ponging (not run on a GPU yet): tuning candidates only, with DZC_UNRUN_CONFIGS=1.
-        if _warp_specialized(candidate) and candidate["BLOCK_N"] == 128 and not spec.rope \
-                and not dict(candidate.params).get("PINGPONG"):
+        if _warp_specialized(candidate) and candidate["BLOCK_N"] == 128 and not dict(candidate.params).get("PINGPONG"):
             return candidate
     for block_m, block_n, threads in ((128, 64, 256), (64, 64, 128)):
         for config in sorted(configs, key=lambda c: -c["NUM_STAGES"]):

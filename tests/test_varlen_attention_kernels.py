@@ -24,7 +24,6 @@ import pytest
 import torch
 from conftest import run_ahead_of_time_script
 
-from dzc import config as dzc_config
 from dzc.ops.varlen_attention import varlen_attention_reference
 from dzc.targets import TARGETS, tilelang_codegen, triton_codegen
 from dzc.targets import varlen_attention as family
@@ -436,7 +435,7 @@ def test_triton_compiles_ahead_of_time_for_sm_90(tmp_path):
 
 @pytest.mark.parametrize("head_dim, rope", [(72, FP32), (80, None)], ids=["72-rope", "80"])
 def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
-    """The pipelined kernel (the untuned choice with RoPE). Head dim 72 with RoPE: tiles padded to 80 columns (the
+    """The pipelined kernel (the untuned choice on wgmma-less targets). Head dim 72 with RoPE: tiles padded to 80 columns (the
     matrix instructions' k-step) built element-wise, rotated on the way; its CUDA is compiled by nvcc. Head dim 80
     without: bulk copies of k and v (TMA); lowered only (nvcc takes ~20 s a kernel on the CI machine)."""
     if shutil.which("nvcc") is None and rope is not None:
@@ -446,7 +445,7 @@ def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
     path.write_text(family.tilelang_source(spec, SM_90))
     config = next(c for c in family.tilelang_configs(spec, SM_90) if not dict(c.params).get("WARP_SPECIALIZED")
                   and (c["BLOCK_M"], c["BLOCK_N"], c["THREADS"], c["NUM_STAGES"]) == (128, 64, 256, 2))
-    assert (config == family.tilelang_default_config(spec, SM_90)) == (rope is not None)
+    assert config != family.tilelang_default_config(spec, SM_90)  # the warp-specialized kernel's, on sm_90
     artifact = tilelang_codegen.lower(path, family.TILELANG_FACTORY_NAME, config, SM_90)
     cuda = artifact.kernel_source
     (device_func,) = artifact.device_mod.functions.values()
@@ -461,32 +460,27 @@ def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
 
 
 def test_warp_specialized_configs_on_wgmma_targets_only():
-    """The warp-specialized kernel: on sm_90, 64- and 128-key blocks (and, not run on a GPU yet, 176), with and
-    without ping-pong; the untuned choice without RoPE (128-key blocks, no ping-pong); with RoPE a tuning candidate
-    whose launch runs the rotation kernel (PART=1) first; never on targets without wgmma/TMA (sm_80, MUSA)."""
+    """The warp-specialized kernel: on sm_90, 64-, 128- and 176-key blocks, with and without ping-pong; the untuned
+    choice (128-key blocks, no ping-pong), with RoPE too, whose launch then runs the rotation kernel (PART=1) first;
+    never on targets without wgmma/TMA (sm_80, MUSA)."""
     def specialized(spec, profile):
         return [c for c in family.tilelang_configs(spec, profile) if dict(c.params).get("WARP_SPECIALIZED")]
 
     for head_dim in (72, 80, 128):
         for rope in (None, FP32, BF16):
             spec = family.make_spec(head_dim, BF16, rope)
-            # Without DZC_UNRUN_CONFIGS, only what has run on the H200: no RoPE, no ping-pong.
-            assert [c["BLOCK_N"] for c in specialized(spec, SM_90)] == ([] if rope else [64, 128])
-            with dzc_config.scope(DZC_UNRUN_CONFIGS="1"):
-                configs = specialized(spec, SM_90)
-                default = family.tilelang_default_config(spec, SM_90)
+            configs = specialized(spec, SM_90)
+            default = family.tilelang_default_config(spec, SM_90)
             assert [(c["BLOCK_N"], dict(c.params).get("PINGPONG", 0)) for c in configs] == [
                 (64, 0), (128, 0), (176, 0), (64, 1), (128, 1), (176, 1)]
-            assert (default == configs[1]) == (rope is None)
-            assert default == family.tilelang_default_config(spec, SM_90)
+            assert default == configs[1]
             for config in configs:
                 kernels = family.tilelang_kernel_configs(spec, config)
                 assert list(kernels) == ([family.TILELANG_FACTORY_NAME, "rotate"] if rope else
                                          [family.TILELANG_FACTORY_NAME])
                 assert all(dict(k.params).get("PART", 0) == (name == "rotate") for name, k in kernels.items())
             for name in ("cuda:sm_80", "musa:mp_22", "musa:mp_31"):
-                with dzc_config.scope(DZC_UNRUN_CONFIGS="1"):
-                    assert specialized(spec, TARGETS[name].profile) == []
+                assert specialized(spec, TARGETS[name].profile) == []
 
 
 def test_tilelang_ping_pong_lowers_for_sm_90(tmp_path):
@@ -494,9 +488,8 @@ def test_tilelang_ping_pong_lowers_for_sm_90(tmp_path):
     its own fragments; each issues its MMAs in its turn (waits on its turn barrier, then arrives on the other's) at
     three places: the first key block's S, the loop's S with P V, the last P V."""
     spec = family.make_spec(128, BF16, None)
-    with dzc_config.scope(DZC_UNRUN_CONFIGS="1"):
-        config = next(c for c in family.tilelang_configs(spec, SM_90)
-                      if dict(c.params).get("PINGPONG") and c["BLOCK_N"] == 128)
+    config = next(c for c in family.tilelang_configs(spec, SM_90)
+                  if dict(c.params).get("PINGPONG") and c["BLOCK_N"] == 128)
     path = tmp_path / "varlen_attention_tilelang.py"
     path.write_text(family.tilelang_source(spec, SM_90))
     cuda = tilelang_codegen.lower_to_device_source(path, family.TILELANG_FACTORY_NAME, config, SM_90)
@@ -512,8 +505,7 @@ def test_tilelang_rotation_kernel_lowers_for_sm_90(tmp_path):
     """With RoPE the warp-specialized launch rotates q and k first (part 1): a kernel of q, k, cos, sin into two
     dense outputs, and an attention kernel that takes no cos/sin and reads k and v by TMA only."""
     spec = family.make_spec(80, BF16, FP32)
-    with dzc_config.scope(DZC_UNRUN_CONFIGS="1"):
-        config = next(c for c in family.tilelang_configs(spec, SM_90) if dict(c.params).get("WARP_SPECIALIZED"))
+    config = next(c for c in family.tilelang_configs(spec, SM_90) if dict(c.params).get("WARP_SPECIALIZED"))
     path = tmp_path / "varlen_attention_tilelang.py"
     path.write_text(family.tilelang_source(spec, SM_90))
     kernels = family.tilelang_kernel_configs(spec, config)

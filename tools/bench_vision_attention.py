@@ -58,7 +58,7 @@ QUICK_PACKS = ("mixed", "windows")
 # every spec would take most of a GPU session; --full-tune does it).
 TRITON_SHORTLIST = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in (
     (128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2))]
-# 384 threads: the warp-specialized kernel, with and without ping-pong (176-key blocks: with DZC_UNRUN_CONFIGS=1).
+# 384 threads: the warp-specialized kernel, with and without ping-pong.
 TILELANG_SHORTLIST = [dict(BLOCK_M=m, BLOCK_N=n, THREADS=t, NUM_STAGES=s) for m, n, t, s in (
     (128, 64, 256, 2), (128, 128, 256, 2), (64, 64, 128, 2), (128, 64, 384, 2), (128, 128, 384, 2),
     (128, 176, 384, 2))]

@@ -15,8 +15,7 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session: s28-moe (carry .triton-kernels), s28-moe-prefill, wheels-1 (carry .whl-gpu1), s28-vision-2
-# (carry .whl-gpu2), s28-vision-bench, then s25-busy (the multimodal bench).
+# Next session: s25-busy (the multimodal bench).
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -119,41 +118,11 @@ wheels-1|wheels-2)
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   ;;
 s25-busy)
-  # (after wheels-1 or s28-moe: dzc installed) issues 18/14/15: bench_multimodal --quick again, its
+  # (after wheels-1: dzc installed) issues 18/14/15: bench_multimodal --quick again, its
   # torch.compile column falling back to mode "default" when reduce-overhead's capture fails (as in s24-busy);
   # Triton kernels only.
   TAIL=30 part bench_multimodal 420 env PYTHONPATH=/tmp/site-gpu1:$PWD python3 tools/bench_multimodal.py --quick \
     --compile-mode reduce-overhead --no-warm --out "$OUT/multimodal_quick_h200.md"
-  ;;
-s28-vision-2)
-  # (carry .whl-gpu2, after wheels-1) issue 14: the warp-specialized varlen kernel's unrun forms (DZC_UNRUN_CONFIGS:
-  # RoPE through the rotation kernel, ping-pong, 176-key blocks), GPU numerics of every case and config.
-  TAIL=12 part gpu_tests_varlen_tilelang 540 env DZC_UNRUN_CONFIGS=1 python3 -m pytest -q -p no:logging -rf -m gpu \
-    tests/test_varlen_attention_kernels.py -k "tilelang_on_gpu"
-  ;;
-s28-vision-bench)
-  # (after s28-vision-2, whose numerics must pass first) TileLang beside cuDNN with --rope (each spec with and
-  # without) at head dims 80 and 128 on the mixed pack, the unrun forms among the timed configs (each checked
-  # against the reference before timing).
-  TAIL=30 part bench_vision_rope 540 env DZC_UNRUN_CONFIGS=1 python3 tools/bench_vision_attention.py --head-dims \
-    80 128 --packs mixed --rope --codegens tilelang --no-compile-baseline --out "$OUT/vision_attention_rope_h200.md"
-  ;;
-s28-moe)
-  # (carry .triton-kernels) issue 15: split-K with a compile-time step count (no C7515 on the SWAP_AB gate/up with
-  # Triton 3.9's ptxas): the MoE kernels' numerics on the GPU, then the tuned decode bench (session 27: 60.7 /
-  # 225.8 / 762.8 µs at 1 / 8 / 64 tokens).
-  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
-  TAIL=12 part gpu_tests_moe 280 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_kernels.py \
-    tests/test_mxfp4_moe_w4a8.py
-  TAIL=20 part bench_moe_decode 280 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 1 8 64 \
-    --routing uniform --codegens triton --memory-layers 0 --out "$OUT/mxfp4_moe_decode_h200.md"
-  ;;
-s28-moe-prefill)
-  # (after s28-moe) issue 15: the tuned prefill bench with the new 8-warp 128 x 64 SWAP_AB tile as a candidate
-  # (the 4-warp one, the pick at T=8192 in session 27, spills with Triton 3.9's ptxas; this one does not).
-  TAIL=20 part bench_moe_prefill 500 env DZC_AUTOTUNE_LOG=1 python3 tools/bench_mxfp4_moe.py --models \
-    gpt-oss-120b --tokens 2048 8192 --routing uniform --codegens triton --memory-layers 0 \
-    --out "$OUT/mxfp4_moe_prefill_h200.md"
   ;;
 esac
 # The device tool brings back only a few files per call: everything goes back as one archive.
