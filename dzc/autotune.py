@@ -345,14 +345,16 @@ def tune(
     externals: Sequence[ExternalCandidate] = (),
     run_external: Callable[[ExternalCandidate], object] | None = None,
     check: Callable[[KernelConfig], str | None] | None = None,
+    check_external: Callable[[object], str | None] | None = None,
 ) -> TuningResult:
     """Pick the fastest config: from the database when the key is known, else by timing each one.
 
     run(config) launches the kernel once on real arguments. A config that fails to compile or run is skipped
     and logged; so is one for which check(config), called after its timed runs, says why its result is wrong.
     Tuning fails only when every config does. externals are timed the same way, through run_external(candidate)
-    (which calls candidate.fn on the same arguments); one wins only if it beats every config, and a config is
-    always kept as the fallback.
+    (which calls candidate.fn on the same arguments and returns its results, which check_external(results) judges
+    as check judges a config's); one wins only if it beats every config, and a config is always kept as the
+    fallback.
     """
     notes: list[str] = []
     for record in database.records(key):
@@ -383,10 +385,20 @@ def tune(
     for index, candidate in enumerate(candidates):
         is_external = isinstance(candidate, ExternalCandidate)
         name = f"external {candidate.name}" if is_external else str(candidate)
-        call = (lambda: run_external(candidate)) if is_external else (lambda: run(candidate))
+        last: list = []  # an external candidate's results from its last timed run, for check_external
+
+        if is_external:
+            def call(candidate=candidate, last=last):
+                last[:] = [run_external(candidate)]
+        else:
+            def call(candidate=candidate):
+                return run(candidate)
         try:
             seconds = bench(call)
-            wrong = None if is_external or check is None else check(candidate)
+            if is_external:
+                wrong = None if check_external is None else check_external(last[0])
+            else:
+                wrong = None if check is None else check(candidate)
         except Exception as err:  # a candidate that does not compile or launch is skipped, never fatal
             failures[name] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
             log.info("dzc: %s candidate %s failed: %s", label, name, failures[name])

@@ -76,7 +76,14 @@ def choose_codegen(op: str, options: CompileOptions, execution: Execution, spec=
     dzc-dump, nothing runs and the preference stands)."""
     if options.codegen != "auto":
         return options.codegen
+    return (_usable_codegens(op, execution, spec, profile) or ["triton"])[0]
+
+
+def _usable_codegens(op: str, execution: Execution, spec, profile) -> list[str]:
+    """The op's preferred codegens, best first, that have a kernel for `spec` with a legal config on `profile` and
+    can run here (all of them where nothing runs)."""
     family = KERNEL_FAMILIES[op]
+    usable = []
     for name in PREFERRED_CODEGENS[op]:
         # A family may have no kernel of a codegen for some specs (`<codegen>_supports(spec)` says so).
         supports = getattr(family, f"{name}_supports", None)
@@ -86,8 +93,8 @@ def choose_codegen(op: str, options: CompileOptions, execution: Execution, spec=
             continue
         if name == "triton" or execution.runtime is None or (
                 execution.runtime.runs_tilelang and tilelang_codegen.import_problem() is None):
-            return name
-    return "triton"
+            usable.append(name)
+    return usable
 
 
 class NoLegalConfig(RuntimeError):
@@ -261,18 +268,55 @@ def _lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions,
                               execution.describe() if not reason or execution.runtime is None
                               else f"not runnable here: {reason}", len(legal) + illegal, illegal,
                               notes=[cache_note] if cache_note else [])
+        autotune = (not reason and (options.autotune if options.autotune is not None
+                                    else not execution.runtime.interpreted))
         if reason:
             kernel = NotRunnable(kernel_id, reason)
         else:
+            alternatives = []
+            if autotune and options.codegen == "auto":
+                # The autotuner picks across codegens: the op's other usable codegens' kernels are candidates too.
+                for other in _usable_codegens(op, execution, spec, target.profile):
+                    if other == codegen_name:
+                        continue
+                    try:
+                        alternatives.append(alternative_kernel(op, spec, other, target, execution, table, where,
+                                                               kernel_dir, database, timer))
+                    except Exception as err:  # only slower without it: the compile goes on
+                        record.notes.append(f"{other} kernel not offered to the tuner: {type(err).__name__}: "
+                                            f"{str(err).splitlines()[0][:200]}")
             with timer.stage("kernel load"):
-                compiled = codegen.load(family, path, spec, target.profile)
                 kernel = GeneratedKernel(family=family, spec=spec, codegen=codegen, profile=target.profile,
-                                         runtime=execution.runtime, compiled=compiled, source_path=path,
-                                         source_hash=digest, record=record,
-                                         autotune=(options.autotune if options.autotune is not None
-                                                   else not execution.runtime.interpreted),
-                                         database=database)
+                                         runtime=execution.runtime,
+                                         compiled=codegen.load(family, path, spec, target.profile), source_path=path,
+                                         source_hash=digest, record=record, autotune=autotune, database=database,
+                                         alternatives=alternatives)
         runtime.register_kernel(kernel_id, kernel)
         table.records[(name, where)] = record
         added[kernel_id] = record
     return list(added.values())
+
+
+def alternative_kernel(op: str, spec, codegen_name: str, target: Target, execution: Execution, table: KernelTable,
+                       where: str, kernel_dir: Path, database, timer: CompileTimer,
+                       alternatives: tuple[GeneratedKernel, ...] = ()) -> GeneratedKernel:
+    """The op's kernel from `codegen_name`, offered to another kernel's tuner as the candidate "dzc.<codegen>" (it
+    runs only if it wins): tuned over its own configs first where its codegen builds them fast
+    (TUNED_AS_ALTERNATIVE), else its untuned default. It may have `alternatives` of its own (tests chain them)."""
+    family = KERNEL_FAMILIES[op]
+    with timer.stage("codegen"):
+        source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
+        digest = hashlib.sha256(f"{target.profile.fingerprint}\n{source}".encode()).hexdigest()
+        name = f"{op}.{codegen_name}.{digest[:10]}"
+        path, cache_note = write_kernel_source(kernel_dir, f"{name.replace('.', '_')}.py", source)
+    legal, illegal = legal_configs(family, codegen_name, spec, target.profile)
+    record = KernelRecord(table.kernel_id(name, where), op, codegen_name, target.profile.name,
+                          spec.describe(), str(path), execution.describe(), len(legal) + illegal, illegal, uses=0,
+                          notes=[cache_note] if cache_note else [])
+    codegen = target.codegens[codegen_name]
+    with timer.stage("kernel load"):
+        return GeneratedKernel(family=family, spec=spec, codegen=codegen, profile=target.profile,
+                               runtime=execution.runtime, compiled=codegen.load(family, path, spec, target.profile),
+                               source_path=path, source_hash=digest, record=record,
+                               autotune=codegen.TUNED_AS_ALTERNATIVE, database=database, alternatives=alternatives)
+

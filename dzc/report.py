@@ -258,6 +258,11 @@ class CompileReport:
                     lines.append(f"        skipped {config}: {why}")
             if k.external_candidates:
                 lines.append(f"      external candidates offered: {', '.join(k.external_candidates)}")
+            for alternative in k.alternatives:  # the same op's kernel from another codegen, tuned on its own
+                lines.append(f"      candidate dzc.{alternative.codegen}: {alternative.kernel_id}, source "
+                             f"{alternative.source_path}")
+                for bucket, tuned in sorted(alternative.tuned.items()):
+                    lines.append(f"        tokens <= {bucket}: {tuned['config']} ({tuned['how']})")
             for note in k.notes:
                 lines.append(f"      note: {note}")
         return "\n".join(lines)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
 import torch
+import torch.utils._pytree as pytree
 
 import dzc
 from dzc.autotune import ExternalCandidate, TuningDatabase, config_fingerprint, tune
@@ -44,6 +46,9 @@ class KernelRecord:
     external_candidates: list[str] = field(default_factory=list)
     # What went wrong around this kernel and was worked around (a cache directory that could not be written).
     notes: list[str] = field(default_factory=list)
+    # The op's kernels from its other codegens (codegen "auto" with tuning), timed against this kernel's configs
+    # as the candidates "dzc.<codegen>"; a bucket whose winner is one runs it ("external" names it).
+    alternatives: list[KernelRecord] = field(default_factory=list)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -66,36 +71,54 @@ def legal_configs(family: ModuleType, codegen: str, spec, profile: DeviceProfile
 DISAGREEMENT = 2.0 ** -4
 
 
-def agreement_check(outputs: tuple):
-    """check(config) for autotune.tune: the floating outputs a config wrote, against those the first config that
-    ran wrote (the launcher times the untuned default first). Integer outputs (top-k indices, whose ties may
-    legitimately differ) are not compared. Returns why a config disagrees, or None."""
-    floating = [o for o in outputs if isinstance(o, torch.Tensor) and o.is_floating_point()]
+def _floating(values) -> list[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+
+
+def agreement_check(outputs: tuple, results=None):
+    """(check(config), check_external(returned)) for autotune.tune: the floating outputs a config wrote, or the
+    results an external candidate returned, against what the first config that ran wrote (the launcher times the
+    untuned default first; `results` are the op's results that its outputs hold). Integer outputs (top-k indices,
+    whose ties may legitimately differ) are not compared. Each returns why a candidate disagrees, or None."""
+    floating = _floating(outputs)
     first: list[torch.Tensor] = []
+    first_results: list[torch.Tensor] = []
 
     def check(config: KernelConfig) -> str | None:
         if not first:
             first.extend(o.detach().clone() for o in floating)
+            first_results.extend(r.detach().clone() for r in _floating(results))
             return None
-        for expected, got in zip(first, floating):
-            expected, got = expected.float(), got.float()
-            finite = expected.isfinite()
-            if not torch.equal(finite, got.isfinite()):
-                return "NaN or infinite values where the first config's outputs have none, or the reverse"
-            if finite.any():
-                error = (got[finite] - expected[finite]).abs().max().item()
-                scale = expected[finite].abs().max().item()
-                if error > DISAGREEMENT * scale:
-                    return f"max difference {error:.3g} from the first config's outputs (their largest: {scale:.3g})"
-        return None
+        return _disagreement(first, floating)
 
-    return check
+    def check_external(returned) -> str | None:
+        got = _floating(returned)
+        if len(got) != len(first_results) or any(g.shape != e.shape for g, e in zip(got, first_results)):
+            return (f"returned {[tuple(g.shape) for g in got]}, the first config's results are "
+                    f"{[tuple(e.shape) for e in first_results]}")
+        return _disagreement(first_results, got)
+
+    return check, check_external
+
+
+def _disagreement(first: list[torch.Tensor], floating: list[torch.Tensor]) -> str | None:
+    for expected, got in zip(first, floating):
+        expected, got = expected.float(), got.float()
+        finite = expected.isfinite()
+        if not torch.equal(finite, got.isfinite()):
+            return "NaN or infinite values where the first config's outputs have none, or the reverse"
+        if finite.any():
+            error = (got[finite] - expected[finite]).abs().max().item()
+            scale = expected[finite].abs().max().item()
+            if error > DISAGREEMENT * scale:
+                return f"max difference {error:.3g} from the first config's outputs (their largest: {scale:.3g})"
+    return None
 
 
 class GeneratedKernel:
     def __init__(self, *, family: ModuleType, spec, codegen: ModuleType, profile: DeviceProfile, runtime,
                  compiled, source_path: Path, source_hash: str, record: KernelRecord, autotune: bool,
-                 database: TuningDatabase):
+                 database: TuningDatabase, alternatives: Sequence[GeneratedKernel] = ()):
         self.family = family
         self.spec = spec
         self.codegen = codegen
@@ -111,8 +134,11 @@ class GeneratedKernel:
         self._configs, _ = legal_configs(family, codegen.NAME, spec, profile)
         self._default = getattr(family, f"{codegen.NAME}_default_config")(spec, profile)
         self._config_by_bucket: dict[int, KernelConfig] = {}
-        self._externals = external_kernels.candidates_for(record.op, spec, profile)
+        self._alternatives = list(alternatives)
+        self._externals = external_kernels.candidates_for(record.op, spec, profile) + [
+            ExternalCandidate(f"dzc.{kernel.codegen.NAME}", kernel) for kernel in self._alternatives]
         record.external_candidates = [candidate.name for candidate in self._externals]
+        record.alternatives = [kernel.record for kernel in self._alternatives]
         self._external_by_bucket: dict[int, ExternalCandidate | None] = {}
         self._by_tokens: dict[int, tuple[KernelConfig, ExternalCandidate | None]] = {}
 
@@ -123,9 +149,12 @@ class GeneratedKernel:
             "codegen_version": self.codegen.VERSION, "source_hash": self.source_hash, "op": self.record.op,
             "config_fingerprint": config_fingerprint(self.family, self.codegen),
             "spec": self.spec.describe(), "token_bucket": bucket,
+            # Only where there are any, so that the keys of kernels without alternatives stay as they were.
+            **({"alternatives": [f"{kernel.codegen.NAME}:{kernel.source_hash}" for kernel in self._alternatives]}
+               if self._alternatives else {}),
         }
 
-    def _config_for(self, bucket: int, inputs: tuple, outputs: tuple, op_args: tuple) -> KernelConfig:
+    def _config_for(self, bucket: int, inputs: tuple, outputs: tuple, results, op_args: tuple) -> KernelConfig:
         config = self._config_by_bucket.get(bucket)
         if config is not None:
             return config
@@ -144,12 +173,18 @@ class GeneratedKernel:
             device = args[0].device
             if default in configs:  # timed first, so that its outputs are what the others are checked against
                 configs = [default, *(c for c in configs if c != default)]
+            for kernel in self._alternatives:  # each picks its own config for the bucket first, outside the timing
+                try:
+                    kernel(*op_args)
+                except Exception:  # tune() runs it again and records why it fails
+                    pass
+            check, check_external = agreement_check(outputs, results)
             result = tune(
                 f"{self.record.kernel_id}[tokens<={bucket}]", self._tuning_key(bucket, device), configs,
                 run=lambda cfg: self._launch(self.compiled, cfg, *args),
                 bench=lambda fn: self.runtime.bench(fn, device), database=self.database,
                 externals=self._externals, run_external=lambda candidate: candidate.fn(*op_args),
-                check=agreement_check(outputs))
+                check=check, check_external=check_external)
             config, external = result.config, result.external
             # tune() names an external candidate's entries "external <name>"
             external_failures = {name: why for name, why in result.failures.items() if name.startswith("external ")}
@@ -179,7 +214,7 @@ class GeneratedKernel:
                 if len(self._by_tokens) >= 4096:  # prefill of ever new lengths: bounded
                     self._by_tokens.clear()
                 bucket = self.family.token_bucket(tokens)
-                config = self._config_for(bucket, inputs, outputs, op_args)
+                config = self._config_for(bucket, inputs, outputs, results, op_args)
                 chosen = self._by_tokens[tokens] = (config, self._external_by_bucket[bucket])
             config, external = chosen
             if external is not None:  # another library's kernel beat every config (prepare's outputs go unused)

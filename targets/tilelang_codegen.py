@@ -30,6 +30,9 @@ from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.profiles import DeviceProfile
 
 NAME = "tilelang"
+# As another codegen's tuning candidate (dzc/lowering.py) only its untuned default config: each config takes
+# 10-30 s to build (TVM lowering and nvcc), so tuning over all of them would multiply every tuned compile.
+TUNED_AS_ALTERNATIVE = False
 try:
     VERSION = importlib.metadata.version("tilelang")
 except importlib.metadata.PackageNotFoundError:  # dzc still imports; TileLang kernels fail when first built

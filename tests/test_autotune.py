@@ -14,12 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_add_rms_norm_matches_eager, compile_tuned_and_check
+from conftest import (assert_add_rms_norm_matches_eager, assert_close_for_dtype, assert_hf_rms_norm_output_close,
+                      compile_tuned_and_check)
 
 import dzc
-from dzc.autotune import FORMAT_VERSION, TuningDatabase, tune
+from dzc.autotune import FORMAT_VERSION, ExternalCandidate, TuningDatabase, tune
+from dzc import lowering
+from dzc.lowering import Execution, KernelTable
 from dzc.models.decoder import AddRMSNorm
-from dzc.targets import add_rms_norm
+from dzc.ops.add_rms_norm import add_rms_norm_reference
+from dzc.report import CompileReport, CompileTimer
+from dzc.targets import INTERPRETER, TARGETS, add_rms_norm, tilelang_codegen
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.launch import agreement_check
 
@@ -325,7 +330,7 @@ def test_a_config_whose_outputs_disagree_is_skipped_even_when_fastest(tmp_path, 
         return seconds[cfg]
 
     result = tune("k[tokens<=16]", KEY, CONFIGS, run=run, bench=lambda fn: fn(),
-                  database=TuningDatabase(tmp_path / "tuning.json"), check=agreement_check((out,)))
+                  database=TuningDatabase(tmp_path / "tuning.json"), check=agreement_check((out,))[0])
     assert result.config == CONFIGS[2]
     assert list(result.failures) == [str(CONFIGS[1])]
     assert result.failures[str(CONFIGS[1])].startswith("wrong result: max difference 0.5")
@@ -333,8 +338,97 @@ def test_a_config_whose_outputs_disagree_is_skipped_even_when_fastest(tmp_path, 
 
     written[CONFIGS[1]] = right.masked_fill(right > 2, float("nan"))
     result = tune("k[tokens<=16]", {**KEY, "token_bucket": 32}, CONFIGS, run=run, bench=lambda fn: fn(),
-                  database=TuningDatabase(tmp_path / "tuning.json"), check=agreement_check((out,)))
+                  database=TuningDatabase(tmp_path / "tuning.json"), check=agreement_check((out,))[0])
     assert result.config == CONFIGS[2] and "NaN or infinite" in result.failures[str(CONFIGS[1])]
+
+
+def test_an_external_candidate_whose_results_disagree_is_skipped_even_when_fastest(tmp_path, autotune_log):
+    """check_external: what an external candidate (another library's kernel, or dzc's kernel from another codegen)
+    returns is compared with the results the first config wrote, as configs' outputs are."""
+    generator = torch.Generator().manual_seed(1)
+    right = torch.randn(16, 64, generator=generator)
+    out = torch.full((16, 64), float("nan"))
+    results = out.view(4, 4, 64)  # the op's results: a view of what the kernel writes
+
+    def run(cfg):
+        out.copy_(right)
+
+    returned = {"wrong": right.view(4, 4, 64) * 1.5, "rounded": right.bfloat16().float().view(4, 4, 64),
+                "misshapen": right}
+    externals = [ExternalCandidate(name, lambda name=name: returned[name]) for name in returned]
+    check, check_external = agreement_check((out,), results)
+    seconds = iter([3e-6] * len(CONFIGS) + [1e-7] * len(externals))  # candidates run in order: every external faster
+    result = tune("k[tokens<=16]", KEY, CONFIGS, run=run, bench=lambda fn: (fn(), next(seconds))[1],
+                  database=TuningDatabase(tmp_path / "tuning.json"), externals=externals,
+                  run_external=lambda candidate: candidate.fn(), check=check, check_external=check_external)
+    assert result.failures["external wrong"].startswith("wrong result: max difference"), result.failures
+    assert result.failures["external misshapen"].startswith("wrong result: returned [(16, 64)]"), result.failures
+    assert "external rounded" not in result.failures and result.external is not None
+    assert result.external.name == "rounded"
+
+
+def test_a_kernel_from_another_codegen_is_a_tuning_candidate(tmp_path, seed):
+    """Codegen "auto" with tuning: lowering offers the op's kernels from its other usable codegens to the chosen
+    kernel's tuner as "dzc.<codegen>" candidates, each tuned on its own first, checked like configs, recorded in the
+    report, and launched for the buckets they win. Without a GPU only Triton runs, so the alternative here is a
+    second Triton kernel of the op, built the way lowering builds one."""
+    # HF's spelling: the norm reads the bf16 sum and rounds before the weight multiply.
+    spec = add_rms_norm.AddRmsNormSpec(64, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16,
+                                       torch.bfloat16, sum_in_fp32=False, cast_before_weight=True)
+    target, execution, table = TARGETS["cuda:sm_90"], Execution(INTERPRETER), KernelTable()
+
+    def build(database_name, *alternatives):
+        # Each its own database: two kernels of one source share a tuning key (another codegen's would not).
+        return lowering.alternative_kernel("add_rms_norm", spec, "triton", target, execution, table, "cpu",
+                                           tmp_path / "kernels", TuningDatabase(tmp_path / database_name),
+                                           CompileTimer(), alternatives)
+
+    alternative = build("alternative.json")
+    kernel = build("tuning.json", alternative)
+    assert kernel.record.external_candidates == ["dzc.triton"]
+    assert kernel.record.alternatives == [alternative.record]
+    for tokens in TOKENS:
+        x, residual, weight = (torch.randn(n, 64).bfloat16() for n in (tokens, tokens, 1))
+        y, h = kernel(x, residual, weight[0], 1e-6)
+        _, expected_h = add_rms_norm_reference(x, residual, weight[0], 1e-6, False, True, torch.bfloat16,
+                                               torch.bfloat16)
+        assert_close_for_dtype(h, expected_h, max_bf16_ulps=1.0)  # the interpreter truncates the sum's cast
+        expected_y, _ = add_rms_norm_reference(h, torch.zeros_like(h), weight[0], 1e-6, False, True, torch.bfloat16,
+                                               torch.bfloat16)
+        assert_hf_rms_norm_output_close(y, h, weight[0], 1e-6, expected_y)
+    for bucket in (4, 16):
+        entry = kernel.record.tuned[bucket]
+        assert entry["how"].startswith("timed") and entry["external"] in (None, "dzc.triton"), entry
+        assert "external dzc.triton" not in entry["external_failures"], entry
+        # The alternative picked its own config for the bucket before it was timed as a whole.
+        assert alternative.record.tuned[bucket]["how"].startswith("timed"), alternative.record.tuned
+    text = str(CompileReport("cuda:sm_90", "codegen=auto", kernels=[kernel.record]))
+    assert f"candidate dzc.triton: {alternative.record.kernel_id}" in text and "tokens <= 16" in text, text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_codegen_tunes_across_codegens_on_gpu(tmp_path, seed):
+    """On a GPU with TileLang, dzc.compile with codegen "auto" and tuning offers add_rms_norm's TileLang kernel (its
+    untuned default) to its Triton kernel's tuner: timed and checked like a config, shown in the report, and the
+    compiled model matches eager whichever wins."""
+    if tilelang_codegen.import_problem() is not None:
+        pytest.skip(f"TileLang is not importable: {tilelang_codegen.import_problem()}")
+    model = AddRMSNorm().bfloat16().cuda()
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), autotune=True))
+    for tokens in (3, 300):
+        x, residual = (torch.randn(tokens, 64, device="cuda").bfloat16() for _ in range(2))
+        y, h = compiled(x, residual)
+        assert_add_rms_norm_matches_eager(model, x, residual, y, h)
+    assert compiled.report.fired() == {"fuse_residual_norm": 1}
+    [kernel] = compiled.report.kernels
+    assert kernel.codegen == "triton" and [a.codegen for a in kernel.alternatives] == ["tilelang"], kernel
+    assert sorted(kernel.tuned) == [4, 512] and sorted(kernel.alternatives[0].tuned) == [4, 512]
+    for bucket, entry in kernel.tuned.items():
+        assert entry["external"] in (None, "dzc.tilelang"), entry
+        assert "external dzc.tilelang" not in entry["external_failures"], entry
+        assert kernel.alternatives[0].tuned[bucket]["how"] == "untuned default"
+    assert "candidate dzc.tilelang" in str(compiled.report)
 
 
 def test_compiled_kernels_keep_only_configs_that_agree_with_the_default(tmp_path, seed, monkeypatch):
