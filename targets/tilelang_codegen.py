@@ -183,11 +183,22 @@ def lower_to_device_source(path: Path, factory_name: str, config: KernelConfig, 
     return lower(path, factory_name, config, profile).kernel_source
 
 
-def nvcc_compile(cuda_source: str, profile: DeviceProfile, workdir: Path) -> Path:
+def nvcc_compile(cuda_source: str, profile: DeviceProfile, workdir: Path, fast_math: bool = False) -> Path:
     """Compile TileLang's CUDA source to an object file for `profile` (no GPU needed); returns its path.
 
-    The flags match what TileLang's own CUDA backend passes: C++20 and its template and CUTLASS headers.
+    The flags match what TileLang's own CUDA backend passes: C++20 and its template and CUTLASS headers, and
+    --use_fast_math for a kernel whose PASS_CONFIGS ask for it (`fast_math`).
     """
+    return _nvcc(cuda_source, profile, workdir, fast_math)[0]
+
+
+def ptxas_report(cuda_source: str, profile: DeviceProfile, workdir: Path, fast_math: bool = False) -> str:
+    """What ptxas says of the compiled kernels (`-Xptxas -v`): registers, stack frame, spill stores and loads."""
+    return _nvcc(cuda_source, profile, workdir, fast_math, ("-Xptxas", "-v"))[1]
+
+
+def _nvcc(cuda_source: str, profile: DeviceProfile, workdir: Path, fast_math: bool,
+          extra: tuple[str, ...] = ()) -> tuple[Path, str]:
     if profile.nvcc_gencode is None:
         raise RuntimeError(f"{profile.name} is not a target nvcc compiles for")
     nvcc = shutil.which("nvcc")
@@ -200,16 +211,17 @@ def nvcc_compile(cuda_source: str, profile: DeviceProfile, workdir: Path) -> Pat
             raise RuntimeError(f"the installed tilelang has no {include_dir}; cannot compile its CUDA source")
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256(f"{profile.nvcc_gencode}\n{cuda_source}".encode()).hexdigest()[:16]
+    flags = [*(["--use_fast_math"] if fast_math else []), *extra]
+    digest = hashlib.sha256(f"{profile.nvcc_gencode}\n{flags}\n{cuda_source}".encode()).hexdigest()[:16]
     source_path = workdir / f"tilelang_{profile.arch}_{digest}.cu"
     object_path = source_path.with_suffix(".o")
     source_path.write_text(cuda_source)
-    command = [nvcc, "-std=c++20", "-w", "-O3", *profile.nvcc_gencode.split(),
+    command = [nvcc, "-std=c++20", "-w", "-O3", *flags, *profile.nvcc_gencode.split(),
                *(f"-I{d}" for d in include_dirs), "-c", str(source_path), "-o", str(object_path)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"nvcc failed on {source_path} for {profile.name}:\n{result.stderr}")
-    return object_path
+    return object_path, result.stderr
 
 
 def compile_for_device(path: Path, factory_name: str, config: KernelConfig, profile: DeviceProfile):
