@@ -15,8 +15,8 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# This session's last check: wheels-1 (carry .whl-gpu1), s28-check-2 (carry .whl-gpu2 .public-kernels).
-# Next session: s25-busy (the multimodal bench).
+# Next session: s25-busy (the multimodal bench); bench_vision_attention with codegen auto and tuning (the cross-codegen
+# pick on the 64 x 256 pack).
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -124,16 +124,6 @@ s25-busy)
   # Triton kernels only.
   TAIL=30 part bench_multimodal 420 env PYTHONPATH=/tmp/site-gpu1:$PWD python3 tools/bench_multimodal.py --quick \
     --compile-mode reduce-overhead --no-warm --out "$OUT/multimodal_quick_h200.md"
-  ;;
-s28-check-2)
-  # (carry .whl-gpu2 and .public-kernels, after wheels-1) issues 14/15: GPU numerics of session 28's changes
-  # (autotuning across codegens, the MoE prefill-path test, the warp-specialized sparse kernel at 248 registers),
-  # then the sparse prefill's untuned TileLang kernel beside the public pipelined one.
-  TAIL=12 part gpu_tests_s28 300 python3 -m pytest -q -p no:logging -rf tests/test_autotune.py \
-    tests/test_mxfp4_moe_kernels.py tests/test_dsa_kernels.py -k "across_codegens_on_gpu or cover_both_paths_on_gpu \
-    or (warp_specialized_sparse_attention_on_gpu and 128h-prefill)"
-  TAIL=12 part sparse_prefill_public 120 python3 tools/diagnose_sparse_attention_configs.py --variants prefill \
-    --codegen tilelang --only-default --public .public-kernels
   ;;
 esac
 # The device tool brings back only a few files per call: everything goes back as one archive.
