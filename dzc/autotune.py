@@ -346,6 +346,7 @@ def tune(
     run_external: Callable[[ExternalCandidate], object] | None = None,
     check: Callable[[KernelConfig], str | None] | None = None,
     check_external: Callable[[object], str | None] | None = None,
+    before_timing: Callable[[], None] | None = None,
 ) -> TuningResult:
     """Pick the fastest config: from the database when the key is known, else by timing each one.
 
@@ -354,7 +355,7 @@ def tune(
     Tuning fails only when every config does. externals are timed the same way, through run_external(candidate)
     (which calls candidate.fn on the same arguments and returns its results, which check_external(results) judges
     as check judges a config's); one wins only if it beats every config, and a config is always kept as the
-    fallback.
+    fallback. before_timing() runs once before the first candidate is timed (not on a database hit).
     """
     notes: list[str] = []
     for record in database.records(key):
@@ -375,6 +376,8 @@ def tune(
                             notes=notes)
     if externals and run_external is None:
         raise ValueError("external candidates need run_external")
+    if before_timing is not None:
+        before_timing()
     start = time.perf_counter()
     timings: dict[str, float] = {}
     failures: dict[str, str] = {}

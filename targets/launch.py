@@ -173,18 +173,14 @@ class GeneratedKernel:
             device = args[0].device
             if default in configs:  # timed first, so that its outputs are what the others are checked against
                 configs = [default, *(c for c in configs if c != default)]
-            for kernel in self._alternatives:  # each picks its own config for the bucket first, outside the timing
-                try:
-                    kernel(*op_args)
-                except Exception:  # tune() runs it again and records why it fails
-                    pass
             check, check_external = agreement_check(outputs, results)
             result = tune(
                 f"{self.record.kernel_id}[tokens<={bucket}]", self._tuning_key(bucket, device), configs,
                 run=lambda cfg: self._launch(self.compiled, cfg, *args),
                 bench=lambda fn: self.runtime.bench(fn, device), database=self.database,
                 externals=self._externals, run_external=lambda candidate: candidate.fn(*op_args),
-                check=check, check_external=check_external)
+                check=check, check_external=check_external,
+                before_timing=lambda: self._prepare_alternatives(op_args))
             config, external = result.config, result.external
             # tune() names an external candidate's entries "external <name>"
             external_failures = {name: why for name, why in result.failures.items() if name.startswith("external ")}
@@ -204,6 +200,15 @@ class GeneratedKernel:
         self._config_by_bucket[bucket] = config
         self._external_by_bucket[bucket] = external
         return config
+
+    def _prepare_alternatives(self, op_args: tuple) -> None:
+        """Each alternative picks its config for the call's bucket (tuning it, or from the database) outside the
+        timing of the candidates."""
+        for kernel in self._alternatives:
+            try:
+                kernel(*op_args)
+            except Exception:  # tune() runs it again as a candidate and records why it fails
+                pass
 
     def __call__(self, *op_args):
         inputs, outputs, tokens, results = self.family.prepare(self.spec, *op_args)

@@ -405,6 +405,16 @@ def test_a_kernel_from_another_codegen_is_a_tuning_candidate(tmp_path, seed):
     text = str(CompileReport("cuda:sm_90", "codegen=auto", kernels=[kernel.record]))
     assert f"candidate dzc.triton: {alternative.record.kernel_id}" in text and "tokens <= 16" in text, text
 
+    # A later process (new kernels, the same databases): the primary's entry answers, and the alternative runs
+    # only where it won.
+    winner = kernel.record.tuned[4]["external"]
+    alternative = build("alternative.json")
+    kernel = build("tuning.json", alternative)
+    x, residual, weight = (torch.randn(n, 64).bfloat16() for n in (3, 3, 1))
+    kernel(x, residual, weight[0], 1e-6)
+    assert kernel.record.tuned[4]["from_cache"] and kernel.record.tuned[4]["external"] == winner
+    assert sorted(alternative.record.tuned) == ([4] if winner else []), (winner, alternative.record.tuned)
+
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
