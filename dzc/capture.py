@@ -104,15 +104,14 @@ def _dump(stages, compile_id: str) -> None:
         (path / f"{index:03d}_{stage.name}.txt").write_text(stage.text)
 
 
-def _direct_launches(gm: torch.fx.GraphModule) -> None:
+def _direct_launches(graph: torch.fx.Graph) -> None:
     """Eager fallback: call the kernels' launchers straight from the graph, skipping the dispatcher hop that the
     op would make to find the same launcher (the graph text still shows the dzc op)."""
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         kernel_id = node.kwargs.get("kernel_id") if dzc_op_name(node) else None
         if kernel_id:
             node.target = runtime.direct_launcher(kernel_id)
             node.kwargs = {}
-    gm.recompile()
 
 
 def _dynamo_seconds() -> float:
@@ -236,7 +235,7 @@ class DzcBackend:
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
             try:
                 hit = _CaptureHit(entry, cached)
-                compiled = self._compile_captured(*hit.graph_module_and_inputs(), hit=hit, compile_id=compile_id)
+                compiled = self._compile_captured(*hit.root_and_inputs(), hit=hit, compile_id=compile_id)
             except Exception as error:  # noqa: BLE001  (the frame entry is not used; Dynamo compiles as usual)
                 return f"building it failed ({type(error).__name__}: {str(error)[:160]})"
         self.report.graphs[-1].compile_cache = "hit (frame entry: Dynamo and AOTAutograd skipped)"
@@ -268,7 +267,7 @@ class DzcBackend:
             self._frame_graphs[backend_id] = self._capture
         if self._capture.hit is not None:  # the whole compile is cached: AOTAutograd's trace is skipped too
             try:
-                return self._compile_captured(*self._capture.hit.graph_module_and_inputs(), hit=self._capture.hit)
+                return self._compile_captured(*self._capture.hit.root_and_inputs(), hit=self._capture.hit)
             except Exception as error:
                 self.failure = error
                 raise
@@ -340,10 +339,11 @@ class DzcBackend:
             self.failure = error
             raise
 
-    def _compile_captured(self, gm: torch.fx.GraphModule, example_inputs, hit: _CaptureHit | None = None,
-                          compile_id: str | None = None):
+    def _compile_captured(self, gm: torch.fx.GraphModule | torch.nn.Module, example_inputs,
+                          hit: _CaptureHit | None = None, compile_id: str | None = None):
         """Compile AOTAutograd's graph `gm` (or, on a capture-level cache hit, the cached graph of `hit`, whose
-        rewrite check ran when its entry was built). compile_id: the record's, where Dynamo did not compile it."""
+        rewrite check ran when its entry was built; `gm` is then the module holding its constants). compile_id: the
+        record's, where Dynamo did not compile it."""
         # as captured, region bodies inlined, for the rewrite check (lowering binds kernels in place)
         captured = regions.inlined(gm) if hit is None else None
         written = hit.entry.written if hit else written_inputs(captured)  # before passes touch the graph
@@ -441,9 +441,10 @@ class DzcBackend:
     def _fallback(self, gm, graph, example_inputs, fallback: str, checkable: bool, inductor_context):
         """(what the lowered graph runs per call, the op-by-op module the rewrite check runs or None)."""
         checked = torch.fx.GraphModule(gm, copy_graph(graph)) if checkable else None
-        lowered = torch.fx.GraphModule(gm, graph)
         if fallback == "inductor":
             from torch._inductor.compile_fx import compile_fx_inner  # noqa: PLC0415 (heavy; only when used)
+
+            lowered = torch.fx.GraphModule(gm, graph)
 
             # MUSA Triton builds fail when Inductor compiles in several processes (torch_musa sets one thread).
             serial = {} if self.target.profile.compile_in_parallel else {"compile_threads": 1}
@@ -455,8 +456,8 @@ class DzcBackend:
             def compiled(*args):
                 return boxed(list(args))  # Inductor's callable takes its arguments as one list
         else:
-            _direct_launches(lowered)
-            compiled = lowered.forward  # the generated function itself: no nn.Module call machinery per call
+            _direct_launches(graph)  # before the module's code is generated (once: it grows with the graph)
+            compiled = torch.fx.GraphModule(gm, graph).forward  # the generated function: no nn.Module call per call
         return compiled, checked
 
     def _commit(self, build: _Build) -> None:
@@ -526,14 +527,15 @@ class _CaptureHit:
     entry: compile_cache.CaptureEntry
     cached: compile_cache.Entry  # the rewritten graph's entry, which entry.entry names
 
-    def graph_module_and_inputs(self) -> tuple[torch.fx.GraphModule, list]:
-        """What _compile_captured takes in place of AOTAutograd's graph and inputs: a module holding the graph's
-        constants, with the cached graph (lowering and the fallback read their fake values and sizes)."""
+    def root_and_inputs(self) -> tuple[torch.nn.Module, list]:
+        """What _compile_captured takes in place of AOTAutograd's graph and inputs: the module holding the cached
+        graph's constants (the fallback's root; the graph itself comes from the entry, and no GraphModule is made
+        of it here: generating its code, never run, took as long as the fallback's own), and its inputs' fake
+        values."""
         root = torch.nn.Module()
         for name, (tensor, device) in self.entry.constants.items():
             setattr(root, name, tensor.to(device))
-        gm = torch.fx.GraphModule(root, self.cached.graph)
-        return gm, [node.meta["val"] for node in self.cached.graph.nodes if node.op == "placeholder"]
+        return root, [node.meta["val"] for node in self.cached.graph.nodes if node.op == "placeholder"]
 
 
 class _CaptureCache:
@@ -954,12 +956,12 @@ class _RewriteCheck:
 def _host_syncs(graph: torch.fx.Graph) -> list[str]:
     """The ops of `graph` that introduce data-dependent (unbacked) sizes or values: the host waits for each
     (nonzero's count, a value read back), which no CUDA graph can capture."""
+    # Each value's symbols once (not again for each of its users): the walk is per node of a graph that grows with
+    # the model's depth.
+    made = {node: free_unbacked_symbols(node.meta.get("val")) for node in graph.nodes}
     found = set()
     for node in graph.nodes:
-        if node.op != "call_function":
-            continue
-        made = free_unbacked_symbols(node.meta.get("val"))
-        consumed = set().union(*(free_unbacked_symbols(n.meta.get("val")) for n in node.all_input_nodes))
-        if made - consumed:
+        if node.op == "call_function" and made[node] and made[node] - set().union(
+                *(made[n] for n in node.all_input_nodes)):
             found.add(str(node.target))
     return sorted(found)

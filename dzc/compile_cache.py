@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import io
 import marshal
 import os
 import pickle
@@ -57,7 +58,7 @@ import torch.fx
 import torch.fx.experimental.symbolic_shapes as symbolic_shapes
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.fx._graph_pickler import GraphPickler, Options
+from torch.fx._graph_pickler import GraphPickler, Options, _GraphUnpickler, _NodePickleData, _UnpickleState
 
 from dzc import config
 
@@ -211,6 +212,50 @@ class _GraphPickler(GraphPickler):
         return super().reducer_override(obj)
 
 
+class _NodeData(_NodePickleData):
+    """A node as GraphPickler pickles it, rebuilt with its arguments' node records replaced by _with_nodes instead of
+    torch's pytree maps: those, two per node, were a quarter of loading a graph (the deeper the model, the more
+    nodes), and each left a reference cycle (pytree's recursive helper) for the cyclic GC to collect."""
+
+    def unpickle(self, graph: torch.fx.Graph, mapping: dict, unpickle_state: _UnpickleState) -> torch.fx.Node:
+        target = self.target.unpickle(unpickle_state)
+        node = graph.create_node(self.op, target, _with_nodes(self.args, mapping), _with_nodes(self.kwargs, mapping),
+                                 self.name, self.type)
+        node.meta = self.meta
+        return node
+
+
+def _with_nodes(value, mapping: dict):
+    """A pickled node's arguments, each node record in them replaced by its node in `mapping`: through the
+    containers an FX argument can hold (tuples, named or not, lists, dicts and slices)."""
+    if isinstance(value, _NodePickleData):
+        return mapping[value]
+    if isinstance(value, (tuple, list)):
+        items = [_with_nodes(item, mapping) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, dict):
+        return type(value)((key, _with_nodes(item, mapping)) for key, item in value.items())
+    if isinstance(value, slice):
+        return slice(*(_with_nodes(item, mapping) for item in (value.start, value.stop, value.step)))
+    return value
+
+
+class _Unpickler(_GraphUnpickler):
+    """GraphPickler's unpickler, whose node records are _NodeData (the pickled form is GraphPickler's own)."""
+
+    def find_class(self, module: str, name: str):
+        if module == _NodePickleData.__module__ and name == _NodePickleData.__name__:
+            return _NodeData
+        return super().find_class(module, name)
+
+
+def _load_graph_module(data: bytes, fake_mode: FakeTensorMode) -> torch.fx.GraphModule:
+    """GraphPickler.loads of `data`, its nodes rebuilt as _NodeData (call it as GraphPickler.loads is called here:
+    under `fake_mode` and _slice_as_pytree_node)."""
+    with io.BytesIO(data) as stream:
+        return _Unpickler(stream, _UnpickleState(fake_mode)).load()
+
+
 def pickle_graph(graph: torch.fx.Graph, root: torch.nn.Module) -> bytes | str:
     """The graph in GraphPickler form (fake values and symbolic sizes kept), or why it cannot be pickled. `root`
     holds the tensor constants it reads (get_attr): GraphPickler keeps only their metadata (their values are in
@@ -238,7 +283,7 @@ class CompileCache:
 
         def entry(stored: dict) -> Entry:
             with fake_mode, _slice_as_pytree_node():
-                module = GraphPickler.loads(stored["graph"], fake_mode)
+                module = _load_graph_module(stored["graph"], fake_mode)
             return Entry(module.graph, stored["stages"], stored["torch_artifacts"])
 
         return self._read(self.path(key), key, entry, warn)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
 from dzc.lowering import dzc_op_name
@@ -215,7 +215,14 @@ class _Sizes:
 
 
 def _tensors(value) -> list[torch.Tensor]:
-    return [v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor)]
+    """The tensors of a node's value (a tensor, or tuples, lists and dicts of them). Not through torch's pytree: each
+    of its tree_flatten calls leaves a reference cycle (its recursive helper) for the cyclic GC, and this runs several
+    times per node of graphs that grow with the model's depth."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list, dict)):
+        return [t for v in (value.values() if isinstance(value, dict) else value) for t in _tensors(v)]
+    return []
 
 
 def _value(node) -> object:
@@ -246,9 +253,9 @@ def _aten_flops(node: torch.fx.Node, sizes: _Sizes) -> int:
     def concrete(value):
         return sizes.shape(value) if isinstance(value, torch.Tensor) else sizes.of(value)
 
-    args = tree_map(concrete, tree_map(_value, (node.args, node.kwargs)))
     formula = flop_registry.get(target.overloadpacket)
-    if formula is not None:
+    if formula is not None:  # (the arguments' sizes only for it: most ops are pointwise, costed by their output)
+        args = tree_map(concrete, tree_map(_value, (node.args, node.kwargs)))
         return int(formula(*args[0], **args[1], out_val=tree_map(concrete, out)))
     if _is_sdpa(node):  # CPU's fused SDPA has no registered formula: both matmuls of [B, H, L, S]
         q, k, v = (sizes.shape(_value(a)) for a in node.args[:3])

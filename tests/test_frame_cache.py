@@ -14,7 +14,9 @@ from torch._dynamo.utils import counters
 
 import dzc
 from dzc import compile_cache, frame_cache, regions
+from dzc.models import build_model
 from dzc.models.decoder import AddRMSNorm
+from dzc.targets import triton_codegen
 
 HIT = "hit (frame entry: Dynamo and AOTAutograd skipped)"
 pytestmark = pytest.mark.skipif(bool(frame_cache._unsupported_torch()), reason=frame_cache._unsupported_torch())
@@ -84,6 +86,46 @@ def test_a_call_the_guards_reject_is_compiled_and_the_entry_grows(options, norm)
         compiled(*[t.clone() for t in inputs])
         compiled(*[t.clone() for t in wider])
     assert counters["frames"]["total"] == frames and compiled.report.frame_cache.startswith("hit (2 graphs")
+
+
+def test_a_deep_models_warm_load_repeats_no_per_layer_work(options, monkeypatch):
+    """A warm load's work grows with the model's depth only through the graph's nodes: each distinct kernel is
+    loaded once however many layers run it, the graph's Python code is generated once (the eager fallback's), and
+    Python's cyclic GC is paused while the entry loads (its full collections scanned the whole heap, more of them
+    the deeper the model)."""
+    monkeypatch.setenv("DZC_COMPILE_CACHE", "1")
+    monkeypatch.setenv("DZC_FRAME_CACHE", "1")
+    model, (tokens,) = build_model("llama_decoder", layers=4)
+    cold, cold_out, _ = _compile_and_run(model, options, [tokens])
+    assert cold.frame_cache == "stored", cold.frame_cache
+    loaded, generated, collecting = [], [], []
+    load, recompile, install = triton_codegen.load, torch.fx.GraphModule.recompile, frame_cache.FrameCache._install
+
+    def counted_load(family, path, spec, profile):
+        loaded.append(str(path))
+        return load(family, path, spec, profile)
+
+    def counted_recompile(module):
+        generated.append(len(module.graph.nodes))
+        return recompile(module)
+
+    def install_seeing_gc(frames, stored):
+        collecting.append(gc.isenabled())
+        return install(frames, stored)
+
+    monkeypatch.setattr(triton_codegen, "load", counted_load)
+    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted_recompile)
+    monkeypatch.setattr(frame_cache.FrameCache, "_install", install_seeing_gc)
+    warm, warm_out, frames = _compile_and_run(model, options, [tokens])
+    assert warm.frame_cache.startswith("hit (1 graph") and frames == 0, warm.frame_cache
+    assert warm.fired() == cold.fired() == {"fuse_residual_norm": 8}, warm.fired()
+    kernels = [k for k in warm.kernels if k.codegen == "triton"]
+    assert any(k.uses > 1 for k in kernels), [(k.kernel_id, k.uses) for k in kernels]  # shared by the layers
+    assert sorted(loaded) == sorted(k.source_path for k in kernels), loaded
+    assert len(generated) == 1, generated
+    assert collecting == [False] and gc.isenabled()
+    assert "dynamo guards" in warm.graphs[0].compile_seconds, warm.graphs[0].compile_seconds
+    assert all(torch.equal(a, b) for a, b in zip(cold_out, warm_out))
 
 
 def test_another_option_or_the_knob_off_misses(options, norm, monkeypatch):

@@ -4,6 +4,7 @@ same rewritten graph (the same outputs, the fusion still in the report), and any
 
 import dataclasses
 import json
+import operator
 import os
 import shutil
 import subprocess
@@ -12,6 +13,8 @@ import sys
 import pytest
 import torch
 from conftest import assert_add_rms_norm_matches_eager
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._graph_pickler import GraphPickler
 
 import dzc
 from dzc import compile_cache, frame_cache
@@ -140,3 +143,26 @@ def test_a_corrupted_entry_is_rebuilt_with_a_warning(options, norm_case):
         state = _compile_once(options, x, residual, model)
     assert state.startswith("corrupted entry rebuilt"), state
     assert _compile_once(options, x, residual, model) == "hit"  # the rebuilt entry replaced it
+
+
+def test_a_stored_graph_loads_as_graphpickler_loads_it():
+    """The cache rebuilds a stored graph's nodes itself (compile_cache._NodeData, not through torch's pytree): the
+    same graph as GraphPickler.loads makes, with nodes nested in lists, tuples, dicts and slices."""
+    graph = torch.fx.Graph()
+    x, n = graph.placeholder("x"), graph.placeholder("n")
+    cat = graph.call_function(torch.ops.aten.cat.default, ([x, x],), {"dim": 0})
+    item = graph.call_function(operator.getitem, (cat, (slice(None, n, None), 0)))
+    graph.output({"item": (item, [cat, n])})
+    data = compile_cache.pickle_graph(graph, torch.nn.Module())
+    loaded = []
+    for load in (GraphPickler.loads, compile_cache._load_graph_module):
+        fake_mode = FakeTensorMode()
+        with fake_mode, compile_cache._slice_as_pytree_node():
+            loaded.append(load(data, fake_mode).graph)
+    expected, actual = loaded
+    assert actual.python_code("self").src == expected.python_code("self").src
+    for want, got in zip(expected.nodes, actual.nodes, strict=True):
+        assert (got.op, got.target, got.name, repr(got.args), repr(got.kwargs)) == \
+            (want.op, want.target, want.name, repr(want.args), repr(want.kwargs))
+        assert [type(a) for a in got.args] == [type(a) for a in want.args]
+        assert [n.name for n in got.all_input_nodes] == [n.name for n in want.all_input_nodes]

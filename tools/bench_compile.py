@@ -77,7 +77,7 @@ def child(args) -> None:
             stats.print_callees("compile_fx_inner|_fallback")
     if args.child == "dzc":
         report = runnable.report
-        result.update(breakdown=format_seconds(report.compile_seconds()),
+        result.update(breakdown=format_seconds(report.compile_seconds()), frame=report.frame_cache,
                       cache=[g.compile_cache for g in report.graphs], graphs=len(report.graphs),
                       regions=report.nested_regions, region_retries=report.region_retries, fired=report.fired(),
                       stages={name: round(seconds, 2) for name, seconds in report.compile_seconds().items()})
