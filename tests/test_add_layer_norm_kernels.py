@@ -94,7 +94,17 @@ def _check_triton_outputs(spec, x, residual, weight, bias, y, h):
         # (the interpreter truncates casts) is not counted twice.
         expected_y, _ = add_layer_norm_reference(h, torch.zeros_like(h), weight, bias, EPS, False, spec.out_dtype,
                                                  spec.sum_dtype)
-    assert_close_for_dtype(y, expected_y, max_bf16_ulps=1.0)
+    if bias is None or y.dtype != torch.bfloat16:
+        assert_close_for_dtype(y, expected_y, max_bf16_ulps=1.0)
+        return
+    # y = normed·w + b in fp32, rounded once. Where the two terms nearly cancel, y is far smaller than they are and
+    # the fp32 terms (the kernel sums the row's statistics in another order) differ from the reference's by
+    # fractions of the terms' own ulps, not y's (seed 1663769186: y 4e-7 from terms of 0.025, 8 of y's ulps). So
+    # one bf16 ulp of the larger of |y| and |b|.
+    assert not y.isnan().any(), "NaN in the output: an element was not written (outputs are poisoned)"
+    scale = torch.maximum(expected_y.float().abs(), bias.float().abs().expand_as(expected_y))
+    worst = ((y.float() - expected_y.float()).abs() / ulp(scale)).max().item()
+    assert worst <= 1.0, f"{worst} bf16 ulps (of max(|y|, |b|)) apart"
 
 
 @pytest.mark.parametrize("spec_id", INTERPRETER_SPECS)
