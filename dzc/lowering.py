@@ -8,6 +8,7 @@ shared across models and processes), load it, and write the kernel id into the n
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import os
 import tempfile
@@ -213,6 +214,18 @@ def _lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions,
     for node in list(graph.nodes):
         if dzc_op_name(node) in LOWERED_AS_PARTS and dzc_op_name(node) not in KERNEL_FAMILIES:
             LOWERED_AS_PARTS[dzc_op_name(node)](node)
+
+    @functools.cache
+    def kernel_choice(op: str, spec) -> tuple[str, list, int, str, str, str]:
+        """(codegen, legal configs, how many were illegal, source, its digest, kernel name) of `op`'s kernel for
+        `spec`: the same for every instance of the spec (each layer's), so worked out once a lowering."""
+        codegen_name = choose_codegen(op, options, execution, spec, target.profile)
+        # Legality first: a codegen with no kernel for the spec has no configs either (NoLegalConfig).
+        legal, illegal = legal_configs(KERNEL_FAMILIES[op], codegen_name, spec, target.profile)
+        if not legal:
+            raise NoLegalConfig(f"dzc: no legal {codegen_name} config for {op} ({spec.describe()}) on "
+                                f"{target.profile.name}")
+        return (codegen_name, legal, illegal, *_kernel_source(op, spec, codegen_name, target.profile, timer))
     for node in graph.nodes:
         op = dzc_op_name(node)
         if op is None or not _takes_kernel_id(node):
@@ -229,15 +242,8 @@ def _lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions,
         spec = None
         try:
             spec = family.spec_from_node(node)
-            codegen_name = choose_codegen(op, options, execution, spec, target.profile)
+            codegen_name, legal, illegal, source, digest, name = kernel_choice(op, spec)
             codegen = target.codegens[codegen_name]
-            # Legality first: a codegen with no kernel for the spec has no configs either (NoLegalConfig).
-            legal, illegal = legal_configs(family, codegen_name, spec, target.profile)
-            if not legal:
-                raise NoLegalConfig(f"dzc: no legal {codegen_name} config for {op} ({spec.describe()}) on "
-                                    f"{target.profile.name}")
-            with timer.stage("codegen"):
-                source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
         except (ValueError, NoLegalConfig) as rejected:
             if not fall_back:
                 raise
@@ -249,8 +255,6 @@ def _lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions,
                 added[key] = _reference_record(op, target.profile.name, spec.describe() if spec else "", why)
             added[key].uses += 1
             continue
-        digest = hashlib.sha256(f"{target.profile.fingerprint}\n{source}".encode()).hexdigest()
-        name = f"{op}.{codegen_name}.{digest[:10]}"
         where = f"{execution.describe()}: {execution.not_runnable_reason}"
         existing = table.records.get((name, where))
         if existing is not None:  # the same spec elsewhere in the model (every layer's norm, usually)
@@ -297,6 +301,14 @@ def _lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions,
     return list(added.values())
 
 
+def _kernel_source(op: str, spec, codegen_name: str, profile, timer: CompileTimer) -> tuple[str, str, str]:
+    """(source, its digest with the profile's, kernel name) of `op`'s `codegen_name` kernel for `spec`."""
+    with timer.stage("codegen"):
+        source = getattr(KERNEL_FAMILIES[op], f"{codegen_name}_source")(spec, profile)
+    digest = hashlib.sha256(f"{profile.fingerprint}\n{source}".encode()).hexdigest()
+    return source, digest, f"{op}.{codegen_name}.{digest[:10]}"
+
+
 def alternative_kernel(op: str, spec, codegen_name: str, target: Target, execution: Execution, table: KernelTable,
                        where: str, kernel_dir: Path, database, timer: CompileTimer,
                        alternatives: tuple[GeneratedKernel, ...] = ()) -> GeneratedKernel:
@@ -304,10 +316,8 @@ def alternative_kernel(op: str, spec, codegen_name: str, target: Target, executi
     runs only if it wins): tuned over its own configs first where its codegen builds them fast
     (TUNED_AS_ALTERNATIVE), else its untuned default. It may have `alternatives` of its own (tests chain them)."""
     family = KERNEL_FAMILIES[op]
+    source, digest, name = _kernel_source(op, spec, codegen_name, target.profile, timer)
     with timer.stage("codegen"):
-        source = getattr(family, f"{codegen_name}_source")(spec, target.profile)
-        digest = hashlib.sha256(f"{target.profile.fingerprint}\n{source}".encode()).hexdigest()
-        name = f"{op}.{codegen_name}.{digest[:10]}"
         path, cache_note = write_kernel_source(kernel_dir, f"{name.replace('.', '_')}.py", source)
     legal, illegal = legal_configs(family, codegen_name, spec, target.profile)
     record = KernelRecord(table.kernel_id(name, where), op, codegen_name, target.profile.name,
