@@ -193,13 +193,18 @@ def triton_signature(spec: DsaIndexerSpec, config: KernelConfig) -> tuple[dict, 
 
 TILELANG_FACTORY_NAME = "build"
 _TILELANG_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# (threads, keys per tile, query rows): 16 keys a warp along M (wgmma: 64 a warpgroup), rows·heads ≤ 256 along N
-# (one wgmma), at most 128 fp32 accumulators a thread. 256 × 128 × 2 is the untuned choice; 512 × 256 × 2 is the
-# shape of the public TileLang fp8_lighting_indexer (4 warpgroups of 64 keys against 2 rows' heads).
-TILELANG_SHAPES = ((256, 128, 2), (256, 128, 4), (128, 64, 4), (128, 64, 2), (512, 256, 2))
+# (threads, keys per tile, query rows, tiles per chunk): 16 keys a warp along M (wgmma: 64 a warpgroup), rows·heads
+# ≤ 256 along N (one wgmma), at most 128 fp32 accumulators a thread. A chunk is the template's pipelined loop (a
+# static trip count): the pipeline drains at its end, and a span is a whole number of chunks. 128 × 64 × 2 in
+# chunks of 8 is the untuned choice: on the H200 (FP8 cache) it was 1.18x faster than 256 × 128 × 2 in chunks of 4
+# at decode (64 sequences x 2 rows, 32K: 166 against 196 µs, two programs a multiprocessor against one: ptxas gives
+# both ~228 registers a thread) and 1.13x on a 1024-row prefill chunk of an 8K context; at one sequence the
+# smaller chunks of 256 × 128 × 2 win (8 against 11 µs: more, shorter programs), so it stays a candidate
+# (docs/results/dsa_indexer_tilelang_h200.md, session 29). 512 × 256 × 2 is the shape of the public TileLang
+# fp8_lighting_indexer (4 warpgroups of 64 keys against 2 rows' heads).
+TILELANG_SHAPES = ((128, 64, 2, 8), (256, 128, 2, 4), (256, 128, 4, 4), (128, 64, 4, 4), (512, 256, 2, 4))
 TILELANG_STAGES = (2, 3)
-# Key tiles of one pipelined chunk (the template's static trip count): a span is a whole number of chunks.
-TILELANG_CHUNK = 4
+TILELANG_DEFAULT = (128, 64, 2, 8, 3)  # threads, keys per tile, rows, chunk, stages
 # Programs a launch aims for (per multiprocessor), and the fewest key tiles a program takes when decode splits
 # the context: more programs fill the GPU, fewer reload q and the weights less often.
 _PROGRAMS_PER_SM = 4
@@ -235,24 +240,25 @@ def tilelang_configs(spec: DsaIndexerSpec, profile: DeviceProfile) -> list[Kerne
     if not tilelang_supports(spec):
         return []
     configs = []
-    for threads, block_n, rows in TILELANG_SHAPES:
+    for threads, block_n, rows, chunk in TILELANG_SHAPES:
         if rows * spec.heads > 256 or block_n * rows * spec.heads // threads > 128 or threads % profile.warp_size:
             continue
         for stages in TILELANG_STAGES:
             config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=stages, THREADS=threads,
-                                       BLOCK_N=block_n, ROWS=rows, STAGES=stages, CHUNK=TILELANG_CHUNK)
+                                       BLOCK_N=block_n, ROWS=rows, STAGES=stages, CHUNK=chunk)
             if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                 configs.append(config)
     return configs
 
 
 def tilelang_default_config(spec: DsaIndexerSpec, profile: DeviceProfile) -> KernelConfig:
-    """Untuned choice: 256 threads, 128-key tiles, 2 rows (2 stages), else the first legal config."""
+    """Untuned choice: TILELANG_DEFAULT (128 threads, 64-key tiles, 2 rows, chunks of 8 tiles, 3 stages), else the
+    first legal config."""
     configs = tilelang_configs(spec, profile)
     if not configs:
         raise ValueError(f"no legal TileLang dsa_indexer config for {spec.describe()} on {profile.name}")
-    return next((c for c in configs if (c["THREADS"], c["BLOCK_N"], c["ROWS"], c["STAGES"]) == (256, 128, 2, 2)),
-                configs[0])
+    return next((c for c in configs if (c["THREADS"], c["BLOCK_N"], c["ROWS"], c["CHUNK"], c["STAGES"])
+                 == TILELANG_DEFAULT), configs[0])
 
 
 def tilelang_kernel_configs(spec: DsaIndexerSpec, config: KernelConfig) -> dict[str, KernelConfig]:

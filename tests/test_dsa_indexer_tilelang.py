@@ -111,8 +111,8 @@ def test_span_splits_decode_context_and_gives_prefill_whole_rows():
 # ---------------------------------------------------------------------------------------------------------
 # Lowered to CUDA for sm_90a
 
-# name -> (spec, config, page size): the untuned FP8 config over DeepSeek's 64-token pages (a tile spans two
-# pages), the public kernel's shape (4 warpgroups × 64 keys, 2 rows) over 16-token pages, and the bf16 cache.
+# name -> (spec, config, page size): the untuned FP8 config over DeepSeek's 64-token pages (a tile is one
+# page), the public kernel's shape (4 warpgroups × 64 keys, 2 rows) over 16-token pages, and the bf16 cache.
 LOWERED = {
     "fp8-default-page64": (FP8, None, 64),
     "fp8-512x256-page16": (FP8, (512, 256, 2, 3), 16),

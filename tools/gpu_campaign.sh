@@ -118,6 +118,17 @@ wheels-1|wheels-2)
   # (carry .whl-gpu1, then .whl-gpu2) TileLang for the steps below that use it, and dzc itself: installs only
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   ;;
+s29-1)
+  # (carry .whl-gpu1 and .triton-kernels) dzc + TileLang part 1; MoE Triton numerics; the split-K loop form
+  # (runtime step count) timed by the tuner at decode sizes; the frame entry's Inductor fallback on the GPU.
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
+  TAIL=12 part gpu_tests_moe 200 python3 -m pytest -q -p no:logging -k "not tilelang" tests/test_mxfp4_moe_kernels.py
+  TAIL=12 part gpu_test_frame 120 python3 -m pytest -q -p no:logging \
+    tests/test_frame_cache.py::test_a_frame_entry_on_the_gpu_builds_its_inductor_fallback
+  TAIL=30 part bench_moe_decode 240 env DZC_AUTOTUNE_LOG=1 python3 tools/bench_mxfp4_moe.py \
+    --models gpt-oss-120b deepseek-style --tokens 1 8 64 --routing uniform --codegens triton --memory-layers 0 \
+    --out "$OUT/mxfp4_moe_decode_h200.md"
+  ;;
 s25-busy)
   # (after wheels-1: dzc installed) issues 18/14/15: bench_multimodal --quick again, its
   # torch.compile column falling back to mode "default" when reduce-overhead's capture fails (as in s24-busy);
