@@ -193,18 +193,20 @@ def triton_signature(spec: DsaIndexerSpec, config: KernelConfig) -> tuple[dict, 
 
 TILELANG_FACTORY_NAME = "build"
 _TILELANG_DTYPES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# (threads, keys per tile, query rows, tiles per chunk): 16 keys a warp along M (wgmma: 64 a warpgroup), rows·heads
-# ≤ 256 along N (one wgmma), at most 128 fp32 accumulators a thread. A chunk is the template's pipelined loop (a
-# static trip count): the pipeline drains at its end, and a span is a whole number of chunks. 128 × 64 × 2 in
-# chunks of 8 is the untuned choice: on the H200 (FP8 cache) it was 1.18x faster than 256 × 128 × 2 in chunks of 4
-# at decode (64 sequences x 2 rows, 32K: 166 against 196 µs, two programs a multiprocessor against one: ptxas gives
-# both ~228 registers a thread) and 1.13x on a 1024-row prefill chunk of an 8K context; at one sequence the
-# smaller chunks of 256 × 128 × 2 win (8 against 11 µs: more, shorter programs), so it stays a candidate
-# (docs/results/dsa_indexer_tilelang_h200.md, session 29). 512 × 256 × 2 is the shape of the public TileLang
-# fp8_lighting_indexer (4 warpgroups of 64 keys against 2 rows' heads).
-TILELANG_SHAPES = ((128, 64, 2, 8), (256, 128, 2, 4), (256, 128, 4, 4), (128, 64, 4, 4), (512, 256, 2, 4))
+# (threads, keys per tile, query rows, tiles per chunk, programs a multiprocessor): 16 keys a warp along M (wgmma:
+# 64 a warpgroup), rows·heads ≤ 256 along N (one wgmma), at most 128 fp32 accumulators a thread. A chunk is the
+# template's pipelined loop (a static trip count): the pipeline drains at its end, and a span is a whole number of
+# chunks. 128 × 64 × 2 in chunks of 8 is the untuned choice: on the H200 (FP8 cache) it was 1.18x faster than 256 ×
+# 128 × 2 in chunks of 4 at decode (64 sequences x 2 rows, 32K: 166 against 196 µs, two programs a multiprocessor
+# against one: ptxas gives both ~228 registers a thread) and 1.13x on a 1024-row prefill chunk of an 8K context; at
+# one sequence the smaller chunks of 256 × 128 × 2 win (8 against 11 µs: more, shorter programs), so it stays a
+# candidate (docs/results/dsa_indexer_tilelang_h200.md, session 29). Its twin that asks for three programs a
+# multiprocessor (160 registers, no spills for sm_90a) is a candidate not yet timed. 512 × 256 × 2 is the shape of
+# the public TileLang fp8_lighting_indexer (4 warpgroups of 64 keys against 2 rows' heads).
+TILELANG_SHAPES = ((128, 64, 2, 8, 1), (128, 64, 2, 8, 3), (256, 128, 2, 4, 1), (256, 128, 4, 4, 1),
+                   (128, 64, 4, 4, 1), (512, 256, 2, 4, 1))
 TILELANG_STAGES = (2, 3)
-TILELANG_DEFAULT = (128, 64, 2, 8, 3)  # threads, keys per tile, rows, chunk, stages
+TILELANG_DEFAULT = (128, 64, 2, 8, 3)  # threads, keys per tile, rows, chunk, stages (no MIN_BLOCKS asked)
 # Programs a launch aims for (per multiprocessor), and the fewest key tiles a program takes when decode splits
 # the context: more programs fill the GPU, fewer reload q and the weights less often.
 _PROGRAMS_PER_SM = 4
@@ -240,12 +242,14 @@ def tilelang_configs(spec: DsaIndexerSpec, profile: DeviceProfile) -> list[Kerne
     if not tilelang_supports(spec):
         return []
     configs = []
-    for threads, block_n, rows, chunk in TILELANG_SHAPES:
+    for threads, block_n, rows, chunk, min_blocks in TILELANG_SHAPES:
         if rows * spec.heads > 256 or block_n * rows * spec.heads // threads > 128 or threads % profile.warp_size:
             continue
         for stages in TILELANG_STAGES:
             config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=stages, THREADS=threads,
-                                       BLOCK_N=block_n, ROWS=rows, STAGES=stages, CHUNK=chunk)
+                                       BLOCK_N=block_n, ROWS=rows, STAGES=stages, CHUNK=chunk,
+                                       # (only where asked: the other configs keep their tuning-database names)
+                                       **({"MIN_BLOCKS": min_blocks} if min_blocks > 1 else {}))
             if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                 configs.append(config)
     return configs
@@ -258,7 +262,7 @@ def tilelang_default_config(spec: DsaIndexerSpec, profile: DeviceProfile) -> Ker
     if not configs:
         raise ValueError(f"no legal TileLang dsa_indexer config for {spec.describe()} on {profile.name}")
     return next((c for c in configs if (c["THREADS"], c["BLOCK_N"], c["ROWS"], c["CHUNK"], c["STAGES"])
-                 == TILELANG_DEFAULT), configs[0])
+                 == TILELANG_DEFAULT and "MIN_BLOCKS" not in dict(c.params)), configs[0])
 
 
 def tilelang_kernel_configs(spec: DsaIndexerSpec, config: KernelConfig) -> dict[str, KernelConfig]:

@@ -10,6 +10,7 @@ shuffled pages (page sizes 16, 32, 64; decode rows, causal prefill rows, rows of
 program, a context wider than every sequence), with NaN-poisoned outputs, and the op through dzc's lowering.
 """
 
+import re
 import shutil
 
 import pytest
@@ -170,6 +171,26 @@ def test_lowered_indexer_offsets_are_64_bit(lowered):
 @pytest.mark.parametrize("name", ["fp8-default-page64", "fp8-512x256-page16"])
 def test_lowered_indexer_compiles_with_nvcc(lowered, name, tmp_path):
     assert tilelang_codegen.nvcc_compile(lowered[name][0].kernel_source, SM_90, tmp_path).stat().st_size > 0
+
+
+@requires_nvcc
+def test_three_programs_a_multiprocessor_fit_without_spills(tmp_path):
+    """The candidate asking for three 128-thread programs a multiprocessor gets __launch_bounds__(128, 3), and
+    ptxas fits it in 65536 / 384 = 170 registers a thread without spilling (its twin without the ask takes ~227,
+    i.e. two programs); its three programs' shared memory fits a multiprocessor."""
+    [config] = [c for c in dsa_indexer.tilelang_configs(FP8, SM_90)
+                if dict(c.params).get("MIN_BLOCKS") == 3 and c["STAGES"] == 3]
+    path = tmp_path / "dsa_indexer_fp8.py"
+    path.write_text(dsa_indexer.tilelang_source(FP8, SM_90))
+    source = tilelang_codegen.lower_to_device_source(path, dsa_indexer.TILELANG_FACTORY_NAME,
+                                                     _with_page_size(config, 64), SM_90)
+    assert "__launch_bounds__(128, 3)" in source
+    report = tilelang_codegen.ptxas_report(source, SM_90, tmp_path / "nvcc")
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(stores == loads == "0" for stores, loads in spills), report
+    [registers] = map(int, re.findall(r"Used (\d+) registers", report))
+    assert registers * 128 * 3 <= 65536, report
+    assert 3 * dsa_indexer.tilelang_shared_memory_bytes(FP8, config) <= 227 * 1024
 
 
 # ---------------------------------------------------------------------------------------------------------
