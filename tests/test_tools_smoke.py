@@ -37,6 +37,7 @@ SMOKE = {
     "bench_windowed_attention.py": (["--dry-run", "--quick"], "dry run: decode 64x1 over 8192 window 128"),
     "diagnose_overhead.py": (["--dry-run", "--hidden", "64"], "dry run: H=64"),
     "diagnose_sparse_attention_configs.py": (["--dry-run"], "| decode | dry run:"),
+    "diagnose_dsa_indexer_configs.py": (["--dry-run", "--match", "MIN_BLOCKS=3"], "dry run: "),
     # Runs for real: one request (its prefill) and a decode step, then the reports and their coverage.
     "demo.py": (["--requests", "1", "--decode-steps", "1"], "largest unfused ops (left to the fallback)"),
     # Runs for real: world size 1, gloo, tiny sizes through the interpreter (torchrun adds ranks on GPUs).

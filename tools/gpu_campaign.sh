@@ -15,8 +15,8 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session: s25-busy (the multimodal bench); bench_vision_attention with codegen auto and tuning (the cross-codegen
-# pick on the 64 x 256 pack).
+# Next session (after wheels-1, wheels-2 while warm): s30-indexer, then s30-moe (carry .triton-kernels), then
+# s25-busy (the multimodal bench); bench_vision_attention with codegen auto and tuning is still to be written.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -128,6 +128,23 @@ s29-1)
   TAIL=30 part bench_moe_decode 240 env DZC_AUTOTUNE_LOG=1 python3 tools/bench_mxfp4_moe.py \
     --models gpt-oss-120b deepseek-style --tokens 1 8 64 --routing uniform --codegens triton --memory-layers 0 \
     --out "$OUT/mxfp4_moe_decode_h200.md"
+  ;;
+s30-indexer)
+  # (after wheels-1 and wheels-2) issue 14: the TileLang indexer's untuned choice beside its twin asking for three
+  # programs a multiprocessor (MIN_BLOCKS=3, not yet timed) and the old 256 x 128 x 2 chunk-4 choice, on decode at
+  # 64 and 1 sequences and a prefill chunk; then the GPU numerics of those configs (every GPU case).
+  TAIL=14 part diag_indexer 330 python3 tools/diagnose_dsa_indexer_configs.py --match MIN_BLOCKS=3 \
+    "BLOCK_N=128 CHUNK=4 ROWS=2 STAGES=2"
+  # (pytest's -k cannot name "CHUNK=8": the test ids are picked from the collected list)
+  mapfile -t ids < <(python3 -m pytest -q --collect-only -p no:logging tests/test_dsa_indexer_tilelang.py \
+    -k every_config 2>/dev/null | grep -E "MIN_BLOCKS|CHUNK=8")
+  TAIL=8 part gpu_tests_indexer 240 python3 -m pytest -q -p no:logging -rf "${ids[@]}"
+  ;;
+s30-moe)
+  # (carry .triton-kernels) issue 15: the decode rows s29-1's time limit cut (deepseek-style at 8 and 64 tokens),
+  # both routings.
+  TAIL=20 part bench_moe_decode 540 python3 tools/bench_mxfp4_moe.py --models deepseek-style --tokens 8 64 \
+    --routing uniform skewed --codegens triton --memory-layers 0 --out "$OUT/mxfp4_moe_decode_h200.md"
   ;;
 s25-busy)
   # (after wheels-1: dzc installed) issues 18/14/15: bench_multimodal --quick again, its
