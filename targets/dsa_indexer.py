@@ -207,6 +207,12 @@ TILELANG_SHAPES = ((128, 64, 2, 8, 1), (128, 64, 2, 8, 3), (256, 128, 2, 4, 1), 
                    (128, 64, 4, 4, 1), (512, 256, 2, 4, 1))
 TILELANG_STAGES = (2, 3)
 TILELANG_DEFAULT = (128, 64, 2, 8, 3)  # threads, keys per tile, rows, chunk, stages (no MIN_BLOCKS asked)
+# The untuned choice of small launches (configs_for_bucket): below SMALL_LAUNCH_BUCKET query rows × keys. Measured
+# at 2^16 (one sequence × 2 rows × 32K: this one 8.0 µs, TILELANG_DEFAULT 11.0) and 2^22 (64 sequences: 196
+# against 166 µs); the crossover between them is not measured yet (diagnose_dsa_indexer_configs.py's decode-16
+# shape is 2^20).
+TILELANG_SMALL_LAUNCH_DEFAULT = (256, 128, 2, 4, 2)
+SMALL_LAUNCH_BUCKET = 1 << 20
 # Programs a launch aims for (per multiprocessor), and the fewest key tiles a program takes when decode splits
 # the context: more programs fill the GPU, fewer reload q and the weights less often.
 _PROGRAMS_PER_SM = 4
@@ -263,6 +269,20 @@ def tilelang_default_config(spec: DsaIndexerSpec, profile: DeviceProfile) -> Ker
         raise ValueError(f"no legal TileLang dsa_indexer config for {spec.describe()} on {profile.name}")
     return next((c for c in configs if (c["THREADS"], c["BLOCK_N"], c["ROWS"], c["CHUNK"], c["STAGES"])
                  == TILELANG_DEFAULT and "MIN_BLOCKS" not in dict(c.params)), configs[0])
+
+
+def configs_for_bucket(spec: DsaIndexerSpec, profile: DeviceProfile, bucket: int, configs: list[KernelConfig],
+                       default: KernelConfig) -> tuple[list[KernelConfig], KernelConfig]:
+    """Every config is a candidate at every size. TileLang's untuned choice for a launch of fewer than
+    SMALL_LAUNCH_BUCKET rows × keys (a few sequences' decode: fewer programs than multiprocessors, so each
+    program's latency is the launch's) is TILELANG_SMALL_LAUNCH_DEFAULT where legal, whose shorter chunks give
+    shorter programs; Triton's is its default."""
+    if "THREADS" not in dict(default.params) or bucket >= SMALL_LAUNCH_BUCKET:
+        return configs, default
+    small = next((c for c in configs if "MIN_BLOCKS" not in dict(c.params) and
+                  (c["THREADS"], c["BLOCK_N"], c["ROWS"], c["CHUNK"], c["STAGES"]) == TILELANG_SMALL_LAUNCH_DEFAULT),
+                 default)
+    return configs, small
 
 
 def tilelang_kernel_configs(spec: DsaIndexerSpec, config: KernelConfig) -> dict[str, KernelConfig]:

@@ -98,6 +98,25 @@ def test_auto_codegen_falls_back_to_triton_without_tilelang_configs(monkeypatch)
     assert choose_codegen("dsa_indexer", auto, gpu, FP8, SM_90) == expected
 
 
+def test_small_launches_default_to_shorter_programs():
+    """Below SMALL_LAUNCH_BUCKET rows × keys the untuned TileLang choice is the 256-thread 128-key tile in chunks of
+    4 (one sequence's decode, measured faster there); at and above it, the family default; every legal config stays
+    a candidate; Triton's choice is left alone."""
+    legal, _ = legal_configs(dsa_indexer, "tilelang", FP8, SM_90)
+    default = dsa_indexer.tilelang_default_config(FP8, SM_90)
+    shape = lambda c: (c["THREADS"], c["BLOCK_N"], c["ROWS"], c["CHUNK"], c["STAGES"])  # noqa: E731
+    one_sequence = dsa_indexer.token_bucket(2 * 32768)
+    configs, small = dsa_indexer.configs_for_bucket(FP8, SM_90, one_sequence, legal, default)
+    assert configs == legal and shape(small) == dsa_indexer.TILELANG_SMALL_LAUNCH_DEFAULT and small in legal
+    assert "MIN_BLOCKS" not in dict(small.params)
+    many = dsa_indexer.token_bucket(128 * 32768)
+    assert dsa_indexer.configs_for_bucket(FP8, SM_90, many, legal, default) == (legal, default)
+    triton_legal, _ = legal_configs(dsa_indexer, "triton", FP8, SM_90)
+    triton_default = dsa_indexer.triton_default_config(FP8, SM_90)
+    assert dsa_indexer.configs_for_bucket(FP8, SM_90, one_sequence, triton_legal, triton_default) == (
+        triton_legal, triton_default)
+
+
 def test_span_splits_decode_context_and_gives_prefill_whole_rows():
     config = dsa_indexer.tilelang_default_config(FP8, SM_90)
     block_n, chunk = config["BLOCK_N"], config["CHUNK"]

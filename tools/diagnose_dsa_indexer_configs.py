@@ -1,10 +1,11 @@
 """Time dsa_indexer configs on bench_dsa's indexer shapes (64 heads × 128, FP8 cache in 64-token pages), on a CUDA GPU.
 
-    python tools/diagnose_dsa_indexer_configs.py [--shapes decode-64 decode-1 prefill] [--codegen tilelang|triton]
-        [--match TEXT ...] [--only-default] [--limit-s 300] [--launches N]
+    python tools/diagnose_dsa_indexer_configs.py [--shapes decode-64 decode-16 decode-1 prefill]
+        [--codegen tilelang|triton] [--match TEXT ...] [--only-default] [--limit-s 300] [--launches N]
 
-Shapes: "decode-64" 64 sequences × 2 query rows at 32K, "decode-1" one sequence × 2 rows at 32K, "prefill" a
-1024-row chunk at the end of an 8K context (bench_dsa's prefill indexer runs 4096 rows over 8K in chunks of 1024).
+Shapes: "decode-64", "decode-16", "decode-1": 64, 16 or one sequence × 2 query rows at 32K (2^22, 2^20 and 2^16
+rows × keys: below 2^20 configs_for_bucket's small-launch default applies), "prefill": a 1024-row chunk at the end
+of an 8K context (bench_dsa's prefill indexer runs 4096 rows over 8K in chunks of 1024).
 Every legal config of the codegen (--match: only those whose text contains one of the given strings, e.g.
 MIN_BLOCKS=3), the untuned default first. Each config is launched once on every shape and checked against the op's
 reference on the first sequence's rows, then timed on each (CUDA graph replays, median). A TileLang config builds in
@@ -31,8 +32,8 @@ from dzc.targets import tilelang_codegen, triton_codegen
 from dzc.targets.launch import legal_configs
 from dzc.targets.profiles import SM_90
 
-SHAPES = {"decode-64": dict(batch=64, queries=2, context=32768), "decode-1": dict(batch=1, queries=2, context=32768),
-          "prefill": dict(batch=1, queries=1024, context=8192)}
+SHAPES = {"decode-64": dict(batch=64, queries=2, context=32768), "decode-16": dict(batch=16, queries=2, context=32768),
+          "decode-1": dict(batch=1, queries=2, context=32768), "prefill": dict(batch=1, queries=1024, context=8192)}
 
 
 def main() -> None:
