@@ -54,11 +54,11 @@ in either operand order):
 
 Every node between the layer's inputs and its output must be accounted for by the match, so nothing the op would
 not compute is dropped. Every dequantized weight left in the graph afterwards is reported as a refusal too,
-whether or not a pattern anchor was found near it. The pass refuses (reported, graph unchanged there) when: the expert weights are plain
-tensors rather than MXFP4 dequantizations (BF16 experts stay as they are, for the fallback); an intermediate
-(including a dequantized weight) has a use outside the layer; the loop does not cover every expert exactly once;
-the activation is not one of the above; the dequantized dtype differs from the activations'; sentinel masks
-guard expert ids that are not provably below E.
+whether or not a pattern anchor was found near it. The pass refuses (reported, graph unchanged there) when: the
+expert weights are plain tensors rather than MXFP4 dequantizations (BF16 experts stay as they are, for the
+fallback); an intermediate (including a dequantized weight) has a use outside the layer; the loop does not cover
+every expert exactly once; the activation is not one of the above; the dequantized dtype differs from the
+activations'; sentinel masks guard expert ids that are not provably below E.
 
 Ordering: runs on the captured ATen graph, after fuse_residual_norm (independent of it: it reads the normalised
 activations whichever node produces them) and before lowering. The per-expert loop spelling reaches the pass as

@@ -338,7 +338,8 @@ def triton_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -> 
 
 def triton_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) -> int:
     """Upper estimate. Shared KV: the q tile, one gathered K tile (and V tile when separate) per stage and the
-    probabilities tile, or the fp32 output tile if larger. MHA: the cross-warp reduction scratch of the per-head sums."""
+    probabilities tile, or the fp32 output tile if larger. MHA: the cross-warp reduction scratch of the per-head
+    sums."""
     item = spec.dtype.itemsize
     block_h, block_n = config["BLOCK_H"], config["BLOCK_N"]
     width = spec.d_main + spec.block_tail

@@ -163,11 +163,12 @@ def sparse_attention_reference(q, k_cache, v_cache, block_table, seq_lens, query
     Attended: the valid selected positions indices[t] (positions in sequence query_seq[t]; -1 or >= its seq_len is
     invalid; with index_block > 1 an index i selects the block of positions [i * index_block, (i + 1) *
     index_block), as block-sparse designs (NSA's selection, MoBA) select keys), and with query_pos (int32
-    [queries], the query's position in its sequence) only those <= it (causal). window > 0 (needs query_pos) adds the `window` positions ending at the query's, (query_pos - window,
-    query_pos] within [0, seq_len): a local window beside the selected set (their union; a selected position
-    inside the window is attended once). sinks (fp32 [heads]): a per-head logit that joins each softmax's
-    denominator and carries no value (gpt-oss's attention sinks), compared with the scaled scores. A row with no
-    attended position is 0. Indices of a row are distinct (a top-k's are); a repeated one counts per slot.
+    [queries], the query's position in its sequence) only those <= it (causal). window > 0 (needs query_pos) adds
+    the `window` positions ending at the query's, (query_pos - window, query_pos] within [0, seq_len): a local
+    window beside the selected set (their union; a selected position inside the window is attended once). sinks
+    (fp32 [heads]): a per-head logit that joins each softmax's denominator and carries no value (gpt-oss's
+    attention sinks), compared with the scaled scores. A row with no attended position is 0. Indices of a row are
+    distinct (a top-k's are); a repeated one counts per slot.
 
     K rows are read through the block table; V = v_cache rows, or K[..., :d_v] when v_cache is None (MLA latent).
     [queries, heads, d_v] in q's dtype. The FP8 latent layout: the selected rows are dequantized to q's dtype
