@@ -177,6 +177,9 @@ TILELANG_SWEEPS = {512: (8192, 16384), 1024: (8192,)}
 # The template's first-histogram bins and later rounds' bins (each thread zeroes and scans whole shares of them).
 _TILELANG_FIRST_BINS = 4096
 _TILELANG_RADIX = 256
+# Wider radix rounds (1024 bins, one a thread at 1024 threads): two rounds after the first histogram instead of
+# three, each a block-wide scan and a few barriers. A tuning candidate, not yet timed on the GPU.
+TILELANG_WIDE_RADIX_BITS = 10
 
 
 def _is_tilelang(config: KernelConfig) -> bool:
@@ -198,19 +201,26 @@ def tilelang_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelCo
                     or width % (32 * threads)):
                 continue  # the template's shapes: whole warps, whole shares of bins and bitmap words a thread
             for sweep in TILELANG_SWEEPS[threads]:
-                config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=1, THREADS=threads,
-                                           WIDTH=width, CANDIDATES=TILELANG_CANDIDATES, SWEEP=sweep)
-                if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
-                    configs.append(config)
+                # (RADIX_BITS only where it is not the template's 8: the others keep their tuning-database names)
+                radixes = [{}]
+                if threads >= 1 << TILELANG_WIDE_RADIX_BITS:  # one bin a thread, as 8-bit rounds have at 256+
+                    radixes.append({"RADIX_BITS": TILELANG_WIDE_RADIX_BITS})
+                for radix in radixes:
+                    config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=1, THREADS=threads,
+                                               WIDTH=width, CANDIDATES=TILELANG_CANDIDATES, SWEEP=sweep, **radix)
+                    if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config),
+                                             spec.dtypes):
+                        configs.append(config)
     return configs
 
 
 def tilelang_default_config(spec: DsaTopkSpec, profile: DeviceProfile) -> KernelConfig:
-    """Untuned choice without a width: the widest span, the most threads (and the fewest positions in flight)."""
+    """Untuned choice without a width: the widest span, the most threads (and the fewest positions in flight), 8-bit
+    radix rounds."""
     configs = tilelang_configs(spec, profile)
     if not configs:
         raise ValueError(f"no legal TileLang top-k config on {profile.name}")
-    return max(configs, key=lambda c: (c["WIDTH"], c["THREADS"], -c["SWEEP"]))
+    return max(configs, key=lambda c: (c["WIDTH"], c["THREADS"], -c["SWEEP"], "RADIX_BITS" not in dict(c.params)))
 
 
 def tilelang_configs_for_bucket(bucket: int, configs: list[KernelConfig],
@@ -220,8 +230,10 @@ def tilelang_configs_for_bucket(bucket: int, configs: list[KernelConfig],
     widths = sorted({c["WIDTH"] for c in configs}) or [default["WIDTH"]]
     width = next((w for w in widths if w >= bucket), widths[-1])
     candidates = [c for c in configs if c["WIDTH"] == width] or [default]
-    chosen = next((c for c in candidates if (c["THREADS"], c["SWEEP"]) == (default["THREADS"], default["SWEEP"])),
-                  max(candidates, key=lambda c: (c["THREADS"], -c["SWEEP"])))
+    radix = dict(default.params).get("RADIX_BITS")
+    chosen = next((c for c in candidates if (c["THREADS"], c["SWEEP"]) == (default["THREADS"], default["SWEEP"])
+                   and dict(c.params).get("RADIX_BITS") == radix),
+                  max(candidates, key=lambda c: (c["THREADS"], -c["SWEEP"], "RADIX_BITS" not in dict(c.params))))
     return candidates, chosen
 
 

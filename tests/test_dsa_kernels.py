@@ -776,7 +776,7 @@ def test_tilelang_topk_source_and_configs(profile):
     assert "do not edit" in ast.get_docstring(module) and "$" not in source
     assert f"WARP = {profile.warp_size} " in source
     (factory,) = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == dsa_topk.TILELANG_FACTORY_NAME]
-    assert [arg.arg for arg in factory.args.args] == ["threads", "width", "candidates", "sweep"]
+    assert [arg.arg for arg in factory.args.args] == ["threads", "width", "candidates", "sweep", "radix_bits"]
     (kernel,) = [n for n in ast.walk(factory) if isinstance(n, ast.FunctionDef) and n.name == "dsa_topk"]
     assert [arg.arg for arg in kernel.args.args] == ["logits", "lengths", "indices"]
     configs, _ = legal_configs(dsa_topk, "tilelang", TOPK_SPEC, profile)
@@ -1087,13 +1087,16 @@ _CPU_THREAD_CASES = [("normal", 6, 8192, 2048), ("normal", 6, 8192, 1), ("normal
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 @pytest.mark.slow
-def test_tilelang_topk_cuda_runs_on_cpu_threads(seed, tmp_path):
+@pytest.mark.parametrize("radix_bits", [8, 10])
+def test_tilelang_topk_cuda_runs_on_cpu_threads(radix_bits, seed, tmp_path):
     """The generated CUDA of a 256-thread config, compiled with g++ over _CUDA_ON_CPU_THREADS, gives the reference's
     positions: the kernel's numerics without a GPU (this found a loop whose bound the generated C re-evaluated each
-    iteration while the loop shrank it)."""
+    iteration while the loop shrank it). With 8- and 10-bit radix rounds (three and two rounds after the first
+    histogram; 10 bits are four bins a thread here)."""
     import numpy as np
 
-    config = KernelConfig.make(num_warps=8, num_stages=1, THREADS=256, WIDTH=8192, CANDIDATES=512, SWEEP=2048)
+    config = KernelConfig.make(num_warps=8, num_stages=1, THREADS=256, WIDTH=8192, CANDIDATES=512, SWEEP=2048,
+                               **({"RADIX_BITS": radix_bits} if radix_bits != 8 else {}))
     source = tilelang_codegen.lower_to_device_source(_topk_tilelang_path(tmp_path), dsa_topk.TILELANG_FACTORY_NAME,
                                                      config, SM_90)
     shared = "extern __shared__ __align__(1024) uchar buf_dyn_shmem[];"
