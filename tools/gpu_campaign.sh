@@ -146,6 +146,8 @@ s30-topk)
   # threads only); then the GPU numerics of every TileLang top-k config.
   TAIL=30 part topk_tuned 300 env DZC_AUTOTUNE_LOG=1 python3 tools/bench_dsa.py --only topk --batches 64 --queries 2 \
     --contexts 32768 131072 --topk-codegens tilelang --cuda-graphs --out "$OUT/dsa_topk_tuned_h200.md"
+  # Fixed against per-position time (rows of 4K-32K positions): what the 3x goal has to cut.
+  TAIL=8 part topk_lengths 200 python3 tools/diagnose_dsa_topk_configs.py
   TAIL=8 part gpu_tests_topk 240 python3 -m pytest -q -p no:logging -rf tests/test_dsa_kernels.py \
     -k "tilelang_topk_matches_reference_on_gpu or tilelang_topk_through_lowering"
   ;;
