@@ -1085,18 +1085,32 @@ _CPU_THREAD_CASES = [("normal", 6, 8192, 2048), ("normal", 6, 8192, 1), ("normal
                      ("special", 4, 17000, 5000)]
 
 
+# The untuned choice's shape (1024 threads: 32 warps, a whole warp of warp sums to scan; 32K bitmaps), on fewer rows:
+# every one of its threads is a thread of the host.
+_CPU_THREAD_CASES_1024 = [("normal", 2, 32768, 2048), ("ties", 2, 32768, 2048), ("special", 2, 16384, 2048),
+                          ("normal", 1, 70000, 2048)]
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 @pytest.mark.slow
+@pytest.mark.parametrize("threads", [256, 1024])
 @pytest.mark.parametrize("radix_bits", [8, 10])
-def test_tilelang_topk_cuda_runs_on_cpu_threads(radix_bits, seed, tmp_path):
-    """The generated CUDA of a 256-thread config, compiled with g++ over _CUDA_ON_CPU_THREADS, gives the reference's
-    positions: the kernel's numerics without a GPU (this found a loop whose bound the generated C re-evaluated each
-    iteration while the loop shrank it). With 8- and 10-bit radix rounds (three and two rounds after the first
-    histogram; 10 bits are four bins a thread here)."""
+def test_tilelang_topk_cuda_runs_on_cpu_threads(radix_bits, threads, seed, tmp_path):
+    """The generated CUDA of a 256- and a 1024-thread config, compiled with g++ over _CUDA_ON_CPU_THREADS, gives the
+    reference's positions: the kernel's numerics without a GPU (this found a loop whose bound the generated C
+    re-evaluated each iteration while the loop shrank it). With 8- and 10-bit radix rounds (three and two rounds
+    after the first histogram; 10 bits are four bins a thread at 256 threads)."""
     import numpy as np
 
-    config = KernelConfig.make(num_warps=8, num_stages=1, THREADS=256, WIDTH=8192, CANDIDATES=512, SWEEP=2048,
-                               **({"RADIX_BITS": radix_bits} if radix_bits != 8 else {}))
+    radix = {"RADIX_BITS": radix_bits} if radix_bits != 8 else {}
+    if threads == 256:
+        config = KernelConfig.make(num_warps=8, num_stages=1, THREADS=256, WIDTH=8192, CANDIDATES=512, SWEEP=2048,
+                                   **radix)
+        cases = _CPU_THREAD_CASES
+    else:
+        config = KernelConfig.make(num_warps=32, num_stages=1, THREADS=1024, WIDTH=32768, CANDIDATES=4096,
+                                   SWEEP=8192, **radix)
+        cases = _CPU_THREAD_CASES_1024
     source = tilelang_codegen.lower_to_device_source(_topk_tilelang_path(tmp_path), dsa_topk.TILELANG_FACTORY_NAME,
                                                      config, SM_90)
     shared = "extern __shared__ __align__(1024) uchar buf_dyn_shmem[];"
@@ -1109,15 +1123,15 @@ def test_tilelang_topk_cuda_runs_on_cpu_threads(radix_bits, seed, tmp_path):
                             str(tmp_path / "main.cpp"), "-o", str(binary)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
     generator = _generator(seed)
-    for kind, rows, width, k in _CPU_THREAD_CASES:
+    for kind, rows, width, k in cases:
         logits, lengths, k = (a.cpu() if isinstance(a, torch.Tensor) else a
                               for a in _topk_rows(kind, rows, width, k, generator))
         with open(tmp_path / "in.bin", "wb") as f:
             f.write(np.array([rows, width, k], dtype=np.int32).tobytes())
             f.write(logits.numpy().tobytes())
             f.write(lengths.numpy().tobytes())
-        subprocess.run([str(binary), "256", str(tmp_path / "in.bin"), str(tmp_path / "out.bin")], check=True,
-                       timeout=300)
+        subprocess.run([str(binary), str(threads), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
+                       check=True, timeout=300)
         indices = torch.from_numpy(np.fromfile(tmp_path / "out.bin", dtype=np.int32).reshape(rows, k))
         expected = dsa_topk_reference(logits, lengths, k)
         wrong = (indices != expected).any(dim=-1).nonzero().flatten().tolist()
