@@ -457,7 +457,9 @@ class DzcBackend:
                 return boxed(list(args))  # Inductor's callable takes its arguments as one list
         else:
             _direct_launches(graph)  # before the module's code is generated (once: it grows with the graph)
-            compiled = torch.fx.GraphModule(gm, graph).forward  # the generated function: no nn.Module call per call
+            # the generated function (no nn.Module call per call), its bytecode kept in the cache directory
+            compiled = compile_cache.graph_function(
+                gm, graph, self.options.resolved_cache_dir() if compile_cache.enabled() else None)
         return compiled, checked
 
     def _commit(self, build: _Build) -> None:

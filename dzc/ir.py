@@ -33,9 +33,13 @@ class _Printer:
     def __init__(self):
         self.values: dict[torch.fx.Node, str] = {}
         self.symbols: dict[str, str] = {}
+        self.renamed: dict[str, str] = {}  # an expression's text -> its text with the symbols renamed
 
     def symbol(self, expr) -> str:
         text = str(expr)
+        renamed = self.renamed.get(text)
+        if renamed is not None:  # (each layer's values repeat the same sizes: renamed once per printout)
+            return renamed
 
         def rename(match):
             name = match.group(0)
@@ -43,7 +47,8 @@ class _Printer:
                 self.symbols[name] = f"s{len(self.symbols)}"
             return self.symbols[name]
 
-        return re.sub(r"\b[su]\d+\b", rename, text)
+        renamed = self.renamed[text] = re.sub(r"\b[su]\d+\b", rename, text)
+        return renamed
 
     def type_of(self, value) -> str:
         if isinstance(value, torch.Tensor):

@@ -99,22 +99,22 @@ def test_a_deep_models_warm_load_repeats_no_per_layer_work(options, monkeypatch)
     cold, cold_out, _ = _compile_and_run(model, options, [tokens])
     assert cold.frame_cache == "stored", cold.frame_cache
     loaded, generated, collecting = [], [], []
-    load, recompile, install = triton_codegen.load, torch.fx.GraphModule.recompile, frame_cache.FrameCache._install
+    load, python_code, install = triton_codegen.load, torch.fx.Graph.python_code, frame_cache.FrameCache._install
 
     def counted_load(family, path, spec, profile):
         loaded.append(str(path))
         return load(family, path, spec, profile)
 
-    def counted_recompile(module):
-        generated.append(len(module.graph.nodes))
-        return recompile(module)
+    def counted_python_code(graph, *args, **kwargs):
+        generated.append(len(graph.nodes))
+        return python_code(graph, *args, **kwargs)
 
     def install_seeing_gc(frames, stored):
         collecting.append(gc.isenabled())
         return install(frames, stored)
 
     monkeypatch.setattr(triton_codegen, "load", counted_load)
-    monkeypatch.setattr(torch.fx.GraphModule, "recompile", counted_recompile)
+    monkeypatch.setattr(torch.fx.Graph, "python_code", counted_python_code)
     monkeypatch.setattr(frame_cache.FrameCache, "_install", install_seeing_gc)
     warm, warm_out, frames = _compile_and_run(model, options, [tokens])
     assert warm.frame_cache.startswith("hit (1 graph") and frames == 0, warm.frame_cache

@@ -1,0 +1,33 @@
+"""compile_cache.graph_function: the eager fallback's generated code, its bytecode kept in the cache directory."""
+
+import torch
+import torch.fx
+
+from dzc import compile_cache
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.tensor([2.0, 3.0]))
+
+    def forward(self, x):
+        return torch.relu(x * self.scale) + 1
+
+
+def test_graph_function_runs_as_graph_module_and_keeps_its_bytecode(tmp_path):
+    traced = torch.fx.symbolic_trace(_Scaled())
+    x = torch.tensor([[-1.0, 2.0], [3.0, -4.0]])
+    expected = torch.fx.GraphModule(traced, traced.graph)(x)
+    first = compile_cache.graph_function(traced, traced.graph, tmp_path)
+    stored = list((tmp_path / "compile" / "code").iterdir())
+    assert len(stored) == 1 and stored[0].suffix == ".marshal", stored
+    written = stored[0].stat().st_mtime_ns
+    second = compile_cache.graph_function(traced, traced.graph, tmp_path)  # loaded: the file is not written again
+    assert stored[0].stat().st_mtime_ns == written
+    assert torch.equal(first(x), expected) and torch.equal(second(x), expected)
+    # A damaged file is compiled again and replaced; no cache directory compiles in memory only.
+    stored[0].write_bytes(b"not bytecode")
+    assert torch.equal(compile_cache.graph_function(traced, traced.graph, tmp_path)(x), expected)
+    assert stored[0].read_bytes() != b"not bytecode"
+    assert torch.equal(compile_cache.graph_function(traced, traced.graph, None)(x), expected)
