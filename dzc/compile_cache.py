@@ -28,7 +28,8 @@ graph has no collectives (every rank must take the same path), and the rewrite c
 its hit reports the check as done when the entry was built.
 
 Frame entries (dzc/frame_cache.py, `<cache>/compile/frames/`) go one step further: Dynamo's bytecode and guards for
-a compiled model, pointing at capture entries, so that a warm start skips Dynamo's trace as well.
+a compiled model, pointing at capture entries, so that a warm start skips Dynamo's trace as well. The eager
+fallback's compiled Python code is kept too (`<cache>/compile/code/`, graph_function).
 
 The cache directory (DZC_CACHE_DIR or CompileOptions.cache_dir) is one self-contained directory: kernels/, the
 tuning database, compile/ entries; copy it to another machine of the same kind (same GPU, same versions) and the
