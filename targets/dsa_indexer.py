@@ -267,8 +267,13 @@ def tilelang_default_config(spec: DsaIndexerSpec, profile: DeviceProfile) -> Ker
     configs = tilelang_configs(spec, profile)
     if not configs:
         raise ValueError(f"no legal TileLang dsa_indexer config for {spec.describe()} on {profile.name}")
-    return next((c for c in configs if (c["THREADS"], c["BLOCK_N"], c["ROWS"], c["CHUNK"], c["STAGES"])
-                 == TILELANG_DEFAULT and "MIN_BLOCKS" not in dict(c.params)), configs[0])
+    return _with_shape(configs, TILELANG_DEFAULT) or configs[0]
+
+
+def _with_shape(configs: list[KernelConfig], shape: tuple) -> KernelConfig | None:
+    """The config of `configs` with (threads, keys per tile, rows, chunk, stages) == shape and no MIN_BLOCKS ask."""
+    return next((c for c in configs if "MIN_BLOCKS" not in dict(c.params)
+                 and (c["THREADS"], c["BLOCK_N"], c["ROWS"], c["CHUNK"], c["STAGES"]) == shape), None)
 
 
 def configs_for_bucket(spec: DsaIndexerSpec, profile: DeviceProfile, bucket: int, configs: list[KernelConfig],
@@ -279,10 +284,7 @@ def configs_for_bucket(spec: DsaIndexerSpec, profile: DeviceProfile, bucket: int
     shorter programs; Triton's is its default."""
     if "THREADS" not in dict(default.params) or bucket >= SMALL_LAUNCH_BUCKET:
         return configs, default
-    small = next((c for c in configs if "MIN_BLOCKS" not in dict(c.params) and
-                  (c["THREADS"], c["BLOCK_N"], c["ROWS"], c["CHUNK"], c["STAGES"]) == TILELANG_SMALL_LAUNCH_DEFAULT),
-                 default)
-    return configs, small
+    return configs, _with_shape(configs, TILELANG_SMALL_LAUNCH_DEFAULT) or default
 
 
 def tilelang_kernel_configs(spec: DsaIndexerSpec, config: KernelConfig) -> dict[str, KernelConfig]:

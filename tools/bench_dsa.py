@@ -57,6 +57,7 @@ import importlib
 import os
 import platform
 import sys
+import tempfile
 from pathlib import Path
 
 import dzc  # noqa: F401  (first: it decides Triton's mode)
@@ -72,7 +73,7 @@ from dzc.selftest import lower_op
 from dzc.targets import TARGETS, Target, dsa_topk, tilelang_codegen, triton_codegen
 from dzc.targets import sparse_attention as attention_family
 from dzc.targets.launch import legal_configs
-from dzc.targets.profiles import MP_22
+from dzc.targets.profiles import MP_22, SM_90
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 datasheet (measured copy: ~4.3e12)
 PEAK_BF16_FLOPS = 790e12  # H200 dense bf16, the best measured GEMM (989e12 datasheet)
@@ -959,6 +960,23 @@ class PublicBaselines:
         self._row(name, label, seconds,
                   f"{flops / seconds / 1e12:.0f} TFLOP/s ({100 * flops / seconds / PEAK_BF16_FLOPS:.0f}%)",
                   f"{versus}; {check}{note}", module_name)
+
+
+def family_kernels(family, codegen: str, spec, match: list[str] | None, only_default: bool, bucket: int | None = None):
+    """For the diagnose_* tools: (kernels, launch, default, configs, of how many) of `family`'s `codegen` for `spec`
+    on sm_90: its source generated and loaded, the untuned default (the bucket's, where the family narrows by
+    bucket and `bucket` is given) first, then the other legal configs whose text contains one of `match` (all
+    without it; none with only_default)."""
+    path = Path(tempfile.mkdtemp()) / f"{codegen}_kernel.py"
+    path.write_text(getattr(family, f"{codegen}_source")(spec, SM_90))
+    kernels = (tilelang_codegen if codegen == "tilelang" else triton_codegen).load(family, path, spec, SM_90)
+    legal, _ = legal_configs(family, codegen, spec, SM_90)
+    default = getattr(family, f"{codegen}_default_config")(spec, SM_90)
+    if bucket is not None:
+        legal, default = family.configs_for_bucket(spec, SM_90, bucket, legal, default)
+    configs = [default] + [c for c in legal if c != default and not only_default
+                           and (not match or any(text in str(c) for text in match))]
+    return kernels, getattr(family, f"{codegen}_launch"), default, configs, len(legal)
 
 
 def _tuned(record) -> str:

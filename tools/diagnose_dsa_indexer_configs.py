@@ -17,20 +17,15 @@ reference on the first sequence's rows, then timed on each (CUDA graph replays, 
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
 
 import dzc  # noqa: F401  (first: it decides Triton's mode)
 import torch
 
 import bench_dsa  # tools/ is on sys.path
-from bench_dsa import INDEX_DIM, PEAK_BYTES_PER_S, Problem, _check, _time
+from bench_dsa import INDEX_DIM, PEAK_BYTES_PER_S, Problem, _check, _time, family_kernels
 from dzc.ops.dsa import dsa_indexer_reference
 from dzc.targets import dsa_indexer as family
-from dzc.targets import tilelang_codegen, triton_codegen
-from dzc.targets.launch import legal_configs
-from dzc.targets.profiles import SM_90
 
 SHAPES = {"decode-64": dict(batch=64, queries=2, context=32768), "decode-16": dict(batch=16, queries=2, context=32768),
           "decode-1": dict(batch=1, queries=2, context=32768), "prefill": dict(batch=1, queries=1024, context=8192)}
@@ -54,17 +49,10 @@ def main() -> None:
     print(f"{where}, torch {torch.__version__}, triton {__import__('triton').__version__}, {args.codegen}\n")
     problems = {name: Problem(fp8_index=True, device=device, **SHAPES[name]) for name in args.shapes}
     spec = family.spec_for(problems[args.shapes[0]].index_q, problems[args.shapes[0]].index_cache)
-    path = Path(tempfile.mkdtemp()) / "dsa_indexer.py"
-    codegen = tilelang_codegen if args.codegen == "tilelang" else triton_codegen
-    path.write_text(getattr(family, f"{args.codegen}_source")(spec, SM_90))
-    kernels = codegen.load(family, path, spec, SM_90)
-    launch = getattr(family, f"{args.codegen}_launch")
-    default = getattr(family, f"{args.codegen}_default_config")(spec, SM_90)
-    legal, _ = legal_configs(family, args.codegen, spec, SM_90)
-    configs = [default] + [c for c in legal if c != default and not args.only_default
-                           and (not args.match or any(text in str(c) for text in args.match))]
+    kernels, launch, default, configs, legal = family_kernels(family, args.codegen, spec, args.match,
+                                                              args.only_default)
     if args.dry_run:  # the source generated and loaded, the configs chosen: everything before the first launch
-        print(f"dry run: {spec.describe()}: {len(configs)} of {len(legal)} configs on {', '.join(args.shapes)}; "
+        print(f"dry run: {spec.describe()}: {len(configs)} of {legal} configs on {', '.join(args.shapes)}; "
               f"default {default}")
         return
     print("| config | " + " | ".join(f"{name} µs (TB/s, %)" for name in args.shapes) + " |")

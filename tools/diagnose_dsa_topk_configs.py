@@ -16,19 +16,14 @@ for a row of --width), then every legal config whose text contains one of --matc
 from __future__ import annotations
 
 import argparse
-import tempfile
-from pathlib import Path
 
 import dzc  # noqa: F401  (first: it decides Triton's mode)
 import torch
 
 import bench_dsa  # tools/ is on sys.path
-from bench_dsa import PEAK_BYTES_PER_S, _time
+from bench_dsa import PEAK_BYTES_PER_S, _time, family_kernels
 from dzc.ops.dsa import dsa_topk_reference
 from dzc.targets import dsa_topk as family
-from dzc.targets import tilelang_codegen, triton_codegen
-from dzc.targets.launch import legal_configs
-from dzc.targets.profiles import SM_90
 
 
 def main() -> None:
@@ -51,18 +46,10 @@ def main() -> None:
     where = "dry run (meta tensors)" if args.dry_run else torch.cuda.get_device_name()
     print(f"{where}, torch {torch.__version__}, triton {__import__('triton').__version__}, {args.codegen}\n")
     spec = family.DsaTopkSpec()
-    path = Path(tempfile.mkdtemp()) / "dsa_topk.py"
-    codegen = tilelang_codegen if args.codegen == "tilelang" else triton_codegen
-    path.write_text(getattr(family, f"{args.codegen}_source")(spec, SM_90))
-    kernels = codegen.load(family, path, spec, SM_90)
-    launch = getattr(family, f"{args.codegen}_launch")
-    legal, _ = legal_configs(family, args.codegen, spec, SM_90)
-    untuned = getattr(family, f"{args.codegen}_default_config")(spec, SM_90)
-    tier, default = family.configs_for_bucket(spec, SM_90, family.token_bucket(args.width), legal, untuned)
-    configs = [default] + [c for c in tier if c != default and not args.only_default
-                           and (not args.match or any(text in str(c) for text in args.match))]
+    kernels, launch, default, configs, tier = family_kernels(family, args.codegen, spec, args.match,
+                                                             args.only_default, family.token_bucket(args.width))
     if args.dry_run:  # the source generated and loaded, the configs chosen: everything before the first launch
-        print(f"dry run: {len(configs)} of {len(tier)} configs for rows of {args.width}, lengths {args.lengths}; "
+        print(f"dry run: {len(configs)} of {tier} configs for rows of {args.width}, lengths {args.lengths}; "
               f"default {default}")
         return
     generator = torch.Generator(device=device).manual_seed(0)
