@@ -15,7 +15,7 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session (after wheels-1, wheels-2 while warm): s30-indexer, s30-topk, then s30-moe (carry .triton-kernels),
+# Next session (after wheels-1, wheels-2 while warm): s30-topk-numerics, s30-indexer, s30-topk, then s30-moe (carry .triton-kernels),
 # then s25-busy (the multimodal bench); bench_vision_attention with codegen auto and tuning is still to be written.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
@@ -140,16 +140,19 @@ s30-indexer)
     -k every_config 2>/dev/null | grep -E "MIN_BLOCKS|CHUNK=8")
   TAIL=8 part gpu_tests_indexer 240 python3 -m pytest -q -p no:logging -rf "${ids[@]}"
   ;;
+s30-topk-numerics)
+  # (after wheels-1 and wheels-2) issue 14: the GPU numerics of every TileLang top-k config (the default kernel
+  # changed in session 29: warp-0 scan, prefetching sweeps; checked on CPU threads only until this step).
+  TAIL=8 part gpu_tests_topk 240 python3 -m pytest -q -p no:logging -rf tests/test_dsa_kernels.py \
+    -k "tilelang_topk_matches_reference_on_gpu or tilelang_topk_through_lowering"
+  ;;
 s30-topk)
-  # (after wheels-1 and wheels-2) issue 14: the TileLang top-k's tuning candidates at 64 x 2 rows of 32K and 128K,
-  # each timed and logged, now with 10-bit radix rounds (two rounds instead of three; numerics checked on CPU
-  # threads only); then the GPU numerics of every TileLang top-k config.
+  # (after s30-topk-numerics) issue 14: the TileLang top-k's tuning candidates at 64 x 2 rows of 32K and 128K,
+  # each timed and logged, now with 10-bit radix rounds (two rounds instead of three).
   TAIL=30 part topk_tuned 300 env DZC_AUTOTUNE_LOG=1 python3 tools/bench_dsa.py --only topk --batches 64 --queries 2 \
     --contexts 32768 131072 --topk-codegens tilelang --cuda-graphs --out "$OUT/dsa_topk_tuned_h200.md"
   # Fixed against per-position time (rows of 4K-32K positions): what the 3x goal has to cut.
   TAIL=8 part topk_lengths 200 python3 tools/diagnose_dsa_topk_configs.py
-  TAIL=8 part gpu_tests_topk 240 python3 -m pytest -q -p no:logging -rf tests/test_dsa_kernels.py \
-    -k "tilelang_topk_matches_reference_on_gpu or tilelang_topk_through_lowering"
   ;;
 s30-moe)
   # (carry .triton-kernels) issue 15: the decode rows s29-1's time limit cut (deepseek-style at 8 and 64 tokens),
