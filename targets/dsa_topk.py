@@ -178,8 +178,15 @@ TILELANG_SWEEPS = {512: (8192, 16384), 1024: (8192,)}
 _TILELANG_FIRST_BINS = 4096
 _TILELANG_RADIX = 256
 # Wider radix rounds (1024 bins, one a thread at 1024 threads): two rounds after the first histogram instead of
-# three, each a block-wide scan and a few barriers. A tuning candidate, not yet timed on the GPU.
+# three, each a block-wide scan and a few barriers. H200, session 30: 1-2% faster at 32K and 128K (the tuner's pick).
 TILELANG_WIDE_RADIX_BITS = 10
+# Positions of a row whose keys the first sweep keeps in shared memory (128 KiB), for the second sweep (and the
+# rounds over a whole row) to read there instead of the logits: a 32K row is then read from memory once. Where
+# the rest of the shared memory allows it (the H200's 227 KiB: both spans), at 1024 threads with 10-bit rounds
+# (the fastest there, session 30), beside the configs without it; with 8 or 16 loads in flight a thread in the
+# one sweep left over the logits (59 registers a thread at 16, no spills: ptxas, sm_90a).
+TILELANG_CACHE = 32768
+TILELANG_CACHED_SWEEPS = (8192, 16384)
 
 
 def _is_tilelang(config: KernelConfig) -> bool:
@@ -192,8 +199,9 @@ def tilelang_source(spec: DsaTopkSpec, profile: DeviceProfile) -> str:
 
 
 def tilelang_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelConfig]:
-    """Threads a row × bitmap span × positions in flight, pruned to what is legal on `profile` (72 KiB of shared
-    memory on mp_22 leaves the 32K span only)."""
+    """Threads a row × bitmap span × positions in flight (× radix bits at 1024 threads, and the cached keys' twins
+    there), pruned to what is legal on `profile` (72 KiB of shared memory on mp_22 leaves the 32K span only, and
+    no cached keys)."""
     configs = []
     for width in TILELANG_WIDTHS:
         for threads in TILELANG_THREADS:
@@ -206,21 +214,26 @@ def tilelang_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelCo
                 if threads >= 1 << TILELANG_WIDE_RADIX_BITS:  # one bin a thread, as 8-bit rounds have at 256+
                     radixes.append({"RADIX_BITS": TILELANG_WIDE_RADIX_BITS})
                 for radix in radixes:
-                    config = KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=1, THREADS=threads,
-                                               WIDTH=width, CANDIDATES=TILELANG_CANDIDATES, SWEEP=sweep, **radix)
-                    if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config),
-                                             spec.dtypes):
-                        configs.append(config)
-    return configs
+                    configs.append(KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=1,
+                                                     THREADS=threads, WIDTH=width, CANDIDATES=TILELANG_CANDIDATES,
+                                                     SWEEP=sweep, **radix))
+            if threads == 1 << TILELANG_WIDE_RADIX_BITS:
+                configs += [KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=1, THREADS=threads,
+                                              WIDTH=width, CANDIDATES=TILELANG_CANDIDATES, SWEEP=sweep,
+                                              RADIX_BITS=TILELANG_WIDE_RADIX_BITS, CACHE=TILELANG_CACHE)
+                            for sweep in TILELANG_CACHED_SWEEPS]
+    return [c for c in configs
+            if tilelang_config_legal(profile, c, tilelang_shared_memory_bytes(spec, c), spec.dtypes)]
 
 
 def tilelang_default_config(spec: DsaTopkSpec, profile: DeviceProfile) -> KernelConfig:
     """Untuned choice without a width: the widest span, the most threads (and the fewest positions in flight), 8-bit
-    radix rounds."""
+    radix rounds, no cached keys."""
     configs = tilelang_configs(spec, profile)
     if not configs:
         raise ValueError(f"no legal TileLang top-k config on {profile.name}")
-    return max(configs, key=lambda c: (c["WIDTH"], c["THREADS"], -c["SWEEP"], "RADIX_BITS" not in dict(c.params)))
+    return max(configs, key=lambda c: (c["WIDTH"], c["THREADS"], -c["SWEEP"], "RADIX_BITS" not in dict(c.params),
+                                       "CACHE" not in dict(c.params)))
 
 
 def tilelang_configs_for_bucket(bucket: int, configs: list[KernelConfig],
@@ -230,18 +243,19 @@ def tilelang_configs_for_bucket(bucket: int, configs: list[KernelConfig],
     widths = sorted({c["WIDTH"] for c in configs}) or [default["WIDTH"]]
     width = next((w for w in widths if w >= bucket), widths[-1])
     candidates = [c for c in configs if c["WIDTH"] == width] or [default]
-    radix = dict(default.params).get("RADIX_BITS")
+    extras = ("RADIX_BITS", "CACHE")  # the default's, matched as they are (absent or not)
     chosen = next((c for c in candidates if (c["THREADS"], c["SWEEP"]) == (default["THREADS"], default["SWEEP"])
-                   and dict(c.params).get("RADIX_BITS") == radix),
-                  max(candidates, key=lambda c: (c["THREADS"], -c["SWEEP"], "RADIX_BITS" not in dict(c.params))))
+                   and all(dict(c.params).get(e) == dict(default.params).get(e) for e in extras)),
+                  max(candidates, key=lambda c: (c["THREADS"], -c["SWEEP"], "RADIX_BITS" not in dict(c.params),
+                                                 "CACHE" not in dict(c.params))))
     return candidates, chosen
 
 
 def tilelang_shared_memory_bytes(spec: DsaTopkSpec, config: KernelConfig) -> int:
-    """First histogram, candidates' keys and positions, the two bitmaps, the warps' sums, the chosen bin and the
-    candidate counter (int32 each), each rounded up to 16 bytes as TileLang places them."""
+    """First histogram, candidates' keys and positions, the two bitmaps, the warps' sums, the chosen bin, the
+    candidate counter and the cached keys (int32 each), each rounded up to 16 bytes as TileLang places them."""
     sizes = (_TILELANG_FIRST_BINS, config["CANDIDATES"], config["CANDIDATES"], config["WIDTH"] // 32,
-             config["WIDTH"] // 32, 2 * config.num_warps, 4, 1)
+             config["WIDTH"] // 32, 2 * config.num_warps, 4, 1, dict(config.params).get("CACHE", 0))
     return sum(-(-4 * n // 16) * 16 for n in sizes)
 
 

@@ -776,7 +776,7 @@ def test_tilelang_topk_source_and_configs(profile):
     assert "do not edit" in ast.get_docstring(module) and "$" not in source
     assert f"WARP = {profile.warp_size} " in source
     (factory,) = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == dsa_topk.TILELANG_FACTORY_NAME]
-    assert [arg.arg for arg in factory.args.args] == ["threads", "width", "candidates", "sweep", "radix_bits"]
+    assert [arg.arg for arg in factory.args.args] == ["threads", "width", "candidates", "sweep", "radix_bits", "cache"]
     (kernel,) = [n for n in ast.walk(factory) if isinstance(n, ast.FunctionDef) and n.name == "dsa_topk"]
     assert [arg.arg for arg in kernel.args.args] == ["logits", "lengths", "indices"]
     configs, _ = legal_configs(dsa_topk, "tilelang", TOPK_SPEC, profile)
@@ -833,14 +833,17 @@ def test_tilelang_kernel_pass_configs_must_exist(tmp_path):
 
 @pytest.fixture(scope="module")
 def lowered_topk(tmp_path_factory):
-    """TileLang's artifacts of the top-k kernel for sm_90a: the default (1024 threads, the 128K span) and 512 threads
-    over the 32K span with 32 loads in flight a thread."""
+    """TileLang's artifacts of the top-k kernel for sm_90a: the default (1024 threads, the 128K span), 512 threads
+    over the 32K span with 32 loads in flight a thread, and 1024 threads over the 32K span with its keys cached."""
     path = _topk_tilelang_path(tmp_path_factory.mktemp("tilelang_topk"))
     default = dsa_topk.tilelang_default_config(TOPK_SPEC, SM_90)
     narrow = KernelConfig.make(num_warps=16, num_stages=1, THREADS=512, WIDTH=32768,
                                CANDIDATES=dsa_topk.TILELANG_CANDIDATES, SWEEP=16384)
+    cached = KernelConfig.make(num_warps=32, num_stages=1, THREADS=1024, WIDTH=32768,
+                               CANDIDATES=dsa_topk.TILELANG_CANDIDATES, SWEEP=8192, RADIX_BITS=10,
+                               CACHE=dsa_topk.TILELANG_CACHE)
     return {config: tilelang_codegen.lower(path, dsa_topk.TILELANG_FACTORY_NAME, config, SM_90)
-            for config in (default, narrow)}
+            for config in (default, narrow, cached)}
 
 
 def _sweep_around(lines: list[str], index: int) -> list[str]:
@@ -1093,23 +1096,24 @@ _CPU_THREAD_CASES_1024 = [("normal", 2, 32768, 2048), ("ties", 2, 32768, 2048), 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 @pytest.mark.slow
-@pytest.mark.parametrize("threads", [256, 1024])
-@pytest.mark.parametrize("radix_bits", [8, 10])
-def test_tilelang_topk_cuda_runs_on_cpu_threads(radix_bits, threads, seed, tmp_path):
+@pytest.mark.parametrize(("threads", "radix_bits", "cache"),
+                         [(256, 8, 0), (256, 10, 0), (1024, 8, 0), (1024, 10, 0), (256, 8, 4096), (1024, 10, 32768)])
+def test_tilelang_topk_cuda_runs_on_cpu_threads(threads, radix_bits, cache, seed, tmp_path):
     """The generated CUDA of a 256- and a 1024-thread config, compiled with g++ over _CUDA_ON_CPU_THREADS, gives the
     reference's positions: the kernel's numerics without a GPU (this found a loop whose bound the generated C
     re-evaluated each iteration while the loop shrank it). With 8- and 10-bit radix rounds (three and two rounds
-    after the first histogram; 10 bits are four bins a thread at 256 threads)."""
+    after the first histogram; 10 bits are four bins a thread at 256 threads), and keys cached in shared memory:
+    4096 positions of rows up to 20000 wide (sweeps partly from the cache, partly from the logits) and 32K."""
     import numpy as np
 
-    radix = {"RADIX_BITS": radix_bits} if radix_bits != 8 else {}
+    extra = ({"RADIX_BITS": radix_bits} if radix_bits != 8 else {}) | ({"CACHE": cache} if cache else {})
     if threads == 256:
         config = KernelConfig.make(num_warps=8, num_stages=1, THREADS=256, WIDTH=8192, CANDIDATES=512, SWEEP=2048,
-                                   **radix)
+                                   **extra)
         cases = _CPU_THREAD_CASES
     else:
         config = KernelConfig.make(num_warps=32, num_stages=1, THREADS=1024, WIDTH=32768, CANDIDATES=4096,
-                                   SWEEP=8192, **radix)
+                                   SWEEP=8192, **extra)
         cases = _CPU_THREAD_CASES_1024
     source = tilelang_codegen.lower_to_device_source(_topk_tilelang_path(tmp_path), dsa_topk.TILELANG_FACTORY_NAME,
                                                      config, SM_90)
@@ -1185,7 +1189,8 @@ def tilelang_topk_kernels(tmp_path_factory):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", dsa_topk.tilelang_configs(TOPK_SPEC, SM_90),
-                         ids=lambda c: f"threads{c['THREADS']}-width{c['WIDTH']}-sweep{c['SWEEP']}")
+                         ids=lambda c: f"threads{c['THREADS']}-width{c['WIDTH']}-sweep{c['SWEEP']}"
+                         f"-radix{dict(c.params).get('RADIX_BITS', 8)}-cache{dict(c.params).get('CACHE', 0)}")
 def test_tilelang_topk_matches_reference_on_gpu(config, tilelang_topk_kernels, seed):
     """Every legal config on every TILELANG_TOPK_CASES entry, exactly the reference's positions (order, -1 padding);
     the outputs are poisoned (-7) before each launch."""

@@ -15,8 +15,8 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session (after wheels-1, wheels-2 while warm): s30-topk-numerics, s30-indexer, s30-topk, then s30-moe (carry .triton-kernels),
-# then s25-busy (the multimodal bench); bench_vision_attention with codegen auto and tuning is still to be written.
+# Next (after wheels-1, wheels-2 while warm): s30-topk-cache, then s25-busy (the multimodal bench);
+# bench_vision_attention with codegen auto and tuning is still to be written.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -153,6 +153,16 @@ s30-topk)
     --contexts 32768 131072 --topk-codegens tilelang --cuda-graphs --out "$OUT/dsa_topk_tuned_h200.md"
   # Fixed against per-position time (rows of 4K-32K positions): what the 3x goal has to cut.
   TAIL=8 part topk_lengths 200 python3 tools/diagnose_dsa_topk_configs.py
+  ;;
+s30-topk-cache)
+  # (after wheels-1 and wheels-2) issue 14: the top-k with the row's keys cached in shared memory (one read of a
+  # 32K row from memory; the CACHE configs): GPU numerics of those configs, then each timed over rows of 4K-32K
+  # beside the default, then the tuned bench at 32K and 128K (the tuner picks among all).
+  TAIL=8 part gpu_tests_topk_cache 200 python3 -m pytest -q -p no:logging -rf tests/test_dsa_kernels.py \
+    -k "tilelang_topk_matches_reference_on_gpu and cache32768"
+  TAIL=8 part topk_cache_lengths 150 python3 tools/diagnose_dsa_topk_configs.py --match CACHE "RADIX_BITS=10 SWEEP=8192"
+  TAIL=30 part topk_cache_tuned 200 env DZC_AUTOTUNE_LOG=1 python3 tools/bench_dsa.py --only topk --batches 64 \
+    --queries 2 --contexts 32768 131072 --topk-codegens tilelang --cuda-graphs --out "$OUT/dsa_topk_cache_h200.md"
   ;;
 s30-moe)
   # (carry .triton-kernels) issue 15: the decode rows s29-1's time limit cut (deepseek-style at 8 and 64 tokens),
