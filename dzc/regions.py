@@ -29,8 +29,10 @@ cost a graph or a recompile a plain capture does not (torch 2.13):
   Dynamo's reuse check would guard the sizes' relation: the calls of marked layers are compared by their sizes'
   expressions first, so each kind of call gets a body of its own (`_reuse_only_calls_of_the_same_sizes`); where
   such a guard is made all the same, only the most common kind of call stays marked (`narrowing`);
-- a dim marked dynamic (dzc's hint) that a layer body specialises makes Dynamo's stamp-out fail (`KeyError: 2`):
-  the hint is taken off and the capture retried with the same marks (`unmark_specialized_dims`);
+- a dim marked dynamic (dzc's hint) that a layer body specialises, yet takes as an input, would make Dynamo's
+  stamp-out of that body fail (`KeyError: 2`) and its whole trace be thrown away: that body is not reused, the
+  call is traced anew (`_lifts_a_specialized_symbol`); where the stamp-out fails all the same (torch's internals
+  moved), the hint is taken off and the capture retried with the same marks (`unmark_specialized_dims`);
 - a body that writes its inputs (a layer writing its KV cache) AOTAutograd keeps as
   auto_functionalized_v2(invoke_subgraph, ...), traced once per body: `flatten` inlines those calls with their
   writes as a plain capture has them (the new values, copied into the graph's inputs at its end), so the passes
@@ -135,6 +137,7 @@ def _reuse_only_calls_of_the_same_sizes() -> None:
 
         torch_is_reusable, metadata = dynamo_regions.is_reusable, dynamo_regions.extract_tensor_metadata
         module_tag, tensor_tag = dynamo_regions.InputTag.MODULE, dynamo_regions.InputTag.TENSOR
+        bound_symbol = dynamo_regions.LiftedBoundSymbol
     except (ImportError, AttributeError):  # torch's internals moved: `narrowing` alone keeps such guards off
         return
     if getattr(torch_is_reusable, "dzc_checks_sizes_first", False):
@@ -143,6 +146,8 @@ def _reuse_only_calls_of_the_same_sizes() -> None:
     @functools.wraps(torch_is_reusable)
     def is_reusable(tx, condition, fingerprint, cached_entry) -> bool:
         if any(tag is module_tag and "_dzc_region_of" in vars(type(vt.value)) for tag, vt in fingerprint.flat_vts):
+            if _lifts_a_specialized_symbol(tx, cached_entry, bound_symbol):
+                return False
             for (cached_tag, cached), (tag, vt) in zip(condition.input_checks, fingerprint.flat_vts):
                 if cached_tag is not tensor_tag or tag is not tensor_tag:
                     continue
@@ -153,6 +158,19 @@ def _reuse_only_calls_of_the_same_sizes() -> None:
 
     is_reusable.dzc_checks_sizes_first = True
     dynamo_regions.is_reusable = is_reusable
+
+
+def _lifts_a_specialized_symbol(tx, cached_entry, bound_symbol: type) -> bool:
+    """Whether the reuse entry `cached_entry` passes its body a size symbol the graph no longer binds: torch 2.13
+    records a lifted size symbol as its expression after the trace (LiftedBoundSymbol), and where the body
+    specialised it (a (row, column) pair's dim of 2, marked dynamic by dzc's hint), that expression is the number
+    and the stamp-out fails (`KeyError: 2` in stamp_out_subgraph), throwing the whole frame's trace away. Refusing
+    the reuse instead makes Dynamo trace that call anew, without the symbol (now a constant), and later calls reuse
+    the new body: one more body trace, no second capture."""
+    for lifted in getattr(cached_entry, "subgraph_input_mapping", ()):
+        if isinstance(lifted, bound_symbol) and lifted.expr not in tx.output.current_tracer.bound_symbols:
+            return True
+    return False
 
 
 def _markable(module: torch.nn.Module) -> str:
