@@ -404,7 +404,9 @@ def triton_signature(spec: VarlenAttentionSpec, config: KernelConfig) -> tuple[d
 # Block (query block, segment, head) over a grid of ceil(max_seqlen / BLOCK_M) x segments x heads (a block strides
 # on over segments longer than max_seqlen claims); tiles padded to a multiple of 16 columns. The q tile (and with
 # RoPE each k tile) is built element-wise in shared memory: rows past the segment and padding columns 0, the
-# rotation applied on the way; k and v tiles as wide as the head dim are bulk copies, asynchronous in the pipeline.
+# rotation applied on the way; k and v tiles as wide as the head dim are bulk copies, asynchronous in the pipeline,
+# but a segment's partial last key block is loaded element-wise (rows past the segment 0: a NaN or Inf there would
+# reach P V as 0 * NaN) after the pipeline, in a tile of its own.
 
 TILELANG_FACTORY_NAME = "build"
 
@@ -441,28 +443,32 @@ def tilelang_supports(spec: VarlenAttentionSpec) -> bool:
 
 
 def _tilelang_key_value_loads(spec: VarlenAttentionSpec) -> str:
-    """Statements filling k_tile and v_tile for one key block.
+    """Statements filling k_tile and v_tile for one whole key block of the pipelined kernel (at key_start).
 
-    Where the tile is as wide as the head dim, a bulk copy (asynchronous in the pipeline): rows past the segment
-    get probability 0 (k's scores are masked), rows past the pack's end read 0. Padded tiles (72 -> 80; TileLang's
-    copy cannot split a 72-wide row into 16-column steps) and rotated k tiles are built element-wise, padding 0.
+    Where the tile is as wide as the head dim, bulk copies (asynchronous in the pipeline). Padded tiles (72 -> 80;
+    TileLang's copy cannot split a 72-wide row into 16-column steps) and rotated k tiles are built element-wise,
+    padding 0.
     """
     indent = " " * 20
     rows = "seq_start + key_start:seq_start + key_start + block_n"
-    valid = "(key_start + j < seq_len) & (d < HEAD_DIM)"
     padded = tilelang_padded_dim(spec.head_dim) > spec.head_dim
     lines = []
-    if spec.rope or padded:
-        element = _tilelang_operand("k", "seq_start + key_start + j", valid, rope=spec.rope)
-        lines += [f"{indent}for j, d in T.Parallel(block_n, DIM):", f"{indent}    k_tile[j, d] = {element}"]
-    else:
-        lines += [f"{indent}T.copy(k[{rows}, head, :], k_tile)"]
-    if padded:
-        element = _tilelang_operand("v", "seq_start + key_start + j", valid, rope=False)
-        lines += [f"{indent}for j, d in T.Parallel(block_n, DIM):", f"{indent}    v_tile[j, d] = {element}"]
-    else:
-        lines += [f"{indent}T.copy(v[{rows}, head, :], v_tile)"]
+    for tensor, tile, element_wise in (("k", "k_tile", spec.rope or padded), ("v", "v_tile", padded)):
+        if element_wise:
+            lines.append(_tilelang_tile_load(spec, tensor, tile, "key_start", whole=True))
+        else:
+            lines.append(f"{indent}T.copy({tensor}[{rows}, head, :], {tile})")
     return "\n".join(lines)
+
+
+def _tilelang_tile_load(spec: VarlenAttentionSpec, tensor: str, tile: str, start: str, whole: bool = False) -> str:
+    """An element-wise load of `tile` from the key block of k or v at `start` (k rotated where the spec has rotary
+    embedding): padding columns and (unless the block is `whole`ly inside the segment) rows past the segment 0,
+    never read."""
+    indent = " " * 20
+    valid = "d < HEAD_DIM" if whole else f"({start} + j < seq_len) & (d < HEAD_DIM)"
+    element = _tilelang_operand(tensor, f"seq_start + {start} + j", valid, rope=spec.rope and tensor == "k")
+    return f"{indent}for j, d in T.Parallel(block_n, DIM):\n{indent}    {tile}[j, d] = {element}"
 
 
 def tilelang_source(spec: VarlenAttentionSpec, profile: DeviceProfile) -> str:
@@ -481,6 +487,8 @@ def tilelang_source(spec: VarlenAttentionSpec, profile: DeviceProfile) -> str:
         q_element=_tilelang_operand("q", "seq_start + q_start + i", "(q_start + i < seq_len) & (d < HEAD_DIM)",
                                     spec.rope),
         key_value_loads=_tilelang_key_value_loads(spec),
+        tail_key_load=_tilelang_tile_load(spec, "k", "tail_tile", "tail_start"),
+        tail_value_load=_tilelang_tile_load(spec, "v", "tail_tile", "tail_start"),
         pass_configs=repr(tilelang_codegen.fast_math_pass_configs(profile)),
         # The warp-specialized kernel reads q as it is (already rotated where the spec has rotary embedding).
         ws_q_element=_tilelang_operand("q", "seq_start + q_start + i", "(q_start + i < seq_len) & (d < HEAD_DIM)",
@@ -575,12 +583,15 @@ def tilelang_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -
 
 def tilelang_shared_memory_bytes(spec: VarlenAttentionSpec, config: KernelConfig) -> int:
     """The q tile, a k and a v tile per pipeline stage, the reduction workspace (one fp32 per thread); the
-    warp-specialized kernel's ring has two stages and adds its 12 mbarriers."""
+    pipelined kernel adds the tile of a segment's partial last key block (k, then v), the warp-specialized
+    kernel (whose ring has two stages) its 15 mbarriers."""
     width = tilelang_padded_dim(spec.head_dim)
     item = spec.dtype.itemsize
     stages = max(1, config["NUM_STAGES"])
-    barriers = 12 * 8 if _warp_specialized(config) else 0
-    return (config["BLOCK_M"] + 2 * stages * config["BLOCK_N"]) * width * item + 4 * config["THREADS"] + barriers
+    tiles = config["BLOCK_M"] + 2 * stages * config["BLOCK_N"]
+    if _warp_specialized(config):
+        return tiles * width * item + 4 * config["THREADS"] + 15 * 8
+    return (tiles + config["BLOCK_N"]) * width * item + 4 * config["THREADS"]
 
 
 def tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, _cu_seqlens_k, _query_pos,

@@ -16,6 +16,7 @@ matmul rounded to the 16-bit dtype, 2^-8 relative for bf16; the interpreter trun
 
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 import textwrap
@@ -437,7 +438,9 @@ def test_triton_compiles_ahead_of_time_for_sm_90(tmp_path):
 def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
     """The pipelined kernel (the untuned choice on wgmma-less targets). Head dim 72 with RoPE: tiles padded to 80 columns (the
     matrix instructions' k-step) built element-wise, rotated on the way; its CUDA is compiled by nvcc. Head dim 80
-    without: bulk copies of k and v (TMA); lowered only (nvcc takes ~20 s a kernel on the CI machine)."""
+    without: bulk copies of k and v (TMA); lowered only (nvcc takes ~20 s a kernel on the CI machine). Both: the
+    pipeline runs over the segment's whole key blocks only; its partial last block is loaded element-wise (rows
+    past the segment 0, never read) after it."""
     if shutil.which("nvcc") is None and rope is not None:
         pytest.skip("nvcc is not on PATH")
     spec = family.make_spec(head_dim, BF16, rope)
@@ -455,6 +458,11 @@ def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
     assert "float sm_scale" in cuda and "int max_seqlen" in cuda
     # Full-width k/v tiles load asynchronously (TMA on sm_90); element-wise built ones cannot.
     assert ("tma_load" in cuda or "cp_async" in cuda) == (rope is None)
+    # The pipeline's loops (producer and consumers where TileLang specializes warps) stop at the last whole block,
+    # and the kernel reads v itself (not only through a TMA descriptor): the partial block, guarded by seq_len.
+    loops = re.findall(r"for \(int key_block\w* = 0; key_block\w* < ([^;]*);", cuda)
+    assert loops and set(loops) == {"(seq_len >> 6)"}, loops
+    assert "bfloat16_t* __restrict__ v," in cuda and re.search(r"if \(0 < \(seq_len & 63\)\)", cuda)
     if rope is not None:
         assert tilelang_codegen.nvcc_compile(cuda, SM_90, tmp_path / "nvcc").stat().st_size > 0
 
@@ -536,7 +544,9 @@ def test_tilelang_warp_specialized_lowers_and_compiles_for_sm_90(tmp_path):
     """Head dim 72 (tiles padded to 80): the producer warpgroup gives its registers to the consumers and loads k and
     v tiles by TMA only, five 16-column boxes a tile, the last reading zeros past the 72-wide row (the barrier
     expects the whole boxes' bytes); the consumers issue S = Q K^T and O += P V (P from registers) back to back and
-    wait for the first alone. nvcc compiles it."""
+    wait for the first alone. A segment's partial last v tile lands on the producer's own barrier, which waits for
+    it and zeroes the rows past the segment (16-byte stores) before arriving on the consumers' one. nvcc compiles
+    it, the producer in its 24 registers without spilling."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc is not on PATH")
     spec = family.make_spec(72, BF16, None)
@@ -552,9 +562,15 @@ def test_tilelang_warp_specialized_lowers_and_compiles_for_sm_90(tmp_path):
     assert "warpgroup_reg_alloc<240>" in cuda and "warpgroup_reg_dealloc<24>" in cuda
     # k and v reach the kernel only as TMA descriptors; each tile is 128 rows x 80 columns of bf16.
     assert "CUtensorMap k_desc" in cuda and "CUtensorMap v_desc" in cuda and "bfloat16_t* __restrict__ k," not in cuda
-    assert cuda.count("expect_transaction(20480)") == 2
+    # k_ready, v_ready, and v_loaded (the partial v tile's); the producer waits on the latter itself, then zeroes.
+    assert cuda.count("expect_transaction(20480)") == 3
+    (partial,) = re.findall(r"v_loaded\[0\]\.wait\(.*?v_ready\[[^\]]*\]\.arrive\(\)", cuda, re.DOTALL)
+    assert re.search(r"\*\(uint4\*\)\(\(\(bfloat16_t\*\)v_ring\)[^;]*= make_uint4", partial), partial
+    assert "fence_proxy_async" in partial
     assert "wgmma_rs" in cuda and "wait_wgmma<1>" in cuda
-    assert tilelang_codegen.nvcc_compile(cuda, SM_90, tmp_path / "nvcc").stat().st_size > 0
+    report = tilelang_codegen.ptxas_report(cuda, SM_90, tmp_path / "nvcc", fast_math=True)
+    spills = re.findall(r"(\d+) bytes spill stores", report)
+    assert spills and set(spills) == {"0"}, report
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -610,3 +626,91 @@ def test_tilelang_on_gpu(case_id, seed, tmp_path):
             family.tilelang_launch(kernels, config, *inputs, out)
             assert_attention_close(result, expected, args[2], args[3],
                                    f"{spec.describe()} {config} max_seqlen={max_seqlen} seed={seed}")
+
+
+# Poisoned neighbours: every checked segment (lengths leaving a partial last key block for 32-, 64-, 128- and
+# 176-key blocks, save 2304: whole blocks but for 176) is followed by a segment of POISON_TOKENS tokens (more than
+# any key block) whose q, k and v rows (and cos/sin) hold NaN, +Inf and -Inf; the pack's last segment is a checked
+# one, and q, k, v, cos and sin are the first rows of buffers whose rows past the pack are NaN.
+POISON_CHECKED_LENGTHS = (100, 1, 257, 7, 2304, 130)
+POISON_TOKENS = 200
+# (head_dim, dtype, rope, which TileLang configs): the warp-specialized kernel's default (128-key blocks), its
+# 176-key blocks (a v tile of more rows than its producer has threads) with RoPE (the rotation kernel first), and
+# the pipelined kernel's 128 x 64 tile with RoPE (its partial block rotated element-wise); 4 TileLang builds in all.
+POISON_CASES = {
+    "d80-bf16": (80, BF16, False, "default"),
+    "d72-fp16-rope": (72, FP16, True, "warp-specialized-176"),
+    "d128-bf16-rope": (128, BF16, True, "pipelined-128x64"),
+}
+
+
+def _poisoned_pack(head_dim, dtype, rope, seed):
+    """(the op's arguments poisoned, the same pack clean, the mask of the checked segments' rows)."""
+    lengths = [POISON_CHECKED_LENGTHS[0]]
+    for length in POISON_CHECKED_LENGTHS[1:]:
+        lengths += [POISON_TOKENS, length]
+    clean = make_pack((tuple(lengths), 4, head_dim, dtype, rope), seed)
+    q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin = clean
+    tokens = q.shape[0]
+    bounds = cu_seqlens.tolist()
+    checked = torch.zeros(tokens, dtype=torch.bool, device=q.device)
+    for segment in range(0, len(lengths), 2):
+        checked[bounds[segment]:bounds[segment + 1]] = True
+    rows = (~checked).nonzero().squeeze(1)
+    nan, inf = float("nan"), float("inf")
+    poison_values = torch.tensor([nan, inf, -inf], device=q.device)[rows % 3]
+
+    def poisoned(tensor):
+        buffer = torch.full((tokens + 256, *tensor.shape[1:]), nan, dtype=tensor.dtype, device=tensor.device)
+        view = buffer[:tokens]
+        view.copy_(tensor)
+        view[rows] = poison_values.view(-1, *[1] * (tensor.dim() - 1)).to(tensor.dtype).expand(view[rows].shape)
+        return view
+
+    q, k, v = (poisoned(t) for t in (q, k, v))
+    if rope:
+        cos, sin = poisoned(cos), poisoned(sin)
+    return (q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin), clean, checked
+
+
+def _poison_tilelang_config(spec, which):
+    configs = family.tilelang_configs(spec, SM_90)
+    if which == "default":
+        return family.tilelang_default_config(spec, SM_90)
+    if which == "warp-specialized-176":
+        return next(c for c in configs if dict(c.params).get("WARP_SPECIALIZED") and c["BLOCK_N"] == 176
+                    and not dict(c.params).get("PINGPONG"))
+    return next(c for c in configs if not dict(c.params).get("WARP_SPECIALIZED")
+                and (c["BLOCK_M"], c["BLOCK_N"], c["THREADS"], c["NUM_STAGES"]) == (128, 64, 256, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case_id", POISON_CASES)
+def test_kernels_ignore_nan_and_inf_in_other_segments(case_id, seed, tmp_path, triton_kernels):
+    """Keys outside a segment contribute exactly nothing, whatever their rows hold: a partial last key block reads
+    (or is given) rows of the next segment or past the pack, whose scores are masked, but 0 * NaN = NaN in P V
+    unless those v rows are never multiplied in (TileLang: zeroed or loaded as 0; Triton: masked loads). The
+    checked segments' rows of every output are finite and match the reference on the clean pack."""
+    head_dim, dtype, rope, which = POISON_CASES[case_id]
+    spec = family.make_spec(head_dim, dtype, FP32 if rope else None)
+    args, clean, checked = _poisoned_pack(head_dim, dtype, rope, seed)
+    expected = varlen_attention_reference(*clean)
+    # The checked rows alone, as a pack of the checked segments (for the tolerance's per-segment max |v|).
+    cu_checked = torch.tensor([0, *itertools.accumulate(POISON_CHECKED_LENGTHS)], dtype=torch.int32)
+
+    def check(actual, where):
+        rows = actual[checked]
+        assert rows.isfinite().all(), f"{where}: NaN/Inf in a checked segment's output"
+        assert_attention_close(rows, expected[checked], clean[2][checked], cu_checked, f"{where} seed={seed}")
+
+    config = family.triton_default_config(spec, SM_90)
+    check(launch_triton(triton_kernels(spec), spec, config, args), f"triton {spec.describe()} {config}")
+    path = tmp_path / "varlen_attention_tilelang.py"
+    path.write_text(family.tilelang_source(spec, SM_90))
+    kernels = tilelang_codegen.load(family, path, spec, SM_90)
+    config = _poison_tilelang_config(spec, which)
+    inputs, (out,), _work, result = family.prepare(spec, *args)
+    assert inputs[1].data_ptr() == args[1].data_ptr()  # no copy: the rows past the pack are the buffer's NaN
+    out.fill_(float("nan"))
+    family.tilelang_launch(kernels, config, *inputs, out)
+    check(result, f"tilelang {spec.describe()} {config}")
