@@ -227,27 +227,31 @@ def tilelang_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelCo
 
 
 def tilelang_default_config(spec: DsaTopkSpec, profile: DeviceProfile) -> KernelConfig:
-    """Untuned choice without a width: the widest span, the most threads (and the fewest positions in flight), 8-bit
-    radix rounds, no cached keys."""
+    """Untuned choice without a width: the widest span, the most threads, the row's keys cached where the shared
+    memory allows it, 10-bit radix rounds where there are as many threads as bins, the fewest positions in flight.
+    H200, session 30, 128 rows of 32K: 15.4 µs against 16.6 for the same config with 8-bit rounds and no cache
+    (1.08x; 1.14x in the tuner's timing), 128K 1.02x."""
     configs = tilelang_configs(spec, profile)
     if not configs:
         raise ValueError(f"no legal TileLang top-k config on {profile.name}")
-    return max(configs, key=lambda c: (c["WIDTH"], c["THREADS"], -c["SWEEP"], "RADIX_BITS" not in dict(c.params),
-                                       "CACHE" not in dict(c.params)))
+    return max(configs, key=lambda c: (c["WIDTH"], _preference(c)))
+
+
+def _preference(config: KernelConfig) -> tuple:
+    """Within a span: the most threads, cached keys, 10-bit rounds, the fewest positions in flight."""
+    params = dict(config.params)
+    return (config["THREADS"], "CACHE" in params, params.get("RADIX_BITS") == TILELANG_WIDE_RADIX_BITS,
+            -config["SWEEP"])
 
 
 def tilelang_configs_for_bucket(bucket: int, configs: list[KernelConfig],
                                 default: KernelConfig) -> tuple[list[KernelConfig], KernelConfig]:
     """The narrowest span that holds a row of the bucket (else the widest: longer rows are written span by span);
-    tuning times its thread counts and sweeps, the untuned choice is the default's."""
+    tuning times its configs, the untuned choice is the one the default's rule prefers there."""
     widths = sorted({c["WIDTH"] for c in configs}) or [default["WIDTH"]]
     width = next((w for w in widths if w >= bucket), widths[-1])
     candidates = [c for c in configs if c["WIDTH"] == width] or [default]
-    extras = ("RADIX_BITS", "CACHE")  # the default's, matched as they are (absent or not)
-    chosen = next((c for c in candidates if (c["THREADS"], c["SWEEP"]) == (default["THREADS"], default["SWEEP"])
-                   and all(dict(c.params).get(e) == dict(default.params).get(e) for e in extras)),
-                  max(candidates, key=lambda c: (c["THREADS"], -c["SWEEP"], "RADIX_BITS" not in dict(c.params),
-                                                 "CACHE" not in dict(c.params))))
+    chosen = max(candidates, key=_preference)
     return candidates, chosen
 
 
