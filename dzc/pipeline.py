@@ -23,6 +23,7 @@ from dzc.passes.fuse_sparse_attention import fuse_sparse_attention
 from dzc.passes.fuse_vision_attention import fuse_vision_attention
 from dzc.passes.fuse_windowed_attention import fuse_windowed_attention
 from dzc.passes.graph_pass import PassResult, written_inputs
+from dzc.passes.merge_all_to_all_dispatches import merge_all_to_all_dispatches
 from dzc.passes.quantize_moe_activations import quantize_moe_activations
 from dzc.passes.reinplace_cache_writes import reinplace_cache_writes
 from dzc.report import CompileTimer
@@ -63,6 +64,10 @@ def build_pipeline(target: Target, options: CompileOptions = CompileOptions()) -
         # Opt-in (options.moe_fp8_activations): dzc.mxfp4_moe -> dzc.mxfp4_moe_w4a8 (FP8 activations) where the
         # profile has native E4M3. After fuse_mxfp4_experts, which makes the nodes it rewrites.
         *([_on_profile(quantize_moe_activations, target)] if options.moe_fp8_activations else []),
+        # Expert parallelism: all_to_all_single calls with the same splits and group (an MoE dispatch's rows,
+        # expert ids, routing weights) -> one call of their bytes. After fuse_mxfp4_experts, which reads the
+        # received ids and weights as traced; exact (bytes moved as they were).
+        merge_all_to_all_dispatches,
         # Functional writes into an input (KV cache) + AOTAutograd's copy-back -> in-place writes, no copy of the
         # cache. Last: the fusions match the functional graph (fuse_sparse_attention then reads the written cache
         # in place instead of gathering it), and no later pass may move a read across a write.

@@ -115,13 +115,19 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
     block = build_moe("tiny-gptoss")
     layer = sharded.ExpertParallelMoE(block, rank, world, dist.group.WORLD)
     compiled = dzc.compile(layer, target="cuda", options=options)
-    outputs, expected = [], []
+    # The same layer with the dispatches' all_to_alls left as the model wrote them: the merged run must give the
+    # same result to the bit.
+    unmerged = dzc.compile(layer, target="cuda", options=dzc.CompileOptions(
+        autotune=False, disable_passes=("merge_all_to_all_dispatches",)))
+    outputs, expected, same = [], [], []
     for count in TOKENS_PER_RANK:
         x = torch.randn(world * count, block.cfg.hidden, generator=torch.Generator().manual_seed(count)).bfloat16()
         with torch.no_grad():
             expected.append(block(x)[rank * count:(rank + 1) * count])
         outputs.append(compiled(x[rank * count:(rank + 1) * count]))
-    results["expert_parallel"] = _summary(compiled, outputs, expected)
+        same.append(torch.equal(outputs[-1], unmerged(x[rank * count:(rank + 1) * count])))
+    results["expert_parallel"] = dict(_summary(compiled, outputs, expected), same_as_unmerged=same,
+                                      unmerged=_summary(unmerged, outputs, expected))
 
     # Refusal: the all-reduced value is used again after the add.
     partial = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 + rank))
@@ -206,6 +212,7 @@ def test_tensor_parallel_dsa_moe_decoder_layer_matches_the_whole_layer(ranks):
         fired = case["passes"]
         assert fired["fuse_sparse_attention"] == fired["fuse_mxfp4_experts"] == case["graphs"] >= 1, case["refusals"]
         assert fired["fuse_all_reduce_residual_norm"] == case["graphs"], case["refusals"]
+        assert fired["merge_all_to_all_dispatches"] == case["graphs"], case["refusals"]
         for op in ("sparse_attention", "mxfp4_moe", "add_rms_norm"):
             assert f"dzc.{op}.default" in case["lowered"], op
 
@@ -220,6 +227,13 @@ def test_expert_parallel_moe_matches_single_device_layer(ranks):
         # The local experts (a per-expert loop over this rank's experts) fuse into dzc.mxfp4_moe on every graph.
         assert case["passes"]["fuse_mxfp4_experts"] == case["graphs"] >= 1, case["refusals"]
         assert "dzc.mxfp4_moe.default" in case["lowered"]
+        # The dispatch's three all_to_alls (rows, expert ids, routing weights: the same splits) are one call of
+        # their bytes: the counts', the dispatch's and the combine's remain, and the result is the same to the bit.
+        assert case["passes"]["merge_all_to_all_dispatches"] == case["graphs"], case["refusals"]
+        calls = "_c10d_functional.all_to_all_single.default("
+        assert case["lowered"].count(calls) == 3 * case["graphs"], case["lowered"]
+        assert case["unmerged"]["lowered"].count(calls) == 5 * case["unmerged"]["graphs"]
+        assert case["same_as_unmerged"] == [True] * len(TOKENS_PER_RANK)
 
 
 def test_all_reduce_with_another_use_is_refused(ranks):
