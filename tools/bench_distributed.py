@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 tools/bench_distributed.py [--out docs/results/distributed_h200.md] [--no-tune]
     python tools/bench_distributed.py                 # world size 1 on one GPU (the sharded paths, unsharded)
     python tools/bench_distributed.py --quick         # tiny sizes on the CPU with gloo (smoke test)
+    python tools/bench_distributed.py --no-tune --tables ep   # the expert-parallel table alone
 
 (1) all-reduce + residual add + RMSNorm, bf16, hidden 7168, tokens {1, 64, 4096}: dzc (the all-reduce in the
     graph, fused with the add + norm by fuse_all_reduce_residual_norm) vs torch.distributed's all-reduce then a
@@ -18,7 +19,9 @@
     step <= 0.65x at TP = 2.
 (3) the MXFP4 MoE layer (gpt-oss-120b's shapes, 32 experts: the weights are quantized on the host) with experts
     split over the ranks (dzc.distributed's ExpertParallelMoE: all_to_all_single with the router's splits, local
-    experts in dzc.mxfp4_moe) vs the whole layer on one GPU (rank 0 alone), on the same tokens per rank.
+    experts in dzc.mxfp4_moe) vs the whole layer on one GPU (rank 0 alone), on the same tokens per rank; beside
+    them the EP layer with merge_all_to_all_dispatches off and the whole layer without dzc's CUDA graphs (the EP
+    graph reads its split sizes back to the host, so it never runs in one), and a profile of the EP calls.
 
 --no-tune: dzc's untuned default configs (tuning the MoE kernels' token buckets takes minutes on a GPU: at world
 size 1 on the H200 it outran a 200 s run). Each table is printed as soon as it is complete.
@@ -255,26 +258,76 @@ def dsa_moe_layer(sizes, options, target, device, group, rank, world) -> list[st
 
 
 def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
+    """(3) The EP layer (dzc as it compiles it: the dispatch's all_to_alls merged by merge_all_to_all_dispatches),
+    the same with that pass off, and the whole layer on rank 0 with and without dzc's CUDA graphs: the EP path's
+    overhead split into what the merge saves and what losing CUDA graphs to the split sizes' host syncs costs.
+    Rank 0 also prints the EP layer's collectives and host syncs per call and a profile of its calls."""
     block = build_moe(sizes["moe"]).to(device)
     hidden = block.cfg.hidden
     rows = []
     layer = sharded.ExpertParallelMoE(block, rank, world, group).to(device)
     compiled_ep = dzc.compile(layer, target=target, options=options)
-    compiled_one = dzc.compile(block, target=target, options=options) if rank == 0 else None
+    unmerged = replace(options, disable_passes=(*options.disable_passes, "merge_all_to_all_dispatches"))
+    compiled_unmerged = dzc.compile(layer, target=target, options=unmerged)
+    compiled_one = compiled_plain = None
+    if rank == 0:
+        compiled_one = dzc.compile(block, target=target, options=options)
+        compiled_plain = dzc.compile(block, target=target, options=replace(options, cuda_graph_max_tokens=0))
     for tokens in sizes["moe_tokens"]:
         x = torch.randn(world * tokens, hidden, device=device,
                         generator=torch.Generator(device=device).manual_seed(tokens)).bfloat16()
         mine = x[rank * tokens:(rank + 1) * tokens]
         with torch.no_grad():
-            check(f"EP={world} T={tokens}", compiled_ep(mine), block(x)[rank * tokens:(rank + 1) * tokens], 2 ** -4,
-                  selects=True)
+            got = compiled_ep(mine)
+            check(f"EP={world} T={tokens}", got, block(x)[rank * tokens:(rank + 1) * tokens], 2 ** -4, selects=True)
+            # The same bytes arrive either way (tests/test_distributed.py: equal to the bit on the CPU); here the
+            # final index_add_'s atomics may add a token's slots in another order.
+            check(f"EP={world} T={tokens} dispatches merged vs not", got, compiled_unmerged(mine), 2 ** -7)
             ep_s = timed(lambda: compiled_ep(mine), sizes["iterations"], device)
-            one_s = timed(lambda: compiled_one(mine), sizes["iterations"], device, together=False) if rank == 0 else 0.0
+            unmerged_s = timed(lambda: compiled_unmerged(mine), sizes["iterations"], device)
+            one_s = plain_s = 0.0
+            if rank == 0:
+                one_s = timed(lambda: compiled_one(mine), sizes["iterations"], device, together=False)
+                plain_s = timed(lambda: compiled_plain(mine), sizes["iterations"], device, together=False)
+            if tokens == sizes["moe_tokens"][0]:  # every rank runs the calls (collectives); rank 0 prints
+                ep_profile(compiled_ep, mine, device, rank, world)
         if world > 1:
             dist.barrier()
-        rows.append(f"| EP={world} | {tokens} | {ep_s * 1e6:.1f} | {one_s * 1e6:.1f} | {one_s / ep_s:.2f}x |")
+        rows.append(f"| EP={world} | {tokens} | {ep_s * 1e6:.1f} | {unmerged_s * 1e6:.1f} | {one_s * 1e6:.1f} | "
+                    f"{plain_s * 1e6:.1f} | {one_s / ep_s:.2f}x |")
     fired(compiled_ep, "fuse_mxfp4_experts")
+    fired(compiled_ep, "merge_all_to_all_dispatches")
     return rows
+
+
+def ep_profile(compiled, x, device, rank: int, world: int) -> None:
+    """Print the EP graph's collectives and host syncs (from its report) and torch.profiler's top ops over a few
+    calls (rank 0's): where a call's time goes."""
+    if world > 1:
+        dist.barrier()
+    graphs = compiled.report.graphs
+    lowered = "\n".join(text for g in graphs for name, text in g.stages if name == "lowered")
+    syncs = lowered.count("aten._local_scalar_dense.default(")
+    if rank == 0:
+        print(f"EP={world} graph: {lowered.count('_c10d_functional.all_to_all_single.default(')} all_to_all_single, "
+              f"{syncs} values read back by the host (_local_scalar_dense) per call; host syncs: "
+              f"{', '.join(h for g in graphs for h in g.host_syncs) or 'none'}", flush=True)
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(5):
+            compiled(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    if rank != 0:
+        return
+    averages = prof.key_averages()
+    print(f"EP={world}, {x.shape[0]} tokens, 5 calls, by self CPU time:", flush=True)
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
+    if device.type == "cuda":
+        print(f"EP={world}, {x.shape[0]} tokens, 5 calls, by self device time:", flush=True)
+        print(averages.table(sort_by="self_device_time_total", row_limit=15), flush=True)
 
 
 def main() -> None:
@@ -283,7 +336,12 @@ def main() -> None:
     parser.add_argument("--target", default="cuda")
     parser.add_argument("--out", help="append the tables to this markdown file (rank 0)")
     parser.add_argument("--no-tune", action="store_true", help="dzc's untuned default configs")
+    parser.add_argument("--tables", default="norm,tp,ep",
+                        help="which tables, comma-separated: norm (1), tp (2), ep (3); default all")
     args = parser.parse_args()
+    tables = set(args.tables.split(","))
+    if not tables <= {"norm", "tp", "ep"}:
+        parser.error(f"--tables: {args.tables!r} is not a comma-separated choice of norm, tp, ep")
 
     sizes = QUICK if args.quick else FULL
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -308,15 +366,19 @@ def main() -> None:
     emit(rank, args.out, f"## bench_distributed: world {world} ({backend}), {name}, torch {torch.__version__}, "
                          f"{datetime.date.today()}{' (--quick)' if args.quick else ''}, dzc "
                          f"{'tuned' if tuned else 'untuned defaults'}\n")
-    emit(rank, args.out, "| op | hidden | tokens | dzc parts (µs) | all-reduce + torch.compile add+norm (µs) | "
-                         "speed-up | dzc one-shot fused (µs) | one-shot speed-up |",
-         "|---|---|---|---|---|---|---|---|",
-         *all_reduce_norm(sizes, options, args.target, device, group, rank), "")
-    emit(rank, args.out, "| layer | prefill tokens/s | step (µs) | prefill vs TP=1 | step vs TP=1 |",
-         "|---|---|---|---|---|", *tp_layer(sizes, options, args.target, device, mesh, rank, world),
-         *dsa_moe_layer(sizes, options, args.target, device, group, rank, world), "")
-    emit(rank, args.out, "| MoE | tokens per rank | EP layer (µs) | whole layer, one device (µs) | speed-up |",
-         "|---|---|---|---|---|", *ep_layer(sizes, options, args.target, device, group, rank, world), "")
+    if "norm" in tables:
+        emit(rank, args.out, "| op | hidden | tokens | dzc parts (µs) | all-reduce + torch.compile add+norm (µs) | "
+                             "speed-up | dzc one-shot fused (µs) | one-shot speed-up |",
+             "|---|---|---|---|---|---|---|---|",
+             *all_reduce_norm(sizes, options, args.target, device, group, rank), "")
+    if "tp" in tables:
+        emit(rank, args.out, "| layer | prefill tokens/s | step (µs) | prefill vs TP=1 | step vs TP=1 |",
+             "|---|---|---|---|---|", *tp_layer(sizes, options, args.target, device, mesh, rank, world),
+             *dsa_moe_layer(sizes, options, args.target, device, group, rank, world), "")
+    if "ep" in tables:
+        emit(rank, args.out, "| MoE | tokens per rank | EP layer (µs) | EP, dispatches not merged (µs) | "
+                             "whole layer, one device (µs) | the same without CUDA graphs (µs) | speed-up |",
+             "|---|---|---|---|---|---|---|", *ep_layer(sizes, options, args.target, device, group, rank, world), "")
     dist.destroy_process_group()
 
 
