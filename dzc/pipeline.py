@@ -25,6 +25,7 @@ from dzc.passes.fuse_windowed_attention import fuse_windowed_attention
 from dzc.passes.graph_pass import PassResult, written_inputs
 from dzc.passes.merge_all_to_all_dispatches import merge_all_to_all_dispatches
 from dzc.passes.quantize_moe_activations import quantize_moe_activations
+from dzc.passes.read_all_to_all_splits_once import read_all_to_all_splits_once
 from dzc.passes.reinplace_cache_writes import reinplace_cache_writes
 from dzc.report import CompileTimer
 from dzc.targets import Target
@@ -68,6 +69,9 @@ def build_pipeline(target: Target, options: CompileOptions = CompileOptions()) -
         # expert ids, routing weights) -> one call of their bytes. After fuse_mxfp4_experts, which reads the
         # received ids and weights as traced; exact (bytes moved as they were).
         merge_all_to_all_dispatches,
+        # The split sizes an all_to_all_single needs on the host, read one element at a time (.tolist()) -> one
+        # copy to the host, read there: one wait for the device instead of 2 x world. Exact.
+        read_all_to_all_splits_once,
         # Functional writes into an input (KV cache) + AOTAutograd's copy-back -> in-place writes, no copy of the
         # cache. Last: the fusions match the functional graph (fuse_sparse_attention then reads the written cache
         # in place instead of gathering it), and no later pass may move a read across a write.

@@ -115,10 +115,10 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
     block = build_moe("tiny-gptoss")
     layer = sharded.ExpertParallelMoE(block, rank, world, dist.group.WORLD)
     compiled = dzc.compile(layer, target="cuda", options=options)
-    # The same layer with the dispatches' all_to_alls left as the model wrote them: the merged run must give the
-    # same result to the bit.
+    # The same layer with its all_to_alls and split reads left as the model wrote them: the rewritten run must give
+    # the same result to the bit.
     unmerged = dzc.compile(layer, target="cuda", options=dzc.CompileOptions(
-        autotune=False, disable_passes=("merge_all_to_all_dispatches",)))
+        autotune=False, disable_passes=("merge_all_to_all_dispatches", "read_all_to_all_splits_once")))
     outputs, expected, same = [], [], []
     for count in TOKENS_PER_RANK:
         x = torch.randn(world * count, block.cfg.hidden, generator=torch.Generator().manual_seed(count)).bfloat16()
@@ -233,6 +233,11 @@ def test_expert_parallel_moe_matches_single_device_layer(ranks):
         calls = "_c10d_functional.all_to_all_single.default("
         assert case["lowered"].count(calls) == 3 * case["graphs"], case["lowered"]
         assert case["unmerged"]["lowered"].count(calls) == 5 * case["unmerged"]["graphs"]
+        # The 2 x world split sizes (send.tolist(), receive.tolist()) are read from one copy to the host.
+        assert case["passes"]["read_all_to_all_splits_once"] == case["graphs"], case["refusals"]
+        reads = "aten._local_scalar_dense.default("
+        assert case["lowered"].count("prims.device_put.default(") == case["graphs"], case["lowered"]
+        assert case["lowered"].count(reads) == case["unmerged"]["lowered"].count(reads) == 2 * WORLD * case["graphs"]
         assert case["same_as_unmerged"] == [True] * len(TOKENS_PER_RANK)
 
 

@@ -20,7 +20,8 @@
 (3) the MXFP4 MoE layer (gpt-oss-120b's shapes, 32 experts: the weights are quantized on the host) with experts
     split over the ranks (dzc.distributed's ExpertParallelMoE: all_to_all_single with the router's splits, local
     experts in dzc.mxfp4_moe) vs the whole layer on one GPU (rank 0 alone), on the same tokens per rank; beside
-    them the EP layer with merge_all_to_all_dispatches off and the whole layer without dzc's CUDA graphs (the EP
+    them the EP layer without merge_all_to_all_dispatches and read_all_to_all_splits_once, and the whole layer
+    without dzc's CUDA graphs (the EP
     graph reads its split sizes back to the host, so it never runs in one), and a profile of the EP calls.
 
 --no-tune: dzc's untuned default configs (tuning the MoE kernels' token buckets takes minutes on a GPU: at world
@@ -258,16 +259,18 @@ def dsa_moe_layer(sizes, options, target, device, group, rank, world) -> list[st
 
 
 def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
-    """(3) The EP layer (dzc as it compiles it: the dispatch's all_to_alls merged by merge_all_to_all_dispatches),
-    the same with that pass off, and the whole layer on rank 0 with and without dzc's CUDA graphs: the EP path's
-    overhead split into what the merge saves and what losing CUDA graphs to the split sizes' host syncs costs.
+    """(3) The EP layer (dzc as it compiles it: the dispatch's all_to_alls merged by merge_all_to_all_dispatches,
+    the split sizes read through one copy to the host by read_all_to_all_splits_once), the same with those passes
+    off, and the whole layer on rank 0 with and without dzc's CUDA graphs: the EP path's overhead split into what
+    the two passes save and what losing CUDA graphs to the split sizes' host reads costs.
     Rank 0 also prints the EP layer's collectives and host syncs per call and a profile of its calls."""
     block = build_moe(sizes["moe"]).to(device)
     hidden = block.cfg.hidden
     rows = []
     layer = sharded.ExpertParallelMoE(block, rank, world, group).to(device)
     compiled_ep = dzc.compile(layer, target=target, options=options)
-    unmerged = replace(options, disable_passes=(*options.disable_passes, "merge_all_to_all_dispatches"))
+    unmerged = replace(options, disable_passes=(*options.disable_passes, "merge_all_to_all_dispatches",
+                                                "read_all_to_all_splits_once"))
     compiled_unmerged = dzc.compile(layer, target=target, options=unmerged)
     compiled_one = compiled_plain = None
     if rank == 0:
@@ -282,7 +285,7 @@ def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
             check(f"EP={world} T={tokens}", got, block(x)[rank * tokens:(rank + 1) * tokens], 2 ** -4, selects=True)
             # The same bytes arrive either way (tests/test_distributed.py: equal to the bit on the CPU); here the
             # final index_add_'s atomics may add a token's slots in another order.
-            check(f"EP={world} T={tokens} dispatches merged vs not", got, compiled_unmerged(mine), 2 ** -7)
+            check(f"EP={world} T={tokens} with the EP passes vs without", got, compiled_unmerged(mine), 2 ** -7)
             ep_s = timed(lambda: compiled_ep(mine), sizes["iterations"], device)
             unmerged_s = timed(lambda: compiled_unmerged(mine), sizes["iterations"], device)
             one_s = plain_s = 0.0
@@ -297,6 +300,7 @@ def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
                     f"{plain_s * 1e6:.1f} | {one_s / ep_s:.2f}x |")
     fired(compiled_ep, "fuse_mxfp4_experts")
     fired(compiled_ep, "merge_all_to_all_dispatches")
+    fired(compiled_ep, "read_all_to_all_splits_once")
     return rows
 
 
@@ -310,7 +314,8 @@ def ep_profile(compiled, x, device, rank: int, world: int) -> None:
     syncs = lowered.count("aten._local_scalar_dense.default(")
     if rank == 0:
         print(f"EP={world} graph: {lowered.count('_c10d_functional.all_to_all_single.default(')} all_to_all_single, "
-              f"{syncs} values read back by the host (_local_scalar_dense) per call; host syncs: "
+              f"{syncs} values read back by the host (_local_scalar_dense) per call, through "
+              f"{lowered.count('prims.device_put.default(') or syncs} device-to-host copies; host syncs: "
               f"{', '.join(h for g in graphs for h in g.host_syncs) or 'none'}", flush=True)
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
@@ -376,7 +381,7 @@ def main() -> None:
              "|---|---|---|---|---|", *tp_layer(sizes, options, args.target, device, mesh, rank, world),
              *dsa_moe_layer(sizes, options, args.target, device, group, rank, world), "")
     if "ep" in tables:
-        emit(rank, args.out, "| MoE | tokens per rank | EP layer (µs) | EP, dispatches not merged (µs) | "
+        emit(rank, args.out, "| MoE | tokens per rank | EP layer (µs) | EP, without the 2 EP passes (µs) | "
                              "whole layer, one device (µs) | the same without CUDA graphs (µs) | speed-up |",
              "|---|---|---|---|---|---|---|", *ep_layer(sizes, options, args.target, device, group, rank, world), "")
     dist.destroy_process_group()

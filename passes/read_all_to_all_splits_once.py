@@ -1,0 +1,113 @@
+"""read_all_to_all_splits_once: the split sizes of all_to_all_single calls read back one element at a time  =>
+one copy of them to the host, read there
+
+Expert-parallel code exchanges its per-rank token counts on the device, then hands them to all_to_all_single as
+split sizes, which the backend needs on the host: `send.tolist()`, `receive.tolist()`. Dynamo traces each element
+as its own `.item()`: 2 x world reads a call, and on a GPU each one waits for the device.
+
+Before (world 2: two counts sent, two received):
+
+    %a = aten._local_scalar_dense.default(aten.select.int(%send, 0, 0))        # sym u0
+    %b = aten._local_scalar_dense.default(aten.select.int(%send, 0, 1))        # sym u1
+    %c = aten._local_scalar_dense.default(aten.select.int(%receive, 0, 0))     # sym u2
+    %d = aten._local_scalar_dense.default(aten.select.int(%receive, 0, 1))     # sym u3
+    ... _c10d_functional.all_to_all_single.default(%rows, [%c, %d], [%a, %b], %group)
+
+After (one copy to the host before the first read, as Inductor's decompositions spell it; each read is then of
+host memory):
+
+    %host = prims.device_put.default(aten.cat.default([%send, %receive]), cpu)
+    %a = aten._local_scalar_dense.default(aten.select.int(%host, 0, 0))        # sym u0
+    %b = aten._local_scalar_dense.default(aten.select.int(%host, 0, 1))        # sym u1
+    %c = aten._local_scalar_dense.default(aten.select.int(%host, 0, 2))        # sym u2
+    %d = aten._local_scalar_dense.default(aten.select.int(%host, 0, 3))        # sym u3
+
+Exact: the same integers are read. The reads keep their nodes (and the unbacked sizes they define); only their
+input changes. The graph still reads values back (no CUDA graph), but it waits for the device once.
+
+Conditions: a read whose value is a split size of an all_to_all_single, of one element of a 1-D integer tensor of
+fixed length; all such tensors of one dtype, each computed before the first such read. Otherwise the graph is
+left alone, with the reason. Ordering: any time before lowering (it touches no op another pass matches).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from dzc.passes.graph_pass import PassResult, copy_graph, fake_value, is_call, location_of
+
+NAME = "read_all_to_all_splits_once"
+aten = torch.ops.aten
+_ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
+
+
+def _fake(target, args: tuple, kwargs: dict):
+    """The fake value of target(*args, **kwargs), nodes replaced by theirs, in the graph's fake mode."""
+    values, kw = torch.fx.node.map_arg((args, kwargs), fake_value)
+    mode = next(v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, FakeTensor)).fake_mode
+    with mode:
+        return target(*values, **kw)
+
+
+def _call(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
+    node = graph.call_function(target, args, kwargs or {})
+    node.meta["val"] = _fake(target, args, kwargs or {})
+    return node
+
+
+def _is_split(read: torch.fx.Node) -> bool:
+    """Whether the value of `read` is a split size of an all_to_all_single."""
+    return any(is_call(user, _ALL_TO_ALL) and any(read in (splits or ()) for splits in user.args[1:3])
+               for user in read.users)
+
+
+def _element(read: torch.fx.Node):
+    """(tensor node, index) when `read` reads one element of a 1-D integer tensor of fixed length, else None."""
+    select = read.args[0]
+    if not is_call(select, aten.select.int) or select.args[1] != 0 or not isinstance(select.args[2], int):
+        return None
+    value = fake_value(select.args[0])
+    if (not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype.is_floating_point
+            or not isinstance(value.shape[0], int)):
+        return None
+    index = select.args[2]
+    return select.args[0], index if index >= 0 else index + value.shape[0]
+
+
+def read_all_to_all_splits_once(graph: torch.fx.Graph) -> PassResult:
+    """Read all of a graph's all_to_all split sizes through one copy to the host; returns a new graph and a
+    report."""
+    graph = copy_graph(graph)
+    result = PassResult(NAME, graph)
+    reads = [n for n in graph.nodes if is_call(n, aten._local_scalar_dense.default) and _is_split(n)]
+    if len(reads) < 2:
+        return result
+    where = location_of(reads[0])
+    elements = [_element(read) for read in reads]
+    if any(e is None for e in elements):
+        result.refused(where, "a split size is not one element of a 1-D integer tensor of fixed length")
+        return result
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    sources = list(dict.fromkeys(tensor for tensor, _ in elements))
+    if len({fake_value(t).dtype for t in sources}) > 1:
+        result.refused(where, "the split sizes are read from tensors of different dtypes")
+        return result
+    if any(order[t] > order[reads[0]] for t in sources):
+        result.refused(where, "a tensor of split sizes is computed after the first read")
+        return result
+    offsets, total = {}, 0
+    for tensor in sources:
+        offsets[tensor] = total
+        total += fake_value(tensor).shape[0]
+    with graph.inserting_before(reads[0]):
+        joined = _call(graph, aten.cat.default, (sources,)) if len(sources) > 1 else sources[0]
+        host = _call(graph, torch.ops.prims.device_put.default, (joined, torch.device("cpu")))
+        for read, (tensor, index) in zip(reads, elements):
+            old = read.args[0]
+            read.args = (_call(graph, aten.select.int, (host, 0, offsets[tensor] + index)),)
+            if not old.users:
+                graph.erase_node(old)
+    result.rewrote(where)
+    return result
