@@ -272,6 +272,10 @@ def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
     unmerged = replace(options, disable_passes=(*options.disable_passes, "merge_all_to_all_dispatches",
                                                 "read_all_to_all_splits_once"))
     compiled_unmerged = dzc.compile(layer, target=target, options=unmerged)
+    # Each pass alone off: which of the two pays (printed, not tabled).
+    alone = {name: dzc.compile(layer, target=target,
+                               options=replace(options, disable_passes=(*options.disable_passes, name)))
+             for name in ("merge_all_to_all_dispatches", "read_all_to_all_splits_once")}
     compiled_one = compiled_plain = None
     if rank == 0:
         compiled_one = dzc.compile(block, target=target, options=options)
@@ -288,6 +292,10 @@ def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
             check(f"EP={world} T={tokens} with the EP passes vs without", got, compiled_unmerged(mine), 2 ** -7)
             ep_s = timed(lambda: compiled_ep(mine), sizes["iterations"], device)
             unmerged_s = timed(lambda: compiled_unmerged(mine), sizes["iterations"], device)
+            without = {name: timed(lambda c=c: c(mine), sizes["iterations"], device) for name, c in alone.items()}
+            if rank == 0:
+                print(f"EP={world} T={tokens}: " + ", ".join(f"without {name} {t * 1e6:.1f} µs"
+                                                            for name, t in without.items()), flush=True)
             one_s = plain_s = 0.0
             if rank == 0:
                 one_s = timed(lambda: compiled_one(mine), sizes["iterations"], device, together=False)
