@@ -30,9 +30,10 @@ cost a graph or a recompile a plain capture does not (torch 2.13):
   expressions first, so each kind of call gets a body of its own (`_reuse_only_calls_of_the_same_sizes`); where
   such a guard is made all the same, only the most common kind of call stays marked (`narrowing`);
 - a dim marked dynamic (dzc's hint) that a layer body specialises, yet takes as an input, would make Dynamo's
-  stamp-out of that body fail (`KeyError: 2`) and its whole trace be thrown away: that body is not reused, the
-  call is traced anew (`_lifts_a_specialized_symbol`); where the stamp-out fails all the same (torch's internals
-  moved), the hint is taken off and the capture retried with the same marks (`unmark_specialized_dims`);
+  stamp-out of that body fail (`KeyError: 2`) and its whole trace be thrown away: the stamp-out passes the body
+  the symbol its first call passed, or, where that symbol is gone, the call is traced anew
+  (`_lifts_a_specialized_symbol`); where the stamp-out fails all the same (torch's internals moved), the hint is
+  taken off and the capture retried with the same marks (`unmark_specialized_dims`);
 - a body that writes its inputs (a layer writing its KV cache) AOTAutograd keeps as
   auto_functionalized_v2(invoke_subgraph, ...), traced once per body: `flatten` inlines those calls with their
   writes as a plain capture has them (the new values, copied into the graph's inputs at its end), so the passes
@@ -161,15 +162,27 @@ def _reuse_only_calls_of_the_same_sizes() -> None:
 
 
 def _lifts_a_specialized_symbol(tx, cached_entry, bound_symbol: type) -> bool:
-    """Whether the reuse entry `cached_entry` passes its body a size symbol the graph no longer binds: torch 2.13
-    records a lifted size symbol as its expression after the trace (LiftedBoundSymbol), and where the body
-    specialised it (a (row, column) pair's dim of 2, marked dynamic by dzc's hint), that expression is the number
-    and the stamp-out fails (`KeyError: 2` in stamp_out_subgraph), throwing the whole frame's trace away. Refusing
-    the reuse instead makes Dynamo trace that call anew, without the symbol (now a constant), and later calls reuse
-    the new body: one more body trace, no second capture."""
-    for lifted in getattr(cached_entry, "subgraph_input_mapping", ()):
-        if isinstance(lifted, bound_symbol) and lifted.expr not in tx.output.current_tracer.bound_symbols:
+    """Whether the reuse entry `cached_entry` passes its body a size symbol the graph binds under no name it kept.
+    torch 2.13 records a size symbol lifted into a body (LiftedBoundSymbol) as its expression after the trace, and
+    where the body specialised it (a (row, column) pair's dim of 2, marked dynamic by dzc's hint), that expression
+    is the number: the stamp-out looks the number up among the graph's bound symbols and fails (`KeyError: 2` in
+    stamp_out_subgraph), throwing the whole frame's trace away. The body's own placeholder still holds the symbol
+    it was traced with, the one the first call passed: the entry is pointed back at it, so every call passes the
+    body what the first call passed (the same symbol, its value guarded to the constant). Where that symbol is not
+    bound either, the reuse is refused: Dynamo traces the call anew (one more body trace, no second capture)."""
+    mapping = getattr(cached_entry, "subgraph_input_mapping", ())
+    bound = tx.output.current_tracer.bound_symbols
+    placeholders = None
+    for index, lifted in enumerate(mapping):
+        if not isinstance(lifted, bound_symbol) or lifted.expr in bound:
+            continue
+        if placeholders is None:
+            placeholders = [node for node in cached_entry.body_gmod.graph.nodes if node.op == "placeholder"]
+        value = placeholders[index].meta.get("example_value") if len(placeholders) == len(mapping) else None
+        symbol = value.node._expr if isinstance(value, torch.SymInt) else None
+        if symbol is None or symbol not in bound:
             return True
+        mapping[index] = bound_symbol(symbol)
     return False
 
 

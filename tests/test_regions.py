@@ -66,12 +66,13 @@ def test_repeated_layers_fuse_as_without_regions_and_match_eager(options):
 def test_the_multimodal_model_fuses_as_without_regions(options):
     """Its whole prefill, 3 vision blocks (the second one full-attention) and 3 decoder layers, all marked. The
     first block's body specialises the patch positions' (row, column) dim, marked dynamic, yet takes its symbol as
-    an input: torch 2.13's stamp-out of that body for the third block fails (KeyError: 2) and Dynamo's whole trace
-    was thrown away. dzc's reuse check refuses that body instead: the third block is traced anew, no retry. The
-    full-attention block gets a body of its own (its cu_seqlens are of another size than the window blocks'
-    cu_window_seqlens: no guard relates them, no block is unmarked). The decoder layers write the paged cache:
-    AOTAutograd keeps the calls of their shared body functionalized, dzc inlines them with the writes of a plain
-    capture. Same fusions and results as without regions, one graph."""
+    an input: torch 2.13's stamp-out of that body for the third block failed (KeyError: 2) and Dynamo's whole trace
+    was thrown away. dzc's reuse check points the stamp-out back at the symbol the first call passed: the two window
+    blocks share one body, traced once, no retry. The full-attention block gets a body of its own (its cu_seqlens
+    are of another size than the window blocks' cu_window_seqlens: no guard relates them, no block is unmarked),
+    called once: Dynamo inlines it. The decoder layers write the paged cache: AOTAutograd keeps the calls of their
+    shared body functionalized, dzc inlines them with the writes of a plain capture. Same fusions and results as
+    without regions, one graph."""
     fired, logits = {}, {}
     for nested in (False, True):
         torch._dynamo.reset()
@@ -86,6 +87,8 @@ def test_the_multimodal_model_fuses_as_without_regions(options):
     report = compiled.report
     assert report.nested_regions == "vision.blocks: 3 x VisionBlock, language.layers: 3 x DecoderLayer"
     assert report.region_retries == [], report.region_retries
+    assert report.graphs[0].regions == ["body repeated_subgraph0 called 2 times: fuse_residual_norm 1 site, "
+                                        "fuse_vision_attention 1 site"], report.graphs[0].regions
     capture = dict(report.graphs[0].stages)["capture"]
     assert "auto_functionalized_v2" in capture and "called 2 times" in capture, capture[-2000:]
     assert all("_dzc_region_of" in vars(type(block)) for block in model.vision.blocks)
