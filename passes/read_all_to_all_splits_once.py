@@ -23,11 +23,12 @@ host memory):
     %d = aten._local_scalar_dense.default(aten.select.int(%host, 0, 3))        # sym u3
 
 Exact: the same integers are read. The reads keep their nodes (and the unbacked sizes they define); only their
-input changes. The graph still reads values back (no CUDA graph), but it waits for the device once.
+input changes. The graph still reads values back (no CUDA graph), but it waits for the device once a run.
 
 Conditions: a read whose value is a split size of an all_to_all_single, of one element of a 1-D integer tensor of
-fixed length; all such tensors of one dtype, each computed before the first such read. Otherwise the graph is
-left alone, with the reason. Ordering: any time before lowering (it touches no op another pass matches).
+fixed length. The reads go in runs, one copy each: a run's tensors are all computed before its first read (each
+EP layer of a model gets its own), and are of one dtype. A read that fails is left alone, with the reason.
+Ordering: any time before lowering (it touches no op another pass matches).
 """
 
 from __future__ import annotations
@@ -76,27 +77,23 @@ def _element(read: torch.fx.Node):
     return select.args[0], index if index >= 0 else index + value.shape[0]
 
 
-def read_all_to_all_splits_once(graph: torch.fx.Graph) -> PassResult:
-    """Read all of a graph's all_to_all split sizes through one copy to the host; returns a new graph and a
-    report."""
-    graph = copy_graph(graph)
-    result = PassResult(NAME, graph)
-    reads = [n for n in graph.nodes if is_call(n, aten._local_scalar_dense.default) and _is_split(n)]
-    if len(reads) < 2:
-        return result
-    where = location_of(reads[0])
-    elements = [_element(read) for read in reads]
-    if any(e is None for e in elements):
-        result.refused(where, "a split size is not one element of a 1-D integer tensor of fixed length")
-        return result
-    order = {node: i for i, node in enumerate(graph.nodes)}
+def _groups(reads: list[torch.fx.Node], elements: list, order: dict) -> list[list[int]]:
+    """The reads (positions in `reads`) in runs that one copy can serve: each run's tensors are all computed
+    before its first read (a model with several EP layers gets a run per layer)."""
+    runs: list[list[int]] = []
+    for i, (tensor, _) in enumerate(elements):
+        if runs and order[tensor] < order[reads[runs[-1][0]]]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def _read_once(graph: torch.fx.Graph, reads: list[torch.fx.Node], elements: list) -> str:
+    """Rewrite one run of reads to read one host copy; returns "" or why not."""
     sources = list(dict.fromkeys(tensor for tensor, _ in elements))
     if len({fake_value(t).dtype for t in sources}) > 1:
-        result.refused(where, "the split sizes are read from tensors of different dtypes")
-        return result
-    if any(order[t] > order[reads[0]] for t in sources):
-        result.refused(where, "a tensor of split sizes is computed after the first read")
-        return result
+        return "the split sizes are read from tensors of different dtypes"
     offsets, total = {}, 0
     for tensor in sources:
         offsets[tensor] = total
@@ -109,5 +106,29 @@ def read_all_to_all_splits_once(graph: torch.fx.Graph) -> PassResult:
             read.args = (_call(graph, aten.select.int, (host, 0, offsets[tensor] + index)),)
             if not old.users:
                 graph.erase_node(old)
-    result.rewrote(where)
+    return ""
+
+
+def read_all_to_all_splits_once(graph: torch.fx.Graph) -> PassResult:
+    """Read each run of a graph's all_to_all split sizes through one copy to the host; returns a new graph and a
+    report."""
+    graph = copy_graph(graph)
+    result = PassResult(NAME, graph)
+    reads = [n for n in graph.nodes if is_call(n, aten._local_scalar_dense.default) and _is_split(n)]
+    elements = [_element(read) for read in reads]
+    for read, element in zip(reads, elements):
+        if element is None:
+            result.refused(location_of(read), "a split size is not one element of a 1-D integer tensor of fixed "
+                                              "length")
+    kept = [(read, element) for read, element in zip(reads, elements) if element is not None]
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for run in _groups([r for r, _ in kept], [e for _, e in kept], order):
+        if len(run) < 2:
+            continue
+        run_reads, run_elements = [kept[i][0] for i in run], [kept[i][1] for i in run]
+        why = _read_once(graph, run_reads, run_elements)
+        if why:
+            result.refused(location_of(run_reads[0]), why)
+        else:
+            result.rewrote(location_of(run_reads[0]))
     return result
