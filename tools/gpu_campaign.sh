@@ -15,8 +15,8 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next (after wheels-1, wheels-2 while warm): s30-topk-cache, then s25-busy (the multimodal bench);
-# bench_vision_attention with codegen auto and tuning is still to be written.
+# Next session: s31-ep first (no TileLang needed: a bare machine), then wheels-1, wheels-2 and s31-vision, then
+# s25-busy (the multimodal bench); bench_vision_attention with codegen auto and tuning is still to be written.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -163,6 +163,20 @@ s30-topk-cache)
   TAIL=8 part topk_cache_lengths 150 python3 tools/diagnose_dsa_topk_configs.py --match CACHE "RADIX_BITS=10 SWEEP=8192"
   TAIL=30 part topk_cache_tuned 200 env DZC_AUTOTUNE_LOG=1 python3 tools/bench_dsa.py --only topk --batches 64 \
     --queries 2 --contexts 32768 131072 --topk-codegens tilelang --cuda-graphs --out "$OUT/dsa_topk_cache_h200.md"
+  ;;
+s31-ep)
+  # issue 17: where the expert-parallel layer's ~2 ms at 64 tokens goes (world size 1): its collectives and host
+  # reads, a profile of 5 calls, and the EP table with each EP pass off and the whole layer without CUDA graphs.
+  TAIL=40 part bench_ep 560 python3 tools/bench_distributed.py --no-tune --tables ep --out "$OUT/distributed_ep_h200.md"
+  ;;
+s31-vision)
+  # (after wheels-1 and wheels-2) issue 14: the varlen kernels after session 30's NaN-leak fix (the pipelined
+  # kernel's tail block unpipelined, the warp-specialized producer zeroing a partial v tile): the GPU numerics not
+  # run in session 30, then the timing beside cuDNN at head dims 72, 80, 128 on the mixed pack.
+  TAIL=8 part gpu_tests_varlen 300 python3 -m pytest -q -p no:logging -rf tests/test_varlen_attention_kernels.py \
+    -k "tilelang_on_gpu and not d72-bfloat16-rope0 and not d128-bfloat16-rope0"
+  TAIL=30 part bench_vision 280 python3 tools/bench_vision_attention.py --head-dims 72 80 128 --packs mixed \
+    --codegens tilelang --no-compile-baseline --out "$OUT/vision_attention_h200.md"
   ;;
 s30-moe)
   # (carry .triton-kernels) issue 15: the decode rows s29-1's time limit cut (deepseek-style at 8 and 64 tokens),
