@@ -161,6 +161,35 @@ def _reuse_only_calls_of_the_same_sizes() -> None:
     dynamo_regions.is_reusable = is_reusable
 
 
+def _cache_region_calls_fake_outputs() -> None:
+    """Keep fake tensors' dispatch cache for region calls alone. dzc.compile turns that cache off process-wide
+    (dzc/api.py: an MoE's per-expert loop costs more with it), and with it torch's cache of a region call's fake
+    outputs, keyed by the body (the id of its graph module) and the inputs' metadata: without it AOTAutograd runs
+    every call's body through fake tensors, several times (its metadata pass, its trace, a functionalized call's
+    clone), where the cache runs each distinct body once per kind of inputs (at 8 + 8 multimodal layers, 35 runs
+    against 6). The entries are torch's own, with its own refusals (an output of an unbacked size is not cached):
+    what torch does with the cache on, for this one operator. Installed once per process, by the first marking."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    dispatch = FakeTensorMode._dispatch_impl
+    if getattr(dispatch, "dzc_caches_region_calls", False) or not hasattr(FakeTensorMode, "_cached_dispatch_impl"):
+        return
+    caching = set()  # ids of the modes inside a cached dispatch of a region call (a miss dispatches again)
+
+    @functools.wraps(dispatch)
+    def _dispatch_impl(self, func, types, args, kwargs):
+        if func is INVOKE_SUBGRAPH and not self.cache_enabled and id(self) not in caching:
+            caching.add(id(self))
+            try:
+                return self._cached_dispatch_impl(func, types, args, kwargs)
+            finally:
+                caching.discard(id(self))
+        return dispatch(self, func, types, args, kwargs)
+
+    _dispatch_impl.dzc_caches_region_calls = True
+    FakeTensorMode._dispatch_impl = _dispatch_impl
+
+
 def _lifts_a_specialized_symbol(tx, cached_entry, bound_symbol: type) -> bool:
     """Whether the reuse entry `cached_entry` passes its body a size symbol the graph binds under no name it kept.
     torch 2.13 records a size symbol lifted into a body (LiftedBoundSymbol) as its expression after the trace, and
@@ -261,6 +290,7 @@ def mark_repeated_layers(model) -> Marking:
                     marking.refused.append(f"{path}: {cls.__name__} ({why})")
                 continue
             _reuse_only_calls_of_the_same_sizes()
+            _cache_region_calls_fake_outputs()
             region = _region_class(cls)
             try:
                 for layer in layers:

@@ -32,21 +32,27 @@ def _compile_llama(options, nested: bool, layers: int):
 
 
 def test_repeated_layers_fuse_as_without_regions_and_match_eager(options):
-    fired = {}
+    fired, body_runs = {}, {}
+    metrics = torch._dynamo.utils.compilation_time_metrics  # Dynamo's timings, one entry per run
     for nested in (False, True):
         torch._dynamo.reset()
         model, tokens, compiled = _compile_llama(options, nested, layers=4)
+        runs_before = len(metrics.get("invoke_subgraph_fake_tensor", ()))
         for seq in (16, 9):
             tokens = torch.randint(0, 256, (2, seq))
             expected = model(tokens)
             torch.testing.assert_close(compiled(tokens).float(), expected.float(), atol=_BF16_LOGITS,
                                        rtol=_BF16_LOGITS)
+        body_runs[nested] = len(metrics.get("invoke_subgraph_fake_tensor", ())) - runs_before
         report = compiled.report
         fired[nested] = report.fired()
         assert report.compiles == 1, "a new sequence length recompiled"
     # 4 layers: each layer's second norm (inside the body) and each residual add into the next layer's first norm
     # or the final norm (across the bodies' boundaries, found in the flat graph): as many as without regions.
     assert fired[True] == fired[False] == {"fuse_residual_norm": 8}, fired
+    # The body's fake outputs are cached (regions._cache_region_calls_fake_outputs, though dzc turns fake tensors'
+    # cache off): AOTAutograd runs it through fake tensors 4 times, not twice a call (8, its metadata pass and trace).
+    assert 0 < body_runs[True] < 8, body_runs
     assert report.nested_regions == "layers: 4 x HFLayer"
     assert report.graphs[0].regions == ["body repeated_subgraph0 called 4 times: fuse_residual_norm 1 site"]
     stages = dict(report.graphs[0].stages)
