@@ -28,10 +28,10 @@ Exact: every byte arrives where it did (all_to_all_single splits dim 0 only; the
 The results are strided views of the received buffer; their values are the same.
 
 Conditions (a group that fails one is left alone, with the reason): the calls share the group and both split
-lists (the same nodes or numbers, in order); each is waited on once; each input is 1-D or 2-D; the nodes that
-compute the later calls' inputs can move before the first call (none of them is a collective, none writes
-anything). Ordering: after fuse_mxfp4_experts (which reads the received ids and weights as they were
-traced), before lowering.
+lists (the same nodes or numbers, in order; a call with another call's lists over another group is refused as
+such); each is waited on once; each input is 1-D or 2-D; the nodes that compute the later calls' inputs can move
+before the first call (none of them is a collective, none writes anything). Ordering: after fuse_mxfp4_experts
+(which reads the received ids and weights as they were traced), before lowering.
 """
 
 from __future__ import annotations
@@ -181,6 +181,18 @@ def merge_all_to_all_dispatches(graph: torch.fx.Graph) -> PassResult:
     for node in graph.nodes:
         if is_call(node, _ALL_TO_ALL):
             groups.setdefault(_key(node), []).append(node)
+    # A call that shares its split lists with calls over another group is left alone: name why (equal splits,
+    # None, are no such near miss: they say nothing of the rows).
+    by_splits: dict = {}
+    for key in groups:
+        if key[:2] != (None, None):
+            by_splits.setdefault(key[:2], []).append(key)
+    for keys in by_splits.values():
+        first = groups[keys[0]][0]
+        for key in keys[1:]:
+            call = groups[key][0]
+            result.refused(location_of(call), f"{call.name} has the splits of {first.name} but another process "
+                                              f"group ({key[2]!r}, not {keys[0][2]!r})")
     for calls in groups.values():
         if len(calls) < 2:
             continue

@@ -49,6 +49,34 @@ class _SharedPartial(nn.Module):
         return self.weight * (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)).to(h.dtype), reduced * 2
 
 
+class _UnmergeableExchange(nn.Module):
+    """Exchanges the EP passes must leave alone, each with its reason: split sizes read from an i64 and an i32
+    tensor (read_all_to_all_splits_once: one copy needs one dtype) and from 0-D sums; two calls with the same
+    splits where the second's input needs the first's result, and a third over another group
+    (merge_all_to_all_dispatches); and a host read that is no split size (not the pass's: left as it is)."""
+
+    def __init__(self, other_group):
+        super().__init__()
+        self.other_group = other_group
+
+    def forward(self, x):
+        import torch.distributed._functional_collectives as funcol
+
+        group = dist.group.WORLD
+        owner = (x[:, 0] > 0).long()
+        order = torch.argsort(owner, stable=True)
+        x, owner = x[order], owner[order]
+        send = (owner[:, None] == torch.arange(WORLD)).sum(0)
+        receive = funcol.all_to_all_single(send.int(), None, None, group)
+        send_splits, receive_splits = send.tolist(), receive.tolist()
+        rows = funcol.all_to_all_single(x, receive_splits, send_splits, group)
+        again = funcol.all_to_all_single(x * rows.sum(), receive_splits, send_splits, group)
+        other = funcol.all_to_all_single(x + 1, receive_splits, send_splits, self.other_group)
+        counted = [(owner == r).sum().item() for r in range(WORLD)]
+        alone = funcol.all_to_all_single(x - 1, receive_splits, counted, group)
+        return rows + again + other * owner.sum().item() + alone
+
+
 def _prefill_then_decode(whole, compiled, new_session, hidden: int, seed: int) -> dict:
     """A prefill of 11 tokens then a decode step for 2 sequences, the whole layer eagerly and the compiled
     shard each over its own session's paged cache; the compiled run's _summary against the eager one."""
@@ -60,6 +88,14 @@ def _prefill_then_decode(whole, compiled, new_session, hidden: int, seed: int) -
             expected.append(eager.step(whole, x))
             outputs.append(fused.step(compiled, x))
     return _summary(compiled, outputs, expected)
+
+
+def _ep_stages(compiled) -> list:
+    """[name, text] of the first graph's stage before merge_all_to_all_dispatches, its own and the next
+    (read_all_to_all_splits_once)."""
+    stages = compiled.report.graphs[0].stages
+    at = [name for name, _ in stages].index("merge_all_to_all_dispatches")
+    return [list(stage) for stage in stages[at - 1:at + 2]]
 
 
 def _ranks(rank: int, world: int, out_dir: str) -> None:
@@ -127,7 +163,7 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
         outputs.append(compiled(x[rank * count:(rank + 1) * count]))
         same.append(torch.equal(outputs[-1], unmerged(x[rank * count:(rank + 1) * count])))
     results["expert_parallel"] = dict(_summary(compiled, outputs, expected), same_as_unmerged=same,
-                                      unmerged=_summary(unmerged, outputs, expected))
+                                      unmerged=_summary(unmerged, outputs, expected), stages=_ep_stages(compiled))
 
     # Refusal: the all-reduced value is used again after the add.
     partial = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 + rank))
@@ -150,6 +186,14 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
     second = dist.new_group(list(range(world)))
     none, why = distributed.rank_agreement(communicating(dist.group.WORLD.group_name, second.group_name), "cpu")
     results["agreement"] = {"flag": any_rank(rank == 1), "no_flag": any_rank(False), "two_groups": [none, why]}
+
+    # The EP passes' refusals: exchanges they must leave alone (each rank sends a share of its 7 rows).
+    model = _UnmergeableExchange(second)
+    compiled = dzc.compile(model, target="cuda", options=options)
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(50 + rank))
+    output = compiled(x)
+    results["ep_refusals"] = dict(_summary(compiled, [output], [model(x)]), same=torch.equal(output, model(x)),
+                                  stages=_ep_stages(compiled))
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(results, f)
 
@@ -239,6 +283,189 @@ def test_expert_parallel_moe_matches_single_device_layer(ranks):
         assert case["lowered"].count("prims.device_put.default(") == case["graphs"], case["lowered"]
         assert case["lowered"].count(reads) == case["unmerged"]["lowered"].count(reads) == 2 * WORLD * case["graphs"]
         assert case["same_as_unmerged"] == [True] * len(TOKENS_PER_RANK)
+
+
+def _body(text: str) -> list[str]:
+    """A stage's graph lines, its '# built by' header left off."""
+    return text.splitlines()[1:]
+
+
+def _split_reads(text: str) -> str:
+    """A stage's lines from the counts' exchange (the first all_to_all_single) through the last checked read: where
+    read_all_to_all_splits_once rewrites."""
+    lines = _body(text)
+    first = next(i for i, line in enumerate(lines) if "all_to_all_single" in line)
+    last = max(i for i, line in enumerate(lines) if "_assert_scalar" in line)
+    return "\n".join(lines[first:last + 1]) + "\n"
+
+
+def _dispatch(text: str) -> str:
+    """A stage's lines after the last checked read through the combine's wait (the last wait_tensor): where
+    merge_all_to_all_dispatches rewrites."""
+    lines = _body(text)
+    first = max(i for i, line in enumerate(lines) if "_assert_scalar" in line) + 1
+    last = max(i for i, line in enumerate(lines) if "wait_tensor" in line)
+    return "\n".join(lines[first:last + 1]) + "\n"
+
+
+def _renamed(text: str) -> str:
+    """`text` with its graph inputs and size symbols renumbered in order of first appearance (rank 1's graph has
+    one more input, its tokens being a view at an offset, so its numbers differ from rank 0's)."""
+    import re
+
+    def renumbered(text: str, pattern: str, prefix: str) -> str:
+        names: dict = {}
+        return re.sub(pattern, lambda m: names.setdefault(m.group(0), f"{prefix}{len(names)}"), text)
+
+    return renumbered(renumbered(text, r"%a\d+\b", "%a#"), r"\bs\d+\b", "s#")
+
+
+# The EP layer's graph on rank 0 where each EP pass rewrites, before and after it; rank 1's has the same lines but
+# for its inputs' and symbols' numbers and its first expert ({first}: 0 or 2). Long lines go on after a backslash.
+_DISPATCH_BEFORE_MERGE = """\
+  %46 = aten.div.Tensor_mode(%16, 2, rounding_mode='floor')  # i64[2*s0]
+  %47 = aten.index.Tensor(%a3, [%46])  # bf16[2*s0, 64]
+  %48 = _c10d_functional.all_to_all_single.default(%47, [%39, %43], [%27, %31], '0')  # bf16[s3 + s4, 64]
+  %49 = _c10d_functional.wait_tensor.default(%48)  # bf16[s3 + s4, 64]
+  %50 = _c10d_functional.all_to_all_single.default(%17, [%39, %43], [%27, %31], '0')  # i64[s3 + s4]
+  %51 = _c10d_functional.wait_tensor.default(%50)  # i64[s3 + s4]
+  %52 = aten.sub.Tensor(%51, {first})  # i64[s3 + s4]
+  %53 = aten.view.default(%13, [-1])  # bf16[2*s0]
+  %54 = aten.index.Tensor(%53, [%16])  # bf16[2*s0]
+  %55 = _c10d_functional.all_to_all_single.default(%54, [%39, %43], [%27, %31], '0')  # bf16[s3 + s4]
+  %56 = _c10d_functional.wait_tensor.default(%55)  # bf16[s3 + s4]
+  %57 = aten.slice.Tensor(%52, 0, 0, 9223372036854775807)  # i64[s3 + s4]
+  %58 = aten.unsqueeze.default(%57, 1)  # i64[s3 + s4, 1]
+  %59 = aten.slice.Tensor(%56, 0, 0, 9223372036854775807)  # bf16[s3 + s4]
+  %60 = aten.unsqueeze.default(%59, 1)  # bf16[s3 + s4, 1]
+  %61 = dzc.mxfp4_moe.default(%49, %58, %60, %a4, %a5, %a8, %a6, %a7, %a9, 'clamped_swiglu', True, 1.702, 7.0)  # \
+bf16[s3 + s4, 64]
+  %62 = _c10d_functional.all_to_all_single.default(%61, [%27, %31], [%39, %43], '0')  # bf16[s1 + s2, 64]
+  %63 = _c10d_functional.wait_tensor.default(%62)  # bf16[s1 + s2, 64]
+"""
+
+_DISPATCH_MERGED = """\
+  %46 = aten.div.Tensor_mode(%16, 2, rounding_mode='floor')  # i64[2*s0]
+  %47 = aten.index.Tensor(%a3, [%46])  # bf16[2*s0, 64]
+  %48 = aten.view.default(%13, [-1])  # bf16[2*s0]
+  %49 = aten.index.Tensor(%48, [%16])  # bf16[2*s0]
+  %50 = aten.unsqueeze.default(%17, 1)  # i64[2*s0, 1]
+  %51 = aten.view.dtype(%50, bf16)  # bf16[2*s0, 4]
+  %52 = aten.unsqueeze.default(%49, 1)  # bf16[2*s0, 1]
+  %53 = aten.cat.default([%51, %47, %52], 1)  # bf16[2*s0, 69]
+  %54 = aten.constant_pad_nd.default(%53, [0, 3], 0.0)  # bf16[2*s0, 72]
+  %55 = _c10d_functional.all_to_all_single.default(%54, [%39, %43], [%27, %31], '0')  # bf16[s3 + s4, 72]
+  %56 = _c10d_functional.wait_tensor.default(%55)  # bf16[s3 + s4, 72]
+  %57 = aten.slice.Tensor(%56, 1, 0, 4)  # bf16[s3 + s4, 4]
+  %58 = aten.view.dtype(%57, i64)  # i64[s3 + s4, 1]
+  %59 = aten.select.int(%58, 1, 0)  # i64[s3 + s4]
+  %60 = aten.slice.Tensor(%56, 1, 4, 68)  # bf16[s3 + s4, 64]
+  %61 = aten.slice.Tensor(%56, 1, 68, 69)  # bf16[s3 + s4, 1]
+  %62 = aten.select.int(%61, 1, 0)  # bf16[s3 + s4]
+  %63 = aten.sub.Tensor(%59, {first})  # i64[s3 + s4]
+  %64 = aten.slice.Tensor(%63, 0, 0, 9223372036854775807)  # i64[s3 + s4]
+  %65 = aten.unsqueeze.default(%64, 1)  # i64[s3 + s4, 1]
+  %66 = aten.slice.Tensor(%62, 0, 0, 9223372036854775807)  # bf16[s3 + s4]
+  %67 = aten.unsqueeze.default(%66, 1)  # bf16[s3 + s4, 1]
+  %68 = dzc.mxfp4_moe.default(%60, %65, %67, %a4, %a5, %a8, %a6, %a7, %a9, 'clamped_swiglu', True, 1.702, 7.0)  # \
+bf16[s3 + s4, 64]
+  %69 = _c10d_functional.all_to_all_single.default(%68, [%27, %31], [%39, %43], '0')  # bf16[s1 + s2, 64]
+  %70 = _c10d_functional.wait_tensor.default(%69)  # bf16[s1 + s2, 64]
+"""
+
+_SPLIT_READS_BEFORE = """\
+  %24 = _c10d_functional.all_to_all_single.default(%23, [1, 1], [1, 1], '0')  # i64[2]
+  %25 = _c10d_functional.wait_tensor.default(%24)  # i64[2]
+  %26 = aten.select.int(%23, 0, 0)  # i64[]
+  %27 = aten._local_scalar_dense.default(%26)  # sym s1
+  %28 = ge(%27, 0)  # SymBool
+  %29 = aten._assert_scalar.default(%28, "Runtime assertion failed for expression u0 >= 0 on node 'ge'")  # NoneType
+  %30 = aten.select.int(%23, 0, 1)  # i64[]
+  %31 = aten._local_scalar_dense.default(%30)  # sym s2
+  %32 = ge(%31, 0)  # SymBool
+  %33 = aten._assert_scalar.default(%32, "Runtime assertion failed for expression u1 >= 0 on node 'ge_1'")  # NoneType
+  %34 = sym_sum((%27, %31))  # sym s1 + s2
+  %35 = mul(2, %a2)  # sym 2*s0
+  %36 = eq(%34, %35)  # SymBool
+  %37 = aten._assert_scalar.default(%36, "Runtime assertion failed for expression Eq(u0 + u1, 2*s77) on node 'eq_3'") \
+ # NoneType
+  %38 = aten.select.int(%25, 0, 0)  # i64[]
+  %39 = aten._local_scalar_dense.default(%38)  # sym s3
+  %40 = ge(%39, 0)  # SymBool
+  %41 = aten._assert_scalar.default(%40, "Runtime assertion failed for expression u2 >= 0 on node 'ge_2'")  # NoneType
+  %42 = aten.select.int(%25, 0, 1)  # i64[]
+  %43 = aten._local_scalar_dense.default(%42)  # sym s4
+  %44 = ge(%43, 0)  # SymBool
+  %45 = aten._assert_scalar.default(%44, "Runtime assertion failed for expression u3 >= 0 on node 'ge_3'")  # NoneType
+"""
+
+_SPLIT_READS_ONCE = """\
+  %24 = _c10d_functional.all_to_all_single.default(%23, [1, 1], [1, 1], '0')  # i64[2]
+  %25 = _c10d_functional.wait_tensor.default(%24)  # i64[2]
+  %26 = aten.cat.default([%23, %25])  # i64[4]
+  %27 = prims.device_put.default(%26, 'cpu')  # i64[4]
+  %28 = aten.select.int(%27, 0, 0)  # i64[]
+  %29 = aten.select.int(%27, 0, 1)  # i64[]
+  %30 = aten.select.int(%27, 0, 2)  # i64[]
+  %31 = aten.select.int(%27, 0, 3)  # i64[]
+  %32 = aten._local_scalar_dense.default(%28)  # sym s1
+  %33 = ge(%32, 0)  # SymBool
+  %34 = aten._assert_scalar.default(%33, "Runtime assertion failed for expression u0 >= 0 on node 'ge'")  # NoneType
+  %35 = aten._local_scalar_dense.default(%29)  # sym s2
+  %36 = ge(%35, 0)  # SymBool
+  %37 = aten._assert_scalar.default(%36, "Runtime assertion failed for expression u1 >= 0 on node 'ge_1'")  # NoneType
+  %38 = sym_sum((%32, %35))  # sym s1 + s2
+  %39 = mul(2, %a2)  # sym 2*s0
+  %40 = eq(%38, %39)  # SymBool
+  %41 = aten._assert_scalar.default(%40, "Runtime assertion failed for expression Eq(u0 + u1, 2*s77) on node 'eq_3'") \
+ # NoneType
+  %42 = aten._local_scalar_dense.default(%30)  # sym s3
+  %43 = ge(%42, 0)  # SymBool
+  %44 = aten._assert_scalar.default(%43, "Runtime assertion failed for expression u2 >= 0 on node 'ge_2'")  # NoneType
+  %45 = aten._local_scalar_dense.default(%31)  # sym s4
+  %46 = ge(%45, 0)  # SymBool
+  %47 = aten._assert_scalar.default(%46, "Runtime assertion failed for expression u3 >= 0 on node 'ge_3'")  # NoneType
+"""
+
+
+@pytest.mark.parametrize("pass_name, window, before, after", [
+    ("merge_all_to_all_dispatches", _dispatch, _DISPATCH_BEFORE_MERGE, _DISPATCH_MERGED),
+    ("read_all_to_all_splits_once", _split_reads, _SPLIT_READS_BEFORE, _SPLIT_READS_ONCE)])
+def test_golden_expert_parallel_passes(ranks, pass_name, window, before, after):
+    """The dispatch's rows, expert ids and routing weights packed into one all_to_all (the ids bit-cast to bf16,
+    the row padded to a multiple of 8 bytes) and unpacked as views; the 2 x world split sizes read from one host
+    copy of the counts sent and received."""
+    for rank, results in enumerate(ranks):
+        stages = results["expert_parallel"]["stages"]
+        names = [name for name, _ in stages]
+        assert names[1:] == ["merge_all_to_all_dispatches", "read_all_to_all_splits_once"], names
+        at = names.index(pass_name)
+        expected = [text.format(first=rank * 2) for text in (before, after)]
+        got = [window(stages[at - 1][1]), window(stages[at][1])]
+        if rank == 0:
+            assert got == expected
+        assert [_renamed(text) for text in got] == [_renamed(text) for text in expected], rank
+
+
+def test_expert_parallel_passes_refuse_what_they_cannot_rewrite(ranks):
+    """_UnmergeableExchange: neither pass fires, each names why, and both leave the graph as it was."""
+    for rank, results in enumerate(ranks):
+        case = results["ep_refusals"]
+        assert case["same"] and (case["graphs"], case["breaks"], case["retries"]) == (1, 0, []), (rank, case)
+        assert case["passes"]["merge_all_to_all_dispatches"] == case["passes"]["read_all_to_all_splits_once"] == 0
+        assert case["refusals"]["merge_all_to_all_dispatches"] == [
+            "all_to_all_single_3 has the splits of all_to_all_single_1 but another process group ('1', not '0')",
+            "wait_tensor_1, which a later call's input needs, cannot move before the first call"]
+        assert case["refusals"]["read_all_to_all_splits_once"] == [
+            "a split size is not one element of a 1-D integer tensor of fixed length"] * WORLD + [
+            "the split sizes are read from tensors of different dtypes"]
+        (_, before), (_, merged), (_, read) = case["stages"]
+        assert _body(merged) == _body(before) and _body(read) == _body(before)
+        # The counts' exchange and the four others; no host copy; the 2 x world splits read as the model wrote,
+        # the 0-D sums' 2 and the multiplier's 1.
+        assert case["lowered"].count("_c10d_functional.all_to_all_single.default(") == 5
+        assert "prims.device_put" not in case["lowered"]
+        assert case["lowered"].count("aten._local_scalar_dense.default(") == 2 * WORLD + WORLD + 1
 
 
 def test_all_reduce_with_another_use_is_refused(ranks):
