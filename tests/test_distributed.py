@@ -468,6 +468,31 @@ def test_expert_parallel_passes_refuse_what_they_cannot_rewrite(ranks):
         assert case["lowered"].count("aten._local_scalar_dense.default(") == 2 * WORLD + WORLD + 1
 
 
+@pytest.mark.parametrize("shapes, why", [(((4, 8), (4,)), None), (((4, 8), (4, 2, 2)), "not a 1-D or 2-D tensor")])
+def test_merge_all_to_all_dispatches_on_fake_tensors(shapes, why):
+    """In one process, on fake tensors: all_to_alls with the same splits and group merge where their inputs are 1-D
+    or 2-D, and are refused, with the reason, where one is not."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dzc.passes.merge_all_to_all_dispatches import merge_all_to_all_dispatches
+
+    c10d, mode, graph = torch.ops._c10d_functional, FakeTensorMode(), torch.fx.Graph()
+    sources, waits = [graph.placeholder(f"x{i}") for i in range(len(shapes))], []
+    for source, shape in zip(sources, shapes):
+        call = graph.call_function(c10d.all_to_all_single.default, (source, [2, 2], [2, 2], "0"))
+        wait = graph.call_function(c10d.wait_tensor.default, (call,))
+        with mode:
+            source.meta["val"] = call.meta["val"] = wait.meta["val"] = torch.empty(shape)
+        waits.append(wait)
+    graph.output(tuple(waits))
+    result = merge_all_to_all_dispatches(graph)
+    calls = [n for n in result.graph.nodes if n.target == c10d.all_to_all_single.default]
+    if why is None:
+        assert (len(result.rewrites), len(calls), result.refusals) == (1, 1, [])
+    else:
+        assert (len(result.rewrites), len(calls)) == (0, 2) and why in result.refusals[0][1], result.refusals
+
+
 def test_all_reduce_with_another_use_is_refused(ranks):
     for results in ranks:
         case = results["refusal"]
