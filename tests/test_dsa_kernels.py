@@ -1097,7 +1097,7 @@ _CPU_THREAD_CASES_1024 = [("normal", 2, 32768, 2048), ("ties", 2, 32768, 2048), 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 @pytest.mark.slow
 @pytest.mark.parametrize(("threads", "radix_bits", "cache"),
-                         [(256, 8, 0), (256, 10, 0), (1024, 8, 0), (1024, 10, 0), (256, 8, 4096), (1024, 10, 32768)])
+                         [(256, 8, 0), (256, 10, 0), (1024, 8, 0), (256, 8, 4096), (1024, 10, 32768)])
 def test_tilelang_topk_cuda_runs_on_cpu_threads(threads, radix_bits, cache, seed, tmp_path):
     """The generated CUDA of a 256- and a 1024-thread config, compiled with g++ over _CUDA_ON_CPU_THREADS, gives the
     reference's positions: the kernel's numerics without a GPU (this found a loop whose bound the generated C
