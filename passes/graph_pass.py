@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 
 @dataclass
@@ -58,6 +59,19 @@ class Refusal(Exception):
 def fake_value(node):
     """The fake tensor (or SymInt) a node carries from capture; None for non-nodes and nodes without one."""
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def call_with_fake_value(graph: torch.fx.Graph, target, args: tuple, trace: str | None = None) -> torch.fx.Node:
+    """A new call of target(*args) at the graph's insertion point, its fake value computed from the arguments' in
+    the graph's fake mode (what later passes and lowering read), with `trace` as its stack trace if given."""
+    values = torch.fx.node.map_arg(args, fake_value)
+    mode = next(v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, FakeTensor)).fake_mode
+    node = graph.call_function(target, args)
+    with mode:
+        node.meta["val"] = target(*values)
+    if trace:
+        node.meta["stack_trace"] = trace
+    return node
 
 
 def is_call(node, *targets) -> bool:

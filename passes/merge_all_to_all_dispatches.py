@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
 
-from dzc.passes.graph_pass import PassResult, copy_graph, fake_value, is_call, location_of
+from dzc.passes.graph_pass import (PassResult, call_with_fake_value, copy_graph, fake_value, is_call,
+                                   location_of)
 
 NAME = "merge_all_to_all_dispatches"
 _c10d = torch.ops._c10d_functional
@@ -57,22 +57,6 @@ def _key(node: torch.fx.Node):
         return None if splits is None else tuple(splits)
 
     return as_key(output_splits), as_key(input_splits), group
-
-
-def _fake(target, args: tuple):
-    """The fake value of target(*args), the nodes of `args` replaced by theirs, in the graph's fake mode."""
-    values = torch.fx.node.map_arg(args, fake_value)
-    mode = next(v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, FakeTensor)).fake_mode
-    with mode:
-        return target(*values)
-
-
-def _call(graph: torch.fx.Graph, target, args: tuple, trace: str | None) -> torch.fx.Node:
-    node = graph.call_function(target, args)
-    node.meta["val"] = _fake(target, args)
-    if trace:
-        node.meta["stack_trace"] = trace
-    return node
 
 
 def _why_not(calls: list[torch.fx.Node]) -> str:
@@ -143,27 +127,28 @@ def _merge(graph: torch.fx.Graph, calls: list[torch.fx.Node], order: dict) -> st
         for call in pieces:
             source, value = call.args[0], values[call]
             if not value.is_contiguous():
-                source = _call(graph, aten.clone.default, (source,), trace)
+                source = call_with_fake_value(graph, aten.clone.default, (source,), trace)
             if value.dim() == 1:
-                source = _call(graph, aten.unsqueeze.default, (source, 1), trace)
+                source = call_with_fake_value(graph, aten.unsqueeze.default, (source, 1), trace)
             if value.dtype != unit:
-                source = _call(graph, aten.view.dtype, (source, unit), trace)
+                source = call_with_fake_value(graph, aten.view.dtype, (source, unit), trace)
             columns = fake_value(source).shape[1]
             as_units.append(source)
             layout.append((call, offset, columns, value))
             offset += columns
-        packed = _call(graph, aten.cat.default, (as_units, 1), trace)
+        packed = call_with_fake_value(graph, aten.cat.default, (as_units, 1), trace)
         if offset % widest:
-            packed = _call(graph, aten.constant_pad_nd.default, (packed, [0, widest - offset % widest], 0.0), trace)
-        merged = _call(graph, _ALL_TO_ALL, (packed, *first.args[1:]), trace)
-        received = _call(graph, _WAIT, (merged,), trace)
+            padding = [0, widest - offset % widest]
+            packed = call_with_fake_value(graph, aten.constant_pad_nd.default, (packed, padding, 0.0), trace)
+        merged = call_with_fake_value(graph, _ALL_TO_ALL, (packed, *first.args[1:]), trace)
+        received = call_with_fake_value(graph, _WAIT, (merged,), trace)
         for call, start, columns, value in layout:
             wait = next(iter(call.users))
-            piece = _call(graph, aten.slice.Tensor, (received, 1, start, start + columns), trace)
+            piece = call_with_fake_value(graph, aten.slice.Tensor, (received, 1, start, start + columns), trace)
             if value.dtype != unit:
-                piece = _call(graph, aten.view.dtype, (piece, value.dtype), trace)
+                piece = call_with_fake_value(graph, aten.view.dtype, (piece, value.dtype), trace)
             if value.dim() == 1:
-                piece = _call(graph, aten.select.int, (piece, 1, 0), trace)
+                piece = call_with_fake_value(graph, aten.select.int, (piece, 1, 0), trace)
             wait.replace_all_uses_with(piece)
     for call in calls:
         wait = next(iter(call.users))

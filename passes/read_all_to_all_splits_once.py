@@ -35,27 +35,13 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
 
-from dzc.passes.graph_pass import PassResult, copy_graph, fake_value, is_call, location_of
+from dzc.passes.graph_pass import (PassResult, call_with_fake_value, copy_graph, fake_value, is_call,
+                                   location_of)
 
 NAME = "read_all_to_all_splits_once"
 aten = torch.ops.aten
 _ALL_TO_ALL = torch.ops._c10d_functional.all_to_all_single.default
-
-
-def _fake(target, args: tuple, kwargs: dict):
-    """The fake value of target(*args, **kwargs), nodes replaced by theirs, in the graph's fake mode."""
-    values, kw = torch.fx.node.map_arg((args, kwargs), fake_value)
-    mode = next(v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, FakeTensor)).fake_mode
-    with mode:
-        return target(*values, **kw)
-
-
-def _call(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None) -> torch.fx.Node:
-    node = graph.call_function(target, args, kwargs or {})
-    node.meta["val"] = _fake(target, args, kwargs or {})
-    return node
 
 
 def _is_split(read: torch.fx.Node) -> bool:
@@ -99,11 +85,11 @@ def _read_once(graph: torch.fx.Graph, reads: list[torch.fx.Node], elements: list
         offsets[tensor] = total
         total += fake_value(tensor).shape[0]
     with graph.inserting_before(reads[0]):
-        joined = _call(graph, aten.cat.default, (sources,)) if len(sources) > 1 else sources[0]
-        host = _call(graph, torch.ops.prims.device_put.default, (joined, torch.device("cpu")))
+        joined = call_with_fake_value(graph, aten.cat.default, (sources,)) if len(sources) > 1 else sources[0]
+        host = call_with_fake_value(graph, torch.ops.prims.device_put.default, (joined, torch.device("cpu")))
         for read, (tensor, index) in zip(reads, elements):
             old = read.args[0]
-            read.args = (_call(graph, aten.select.int, (host, 0, offsets[tensor] + index)),)
+            read.args = (call_with_fake_value(graph, aten.select.int, (host, 0, offsets[tensor] + index)),)
             if not old.users:
                 graph.erase_node(old)
     return ""
