@@ -17,7 +17,7 @@ After (the rows travel side by side in one element type, the unit: that of the i
 so the token rows move as they are; narrower or wider inputs are bit-cast to it, widest element first so that
 every piece starts at a multiple of its element size, the row padded to a multiple of the widest):
 
-    %ib = aten.view.dtype(aten.unsqueeze.default(%ids, 1), torch.bfloat16)                    # bf16 [N, 4]
+    %ib = aten.view.default(aten.view.dtype(%ids, torch.bfloat16), [-1, 4])                   # bf16 [N, 4]
     %packed = aten.constant_pad_nd.default(aten.cat.default([%ib, %rows], 1), [0, pad])        # bf16 [N, B]
     %m = _c10d_functional.all_to_all_single.default(%packed, %out_splits, %in_splits, %group)
     %w = _c10d_functional.wait_tensor.default(%m)                                              # bf16 [M, B]
@@ -128,9 +128,17 @@ def _merge(graph: torch.fx.Graph, calls: list[torch.fx.Node], order: dict) -> st
             source, value = call.args[0], values[call]
             if not value.is_contiguous():
                 source = call_with_fake_value(graph, aten.clone.default, (source,), trace)
-            if value.dim() == 1:
+            if value.dtype != unit and (value.dim() == 1 or value.shape[1] == 1):
+                # A column is bit-cast flat, then viewed as rows: Inductor gives a size-1 last dim stride 0, which
+                # a bit-cast to another element size refuses.
+                flat = source if value.dim() == 1 else call_with_fake_value(graph, aten.view.default,
+                                                                            (source, [-1]), trace)
+                flat = call_with_fake_value(graph, aten.view.dtype, (flat, unit), trace)
+                columns = value.element_size() // unit.itemsize
+                source = call_with_fake_value(graph, aten.view.default, (flat, [-1, columns]), trace)
+            elif value.dim() == 1:
                 source = call_with_fake_value(graph, aten.unsqueeze.default, (source, 1), trace)
-            if value.dtype != unit:
+            elif value.dtype != unit:
                 source = call_with_fake_value(graph, aten.view.dtype, (source, unit), trace)
             columns = fake_value(source).shape[1]
             as_units.append(source)
