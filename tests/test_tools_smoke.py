@@ -33,7 +33,8 @@ SMOKE = {
     # found or not (a fresh clone has no .triton-kernels/), the baseline's line comes first
     "bench_mxfp4_moe.py": (["--dry-run", "--quick"], "dry run: triton_kernels "),
     "bench_multimodal.py": (["--dry-run", "--quick"], "dry run: 2 decoder layers"),
-    "bench_vision_attention.py": (["--dry-run", "--quick", "--musa-legal"], "dry run: d=80 rope=False triton"),
+    "bench_vision_attention.py": (["--dry-run", "--quick", "--musa-legal", "--codegens", "triton", "auto"],
+                                  "dry run: d=80 rope=False auto: dzc's tuner (untuned)"),
     "bench_windowed_attention.py": (["--dry-run", "--quick"], "dry run: decode 64x1 over 8192 window 128"),
     "diagnose_overhead.py": (["--dry-run", "--hidden", "64"], "dry run: H=64"),
     "diagnose_sparse_attention_configs.py": (["--dry-run"], "| decode | dry run:"),

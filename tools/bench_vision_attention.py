@@ -16,6 +16,9 @@ Baselines, timed in the same process on the same inputs:
   compile       torch.compile of the per-image attention (dynamic shapes), called in the same loop
 dzc kernels are tuned here over their configs (--musa-legal: only configs legal on mp_22 — 128-lane warps,
 <= 8 warps, 72 KiB shared memory — to validate the MUSA algorithm on the H200); the best config is reported.
+`--codegens auto` adds what a user of dzc.compile gets: the op lowered as a compiled graph lowers it (codegen
+"auto", dzc's autotuner choosing across Triton's configs and the TileLang kernel, its tuning database under
+--work-dir), called through the dzc op; the chosen codegen and config are reported.
 TFLOP/s counts the useful FLOPs Σ 4·L²·D·H (non-causal); window layers are also judged by bandwidth (q, k, v,
 out bytes, + cos/sin with --rope). Every variant's output is checked against dzc's plain-torch reference once
 before timing. Times: triton.testing.do_bench medians (L2 flushed between calls).
@@ -37,8 +40,11 @@ import triton
 import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from dzc.lowering import Execution
 from dzc.ops.varlen_attention import apply_vision_rotary, varlen_attention_reference
-from dzc.targets import tilelang_codegen, triton_codegen
+from dzc.options import CompileOptions
+from dzc.selftest import lower_op
+from dzc.targets import TARGETS, tilelang_codegen, triton_codegen
 from dzc.targets import varlen_attention as family
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.launch import legal_configs
@@ -179,6 +185,27 @@ class DzcKernel:
         return result
 
 
+class AutoKernel:
+    """The op as dzc.compile runs it with codegen "auto": lowered once per spec, tuned at its first call of a token
+    bucket (outside the timing: the check runs first), called through torch.ops.dzc.varlen_attention."""
+
+    codegen = "auto"
+
+    def __init__(self, inputs, directory: Path, autotune: bool):
+        target = TARGETS["cuda:sm_90"]
+        options = CompileOptions(cache_dir=str(directory / "auto-cache"), autotune=autotune, codegen="auto")
+        self.record, self.spec = lower_op("varlen_attention", inputs, target, options, Execution(target.runtime))
+
+    def __call__(self, config, args):
+        return torch.ops.dzc.varlen_attention(*args, kernel_id=self.record.kernel_id)
+
+    def chosen(self) -> str:
+        """The tuner's choice per token bucket: the winning codegen (an alternative kernel wins as an external
+        candidate) and its config."""
+        return "; ".join(f"≤{bucket}: {entry.get('external') or self.record.codegen} {entry['config']} "
+                         f"({entry['how']})" for bucket, entry in sorted(self.record.tuned.items()))
+
+
 def tune(kernel: DzcKernel, configs, args, expected, lengths) -> tuple[KernelConfig, float, str]:
     """(best config, its seconds, notes): every config is checked against the reference, then timed."""
     best, notes = None, []
@@ -218,13 +245,17 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.head_dims, args.packs = [80], [p for p in args.packs if p in QUICK_PACKS]
-    if not set(args.codegens) <= {"triton", "tilelang"}:
-        parser.error(f"--codegens: {args.codegens} (triton, tilelang)")
+    if not set(args.codegens) <= {"triton", "tilelang", "auto"}:
+        parser.error(f"--codegens: {args.codegens} (triton, tilelang, auto)")
     if args.dry_run:  # every spec and the configs each codegen would time: all before the first launch
         for head_dim in args.head_dims:
             for rope in ([False, True] if args.rope else [False]):
                 spec = family.make_spec(head_dim, torch.bfloat16, torch.float32 if rope else None)
                 for codegen in args.codegens:
+                    if codegen == "auto":
+                        print(f"dry run: d={head_dim} rope={rope} auto: dzc's tuner ("
+                              f"{'untuned' if args.quick else 'tuned'}), packs {args.packs}")
+                        continue
                     candidates = dzc_configs(codegen, spec, args.full_tune, args.musa_legal)
                     print(f"dry run: d={head_dim} rope={rope} {codegen}: "
                           f"{len(candidates[:1] if args.quick else candidates)} configs, packs {args.packs}")
@@ -244,7 +275,7 @@ def main():
 
         for rope in ([False, True] if args.rope else [False]):
             spec = family.make_spec(head_dim, torch.bfloat16, torch.float32 if rope else None)
-            kernels = {cg: DzcKernel(cg, spec, work_dir) for cg in args.codegens}
+            kernels = {cg: DzcKernel(cg, spec, work_dir) for cg in args.codegens if cg != "auto"}
             for pack in args.packs:
                 lengths = PACKS[pack]
                 inputs = make_inputs(lengths, head_dim, rope, seed=head_dim + len(lengths), device=device)
@@ -278,6 +309,17 @@ def main():
                     errors[name] = check(name, kernel(config, inputs), expected, v, lengths)
                     if failures:
                         notes.append(f"{name} d={head_dim} rope={rope} {pack}: failed configs: {failures}")
+                if "auto" in args.codegens:
+                    name = "dzc[auto]"
+                    try:
+                        auto = AutoKernel(inputs, work_dir, autotune=not args.quick)
+                        with torch.no_grad():
+                            errors[name] = check(name, auto(None, inputs), expected, v, lengths)
+                        times[name] = bench(lambda: auto(None, inputs))
+                        configs[name] = auto.chosen()
+                    except Exception as err:  # noqa: BLE001 (reported in the notes, the run goes on)
+                        notes.append(f"{name} d={head_dim} rope={rope} {pack}: {type(err).__name__}: "
+                                     f"{str(err).splitlines()[0][:160]}")
                 flops = family.flops(head_dim, HEADS, lengths)
                 moved = family.bytes_moved(spec, sum(lengths), HEADS)
                 rows.append(dict(head_dim=head_dim, rope=rope, pack=pack, flops=flops, moved=moved, times=times,
