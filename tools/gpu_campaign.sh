@@ -15,8 +15,9 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session: s31-ep first (no TileLang needed: a bare machine), then wheels-1, wheels-2 and s31-vision, then
-# s25-busy (the multimodal bench); bench_vision_attention with codegen auto and tuning is still to be written.
+# Next session: wheels-1 (it also installs dzc: every step needs that, bare machines included), wheels-2, then
+# s32-vision-tests (the varlen GPU numerics session 31's limit cut), s32-vision-auto (the user's codegen "auto"
+# path beside cuDNN), then s32-overhead (mxfp4_moe's host path, then the EP table again).
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -183,6 +184,22 @@ s30-moe)
   # both routings.
   TAIL=20 part bench_moe_decode 540 python3 tools/bench_mxfp4_moe.py --models deepseek-style --tokens 8 64 \
     --routing uniform skewed --codegens triton --memory-layers 0 --out "$OUT/mxfp4_moe_decode_h200.md"
+  ;;
+s32-vision-tests)
+  # (after wheels-1 and wheels-2) issue 14: the varlen TileLang numerics not run since session 30's NaN-leak fix,
+  # one parametrization a process, the three side by side (each builds ~9 TileLang kernels at ~12 s, CPU-bound:
+  # one after the other they outran session 31's 300 s limit).
+  for id in d80-bfloat16-rope1 d72-float16-rope1 d80-float16-rope0; do
+    TAIL=4 part "gpu_tests_varlen_$id" 420 python3 -m pytest -q -p no:logging -rf \
+      "tests/test_varlen_attention_kernels.py::test_tilelang_on_gpu[$id]" &
+  done
+  wait
+  ;;
+s32-vision-auto)
+  # (after wheels-1 and wheels-2) issue 14: what a dzc.compile user gets at head dims 72 and 128 (codegen auto:
+  # Triton's configs tuned, the TileLang kernel's default beside them) against cuDNN, mixed pack.
+  TAIL=30 part bench_vision_auto 560 python3 tools/bench_vision_attention.py --head-dims 72 128 --packs mixed \
+    --codegens auto --no-compile-baseline --work-dir /tmp/dzc-vision-auto --out "$OUT/vision_attention_auto_h200.md"
   ;;
 s25-busy)
   # (after wheels-1: dzc installed) issues 18/14/15: bench_multimodal --quick again, its
