@@ -29,7 +29,10 @@ Decode is weight-bandwidth bound: useful bytes = the packed weights (and scales)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
+import types
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
@@ -202,18 +205,20 @@ def route(ids: torch.Tensor, experts: int, block_m: int, num_warps: int = 4) -> 
     schedule = (expert_table[0], expert_table[1], expert_table[2], expert_table[3], blocks[0], blocks[1], blocks[2],
                 max_blocks)
     if chunks == 1:
-        routing.moe_route_one_chunk_kernel[(1,)](ids, sorted_pairs, pairs, experts, *schedule, E_POW2=e_pow2,
-                                                 BLOCK_M=block_m, SCHEDULE_STEP=routing.SCHEDULE_STEP,
-                                                 CHUNK=routing.ROUTING_CHUNK, num_warps=num_warps)
+        routing.launchable("moe_route_one_chunk_kernel")[(1,)](
+            ids, sorted_pairs, pairs, experts, *schedule, E_POW2=e_pow2, BLOCK_M=block_m,
+            SCHEDULE_STEP=routing.SCHEDULE_STEP, CHUNK=routing.ROUTING_CHUNK, num_warps=num_warps)
     else:
         chunk_counts = torch.empty(chunks, e_pow2, **int32)
         chunk_bases = torch.empty(chunks, e_pow2, **int32)
-        routing.moe_count_kernel[(chunks,)](ids, chunk_counts, pairs, experts, E_POW2=e_pow2,
-                                            CHUNK=routing.ROUTING_CHUNK, num_warps=num_warps)
-        routing.moe_schedule_kernel[(1,)](chunk_counts, chunks, chunk_bases, *schedule, E_POW2=e_pow2,
-                                          BLOCK_M=block_m, SCHEDULE_STEP=routing.SCHEDULE_STEP, num_warps=num_warps)
-        routing.moe_scatter_kernel[(chunks,)](ids, chunk_bases, sorted_pairs, pairs, experts, E_POW2=e_pow2,
-                                              CHUNK=routing.ROUTING_CHUNK, num_warps=num_warps)
+        routing.launchable("moe_count_kernel")[(chunks,)](ids, chunk_counts, pairs, experts, E_POW2=e_pow2,
+                                                          CHUNK=routing.ROUTING_CHUNK, num_warps=num_warps)
+        routing.launchable("moe_schedule_kernel")[(1,)](
+            chunk_counts, chunks, chunk_bases, *schedule, E_POW2=e_pow2, BLOCK_M=block_m,
+            SCHEDULE_STEP=routing.SCHEDULE_STEP, num_warps=num_warps)
+        routing.launchable("moe_scatter_kernel")[(chunks,)](ids, chunk_bases, sorted_pairs, pairs, experts,
+                                                            E_POW2=e_pow2, CHUNK=routing.ROUTING_CHUNK,
+                                                            num_warps=num_warps)
     return Routing(sorted_pairs, blocks[0], blocks[1], blocks[2], expert_table[1], expert_table[2], max_blocks)
 
 
@@ -230,7 +235,7 @@ def combine(pair_out: torch.Tensor, ids: torch.Tensor, spec, out: torch.Tensor) 
     tokens = out.shape[0]
     splits = pair_out.shape[0] if pair_out.dim() == 3 else 1
     block_h = min(COMBINE_BLOCK_H, triton_next_power_of_2(spec.hidden))
-    routing.moe_combine_kernel[(tokens, -(-spec.hidden // block_h))](
+    routing.launchable("moe_combine_kernel")[(tokens, -(-spec.hidden // block_h))](
         pair_out, ids, out, spec.experts, out.stride(0), ids.numel(), HIDDEN=spec.hidden, TOP_K=spec.top_k,
         BLOCK_H=block_h, SPLITS=splits, num_warps=4)
 
@@ -239,19 +244,29 @@ def combine(pair_out: torch.Tensor, ids: torch.Tensor, spec, out: torch.Tensor) 
 # Arguments
 
 
+# (shape and dtype of each argument tensor, activation, row order, W4A8) -> the spec spec_from_args gives them
+_CHECKED_SPECS: dict[tuple, MXFP4MoESpec] = {}
+
+
 def prepare(spec: MXFP4MoESpec, hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
             w2_scales, w2_bias, activation, gate_up_interleaved, alpha, limit):
     """Op arguments -> (kernel inputs, (out,), token count, out). Inputs are made dense (the kernels index them
     as contiguous rows); the packed weights and biases of a model already are, so they pass as they are. The
     last inputs say whether gate and up rows are interleaved (TMA launches view the weights by it) and whether the
     call quantizes its activations (the W4A8 op at prefill sizes, fp8_applies)."""
-    got = spec_from_args(hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
-                         w2_bias, activation, gate_up_interleaved, spec.fp8_activations)
+    tensors = (hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales, w2_bias)
+    # The check reads the tensors' shapes and dtypes only: once per set of those facts, not per call.
+    facts = (tuple([None if t is None else (t.shape, t.dtype) for t in tensors]), activation,
+             bool(gate_up_interleaved), spec.fp8_activations)
+    got = _CHECKED_SPECS.get(facts)
+    if got is None:
+        got = spec_from_args(*tensors, activation, gate_up_interleaved, spec.fp8_activations)
+        if len(_CHECKED_SPECS) >= 4096:  # prefill of ever new lengths: bounded
+            _CHECKED_SPECS.clear()
+        _CHECKED_SPECS[facts] = got
     if got != spec:
         raise ValueError(f"mxfp4_moe kernel for {spec.describe()} got arguments for {got.describe()}")
-    dense = [t if t is None or t.is_contiguous() else t.contiguous()
-             for t in (hidden, topk_ids, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks, w2_scales,
-                       w2_bias)]
+    dense = [t if t is None or t.is_contiguous() else t.contiguous() for t in tensors]
     out = torch.empty_like(hidden, memory_format=torch.contiguous_format)
     fp8 = spec.fp8_activations and fp8_applies(hidden.shape[0], spec.top_k, spec.experts)
     return (*dense, float(alpha), float(limit), bool(gate_up_interleaved), fp8), (out,), hidden.shape[0], out
@@ -529,6 +544,35 @@ def triton_shared_memory_bytes(spec: MXFP4MoESpec, config: KernelConfig) -> int:
     return staged + 2 * block_n * block_k * operand + block_m * block_k * operand
 
 
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """What triton_launch reads of a config, worked out once per config (_launch_plan), not per call."""
+
+    config: KernelConfig
+    fp8: bool
+    word_loads: bool  # TMA or SWAP_AB: the weights must be 16-byte aligned (_plain_loads otherwise)
+    workspace: bool
+    split_k: int
+    order: int  # the activations' column order (_act_order)
+    options: Mapping  # the GEMMs' constexprs and launch options
+
+    @property
+    def block_n(self) -> int:
+        return self.options["BLOCK_N"]
+
+
+@functools.cache
+def _launch_plan(config: KernelConfig) -> _LaunchPlan:
+    # The interpreter multiplies upcast operands (UPCAST_DOT); the mode is fixed for the process.
+    upcast = triton_codegen.interpreting()
+    options = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
+                   WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=upcast,
+                   FP8=_fp8(config), TMA=_tma(config), K_STAGES=config.num_stages, DOT_SCALED=_dot_scaled(config),
+                   SWAP_AB=_swap_ab(config), num_warps=config.num_warps, num_stages=config.num_stages)
+    return _LaunchPlan(config, _fp8(config), _tma(config) or _swap_ab(config), _uses_workspace(config),
+                       _split_k(config), _act_order(config), types.MappingProxyType(options))
+
+
 def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_weights, w13_blocks, w13_scales,
                   w13_bias, w2_blocks, w2_scales, w2_bias, alpha, limit, interleaved, fp8, out):
     """Route, run both GEMMs on the config's path, combine into `out` [T, H] (preallocated). Arguments as
@@ -536,38 +580,30 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     op's arithmetic for this call's token count) decides between W4A8 and W4A16: a config of the other path
     gives way to that path's standard tile (_PATH_CONFIGS); the tuner's tiers keep that to calls whose token
     bucket straddles FP8_MIN_ROWS_PER_EXPERT."""
-    if fp8 != _fp8(config):
-        config = _PATH_CONFIGS[fp8]
-    if (_tma(config) or _swap_ab(config)) and not all(w.data_ptr() % TMA_ALIGNMENT == 0 for w in (w13_blocks,
-                                                                                                 w2_blocks)):
+    plan = _launch_plan(config)
+    if fp8 != plan.fp8:
+        plan = _launch_plan(_PATH_CONFIGS[fp8])
+    if plan.word_loads and (w13_blocks.data_ptr() % TMA_ALIGNMENT or w2_blocks.data_ptr() % TMA_ALIGNMENT):
         # TMA reads from 16-byte aligned addresses only, SWAP_AB reads words: the same tile by plain byte loads
-        config = _plain_loads(config)
+        plan = _launch_plan(_plain_loads(plan.config))
+    options, order, split_k, block_n = plan.options, plan.order, plan.split_k, plan.block_n
     spec = _LaunchShape.of(hidden, topk_ids, w13_scales)
-    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     tokens = hidden.shape[0]
     pairs = tokens * spec.top_k
     ids = topk_ids.reshape(-1)
-    plan = route(ids, spec.experts, block_m)
+    route_plan = route(ids, spec.experts, options["BLOCK_M"])
     device = hidden.device
-    order = _act_order(config)
     # swap order: rows padded to whole tiles, whose padding must hold zeros (the GEMMs multiply it by zero weights)
     act_width = _act_width(spec.inter, order)
     act = (torch.zeros if act_width != spec.inter else torch.empty)(pairs, act_width, dtype=spec.hidden_dtype,
                                                                     device=device)
     pair_out = torch.empty(pairs, spec.hidden, dtype=torch.float32, device=device)
-    use_workspace = _uses_workspace(config)
-    split_k = _split_k(config)
-    upcast = triton_codegen.interpreting()
-    options = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, WORKSPACE=use_workspace, SPLIT_K=split_k,
-                   UPCAST_DOT=upcast, FP8=_fp8(config), TMA=_tma(config), K_STAGES=config.num_stages,
-                   DOT_SCALED=_dot_scaled(config), SWAP_AB=_swap_ab(config), num_warps=config.num_warps,
-                   num_stages=config.num_stages)
     # The weights' TMA descriptors (TMA configs); otherwise any pointer will do, the kernels never read them.
     gate_source, up_source, down_source = (
-        _tma_sources(w13_blocks, w2_blocks, interleaved, block_n, block_k, _swap_ab(config)) if _tma(config)
-        else (w13_blocks,) * 3)
-    if _fp8(config):
-        _launch_w4a8(kernels, plan, options, hidden, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
+        _tma_sources(w13_blocks, w2_blocks, interleaved, block_n, options["BLOCK_K"], options["SWAP_AB"])
+        if options["TMA"] else (w13_blocks,) * 3)
+    if plan.fp8:
+        _launch_w4a8(kernels, route_plan, options, hidden, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
                      w2_scales, w2_bias, alpha, limit, act, pair_out, spec)
         combine(pair_out, ids, spec, out)
         return
@@ -576,12 +612,12 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
         pair_out = torch.empty(split_k, pairs, spec.hidden, dtype=torch.float32, device=device)
     else:  # no partial sums: any pointer will do, with SPLIT_K = 1 the kernels never read it
         gate_up_partial = pair_out
-    ws = workspace(device, spec.workspace_dtype, workspace_elements(spec, tokens)) if use_workspace else hidden
+    ws = workspace(device, spec.workspace_dtype, workspace_elements(spec, tokens)) if plan.workspace else hidden
     # Absent biases: any pointer will do, the kernels never read it (HAS_*_BIAS is False in their source).
     w13_bias_arg = w13_bias if w13_bias is not None else hidden
     w2_bias_arg = w2_bias if w2_bias is not None else hidden
-    if use_workspace:
-        _dequantize_experts(kernels, w13_blocks, w13_scales, plan, ws, 2 * spec.inter, spec.hidden, spec)
+    if plan.workspace:
+        _dequantize_experts(kernels, w13_blocks, w13_scales, route_plan, ws, 2 * spec.inter, spec.hidden, spec)
     if order == NATURAL_ORDER:
         hidden_n = hidden
     else:  # the GEMMs reduce in nibble or swap order (see the generated module's docstring): x in that order first
@@ -589,24 +625,24 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
         hidden_n = torch.empty(tokens, width, dtype=spec.hidden_dtype, device=device)
         kernels["moe_reorder_kernel"][(tokens, -(-width // REORDER_BLOCK))](
             hidden, hidden_n, hidden.stride(0), BLOCK=REORDER_BLOCK, ACT_ORDER=order, num_warps=4)
-    gate_up_tiles = _tiles(plan, spec.inter, block_n)
+    gate_up_tiles = _tiles(route_plan, spec.inter, block_n)
+    schedule = (route_plan.sorted_pairs, route_plan.block_expert, route_plan.block_row_start,
+                route_plan.block_row_end, route_plan.expert_slots)
     # W4A8's scale arguments (x_scales_ptr, w_block_scales_ptr): any pointer will do, with FP8 = False the
     # kernels never read them.
     kernels["moe_gate_up_kernel"][(gate_up_tiles, split_k)](
-        hidden_n, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
-        w13_blocks, w13_scales, ws, w13_bias_arg, act, gate_up_partial, pair_out, pair_out, alpha, limit, pairs,
-        gate_source, up_source, **options)
+        hidden_n, *schedule, w13_blocks, w13_scales, ws, w13_bias_arg, act, gate_up_partial, pair_out, pair_out,
+        alpha, limit, pairs, gate_source, up_source, **options)
     if split_k > 1:
         kernels["moe_split_activation_kernel"][(gate_up_tiles,)](
-            gate_up_partial, plan.block_expert, plan.block_row_start, plan.block_row_end, w13_bias_arg, act, alpha,
-            limit, pairs, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT_K=split_k, ACT_ORDER=order,
-            num_warps=config.num_warps)
-    if use_workspace:
-        _dequantize_experts(kernels, w2_blocks, w2_scales, plan, ws, spec.hidden, spec.inter, spec)
-    kernels["moe_down_kernel"][(_tiles(plan, spec.hidden, block_n), split_k)](
-        act, plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end, plan.expert_slots,
-        w2_blocks, w2_scales, ws, w2_bias_arg, topk_weights.reshape(-1), pair_out, pair_out, pair_out, pairs,
-        down_source, **options)
+            gate_up_partial, route_plan.block_expert, route_plan.block_row_start, route_plan.block_row_end,
+            w13_bias_arg, act, alpha, limit, pairs, BLOCK_M=options["BLOCK_M"], BLOCK_N=block_n, SPLIT_K=split_k,
+            ACT_ORDER=order, num_warps=options["num_warps"])
+    if plan.workspace:
+        _dequantize_experts(kernels, w2_blocks, w2_scales, route_plan, ws, spec.hidden, spec.inter, spec)
+    kernels["moe_down_kernel"][(_tiles(route_plan, spec.hidden, block_n), split_k)](
+        act, *schedule, w2_blocks, w2_scales, ws, w2_bias_arg, topk_weights.reshape(-1), pair_out, pair_out,
+        pair_out, pairs, down_source, **options)
     combine(pair_out, ids, spec, out)
 
 
@@ -620,10 +656,37 @@ def _plain_loads(config: KernelConfig) -> KernelConfig:
     return KernelConfig(params, config.num_warps, config.num_stages)
 
 
+# (facts of both weights, row order, box) -> their three descriptors (_tma_sources). Bounded; an entry holds the
+# weights' memory (through detached views, not the weight tensors themselves) until evicted, and is evicted when
+# either weight tensor is freed, so that a dropped model's weights do not stay allocated.
+_TMA_SOURCES: dict[tuple, tuple] = {}
+_TMA_SOURCES_MAX = 256
+
+
 def _tma_sources(w13_blocks, w2_blocks, interleaved: bool, block_n: int, block_k: int, words: bool):
     """TMA descriptors over the packed weights as the GEMMs tile them, [E, N, K/2] bytes with boxes of [1, BLOCK_N,
     BLOCK_K/2] (words: [E, N, K/8] int32 words, boxes [1, BLOCK_N, BLOCK_K/8]): the gate rows and the up rows of
-    w13 (every other row where interleaved, else its two halves), and w2's rows."""
+    w13 (every other row where interleaved, else its two halves), and w2's rows.
+
+    Built once per set of facts they are made of (each weight's address, dtype, device, shape and strides, the
+    row order and the box): equal facts give equal descriptors, wherever the tensors came from."""
+    key = (_memory_facts(w13_blocks), _memory_facts(w2_blocks), interleaved, block_n, block_k, words)
+    sources = _TMA_SOURCES.get(key)
+    if sources is None:
+        if len(_TMA_SOURCES) >= _TMA_SOURCES_MAX:
+            del _TMA_SOURCES[next(iter(_TMA_SOURCES))]  # the oldest
+        sources = _TMA_SOURCES[key] = _make_tma_sources(w13_blocks.detach(), w2_blocks.detach(), interleaved,
+                                                        block_n, block_k, words)
+        for weight in (w13_blocks, w2_blocks):
+            weakref.finalize(weight, _TMA_SOURCES.pop, key, None)
+    return sources
+
+
+def _memory_facts(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, t.device, t.shape, t.stride()
+
+
+def _make_tma_sources(w13_blocks, w2_blocks, interleaved: bool, block_n: int, block_k: int, words: bool):
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415 (CUDA Tritons only)
 
     experts, two_i = w13_blocks.shape[:2]

@@ -24,8 +24,12 @@ combine writes NaN for their tokens, so bad routing shows instead of passing sil
 
 from __future__ import annotations
 
+import functools
+
 import triton
 import triton.language as tl
+
+from dzc.targets import triton_codegen
 
 # Pairs per program of the count and scatter kernels: the scatter's rank is a CHUNK x CHUNK comparison.
 ROUTING_CHUNK = 128
@@ -174,3 +178,11 @@ ROUTING_KERNELS = {
     "moe_route_one_chunk_kernel": moe_route_one_chunk_kernel,
     "moe_combine_kernel": moe_combine_kernel,
 }
+
+
+@functools.cache
+def launchable(name: str):
+    """The routing kernel `name` as route() and combine() launch it: through dzc's cached launcher, which skips
+    Triton's JIT dispatch after a specialization's first launch (triton_codegen.launchable). Wrapped at the first
+    launch, not at import, so that it follows the mode (interpreter or not) Triton was imported in."""
+    return triton_codegen.launchable(ROUTING_KERNELS[name])

@@ -70,13 +70,14 @@ def load(family, path: Path, spec, profile: DeviceProfile):
     names = getattr(family, "TRITON_KERNEL_NAMES", None)
     if names is not None:
         module = import_generated(path)
-        return {name: _launchable(getattr(module, name)) for name in names}
-    return _launchable(load_kernel(path, family.TRITON_KERNEL_NAME))
+        return {name: launchable(getattr(module, name)) for name in names}
+    return launchable(load_kernel(path, family.TRITON_KERNEL_NAME))
 
 
-def _launchable(fn):
-    # The interpreter has no compiled kernels to launch directly; it runs the function itself.
-    return fn if interpreting() else CachedLaunchKernel(fn)
+def launchable(fn, interpret: bool | None = None):
+    """A @triton.jit function as families launch it: through CachedLaunchKernel, or itself where Triton interprets
+    (`interpret`, default this process's mode): the interpreter has no compiled kernels to launch directly."""
+    return fn if (interpreting() if interpret is None else interpret) else CachedLaunchKernel(fn)
 
 
 class CachedLaunchKernel:
@@ -87,11 +88,12 @@ class CachedLaunchKernel:
     than the kernel itself for small token counts. Here the first launch of each specialization goes through the
     JIT (it compiles or loads the kernel and launches it), and later ones call the compiled kernel's launcher
     directly with the arguments, as Inductor's launchers do. A specialization is found by a key of the arguments'
-    cheap facts (fast_key: dtypes, 16-byte alignment, integers equal to 1, multiples of 16, their integer width)
-    that must determine Triton's own specialization: the installed Triton is checked once per process
-    (fast_key_refines, on its specializer); where it specialises on anything else, every launch takes the JIT
-    path, as do launches with arguments of other kinds and, so that profilers (proton) see them, launches while
-    launch hooks are installed. Used as `kernel[grid](*args, **constexprs_and_options)`, like the function.
+    cheap facts (fast_key: dtypes, 16-byte alignment, integers equal to 1, multiples of 16, their integer width;
+    a TMA descriptor's base dtype and block shape) that must determine Triton's own specialization: the installed
+    Triton is checked once per process (fast_key_refines, on its specializer); where it specialises on anything
+    else, every launch (with descriptors: every launch with one) takes the JIT path, as do launches with arguments
+    of other kinds and, so that profilers (proton) see them, launches while launch hooks are installed. Used as
+    `kernel[grid](*args, **constexprs_and_options)`, like the function.
     """
 
     def __init__(self, fn):
@@ -129,34 +131,48 @@ class CachedLaunchKernel:
         where the fast key stands for Triton's specialization here."""
         kernel = self.fn[grid](*args, **kwargs)
         binder = self.fn.device_caches[device][-1]
-        if _fast_keys_exact(binder) and all(isinstance(a, _FAST_KINDS) for a in args):
+        plain, descriptors = _fast_keys_exact(binder)
+        if plain and all(isinstance(a, _FAST_KINDS) or (descriptors and type(a) is _DESCRIPTOR) for a in args):
             bound = tuple(binder(*args, **kwargs)[0].values())
             self._launchers[key] = (kernel.run, kernel.function, kernel.packed_metadata, bound[len(args):])
         return kernel
 
 
 _FAST_KINDS = (torch.Tensor, int, float, type(None))  # bool is an int
+try:  # the host-side TMA descriptor (CUDA Tritons); only this exact class is keyed (not Gluon's, with a layout)
+    from triton.tools.tensor_descriptor import TensorDescriptor as _DESCRIPTOR
+except ImportError:
+    _DESCRIPTOR = None
 
 
 def fast_key(args: tuple) -> tuple:
     """What Triton's specialization of `args` depends on, cheaply: per tensor its dtype and whether its address is
     a multiple of 16; per integer whether it is 1 or a multiple of 16 and which of i32 / i64 / u64 it fits; per
-    other argument its type."""
+    TMA descriptor its base's dtype and its block shape; per other argument its type."""
     return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor)
                   else (a == 1, not a & 15, -0x80000000 <= a <= 0x7FFFFFFF, a >= 1 << 63) if type(a) is int
+                  else (_DESCRIPTOR, a.base.dtype, tuple(a.block_shape)) if type(a) is _DESCRIPTOR
                   else type(a) for a in args])
 
 
-def fast_key_refines(specialize) -> bool:
+def fast_key_refines(specialize, descriptors: bool = False) -> bool:
     """Whether arguments with equal fast_key always get equal specializations from `specialize(arg)` (Triton's own
     specializer): checked on groups of arguments that fast_key does not tell apart (addresses at every power-of-two
-    offset up to 256 bytes, integers of every alignment and width, floats, booleans). The specializer reads a
-    tensor's address and dtype only, so CPU tensors stand for device ones."""
+    offset up to 256 bytes, integers of every alignment and width, floats, booleans; with `descriptors`, TMA
+    descriptors of one dtype and block shape over other addresses, shapes, strides and padding). The specializer
+    reads a tensor's address and dtype only, so CPU tensors stand for device ones."""
     base = torch.empty(1024, dtype=torch.uint8)
     base = base[(-base.data_ptr()) % 256:]  # 256-byte aligned
     groups = [[base[o:] for o in (0, 16, 32, 48, 64, 128, 256)], [base[o:] for o in (1, 2, 4, 8, 24, 40)],
               [16, 32, 48, 64, 4096, -16, 1 << 20], [2, 3, 5, 8, 17, 2881, -1], [1 << 31, (1 << 40) + 16],
               [(1 << 31) + 1, (1 << 40) + 8], [(1 << 63) + 16, (1 << 64) - 16], [0.5, 1e-6, 1.0, 3.0], [True, False]]
+    if descriptors:
+        if _DESCRIPTOR is None:
+            return False
+        words = base[:768].view(torch.float32)  # 192 words: float, so that NaN padding is legal too
+        views = [words.view(3, 64), words[16:].view(11, 16), words.view(6, 32)[:, :16], words[64:].view(2, 64)]
+        groups = [[_DESCRIPTOR.from_tensor(v, [2, 16]) for v in views]
+                  + [_DESCRIPTOR.from_tensor(words.view(3, 64), [2, 16], padding="nan")]]
     for group in groups:
         keys = {fast_key((a,)) for a in group}
         assert len(keys) == 1, f"fast_key tells {group} apart"
@@ -169,21 +185,25 @@ def _frozen(value):
     return tuple(_frozen(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-_EXACT: dict[int, bool] = {}  # id(specializer) -> fast_key_refines on it
+_EXACT: dict[int, tuple[bool, bool]] = {}  # id(specializer) -> fast_key_refines on it, without / with descriptors
 
 
-def _fast_keys_exact(binder) -> bool:
+def _fast_keys_exact(binder) -> tuple[bool, bool]:
     """fast_key_refines on the specializer a Triton binder calls (`specialize_impl(backend, arg, is_const,
-    specialize, align)` in Triton 3.6 and 3.9); False for a binder of another form (other Triton versions)."""
+    specialize, align)` in Triton 3.6 and 3.9), for tensors and scalars and for TMA descriptors; False for a
+    binder of another form (other Triton versions)."""
     namespace = getattr(binder, "__globals__", {})
     specialize, backend = namespace.get("specialize_impl"), namespace.get("backend")
     if specialize is None or backend is None:
-        return False
+        return False, False
     if id(specialize) not in _EXACT:
-        try:
-            _EXACT[id(specialize)] = fast_key_refines(lambda a: specialize(backend, a, False, True, True))
-        except TypeError:  # a specializer with other parameters
-            _EXACT[id(specialize)] = False
+        exact = []
+        for descriptors in (False, True):
+            try:
+                exact.append(fast_key_refines(lambda a: specialize(backend, a, False, True, True), descriptors))
+            except Exception:  # a specializer with other parameters, a descriptor class of another form
+                exact.append(False)
+        _EXACT[id(specialize)] = (exact[0], exact[0] and exact[1])
     return _EXACT[id(specialize)]
 
 

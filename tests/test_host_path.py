@@ -52,6 +52,22 @@ def test_fast_key_tells_apart_what_triton_specializes_on(seed):
     assert fast_key((x, 7, 1e-6, x)) != base  # a tensor where there was None
 
 
+def test_fast_key_stands_for_the_installed_triton_specialization_of_tma_descriptors():
+    """Triton specializes a host TMA descriptor on its base's dtype and its block shape: those are its fast key, and
+    a specializer that also read its shape is caught (launches with descriptors then take the JIT path)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    specialize = _triton_specializer()
+    assert fast_key_refines(specialize, descriptors=True)
+    finer = lambda a: (specialize(a), tuple(a.shape)) if isinstance(a, TensorDescriptor) else specialize(a)  # noqa: E731
+    assert not fast_key_refines(finer, descriptors=True) and fast_key_refines(finer)
+    w = torch.zeros(4, 64, 64, dtype=torch.uint8)
+    base = fast_key((TensorDescriptor.from_tensor(w, [1, 32, 32]),))
+    assert fast_key((TensorDescriptor.from_tensor(w[1:, :32], [1, 32, 32]),)) == base  # other address and shape
+    assert fast_key((TensorDescriptor.from_tensor(w, [1, 16, 32]),)) != base
+    assert fast_key((TensorDescriptor.from_tensor(w.view(torch.int32), [1, 32, 8]),)) != base
+
+
 def test_tensor_only_calls_are_keyed_as_the_general_flattening_keys_them(seed):
     x, r = torch.randn(4, 8), torch.randn(4, 8)
     fast = flatten_call((x, r), {})

@@ -6,6 +6,7 @@ so bf16 results may differ from the reference by a unit in the last place per ro
 random MoE layers (weights quantized from random floats by dzc.mxfp4), outputs NaN-poisoned before every launch.
 """
 
+import gc
 import os
 import textwrap
 
@@ -240,6 +241,57 @@ def test_config_on_weights_off_16_byte_alignment_runs_by_plain_loads(config, see
     check_against_reference(args, run_triton(args, config, tmp_path))
 
 
+def test_tma_descriptors_are_cached_by_the_facts_they_are_made_of(seed):
+    """A weight's TMA descriptors are built once per (address, dtype, device, shape, strides, row order, box): the
+    same memory through another tensor object gets the same descriptors, other memory or another box new ones, and
+    an entry goes when its weights are freed."""
+    args = case_args("gptoss-bfloat16-T5", seed)
+    w13, w2 = args[3], args[6]
+    sources = mxfp4_moe._tma_sources(w13, w2, True, 64, 64, False)
+    assert mxfp4_moe._tma_sources(w13.view(w13.shape), w2.view(w2.shape), True, 64, 64, False) is sources
+    fresh = mxfp4_moe._make_tma_sources(w13, w2, True, 64, 64, False)
+    for cached, built in zip(sources, fresh):
+        assert (cached.base.data_ptr(), cached.base.dtype, list(cached.shape), list(cached.strides),
+                cached.block_shape) == (built.base.data_ptr(), built.base.dtype, list(built.shape),
+                                        list(built.strides), built.block_shape)
+    for other in [(False, 64, 64, False), (True, 32, 64, False), (True, 64, 128, False), (True, 64, 64, True)]:
+        assert mxfp4_moe._tma_sources(w13, w2, *other) is not sources
+    copy = w13.clone()
+    moved = mxfp4_moe._tma_sources(copy, w2, True, 64, 64, False)
+    assert moved is not sources and moved[0].base.data_ptr() == copy.data_ptr()
+    held = [key for key in mxfp4_moe._TMA_SOURCES if key[0][0] == copy.data_ptr()]
+    assert held
+    del copy, moved
+    gc.collect()
+    assert not any(key in mxfp4_moe._TMA_SOURCES for key in held)
+
+
+def test_tma_launch_on_other_weights_uses_their_own_descriptors(seed, tmp_path):
+    """Two layers' weights, one TMA config, alternately: each call matches its own layer's reference (a cached
+    descriptor never serves other weights), and a repeated call is bit-identical."""
+    first = case_args("gptoss-bfloat16-T5", seed)
+    second = case_args("gptoss-bfloat16-T5", seed + 1)
+    outputs = [run_triton(args, ONLINE_TMA, tmp_path) for args in (first, second, first)]
+    check_against_reference(first, outputs[0])
+    check_against_reference(second, outputs[1])
+    assert torch.equal(outputs[0], outputs[2])
+
+
+def test_routing_kernels_launch_through_the_cached_launcher_unless_interpreting():
+    kernel = mxfp4_moe_routing.moe_combine_kernel
+    assert triton_codegen.launchable(kernel, interpret=True) is kernel
+    compiled = triton.runtime.jit.JITFunction(getattr(kernel, "fn", kernel))  # (this process may interpret)
+    wrapped = triton_codegen.launchable(compiled, interpret=False)
+    assert isinstance(wrapped, triton_codegen.CachedLaunchKernel) and wrapped.fn is compiled
+    for name, fn in mxfp4_moe_routing.ROUTING_KERNELS.items():
+        launched = mxfp4_moe_routing.launchable(name)
+        assert launched is mxfp4_moe_routing.launchable(name)  # wrapped once
+        if triton_codegen.interpreting():
+            assert launched is fn
+        else:
+            assert isinstance(launched, triton_codegen.CachedLaunchKernel) and launched.fn is fn
+
+
 @pytest.mark.parametrize("case", ["gptoss-bfloat16-T5", "gptoss-float32-T5"])
 def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
     """TMA tiles where the profile's Triton has tensor descriptors, DOT_SCALED ones where it compiles dot_scaled
@@ -332,6 +384,8 @@ def test_decoding_saturates_to_inf_at_the_largest_scales(dtype, seed, tmp_path):
 def test_prepare_rejects_arguments_of_another_spec(seed, tmp_path):
     args = case_args("gptoss-bfloat16-T1", seed)
     spec = mxfp4_moe.spec_from_args(*args[:11])
+    for _ in range(2):  # the second from the checked facts: a mismatch after it is still refused
+        mxfp4_moe.prepare(spec, *args)
     with pytest.raises(ValueError, match="got arguments for"):
         mxfp4_moe.prepare(spec, args[0].float(), *args[1:])
     with pytest.raises(ValueError, match="activation"):

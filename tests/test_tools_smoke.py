@@ -37,6 +37,9 @@ SMOKE = {
                                   "dry run: d=80 rope=False auto: dzc's tuner (untuned)"),
     "bench_windowed_attention.py": (["--dry-run", "--quick"], "dry run: decode 64x1 over 8192 window 128"),
     "diagnose_overhead.py": (["--dry-run", "--hidden", "64"], "dry run: H=64"),
+    # Runs for real: the MoE layer's breakdown through the interpreter (a second entry of a tool: "<tool> <mode>").
+    "diagnose_overhead.py --op mxfp4_moe": (["--op", "mxfp4_moe", "--device", "cpu", "--tokens", "1", "--calls", "2",
+                                             "--cache-dir", "{tmp}/overhead"], "host overhead, all layers"),
     "diagnose_sparse_attention_configs.py": (["--dry-run"], "| decode | dry run:"),
     "diagnose_dsa_indexer_configs.py": (["--dry-run", "--match", "MIN_BLOCKS=3"], "dry run: "),
     "diagnose_dsa_topk_configs.py": (["--dry-run", "--match", "RADIX_BITS=10"], "dry run: 3 of 6 configs"),
@@ -86,10 +89,10 @@ FIRST = ("bench_compile.py", "demo.py", "bench_distributed.py")
 def runs(tmp_path_factory):
     """Every tool's smoke command, AT_ONCE at a time; tool -> CompletedProcess (stderr merged into stdout)."""
     tmp_path = tmp_path_factory.mktemp("tools")
-    jobs = {tool: Job([str(TOOLS / tool), *(a.replace("{tmp}", str(tmp_path)) for a in SMOKE[tool][0])],
+    jobs = {tool: Job([str(TOOLS / tool.split()[0]), *(a.replace("{tmp}", str(tmp_path)) for a in SMOKE[tool][0])],
                       cwd=str(tmp_path), merge_stderr=True)
             for tool in sorted(SMOKE, key=lambda tool: tool not in FIRST)
-            if (TOOLS / tool).exists()}  # a tool gone: the coverage test says so
+            if (TOOLS / tool.split()[0]).exists()}  # a tool gone: the coverage test says so
     return run_prewarmed(jobs, env=_env(tmp_path), at_once=AT_ONCE, timeout=900)
 
 
