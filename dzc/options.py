@@ -87,6 +87,12 @@ class CompileOptions:
     # capture with regions that fails or cannot be trusted is retried without them; the report's nested_regions
     # and region_retries say which. None = $DZC_NESTED_REGIONS (on unless set to 0).
     nested_regions: bool | None = None
+    # Expert parallelism: the most rows (tokens x top_k) any rank sends in one MoE dispatch, DeepEP low-latency
+    # mode's num_max_dispatch_tokens_per_rank x top_k. Given, pad_all_to_all_to_capacity sends every peer a chunk
+    # of this many rows (zero padding, masked), so the dispatch and combine need no split sizes on the host: no
+    # host sync, and small calls replay a CUDA graph. Every rank of the group must compile with the same value; a
+    # call with more rows raises an error. None: the split sizes are read back each call (the pass refuses).
+    ep_max_dispatch_rows: int | None = None
 
     def resolved_cache_dir(self) -> str:
         return self.cache_dir or config.CACHE_DIR.get()
@@ -110,3 +116,5 @@ class CompileOptions:
             raise ValueError(f"hf_attention must be 'compiled', 'calls' or 'off', not {self.hf_attention!r}")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError("cuda_graph_max_tokens must be >= 0")
+        if self.ep_max_dispatch_rows is not None and self.ep_max_dispatch_rows < 1:
+            raise ValueError("ep_max_dispatch_rows must be >= 1 or None")

@@ -24,6 +24,7 @@ from dzc.passes.fuse_vision_attention import fuse_vision_attention
 from dzc.passes.fuse_windowed_attention import fuse_windowed_attention
 from dzc.passes.graph_pass import PassResult, written_inputs
 from dzc.passes.merge_all_to_all_dispatches import merge_all_to_all_dispatches
+from dzc.passes.pad_all_to_all_to_capacity import pad_all_to_all_to_capacity
 from dzc.passes.quantize_moe_activations import quantize_moe_activations
 from dzc.passes.read_all_to_all_splits_once import read_all_to_all_splits_once
 from dzc.passes.reinplace_cache_writes import reinplace_cache_writes
@@ -72,6 +73,12 @@ def build_pipeline(target: Target, options: CompileOptions = CompileOptions()) -
         # The split sizes an all_to_all_single needs on the host, read one element at a time (.tolist()) -> one
         # copy to the host, read there: one wait for the device instead of 2 x world. Exact.
         read_all_to_all_splits_once,
+        # options.ep_max_dispatch_rows (else refused): the dispatch and combine whose splits those reads are ->
+        # all_to_alls of fixed chunks of that many rows per peer, padding masked; the reads, their copy and
+        # Dynamo's checks of them erased (no host sync: a CUDA graph can replay the layer). After both passes above
+        # (one dispatch, one host copy to erase); equal within the MoE kernel's tolerance (it sees more rows).
+        functools.update_wrapper(functools.partial(pad_all_to_all_to_capacity,
+                                                   capacity=options.ep_max_dispatch_rows), pad_all_to_all_to_capacity),
         # Functional writes into an input (KV cache) + AOTAutograd's copy-back -> in-place writes, no copy of the
         # cache. Last: the fusions match the functional graph (fuse_sparse_attention then reads the written cache
         # in place instead of gathering it), and no later pass may move a read across a write.

@@ -98,6 +98,13 @@ def _ep_stages(compiled) -> list:
     return [list(stage) for stage in stages[at - 1:at + 2]]
 
 
+def _pad_stages(compiled) -> list:
+    """[name, text] of the first graph's stages read_all_to_all_splits_once and pad_all_to_all_to_capacity."""
+    stages = compiled.report.graphs[0].stages
+    at = [name for name, _ in stages].index("pad_all_to_all_to_capacity")
+    return [list(stage) for stage in stages[at - 1:at + 1]]
+
+
 def _ranks(rank: int, world: int, out_dir: str) -> None:
     import dzc
     from dzc import distributed
@@ -155,15 +162,31 @@ def _ranks(rank: int, world: int, out_dir: str) -> None:
     # the same result to the bit.
     unmerged = dzc.compile(layer, target="cuda", options=dzc.CompileOptions(
         autotune=False, disable_passes=("merge_all_to_all_dispatches", "read_all_to_all_splits_once")))
-    outputs, expected, same = [], [], []
+    outputs, expected, same, inputs = [], [], [], []
     for count in TOKENS_PER_RANK:
         x = torch.randn(world * count, block.cfg.hidden, generator=torch.Generator().manual_seed(count)).bfloat16()
+        inputs.append(x)
         with torch.no_grad():
             expected.append(block(x)[rank * count:(rank + 1) * count])
         outputs.append(compiled(x[rank * count:(rank + 1) * count]))
         same.append(torch.equal(outputs[-1], unmerged(x[rank * count:(rank + 1) * count])))
     results["expert_parallel"] = dict(_summary(compiled, outputs, expected), same_as_unmerged=same,
                                       unmerged=_summary(unmerged, outputs, expected), stages=_ep_stages(compiled))
+
+    # The same layer with a declared capacity, the most rows (tokens x top_k) a rank sends here: chunks of 18 rows
+    # per peer, no split read back; then a call of 10 tokens per rank (20 rows) on both ranks.
+    capacity = block.cfg.top_k * max(TOKENS_PER_RANK)
+    padded = dzc.compile(layer, target="cuda", options=dzc.CompileOptions(autotune=False,
+                                                                          ep_max_dispatch_rows=capacity))
+    padded_outputs = [padded(x[rank * count:(rank + 1) * count]) for count, x in zip(TOKENS_PER_RANK, inputs)]
+    try:
+        padded(torch.randn(max(TOKENS_PER_RANK) + 1, block.cfg.hidden).bfloat16())
+        over = ""
+    except RuntimeError as error:
+        over = str(error)
+    results["expert_parallel_capacity"] = dict(
+        _summary(padded, padded_outputs, expected), stages=_pad_stages(padded), over_capacity=over,
+        host_syncs=[g.host_syncs for g in padded.report.graphs])
 
     # Refusal: the all-reduced value is used again after the add.
     partial = torch.randn(4, 32, generator=torch.Generator().manual_seed(10 + rank))
@@ -428,6 +451,94 @@ _SPLIT_READS_ONCE = """\
 """
 
 
+# The same layer compiled with ep_max_dispatch_rows=18: the dispatch as read_all_to_all_splits_once leaves it
+# (its split reads are _SPLIT_READS_ONCE), and from the counts' exchange to the combine's rows back in place after
+# pad_all_to_all_to_capacity.
+_DISPATCH_BEFORE_PADDING = """\
+  %48 = aten.div.Tensor_mode(%16, 2, rounding_mode='floor')  # i64[2*s0]
+  %49 = aten.index.Tensor(%a3, [%48])  # bf16[2*s0, 64]
+  %50 = aten.view.default(%13, [-1])  # bf16[2*s0]
+  %51 = aten.index.Tensor(%50, [%16])  # bf16[2*s0]
+  %52 = aten.view.dtype(%17, bf16)  # bf16[8*s0]
+  %53 = aten.view.default(%52, [-1, 4])  # bf16[2*s0, 4]
+  %54 = aten.unsqueeze.default(%51, 1)  # bf16[2*s0, 1]
+  %55 = aten.cat.default([%53, %49, %54], 1)  # bf16[2*s0, 69]
+  %56 = aten.constant_pad_nd.default(%55, [0, 3], 0.0)  # bf16[2*s0, 72]
+  %57 = _c10d_functional.all_to_all_single.default(%56, [%42, %45], [%32, %35], '0')  # bf16[s3 + s4, 72]
+  %58 = _c10d_functional.wait_tensor.default(%57)  # bf16[s3 + s4, 72]
+  %59 = aten.slice.Tensor(%58, 1, 0, 4)  # bf16[s3 + s4, 4]
+  %60 = aten.view.dtype(%59, i64)  # i64[s3 + s4, 1]
+  %61 = aten.select.int(%60, 1, 0)  # i64[s3 + s4]
+  %62 = aten.slice.Tensor(%58, 1, 4, 68)  # bf16[s3 + s4, 64]
+  %63 = aten.slice.Tensor(%58, 1, 68, 69)  # bf16[s3 + s4, 1]
+  %64 = aten.select.int(%63, 1, 0)  # bf16[s3 + s4]
+  %65 = aten.sub.Tensor(%61, {first})  # i64[s3 + s4]
+  %66 = aten.slice.Tensor(%65, 0, 0, 9223372036854775807)  # i64[s3 + s4]
+  %67 = aten.unsqueeze.default(%66, 1)  # i64[s3 + s4, 1]
+  %68 = aten.slice.Tensor(%64, 0, 0, 9223372036854775807)  # bf16[s3 + s4]
+  %69 = aten.unsqueeze.default(%68, 1)  # bf16[s3 + s4, 1]
+  %70 = dzc.mxfp4_moe.default(%62, %67, %69, %a4, %a5, %a8, %a6, %a7, %a9, 'clamped_swiglu', True, 1.702, 7.0)  # \
+bf16[s3 + s4, 64]
+  %71 = _c10d_functional.all_to_all_single.default(%70, [%32, %35], [%42, %45], '0')  # bf16[s1 + s2, 64]
+  %72 = _c10d_functional.wait_tensor.default(%71)  # bf16[s1 + s2, 64]
+"""
+
+_PADDED = """\
+  %24 = _c10d_functional.all_to_all_single.default(%23, [1, 1], [1, 1], '0')  # i64[2]
+  %25 = _c10d_functional.wait_tensor.default(%24)  # i64[2]
+  %26 = aten.div.Tensor_mode(%16, 2, rounding_mode='floor')  # i64[2*s0]
+  %27 = aten.index.Tensor(%a3, [%26])  # bf16[2*s0, 64]
+  %28 = aten.view.default(%13, [-1])  # bf16[2*s0]
+  %29 = aten.index.Tensor(%28, [%16])  # bf16[2*s0]
+  %30 = aten.view.dtype(%17, bf16)  # bf16[8*s0]
+  %31 = aten.view.default(%30, [-1, 4])  # bf16[2*s0, 4]
+  %32 = aten.unsqueeze.default(%29, 1)  # bf16[2*s0, 1]
+  %33 = aten.cat.default([%31, %27, %32], 1)  # bf16[2*s0, 69]
+  %34 = aten.constant_pad_nd.default(%33, [0, 3], 0.0)  # bf16[2*s0, 72]
+  %35 = aten.sym_size.int(%34, 0)  # sym 2*s0
+  %36 = le(%35, 18)  # SymBool
+  %37 = aten._assert_scalar.default(%36, 'dzc: more rows to dispatch than CompileOptions.ep_max_dispatch_rows = 18 \
+(the most rows, tokens x top_k, a rank may send in one expert-parallel dispatch)')  # NoneType
+  %38 = prims.iota.default(%35, device='cpu', dtype=i64, requires_grad=False, start=0, step=1)  # i64[2*s0]
+  %39 = aten.cumsum.default(%23, 0)  # i64[2]
+  %40 = aten.sub.Tensor(%39, %23)  # i64[2]
+  %41 = aten.unsqueeze.default(%38, 1)  # i64[2*s0, 1]
+  %42 = aten.ge.Tensor(%41, %39)  # bool[2*s0, 2]
+  %43 = aten.sum.dim_IntList(%42, [1])  # i64[2*s0]
+  %44 = aten.index.Tensor(%40, [%43])  # i64[2*s0]
+  %45 = aten.sub.Tensor(%38, %44)  # i64[2*s0]
+  %46 = aten.mul.Tensor(%43, 18)  # i64[2*s0]
+  %47 = aten.add.Tensor(%46, %45)  # i64[2*s0]
+  %48 = aten.full.default([36, 72], 0, device='cpu', dtype=bf16, layout=torch.strided, pin_memory=False)  # \
+bf16[36, 72]
+  %49 = aten.index_put.default(%48, [%47], %34)  # bf16[36, 72]
+  %50 = _c10d_functional.all_to_all_single.default(%49, [18, 18], [18, 18], '0')  # bf16[36, 72]
+  %51 = _c10d_functional.wait_tensor.default(%50)  # bf16[36, 72]
+  %52 = prims.iota.default(18, device='cpu', dtype=i64, requires_grad=False, start=0, step=1)  # i64[18]
+  %53 = aten.unsqueeze.default(%25, 1)  # i64[2, 1]
+  %54 = aten.lt.Tensor(%52, %53)  # bool[2, 18]
+  %55 = aten.view.default(%54, [36, 1])  # bool[36, 1]
+  %56 = aten.slice.Tensor(%51, 1, 0, 4)  # bf16[36, 4]
+  %57 = aten.view.dtype(%56, i64)  # i64[36, 1]
+  %58 = aten.select.int(%57, 1, 0)  # i64[36]
+  %59 = aten.slice.Tensor(%51, 1, 4, 68)  # bf16[36, 64]
+  %60 = aten.slice.Tensor(%51, 1, 68, 69)  # bf16[36, 1]
+  %61 = aten.select.int(%60, 1, 0)  # bf16[36]
+  %62 = aten.sub.Tensor(%58, {first})  # i64[36]
+  %63 = aten.slice.Tensor(%62, 0, 0, 9223372036854775807)  # i64[36]
+  %64 = aten.unsqueeze.default(%63, 1)  # i64[36, 1]
+  %65 = aten.slice.Tensor(%61, 0, 0, 9223372036854775807)  # bf16[36]
+  %66 = aten.unsqueeze.default(%65, 1)  # bf16[36, 1]
+  %67 = aten.mul.Tensor(%64, %55)  # i64[36, 1]
+  %68 = aten.mul.Tensor(%66, %55)  # bf16[36, 1]
+  %69 = dzc.mxfp4_moe.default(%59, %67, %68, %a4, %a5, %a8, %a6, %a7, %a9, 'clamped_swiglu', True, 1.702, 7.0)  # \
+bf16[36, 64]
+  %70 = _c10d_functional.all_to_all_single.default(%69, [18, 18], [18, 18], '0')  # bf16[36, 64]
+  %71 = _c10d_functional.wait_tensor.default(%70)  # bf16[36, 64]
+  %72 = aten.index.Tensor(%71, [%47])  # bf16[2*s0, 64]
+"""
+
+
 @pytest.mark.parametrize("pass_name, window, before, after", [
     ("merge_all_to_all_dispatches", _dispatch, _DISPATCH_BEFORE_MERGE, _DISPATCH_MERGED),
     ("read_all_to_all_splits_once", _split_reads, _SPLIT_READS_BEFORE, _SPLIT_READS_ONCE)])
@@ -445,6 +556,48 @@ def test_golden_expert_parallel_passes(ranks, pass_name, window, before, after):
         if rank == 0:
             assert got == expected
         assert [_renamed(text) for text in got] == [_renamed(text) for text in expected], rank
+
+
+def _exchange(text: str) -> str:
+    """A stage's lines from the counts' exchange (the first all_to_all_single) through the one after the combine's
+    wait (the last wait_tensor)."""
+    lines = _body(text)
+    first = next(i for i, line in enumerate(lines) if "all_to_all_single" in line)
+    last = max(i for i, line in enumerate(lines) if "wait_tensor" in line)
+    return "\n".join(lines[first:last + 2]) + "\n"
+
+
+def test_golden_pad_all_to_all_to_capacity(ranks):
+    """The counts stay on the device: each row's place in its peer's chunk of 18 from the counts' cumsum, the
+    rows placed in zeros, both all_to_alls in equal chunks, the padding rows' expert ids and weights zeroed by the
+    mask of received counts, the combined rows taken back from their places; the split reads, their host copy
+    and Dynamo's checks of them gone, a host check of the row count against the capacity in their place."""
+    for rank, results in enumerate(ranks):
+        (name_before, before), (name_after, after) = results["expert_parallel_capacity"]["stages"]
+        assert (name_before, name_after) == ("read_all_to_all_splits_once", "pad_all_to_all_to_capacity")
+        expected = [text.format(first=rank * 2) for text in (_SPLIT_READS_ONCE, _DISPATCH_BEFORE_PADDING, _PADDED)]
+        got = [_split_reads(before), _dispatch(before), _exchange(after)]
+        if rank == 0:
+            assert got == expected
+        assert [_renamed(text) for text in got] == [_renamed(text) for text in expected], rank
+
+
+def test_expert_parallel_moe_with_a_capacity_matches_single_device_layer(ranks):
+    """ep_max_dispatch_rows: the EP layer equals the single-device block within the EP tolerance at each token
+    count, with no host sync left (a CUDA graph could replay it); a call over the capacity raises, naming it; the
+    layer compiled without the option is refused for want of one."""
+    for rank, results in enumerate(ranks):
+        case = results["expert_parallel_capacity"]
+        assert case["error"] < 2 ** -6, (rank, case["error"])
+        assert (case["breaks"], case["retries"]) == (0, [])
+        assert case["passes"]["pad_all_to_all_to_capacity"] == case["graphs"] >= 1, case["refusals"]
+        assert case["passes"]["merge_all_to_all_dispatches"] == case["graphs"]
+        assert "aten._local_scalar_dense" not in case["lowered"] and "prims.device_put" not in case["lowered"]
+        assert case["host_syncs"] == [[]] * case["graphs"]
+        assert "ep_max_dispatch_rows = 18" in case["over_capacity"], case["over_capacity"]
+        unpadded = results["expert_parallel"]
+        assert unpadded["refusals"]["pad_all_to_all_to_capacity"] == [
+            "no capacity declared (CompileOptions.ep_max_dispatch_rows)"] * unpadded["graphs"]
 
 
 def test_expert_parallel_passes_refuse_what_they_cannot_rewrite(ranks):
@@ -491,6 +644,48 @@ def test_merge_all_to_all_dispatches_on_fake_tensors(shapes, why):
         assert (len(result.rewrites), len(calls), result.refusals) == (1, 1, [])
     else:
         assert (len(result.rewrites), len(calls)) == (0, 2) and why in result.refusals[0][1], result.refusals
+
+
+@pytest.mark.parametrize("op, capacity, why", [
+    ("mul", 8, None), ("mul", None, "no capacity declared"), ("mul", 4, "8 rows to dispatch, over"),
+    ("cumsum", 8, "(aten.cumsum.default) uses the received rows and is not row-wise in them")])
+def test_pad_all_to_all_to_capacity_on_fake_tensors(op, capacity, why):
+    """In one process, on fake tensors: a dispatch of 8 rows and its combine, split sizes read from the exchanged
+    counts, a row-wise op (x 2) or a cumsum over the rows between them. Padded where row-wise and a capacity of at
+    least the 8 rows is declared (no host sync left); else refused with the reason."""
+    import torch.distributed  # noqa: F401 (registers the functional collectives' fake kernels)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from dzc.capture import _host_syncs
+    from dzc.passes.pad_all_to_all_to_capacity import pad_all_to_all_to_capacity
+
+    aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+    mode, graph = FakeTensorMode(shape_env=ShapeEnv()), torch.fx.Graph()
+
+    def call(target, *args, val=None):
+        node = graph.call_function(target, args)
+        with mode:
+            node.meta["val"] = val if val is not None else target(*torch.fx.node.map_arg(args, lambda n: n.meta["val"]))
+        return node
+
+    x, send = graph.placeholder("x"), graph.placeholder("send")
+    with mode:
+        x.meta["val"], send.meta["val"] = torch.empty(8, 4), torch.empty(2, dtype=torch.int64)
+    received = call(c10d.wait_tensor.default, call(c10d.all_to_all_single.default, send, [1, 1], [1, 1], "0"))
+    reads = [call(aten._local_scalar_dense.default, call(aten.select.int, counts, 0, i),
+                  val=mode.shape_env.create_unbacked_symint()) for counts in (send, received) for i in range(2)]
+    rows = call(c10d.wait_tensor.default, call(c10d.all_to_all_single.default, x, reads[2:], reads[:2], "0"))
+    mixed = call(aten.mul.Tensor, rows, 2) if op == "mul" else call(aten.cumsum.default, rows, 0)
+    back = call(c10d.wait_tensor.default, call(c10d.all_to_all_single.default, mixed, reads[:2], reads[2:], "0"))
+    graph.output(back)
+    result = pad_all_to_all_to_capacity(graph, capacity)
+    if why is None:
+        assert (len(result.rewrites), result.refusals, _host_syncs(result.graph)) == (1, [], [])
+        assert tuple(list(result.graph.nodes)[-1].args[0].meta["val"].shape) == (8, 4)
+    else:
+        assert not result.rewrites and why in result.refusals[0][1], result.refusals
+        assert _host_syncs(graph) == _host_syncs(result.graph) == ["aten._local_scalar_dense.default"]
 
 
 def test_all_reduce_with_another_use_is_refused(ranks):

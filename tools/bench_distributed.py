@@ -262,8 +262,10 @@ def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
     """(3) The EP layer (dzc as it compiles it: the dispatch's all_to_alls merged by merge_all_to_all_dispatches,
     the split sizes read through one copy to the host by read_all_to_all_splits_once), the same with those passes
     off, and the whole layer on rank 0 with and without dzc's CUDA graphs: the EP path's overhead split into what
-    the two passes save and what losing CUDA graphs to the split sizes' host reads costs.
-    Rank 0 also prints the EP layer's collectives and host syncs per call and a profile of its calls."""
+    the two passes save and what losing CUDA graphs to the split sizes' host reads costs; and the EP layer with a
+    fixed capacity (ep_max_dispatch_rows = the row's tokens x top_k: pad_all_to_all_to_capacity, no host read, so
+    small calls replay a CUDA graph). Rank 0 also prints the EP layer's collectives and host syncs per call and a
+    profile of its calls."""
     block = build_moe(sizes["moe"]).to(device)
     hidden = block.cfg.hidden
     rows = []
@@ -291,6 +293,12 @@ def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
             # final index_add_'s atomics may add a token's slots in another order.
             check(f"EP={world} T={tokens} with the EP passes vs without", got, compiled_unmerged(mine), 2 ** -7)
             ep_s = timed(lambda: compiled_ep(mine), sizes["iterations"], device)
+            compiled_padded = dzc.compile(layer, target=target, options=replace(
+                options, ep_max_dispatch_rows=tokens * block.cfg.top_k))
+            check(f"EP={world} T={tokens} fixed capacity", compiled_padded(mine),
+                  block(x)[rank * tokens:(rank + 1) * tokens], 2 ** -4, selects=True)
+            fired(compiled_padded, "pad_all_to_all_to_capacity")
+            padded_s = timed(lambda: compiled_padded(mine), sizes["iterations"], device)
             unmerged_s = timed(lambda: compiled_unmerged(mine), sizes["iterations"], device)
             without = {name: timed(lambda c=c: c(mine), sizes["iterations"], device) for name, c in alone.items()}
             if rank == 0:
@@ -304,8 +312,8 @@ def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
                 ep_profile(compiled_ep, mine, device, rank, world)
         if world > 1:
             dist.barrier()
-        rows.append(f"| EP={world} | {tokens} | {ep_s * 1e6:.1f} | {unmerged_s * 1e6:.1f} | {one_s * 1e6:.1f} | "
-                    f"{plain_s * 1e6:.1f} | {one_s / ep_s:.2f}x |")
+        rows.append(f"| EP={world} | {tokens} | {ep_s * 1e6:.1f} | {padded_s * 1e6:.1f} | {unmerged_s * 1e6:.1f} | "
+                    f"{one_s * 1e6:.1f} | {plain_s * 1e6:.1f} | {one_s / ep_s:.2f}x |")
     fired(compiled_ep, "fuse_mxfp4_experts")
     fired(compiled_ep, "merge_all_to_all_dispatches")
     fired(compiled_ep, "read_all_to_all_splits_once")
@@ -389,9 +397,11 @@ def main() -> None:
              "|---|---|---|---|---|", *tp_layer(sizes, options, args.target, device, mesh, rank, world),
              *dsa_moe_layer(sizes, options, args.target, device, group, rank, world), "")
     if "ep" in tables:
-        emit(rank, args.out, "| MoE | tokens per rank | EP layer (µs) | EP, without the 2 EP passes (µs) | "
-                             "whole layer, one device (µs) | the same without CUDA graphs (µs) | speed-up |",
-             "|---|---|---|---|---|---|---|", *ep_layer(sizes, options, args.target, device, group, rank, world), "")
+        emit(rank, args.out, "| MoE | tokens per rank | EP layer (µs) | EP, fixed capacity (µs) | "
+                             "EP, without the 2 EP passes (µs) | whole layer, one device (µs) | "
+                             "the same without CUDA graphs (µs) | speed-up |",
+             "|---|---|---|---|---|---|---|---|",
+             *ep_layer(sizes, options, args.target, device, group, rank, world), "")
     dist.destroy_process_group()
 
 
