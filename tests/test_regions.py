@@ -76,9 +76,10 @@ def test_the_multimodal_model_fuses_as_without_regions(options):
     was thrown away. dzc's reuse check points the stamp-out back at the symbol the first call passed: the two window
     blocks share one body, traced once, no retry. The full-attention block gets a body of its own (its cu_seqlens
     are of another size than the window blocks' cu_window_seqlens: no guard relates them, no block is unmarked),
-    called once: Dynamo inlines it. The decoder layers write the paged cache: AOTAutograd keeps the calls of their
-    shared body functionalized, dzc inlines them with the writes of a plain capture. Same fusions and results as
-    without regions, one graph."""
+    called once: Dynamo inlines it. The decoder layers differ in their attention's layer index (their cache slot,
+    which Dynamo guards): their children are marked instead, each kind sharing one body (the two norms of a layer
+    one): the indexers write their key caches, AOTAutograd keeps the calls of their body functionalized and dzc
+    inlines them with the writes of a plain capture. Same fusions and results as without regions, one graph."""
     fired, logits = {}, {}
     for nested in (False, True):
         torch._dynamo.reset()
@@ -91,10 +92,20 @@ def test_the_multimodal_model_fuses_as_without_regions(options):
     assert fired[True] == fired[False], fired
     torch.testing.assert_close(logits[True], logits[False], atol=0, rtol=0)
     report = compiled.report
-    assert report.nested_regions == "vision.blocks: 3 x VisionBlock, language.layers: 3 x DecoderLayer"
+    children = ", ".join(f"language.layers.*.{path}: 3 x {name}" for path, name in (
+        ("input_layernorm", "HFRMSNorm"), ("attn.q_norm", "RMSNorm"), ("attn.kv_norm", "RMSNorm"),
+        ("attn.indexer", "Indexer"), ("post_attention_layernorm", "HFRMSNorm"), ("mlp", "MoEBlock")))
+    assert report.nested_regions == (
+        f"vision.blocks: 3 x VisionBlock, {children}; not marked: language.layers: DecoderLayer (instances differ in "
+        "int attribute attn.layer: marked its repeated children instead); language.layers.*.attn: DSAAttention "
+        "(instances differ in int attribute layer: marked its repeated children instead)"), report.nested_regions
     assert report.region_retries == [], report.region_retries
-    assert report.graphs[0].regions == ["body repeated_subgraph0 called 2 times: fuse_residual_norm 1 site, "
-                                        "fuse_vision_attention 1 site"], report.graphs[0].regions
+    assert report.graphs[0].regions == [
+        "body repeated_subgraph0 called 2 times: fuse_residual_norm 1 site, fuse_vision_attention 1 site",
+        "body repeated_subgraph1 called 6 times: nothing fused",
+        "body repeated_subgraph2 called 3 times: nothing fused",
+        "body repeated_subgraph3 called 3 times: nothing fused",
+        "body repeated_subgraph4 called 3 times: fuse_mxfp4_experts 1 site"], report.graphs[0].regions
     capture = dict(report.graphs[0].stages)["capture"]
     assert "auto_functionalized_v2" in capture and "called 2 times" in capture, capture[-2000:]
     assert all("_dzc_region_of" in vars(type(block)) for block in model.vision.blocks)
@@ -118,7 +129,7 @@ def test_a_pickled_graph_does_not_recompile_region_calls(options):
         for sequence, length in ((0, 5), (1, 7), (0, 1), (1, 1), (0, 1)):
             compiled(*pages.inputs(torch.randn(1, length, cfg.hidden, dtype=torch.bfloat16), [sequence])[:4])
     report = compiled.report
-    assert report.nested_regions == "language.layers: 2 x DecoderLayer"
+    assert report.nested_regions.startswith("language.layers.*.input_layernorm: 2 x HFRMSNorm"), report.nested_regions
     assert report.compiles == 2 and report.recompiles == 1, [g.dynamic_sizes for g in report.graphs]
 
 
@@ -234,6 +245,100 @@ def test_a_layer_writing_a_view_is_inlined_in_dynamos_graph_and_traced_again(opt
     assert "auto_functionalized" not in dict(report.graphs[0].stages)["capture"]
 
 
+class _LayerCaches:
+    """One cache tensor per layer, in a list, passed to the layers as an object (as dzc's PagedKVCache is)."""
+
+    def __init__(self, layers: int):
+        self.rows = [torch.zeros(8, 16) for _ in range(layers)]
+
+
+class _IndexedAttention(nn.Module):
+    """Writes and reads the cache its int attribute `layer` picks (a decoder layer's KV cache slot)."""
+
+    def __init__(self, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x, cache: _LayerCaches, slots):
+        rows = cache.rows[self.layer]
+        rows.index_copy_(0, slots, self.proj(x))
+        return rows.sum(0) * 0.1
+
+
+class _Mlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class _IndexedLayer(nn.Module):
+    def __init__(self, layer: int):
+        super().__init__()
+        self.attn = _IndexedAttention(layer)
+        self.mlp = _Mlp()
+        self.first = layer == 0  # a bool that differs: no int, no reason to descend
+
+    def forward(self, x, cache: _LayerCaches, slots):
+        x = x + self.attn(x, cache, slots)
+        return x + self.mlp(x)
+
+
+class _IndexedLayers(nn.Module):
+    def __init__(self, layers: int = 3, layer_of=lambda index: index):
+        super().__init__()
+        self.layers = nn.ModuleList(_IndexedLayer(layer_of(index)) for index in range(layers))
+
+    def forward(self, x, cache: _LayerCaches, slots):
+        for layer in self.layers:
+            x = layer(x, cache, slots)
+        return x
+
+
+def test_layers_differing_in_an_int_attribute_have_their_children_marked(options, seed):
+    """Dynamo guards the int each layer reads to pick its cache, and refuses to reuse one layer's body for another
+    (rightly: the stamped-out layer would write layer 0's cache): whole-layer marks would trace every layer. Their
+    children are marked instead: the MLPs share one body, traced once and called 3 times; the attention modules,
+    which differ too, are descended into (their Linears are no layers). Outputs and the caches written in place as
+    eager."""
+    model = _IndexedLayers()
+    eager = copy.deepcopy(model)
+    compiled = dzc.compile(model, "cuda", dataclasses.replace(options, nested_regions=True))
+    caches, eager_caches = _LayerCaches(3), _LayerCaches(3)
+    with torch.no_grad():
+        for slots in (torch.tensor([1, 3, 5, 7]), torch.tensor([0, 2, 4, 6])):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(compiled(x, caches, slots), eager(x, eager_caches, slots))
+    for index, (written, expected) in enumerate(zip(caches.rows, eager_caches.rows)):
+        torch.testing.assert_close(written, expected, msg=f"cache of layer {index}")
+    report = compiled.report
+    assert report.compiles == 1 and report.region_retries == [], report
+    assert report.nested_regions == (
+        "layers.*.mlp: 3 x _Mlp; not marked: layers: _IndexedLayer (instances differ in int attribute attn.layer: "
+        "marked its repeated children instead); layers.*.attn: _IndexedAttention (instances differ in int "
+        "attribute layer: no child marked)"), report.nested_regions
+    assert [line.split(":")[0] for line in report.graphs[0].regions] == ["body repeated_subgraph0 called 3 times"], \
+        report.graphs[0].regions
+    assert [type(layer.mlp).__name__ for layer in model.layers] == ["_Mlp"] * 3
+    assert all("_dzc_region_of" in vars(type(layer.mlp)) and "_dzc_region_of" not in vars(type(layer))
+               for layer in model.layers)
+
+
+def test_layers_agreeing_on_their_int_attributes_are_marked_whole():
+    """The same layers, each given the same int (and a bool that differs, which is no int here): marked whole."""
+    model = _IndexedLayers(layer_of=lambda index: 0)
+    marking = regions.mark_repeated_layers(model)
+    try:
+        assert marking.describe() == "layers: 3 x _IndexedLayer" and marking.refused == []
+        assert marking.owners()[id(model.layers[2].mlp.up.weight)] == "layers.2"
+    finally:
+        marking.restore()
+    assert all(type(layer) is _IndexedLayer for layer in model.layers)
+
+
 class _SizeReader(nn.Module):
     """A layer whose output depends on the size of its input `offsets`."""
 
@@ -300,13 +405,16 @@ def test_where_the_reuse_check_relates_sizes_regions_are_refused(options, seed, 
                                             "other dynamic sizes"), report.nested_regions
 
 
-def test_region_calls_reading_another_layers_parameters_are_refused(seed):
+@pytest.mark.parametrize("child", ["", "mlp"])
+def test_region_calls_reading_another_layers_parameters_are_refused(seed, child):
     """Wrapping each instance's bound forward (not its class) makes torch 2.13's Dynamo stamp out every call with
-    the first layer's parameters: the check dzc's backend runs on Dynamo's graph names it."""
+    the first layer's parameters: the check dzc's backend runs on Dynamo's graph names it, for marked layers as
+    for a marked child of each layer (a group `layers.*.mlp`)."""
     model = _Stack(lambda: HFLayer(DecoderConfig()))
-    for layer in model.layers:
-        layer.forward = types.MethodType(torch.compiler.nested_compile_region(HFLayer.forward), layer)
-    marking = regions.Marking([("layers", "HFLayer", list(model.layers))])
+    marked = [getattr(layer, child) if child else layer for layer in model.layers]
+    for module in marked:
+        module.forward = types.MethodType(torch.compiler.nested_compile_region(type(module).forward), module)
+    marking = regions.Marking([("layers.*." + child if child else "layers", type(marked[0]).__name__, marked)])
     found = []
 
     def backend(gm, example_inputs):
@@ -315,7 +423,7 @@ def test_region_calls_reading_another_layers_parameters_are_refused(seed):
 
     with torch.no_grad():
         torch.compile(model, backend=backend)(torch.randn(2, 5, 64))
-    assert found and "both read the parameters of layers.0" in found[0], found
+    assert found and f"both read the parameters of {'layers.0.' + child if child else 'layers.0'}" in found[0], found
 
 
 def test_regions_are_on_by_default_and_the_knob_or_the_option_turns_them_off(options, monkeypatch):
