@@ -61,17 +61,35 @@ def fake_value(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
-def call_with_fake_value(graph: torch.fx.Graph, target, args: tuple, trace: str | None = None) -> torch.fx.Node:
-    """A new call of target(*args) at the graph's insertion point, its fake value computed from the arguments' in
-    the graph's fake mode (what later passes and lowering read), with `trace` as its stack trace if given."""
+def call_with_fake_value(graph: torch.fx.Graph, target, args: tuple, trace: str | None = None,
+                         kwargs: dict | None = None, like: torch.fx.Node | None = None) -> torch.fx.Node:
+    """A new call of target(*args, **kwargs) at the graph's insertion point, its fake value computed from the
+    arguments' in the graph's fake mode (what later passes and lowering read), with `trace` as its stack trace if
+    given. A factory (no tensor argument) takes the fake mode of node `like`'s value."""
+    kwargs = kwargs or {}
     values = torch.fx.node.map_arg(args, fake_value)
-    mode = next(v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, FakeTensor)).fake_mode
-    node = graph.call_function(target, args)
+    leaves = [v for v in torch.utils._pytree.tree_leaves(values) if isinstance(v, FakeTensor)]
+    mode = (leaves[0] if leaves else fake_value(like)).fake_mode
+    node = graph.call_function(target, args, kwargs)
     with mode:
-        node.meta["val"] = target(*values)
+        node.meta["val"] = target(*values, **kwargs)
     if trace:
         node.meta["stack_trace"] = trace
     return node
+
+
+def read_element(read: torch.fx.Node):
+    """(tensor node, index) when `read` (a `.item()`: _local_scalar_dense) reads one element of a 1-D integer tensor
+    of fixed length through a select, else None."""
+    select = read.args[0]
+    if not is_call(select, torch.ops.aten.select.int) or select.args[1] != 0 or not isinstance(select.args[2], int):
+        return None
+    value = fake_value(select.args[0])
+    if (not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype.is_floating_point
+            or not isinstance(value.shape[0], int)):
+        return None
+    index = select.args[2]
+    return select.args[0], index if index >= 0 else index + value.shape[0]
 
 
 def is_call(node, *targets) -> bool:

@@ -60,7 +60,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
 from dzc.passes.graph_pass import (PassResult, call_with_fake_value, copy_graph, fake_value, is_call,
-                                   location_of)
+                                   location_of, read_element)
 
 NAME = "pad_all_to_all_to_capacity"
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -77,11 +77,10 @@ _FULL = 2 ** 62  # a slice end at least this large takes the whole dim
 def _element(read) -> tuple[torch.fx.Node, int] | None:
     """(1-D integer tensor, index) whose element `read` reads to the host (directly, or through a host copy of a
     concatenation, as read_all_to_all_splits_once spells it), else None."""
-    if not is_call(read, aten._local_scalar_dense.default) or not is_call(read.args[0], aten.select.int):
+    found = read_element(read) if is_call(read, aten._local_scalar_dense.default) else None
+    if found is None:
         return None
-    tensor, dim, index = read.args[0].args
-    if dim != 0 or not isinstance(index, int):
-        return None
+    tensor, index = found
     if is_call(tensor, prims.device_put.default):
         tensor = tensor.args[0]
     pieces = tensor.args[0] if is_call(tensor, aten.cat.default) and tensor.args[1:] in ((), (0,)) else [tensor]
@@ -89,7 +88,6 @@ def _element(read) -> tuple[torch.fx.Node, int] | None:
                else None for piece in pieces]
     if not all(isinstance(length, int) for length in lengths):
         return None
-    index = index if index >= 0 else index + sum(lengths)
     for piece, length in zip(pieces, lengths):
         if index < length:
             return piece, index
@@ -198,16 +196,6 @@ def _checks_of(reads: list, calls: set) -> set | str:
     return found
 
 
-def _created(graph: torch.fx.Graph, target, args: tuple, like: torch.fx.Node, **kwargs) -> torch.fx.Node:
-    """A new tensor of target(*args, device=like's device, **kwargs) (a factory: no tensor operand), its fake value
-    computed in like's fake mode."""
-    kwargs["device"] = fake_value(like).device
-    node = graph.call_function(target, args, kwargs)
-    with fake_value(like).fake_mode:
-        node.meta["val"] = target(*torch.fx.node.map_arg(args, fake_value), **kwargs)
-    return node
-
-
 def _refresh(graph: torch.fx.Graph, start: torch.fx.Node) -> None:
     """Recompute the fake values of `start` and of every node computed from it (shapes without the unbacked
     sizes)."""
@@ -253,10 +241,11 @@ def _dispatch_counts(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]
     return sent, received
 
 
-def _pad(graph: torch.fx.Graph, dispatch: torch.fx.Node, capacity: int | None) -> str:
-    """Rewrite one dispatch and its combine to chunks of `capacity` rows; returns "" or why not."""
+def _pad(graph: torch.fx.Graph, dispatch: torch.fx.Node, counts: tuple, capacity: int | None) -> str:
+    """Rewrite one dispatch (its `counts` sent and received: _dispatch_counts) and its combine to chunks of
+    `capacity` rows; returns "" or why not."""
     source, out_splits, in_splits, group = dispatch.args
-    sent, received = _dispatch_counts(dispatch)
+    sent, received = counts
     if len(dispatch.users) != 1 or not is_call(next(iter(dispatch.users)), _WAIT):
         return f"{dispatch.name} is not waited on exactly once"
     wait = next(iter(dispatch.users))
@@ -288,8 +277,8 @@ def _pad(graph: torch.fx.Graph, dispatch: torch.fx.Node, capacity: int | None) -
                 f"dzc: more rows to dispatch than CompileOptions.ep_max_dispatch_rows = {capacity} (the most rows, "
                 f"tokens x top_k, a rank may send in one expert-parallel dispatch)"))).meta["val"] = None
         # As Inductor's decompositions spell them (the fallback compiles this graph as captured).
-        index = _created(graph, prims.iota.default, (rows,), source, start=0, step=1, dtype=torch.int64,
-                         requires_grad=False)
+        index = call_with_fake_value(graph, prims.iota.default, (rows,), kwargs=dict(
+            start=0, step=1, dtype=torch.int64, device=value.device, requires_grad=False), like=source)
         # Row i goes to the peer p with ends[p-1] <= i < ends[p] (the splits are contiguous), at slot
         # i - starts[p] of p's chunk.
         ends = call_with_fake_value(graph, aten.cumsum.default, (sent, 0), trace)
@@ -301,8 +290,8 @@ def _pad(graph: torch.fx.Graph, dispatch: torch.fx.Node, capacity: int | None) -
             index, call_with_fake_value(graph, aten.index.Tensor, (starts, [peer]), trace)), trace)
         positions = call_with_fake_value(graph, aten.add.Tensor, (
             call_with_fake_value(graph, aten.mul.Tensor, (peer, capacity), trace), slot), trace)
-        padded = _created(graph, aten.full.default, ([world * capacity, *value.shape[1:]], 0), source,
-                          dtype=value.dtype, layout=torch.strided, pin_memory=False)
+        padded = call_with_fake_value(graph, aten.full.default, ([world * capacity, *value.shape[1:]], 0), kwargs=dict(
+            dtype=value.dtype, layout=torch.strided, device=value.device, pin_memory=False), like=source)
         placed = call_with_fake_value(graph, aten.index_put.default, (padded, [positions], source), trace)
     chunks = [capacity] * world
     dispatch.args = (placed, chunks, chunks, group)
@@ -315,8 +304,8 @@ def _pad(graph: torch.fx.Graph, dispatch: torch.fx.Node, capacity: int | None) -
     with graph.inserting_before(wait.next):
         # Received row j holds data iff j % K < received[j // K]; the rest are the senders' zero padding.
         slots = call_with_fake_value(graph, aten.lt.Tensor, (
-            _created(graph, prims.iota.default, (capacity,), received, start=0, step=1, dtype=torch.int64,
-                     requires_grad=False),
+            call_with_fake_value(graph, prims.iota.default, (capacity,), kwargs=dict(
+                start=0, step=1, dtype=torch.int64, device=value.device, requires_grad=False), like=received),
             call_with_fake_value(graph, aten.unsqueeze.default, (received, 1), trace)), trace)
         valid = call_with_fake_value(graph, aten.view.default, (slots, [world * capacity, 1]), trace)
     for node in region:
@@ -336,9 +325,11 @@ def pad_all_to_all_to_capacity(graph: torch.fx.Graph, capacity: int | None = Non
     report."""
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
-    for dispatch in [n for n in graph.nodes if _dispatch_counts(n) is not None]:
+    for dispatch, counts in [(n, _dispatch_counts(n)) for n in graph.nodes]:
+        if counts is None:
+            continue
         where = location_of(dispatch)
-        why = _pad(graph, dispatch, capacity)
+        why = _pad(graph, dispatch, counts, capacity)
         if why:
             result.refused(where, why)
         else:

@@ -37,7 +37,7 @@ import torch
 import torch.fx
 
 from dzc.passes.graph_pass import (PassResult, call_with_fake_value, copy_graph, fake_value, is_call,
-                                   location_of)
+                                   location_of, read_element)
 
 NAME = "read_all_to_all_splits_once"
 aten = torch.ops.aten
@@ -48,19 +48,6 @@ def _is_split(read: torch.fx.Node) -> bool:
     """Whether the value of `read` is a split size of an all_to_all_single."""
     return any(is_call(user, _ALL_TO_ALL) and any(read in (splits or ()) for splits in user.args[1:3])
                for user in read.users)
-
-
-def _element(read: torch.fx.Node):
-    """(tensor node, index) when `read` reads one element of a 1-D integer tensor of fixed length, else None."""
-    select = read.args[0]
-    if not is_call(select, aten.select.int) or select.args[1] != 0 or not isinstance(select.args[2], int):
-        return None
-    value = fake_value(select.args[0])
-    if (not isinstance(value, torch.Tensor) or value.dim() != 1 or value.dtype.is_floating_point
-            or not isinstance(value.shape[0], int)):
-        return None
-    index = select.args[2]
-    return select.args[0], index if index >= 0 else index + value.shape[0]
 
 
 def _groups(reads: list[torch.fx.Node], elements: list, order: dict) -> list[list[int]]:
@@ -101,7 +88,7 @@ def read_all_to_all_splits_once(graph: torch.fx.Graph) -> PassResult:
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
     reads = [n for n in graph.nodes if is_call(n, aten._local_scalar_dense.default) and _is_split(n)]
-    elements = [_element(read) for read in reads]
+    elements = [read_element(read) for read in reads]
     for read, element in zip(reads, elements):
         if element is None:
             result.refused(location_of(read), "a split size is not one element of a 1-D integer tensor of fixed "

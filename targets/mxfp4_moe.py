@@ -549,12 +549,21 @@ class _LaunchPlan:
     """What triton_launch reads of a config, worked out once per config (_launch_plan), not per call."""
 
     config: KernelConfig
-    fp8: bool
     word_loads: bool  # TMA or SWAP_AB: the weights must be 16-byte aligned (_plain_loads otherwise)
-    workspace: bool
-    split_k: int
     order: int  # the activations' column order (_act_order)
     options: Mapping  # the GEMMs' constexprs and launch options
+
+    @property
+    def fp8(self) -> bool:
+        return self.options["FP8"]
+
+    @property
+    def workspace(self) -> bool:
+        return self.options["WORKSPACE"]
+
+    @property
+    def split_k(self) -> int:
+        return self.options["SPLIT_K"]
 
     @property
     def block_n(self) -> int:
@@ -569,8 +578,7 @@ def _launch_plan(config: KernelConfig) -> _LaunchPlan:
                    WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=upcast,
                    FP8=_fp8(config), TMA=_tma(config), K_STAGES=config.num_stages, DOT_SCALED=_dot_scaled(config),
                    SWAP_AB=_swap_ab(config), num_warps=config.num_warps, num_stages=config.num_stages)
-    return _LaunchPlan(config, _fp8(config), _tma(config) or _swap_ab(config), _uses_workspace(config),
-                       _split_k(config), _act_order(config), types.MappingProxyType(options))
+    return _LaunchPlan(config, _tma(config) or _swap_ab(config), _act_order(config), types.MappingProxyType(options))
 
 
 def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_weights, w13_blocks, w13_scales,
