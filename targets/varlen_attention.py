@@ -418,11 +418,12 @@ def tilelang_padded_dim(head_dim: int) -> int:
     return -(-head_dim // 16) * 16
 
 
-def _tilelang_element(tensor: str, row: str, rope: bool) -> str:
-    """The TIR expression for element (row, d) of q or k, with rotary embedding if `rope` (in fp32, rounded to
-    DTYPE)."""
-    element = f"{tensor}[{row}, head, d]"
+def _tilelang_element(tensor: str, row: str, rope: bool, column: str = "d") -> str:
+    """The TIR expression for element (row, column) of q or k, with rotary embedding if `rope` (in fp32, rounded to
+    DTYPE; column d only)."""
+    element = f"{tensor}[{row}, head, {column}]"
     if rope:
+        assert column == "d", "rotary embedding pairs columns d and d +- HALF_DIM"
         partner = f"{tensor}[{row}, head, T.if_then_else(d < HALF_DIM, d + HALF_DIM, d - HALF_DIM)]"
         rotated = f'T.if_then_else(d < HALF_DIM, -T.cast({partner}, "float32"), T.cast({partner}, "float32"))'
         element = (f'T.cast(T.cast({element}, "float32") * T.cast(cos[{row}, d], "float32") + '
@@ -430,10 +431,10 @@ def _tilelang_element(tensor: str, row: str, rope: bool) -> str:
     return element
 
 
-def _tilelang_operand(tensor: str, row: str, valid: str, rope: bool) -> str:
+def _tilelang_operand(tensor: str, row: str, valid: str, rope: bool, column: str = "d") -> str:
     """The element of a q or k tile (_tilelang_element); 0 where not `valid`. if_then_else evaluates only the branch
     taken, so masked elements never read out of bounds."""
-    return f"T.if_then_else({valid}, {_tilelang_element(tensor, row, rope)}, T.cast(0, DTYPE))"
+    return f"T.if_then_else({valid}, {_tilelang_element(tensor, row, rope, column)}, T.cast(0, DTYPE))"
 
 
 def tilelang_supports(spec: VarlenAttentionSpec) -> bool:
@@ -493,6 +494,9 @@ def tilelang_source(spec: VarlenAttentionSpec, profile: DeviceProfile) -> str:
         # The warp-specialized kernel reads q as it is (already rotated where the spec has rotary embedding).
         ws_q_element=_tilelang_operand("q", "seq_start + q_start + i", "(q_start + i < seq_len) & (d < HEAD_DIM)",
                                        rope=False),
+        ws_q_high_element=_tilelang_operand("q", "seq_start + q_start + i",
+                                            "(q_start + i < seq_len) & (low + d < HEAD_DIM)", rope=False,
+                                            column="low + d"),
         rope_tl_dtype=_TILELANG_DTYPES[spec.rope_dtype] if spec.rope else "float32",
         q_rotated=_tilelang_element("q", "block * ROTATE_ROWS + i", rope=True),
         k_rotated=_tilelang_element("k", "block * ROTATE_ROWS + i", rope=True),
@@ -521,14 +525,25 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
                     configs.append(config)
     if _warp_specialization_fits(spec, profile):
         for pingpong in (0, 1):
-            for block_n in (64, 128, 176):
+            for block_n, split in ((64, 0), (128, 0), (176, 0), (128, 1)):
+                if split and not _splits_columns(spec):
+                    continue
                 extra = {"PINGPONG": 1} if pingpong else {}
+                if split:
+                    extra["SPLIT_COLUMNS"] = 1
                 config = KernelConfig.make(num_warps=_WS_THREADS // profile.warp_size, num_stages=2, BLOCK_M=128,
                                            BLOCK_N=block_n, NUM_STAGES=2, THREADS=_WS_THREADS, WARP_SPECIALIZED=1,
                                            **extra)
                 if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                     configs.append(config)
     return configs
+
+
+def _splits_columns(spec: VarlenAttentionSpec) -> bool:
+    """Whether the warp-specialized kernel has SPLIT_COLUMNS=1 configs (its tiles as 64 columns + the rest: whole
+    128-byte TMA boxes a row): tiles wider than 64 columns and not a multiple of 64 (head dims 72, 80, 96)."""
+    width = tilelang_padded_dim(spec.head_dim)
+    return width > 64 and width % 64 != 0
 
 
 # The warp-specialized kernel (the template's _warp_specialized): 128 query rows, a producer and two consumer

@@ -436,11 +436,11 @@ def test_triton_compiles_ahead_of_time_for_sm_90(tmp_path):
 
 @pytest.mark.parametrize("head_dim, rope", [(72, FP32), (80, None)], ids=["72-rope", "80"])
 def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
-    """The pipelined kernel (the untuned choice on wgmma-less targets). Head dim 72 with RoPE: tiles padded to 80 columns (the
-    matrix instructions' k-step) built element-wise, rotated on the way; its CUDA is compiled by nvcc. Head dim 80
-    without: bulk copies of k and v (TMA); lowered only (nvcc takes ~20 s a kernel on the CI machine). Both: the
-    pipeline runs over the segment's whole key blocks only; its partial last block is loaded element-wise (rows
-    past the segment 0, never read) after it."""
+    """The pipelined kernel (the untuned choice on wgmma-less targets). Head dim 72 with RoPE: tiles padded to 80
+    columns (the matrix instructions' k-step) built element-wise, rotated on the way; its CUDA is compiled by nvcc.
+    Head dim 80 without: bulk copies of k and v (TMA); lowered only (nvcc takes ~20 s a kernel on the CI machine).
+    Both: the pipeline runs over the segment's whole key blocks only; its partial last block is loaded
+    element-wise (rows past the segment 0, never read) after it."""
     if shutil.which("nvcc") is None and rope is not None:
         pytest.skip("nvcc is not on PATH")
     spec = family.make_spec(head_dim, BF16, rope)
@@ -468,9 +468,10 @@ def test_tilelang_lowers_and_compiles_for_sm_90(head_dim, rope, tmp_path):
 
 
 def test_warp_specialized_configs_on_wgmma_targets_only():
-    """The warp-specialized kernel: on sm_90, 64-, 128- and 176-key blocks, with and without ping-pong; the untuned
-    choice (128-key blocks, no ping-pong), with RoPE too, whose launch then runs the rotation kernel (PART=1) first;
-    never on targets without wgmma/TMA (sm_80, MUSA)."""
+    """The warp-specialized kernel: on sm_90, 64-, 128- and 176-key blocks, with and without ping-pong, and where
+    the tiles are wider than 64 columns but not a multiple of 64 (72, 80), 128-key blocks with split columns; the
+    untuned choice (128-key blocks, no ping-pong, unsplit), with RoPE too, whose launch then runs the rotation kernel
+    (PART=1) first; never on targets without wgmma/TMA (sm_80, MUSA)."""
     def specialized(spec, profile):
         return [c for c in family.tilelang_configs(spec, profile) if dict(c.params).get("WARP_SPECIALIZED")]
 
@@ -479,8 +480,11 @@ def test_warp_specialized_configs_on_wgmma_targets_only():
             spec = family.make_spec(head_dim, BF16, rope)
             configs = specialized(spec, SM_90)
             default = family.tilelang_default_config(spec, SM_90)
-            assert [(c["BLOCK_N"], dict(c.params).get("PINGPONG", 0)) for c in configs] == [
-                (64, 0), (128, 0), (176, 0), (64, 1), (128, 1), (176, 1)]
+            split = [(128, 0, 1)] if head_dim != 128 else []
+            split_pingpong = [(128, 1, 1)] if head_dim != 128 else []
+            assert [(c["BLOCK_N"], dict(c.params).get("PINGPONG", 0), dict(c.params).get("SPLIT_COLUMNS", 0))
+                    for c in configs] == [(64, 0, 0), (128, 0, 0), (176, 0, 0), *split,
+                                          (64, 1, 0), (128, 1, 0), (176, 1, 0), *split_pingpong]
             assert default == configs[1]
             for config in configs:
                 kernels = family.tilelang_kernel_configs(spec, config)
@@ -573,6 +577,35 @@ def test_tilelang_warp_specialized_lowers_and_compiles_for_sm_90(tmp_path):
     assert spills and set(spills) == {"0"}, report
 
 
+def test_tilelang_split_columns_lowers_for_sm_90(tmp_path):
+    """SPLIT_COLUMNS=1 at head dim 72: q, k and v tiles as 64 + 16 columns, so each k or v tile arrives by one
+    64-column (128-byte) TMA box a row plus one 16-column box (reading zeros past the 72-wide row), the barrier
+    expecting both; S is two MMAs (64 and 16 columns of the reduction) into one accumulator, P V two (64- and
+    16-wide outputs), and the softmax waits for S alone, leaving both P V groups in flight. Unsplit head dims
+    (128) have no such config."""
+    spec = family.make_spec(72, BF16, None)
+    config = next(c for c in family.tilelang_configs(spec, SM_90)
+                  if dict(c.params).get("SPLIT_COLUMNS") and not dict(c.params).get("PINGPONG"))
+    assert config != family.tilelang_default_config(spec, SM_90)
+    path = tmp_path / "varlen_attention_tilelang.py"
+    path.write_text(family.tilelang_source(spec, SM_90))
+    artifact = tilelang_codegen.lower(path, family.TILELANG_FACTORY_NAME, config, SM_90)
+    cuda = artifact.kernel_source
+    (device_func,) = artifact.device_mod.functions.values()
+    assert int(device_func.attrs.get("dyn_shared_memory_buf", 0)) <= family.tilelang_shared_memory_bytes(spec, config)
+    for tensor, tile, high in (("k", "k_ring", "k_high"), ("v", "v_ring", "v_high")):
+        # One box of 64 columns at column 0 (the low tile's whole slot), one of 16 at column 64.
+        assert re.search(rf"tma_load\({tensor}_desc, [^;]*\(\(bfloat16_t\*\){tile}\)\[[^;]*\* 8192\)\]\)\), 0, ",
+                         cuda), tensor
+        assert re.search(rf"tma_load\({tensor}_desc_1, [^;]*\(\(bfloat16_t\*\){high}\)\[[^;]*\* 2048\)\]\)\), 64, ",
+                         cuda), tensor
+    assert cuda.count("expect_transaction(16384)") == 3 and cuda.count("expect_transaction(4096)") == 3
+    assert re.search(r"wgmma_rs<[^;]*\b64, 64, 16\b", cuda) and re.search(r"wgmma_rs<[^;]*\b64, 16, 16\b", cuda)
+    assert "wait_wgmma<2>" in cuda and "wait_wgmma<1>" not in cuda
+    assert not any(dict(c.params).get("SPLIT_COLUMNS")
+                   for c in family.tilelang_configs(family.make_spec(128, BF16, None), SM_90))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU
 
@@ -641,6 +674,7 @@ POISON_CASES = {
     "d80-bf16": (80, BF16, False, "default"),
     "d72-fp16-rope": (72, FP16, True, "warp-specialized-176"),
     "d128-bf16-rope": (128, BF16, True, "pipelined-128x64"),
+    "d72-bf16-split": (72, BF16, False, "split-columns"),
 }
 
 
@@ -677,6 +711,8 @@ def _poison_tilelang_config(spec, which):
     configs = family.tilelang_configs(spec, SM_90)
     if which == "default":
         return family.tilelang_default_config(spec, SM_90)
+    if which == "split-columns":  # its partial v tile's rows zeroed in both the low and the high tile
+        return next(c for c in configs if dict(c.params).get("SPLIT_COLUMNS") and not dict(c.params).get("PINGPONG"))
     if which == "warp-specialized-176":
         return next(c for c in configs if dict(c.params).get("WARP_SPECIALIZED") and c["BLOCK_N"] == 176
                     and not dict(c.params).get("PINGPONG"))
