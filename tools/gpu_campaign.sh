@@ -17,7 +17,8 @@
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Next session: wheels-1 (it also installs dzc: every step needs that, bare machines included) and s32-host first
 # (session 31's MoE host-path change, committed without a GPU), wheels-2, then s32-vision-tests (the varlen GPU
-# numerics session 31's limit cut), s32-vision-auto (the user's codegen "auto" path beside cuDNN).
+# numerics session 31's limit cut, now with the split-column configs), s32-vision-split (their timing beside the
+# unsplit configs and cuDNN), s32-vision-auto (the user's codegen "auto" path beside cuDNN).
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -204,6 +205,13 @@ s32-vision-tests)
       "tests/test_varlen_attention_kernels.py::test_tilelang_on_gpu[$id]" &
   done
   wait
+  ;;
+s32-vision-split)
+  # (after wheels-1 and wheels-2) issue 14: the warp-specialized kernel with split columns (SPLIT_COLUMNS=1: 64 +
+  # 16 columns, one 128-byte TMA box a row) beside the unsplit configs (five 32-byte boxes, every other row's
+  # straddling two sectors at head dim 72) and cuDNN, same run; each config's time is in the log.
+  TAIL=40 part bench_vision_split 420 python3 tools/bench_vision_attention.py --head-dims 72 80 --packs mixed \
+    --codegens tilelang --no-compile-baseline --work-dir /tmp/dzc-vision-split --out "$OUT/vision_attention_split_h200.md"
   ;;
 s32-vision-auto)
   # (after wheels-1 and wheels-2) issue 14: what a dzc.compile user gets at head dims 72 and 128 (codegen auto:
