@@ -263,6 +263,13 @@ def tilelang_shared_memory_bytes(spec: DsaTopkSpec, config: KernelConfig) -> int
     return sum(-(-4 * n // 16) * 16 for n in sizes)
 
 
+def tilelang_phase_stamped(config: KernelConfig) -> KernelConfig:
+    """`config` with the template's phase stamps (PHASE_STAMPS=1: thread 0's clocks at each phase's end, into a
+    fourth argument tilelang_launch does not pass), for tools/diagnose_dsa_topk_phases.py. A diagnostic build, so
+    never among tilelang_configs (what tuning and the untuned choice pick from)."""
+    return KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), PHASE_STAMPS=1)
+
+
 def tilelang_launch(compiled, config: KernelConfig, logits, lengths, k, indices, scratch):
     """The Triton launch's arguments; the kernel takes k from the indices' shape and needs no scratch.
     `compiled` is what tilelang_codegen.load returns (one compiled kernel per config)."""

@@ -29,6 +29,7 @@ from dzc.options import CompileOptions
 from dzc.selftest import lower_op
 from dzc.targets import INTERPRETER, TARGETS, dsa_cases, dsa_indexer, dsa_topk, sparse_attention, tilelang_codegen
 from dzc.targets import triton_codegen
+from dzc.targets.generated_module import import_generated
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.launch import legal_configs
 from dzc.targets.legality import config_problems
@@ -776,12 +777,15 @@ def test_tilelang_topk_source_and_configs(profile):
     assert "do not edit" in ast.get_docstring(module) and "$" not in source
     assert f"WARP = {profile.warp_size} " in source
     (factory,) = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == dsa_topk.TILELANG_FACTORY_NAME]
-    assert [arg.arg for arg in factory.args.args] == ["threads", "width", "candidates", "sweep", "radix_bits", "cache"]
+    assert [arg.arg for arg in factory.args.args] == ["threads", "width", "candidates", "sweep", "radix_bits", "cache",
+                                                      "phase_stamps"]
     (kernel,) = [n for n in ast.walk(factory) if isinstance(n, ast.FunctionDef) and n.name == "dsa_topk"]
-    assert [arg.arg for arg in kernel.args.args] == ["logits", "lengths", "indices"]
+    # (stamps: a kernel argument only with phase_stamps)
+    assert [arg.arg for arg in kernel.args.args] == ["logits", "lengths", "indices", "stamps"]
     configs, _ = legal_configs(dsa_topk, "tilelang", TOPK_SPEC, profile)
     default = dsa_topk.tilelang_default_config(TOPK_SPEC, profile)
     assert configs and default in configs
+    assert not any("PHASE_STAMPS" in dict(c.params) for c in configs)  # a diagnostic build, never tuned
     for bucket in (1024, 4096, 32768, 131072, 1 << 20):
         candidates, chosen = dsa_topk.configs_for_bucket(TOPK_SPEC, profile, bucket, configs, default)
         assert chosen in candidates and set(candidates) <= set(configs), bucket
@@ -897,6 +901,30 @@ def test_tilelang_topk_compiles_with_nvcc(lowered_topk, tmp_path):
     """The default config (the 512-thread one differs in constants and unrolling only)."""
     config = dsa_topk.tilelang_default_config(TOPK_SPEC, SM_90)
     assert tilelang_codegen.nvcc_compile(lowered_topk[config].kernel_source, SM_90, tmp_path).stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_tilelang_topk_phase_stamps_lower_for_sm90a(lowered_topk, tmp_path):
+    """PHASE_STAMPS=1 (tools/diagnose_dsa_topk_phases.py): thread 0 reads %globaltimer and clock64 at each phase's
+    end into a (rows, 2, phases) int64 argument, one barrier
+    added before the last stamp; PHASE_STAMPS=0 is the plain kernel byte for byte."""
+    default = dsa_topk.tilelang_default_config(TOPK_SPEC, SM_90)
+    plain = lowered_topk[default].kernel_source
+    path = _topk_tilelang_path(tmp_path)
+    off = KernelConfig.make(default.num_warps, default.num_stages, **dict(default.params), PHASE_STAMPS=0)
+    assert tilelang_codegen.lower_to_device_source(path, dsa_topk.TILELANG_FACTORY_NAME, off, SM_90) == plain
+    stamped = tilelang_codegen.lower_to_device_source(path, dsa_topk.TILELANG_FACTORY_NAME,
+                                                      dsa_topk.tilelang_phase_stamped(default), SM_90)
+    phases = import_generated(path).phases(default["RADIX_BITS"])
+    assert phases[0] == "start" and phases[-1] == "write" and len(phases) == 11  # 10-bit rounds: two
+    # each of the two round loops (over the candidates, over the whole row) stamps a round's two ends, indexed by it
+    sites = sum(not name.startswith("round") for name in phases) + 2 * 2
+    assert stamped.count("= dsa_topk_globaltimer();") == sites and stamped.count("= clock64();") == sites
+    assert "asm volatile(\"mov.u64 %0, %%globaltimer;\"" in stamped
+    assert "int64_t* __restrict__ stamps" in stamped and "stamps" not in plain and "globaltimer" not in plain
+    stride = {int(s) for s in re.findall(r"\(\(int64_t\)\(\(int\)blockIdx\.x\)\) \* \(int64_t\)(\d+)\)", stamped)}
+    assert stride == {2 * len(phases)}
+    assert stamped.count("__syncthreads()") == plain.count("__syncthreads()") + 1
 
 
 # ---------------------------------------------------------------------------------------------------------

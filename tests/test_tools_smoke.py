@@ -43,6 +43,7 @@ SMOKE = {
     "diagnose_sparse_attention_configs.py": (["--dry-run"], "| decode | dry run:"),
     "diagnose_dsa_indexer_configs.py": (["--dry-run", "--match", "MIN_BLOCKS=3"], "dry run: "),
     "diagnose_dsa_topk_configs.py": (["--dry-run", "--match", "RADIX_BITS=10"], "dry run: 3 of 6 configs"),
+    "diagnose_dsa_topk_phases.py": (["--dry-run", "--lengths", "32768"], "dry run: 128 rows of 32768, CACHE=32768"),
     # Runs for real: one request (its prefill) and a decode step, then the reports and their coverage.
     "demo.py": (["--requests", "1", "--decode-steps", "1"], "largest unfused ops (left to the fallback)"),
     # Runs for real: world size 1, gloo, tiny sizes through the interpreter (torchrun adds ranks on GPUs).
