@@ -157,6 +157,7 @@ class _Build:
     run: Callable  # what the compiled graph runs per call
     checkable: torch.fx.GraphModule | None  # the lowered graph run op by op (no Inductor), for the rewrite check
     coverage: GraphCoverage  # of the lowered graph, costed before the fallback compiles it (dzc/coverage.py)
+    host_syncs: list[str]  # _host_syncs of the graph the fallback runs
     compile_cache: str = ""  # the warm-compile cache: "hit", "miss", "off", or what went wrong
     cache_key: str | None = None  # of the compile cache entry holding this build's rewritten graph, if any
 
@@ -410,14 +411,25 @@ class DzcBackend:
         options = dataclasses.replace(self.options, disable_passes=tuple(disabled))
         cached = _CachedPasses(self.target, options, gm, example_inputs, timer, found)
         graph, stages = cached.passes()
+        entry = cached.entry  # a hit: values its graph's analyses read are not rebuilt where the entry holds those
+        if entry is not None:
+            with timer.stage("compile cache"):
+                entry.values(_lowering_reads(graph))
         created = lower_graph(graph, self.target, self.options, execution, device, self.kernels, timer=timer)
         uses = kernel_uses(graph)
         results = pass_results(stages)
         references = [record for record in created if record.codegen == "reference"]
         with timer.stage("ir text"):
-            stages.append(Stage("lowered", ir.print_graph(graph, f"lowered for {self.target.name}"), None))
+            stages.append(Stage("lowered", ir.print_graph(graph, f"lowered for {self.target.name}",
+                                                          entry.types if entry is not None else None), None))
         with timer.stage("coverage"):
-            coverage = graph_coverage(graph, [(r.name, where, why) for r in results for where, why in r.refusals])
+            outcome = compile_cache.lowering_outcome(graph) if cached.state != "off" else None
+            stored = entry.analyses if entry is not None and entry.analyses is not None \
+                and entry.analyses.outcome == outcome else None
+            if stored is None and entry is not None:
+                entry.values()
+            coverage = stored.coverage if stored is not None else graph_coverage(
+                graph, [(r.name, where, why) for r in results for where, why in r.refusals])
         fallback = self.options.fallback
         if fallback == "auto":
             fallback = "inductor" if device is not None and device.type != "cpu" else "eager"
@@ -431,12 +443,15 @@ class DzcBackend:
             fallback = "eager (nothing left for inductor)"
         with timer.stage("fallback compile"):
             cached.before_fallback()
+            if entry is not None and (checkable or not fallback.startswith("eager")):
+                entry.values()  # Inductor and the rewrite check read every value
             compiled, checked = self._fallback(gm, graph, example_inputs, fallback, checkable, inductor_context)
+        host_syncs = stored.host_syncs if stored is not None else _host_syncs(graph)
         if cached.state != "off":
             with timer.stage("compile cache"):
-                cached.store(fallback == "inductor")
-        return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, cached.state,
-                      cached.key if cached.state in ("hit", "miss") else None)
+                cached.store(fallback == "inductor", compile_cache.Analyses(outcome, coverage, host_syncs))
+        return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, host_syncs,
+                      cached.state, cached.key if cached.state in ("hit", "miss") else None)
 
     def _fallback(self, gm, graph, example_inputs, fallback: str, checkable: bool, inductor_context):
         """(what the lowered graph runs per call, the op-by-op module the rewrite check runs or None)."""
@@ -537,7 +552,9 @@ class _CaptureHit:
         root = torch.nn.Module()
         for name, (tensor, device) in self.entry.constants.items():
             setattr(root, name, tensor.to(device))
-        return root, [node.meta["val"] for node in self.cached.graph.nodes if node.op == "placeholder"]
+        placeholders = [node for node in self.cached.graph.nodes if node.op == "placeholder"]
+        self.cached.values(placeholders)
+        return root, [node.meta["val"] for node in placeholders]
 
 
 class _CaptureCache:
@@ -620,7 +637,7 @@ class _CachedPasses:
         self.state = "off"
         self.key: str | None = None
         self.entry: compile_cache.Entry | None = None
-        self._pending: tuple | None = None  # (key, parts, pickled graph, stages) to store after the fallback
+        self._pending: tuple | None = None  # (key, parts, pickled graph, stages, types) to store after the fallback
         self.captured_text: str | None = None  # the capture stage's dump, printed for the key
         if found is not None:
             (self.key, self.entry), self.state = found, "hit"
@@ -636,6 +653,8 @@ class _CachedPasses:
             self.entry, why = (self.cache.load(self.key, fake_mode) if fake_mode is not None
                                else (None, "off (no fake inputs)"))
             self.state = "hit" if self.entry is not None else (why or "miss")
+            if self.entry is not None:  # after AOTAutograd (the rewrite check may run): every value, as before
+                self.entry.values()
 
     def passes(self) -> tuple[torch.fx.Graph, list[Stage]]:
         if self.entry is not None:
@@ -654,7 +673,7 @@ class _CachedPasses:
                 if isinstance(pickled, str):
                     self.state = pickled
                 else:
-                    self._pending = (self.key, self.parts, pickled, saved)
+                    self._pending = (self.key, self.parts, pickled, saved, ir.value_types(graph))
         return graph, stages
 
     def before_fallback(self) -> None:
@@ -662,11 +681,11 @@ class _CachedPasses:
         if self.entry is not None:
             compile_cache.load_torch_artifacts(self.entry.torch_artifacts)
 
-    def store(self, inductor: bool) -> None:
+    def store(self, inductor: bool, analyses: compile_cache.Analyses) -> None:
         if self._pending is None:
             return
         artifacts = compile_cache.save_torch_artifacts() if inductor else None
-        problem = self.cache.store(*self._pending, artifacts)
+        problem = self.cache.store(*self._pending, artifacts, analyses)
         if problem:
             self.state = f"miss ({problem})"
         elif not self.state.startswith("corrupted"):
@@ -678,7 +697,7 @@ def _describe(record: GraphRecord, build: _Build) -> None:
     record.nodes = len(build.graph.nodes)
     record.fallback = build.fallback
     record.unfused_ops = _unfused_ops(build.graph)
-    record.host_syncs = _host_syncs(build.graph)
+    record.host_syncs = build.host_syncs
     record.stages = [(s.name, s.text) for s in build.stages]
     record.coverage = dataclasses.replace(build.coverage, compile_id=record.compile_id)
     record.compile_cache = build.compile_cache
@@ -953,6 +972,16 @@ class _RewriteCheck:
         record.rewrite_check = "dropped " + "; ".join(f"{name} ({error})" for name, error in dropped)
         self.run = final.run
         return expected_outputs
+
+
+def _lowering_reads(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The nodes whose values lowering reads: the graph's inputs, and each dzc op with its inputs and users (its
+    spec's shapes and dtypes)."""
+    nodes = [node for node in graph.nodes if node.op == "placeholder"]
+    for node in graph.nodes:
+        if dzc_op_name(node) is not None:
+            nodes += [node, *node.all_input_nodes, *node.users]
+    return nodes
 
 
 def _host_syncs(graph: torch.fx.Graph) -> list[str]:

@@ -9,7 +9,10 @@ compiled for the graph's leftover ops travels beside it as torch's own cache art
 Inductor's FX graph cache hits).
 
 Layout: `<cache>/compile/<key>.pkl`, one entry per graph (a pickled dict, the rewritten graph in torch's
-GraphPickler form, which keeps the fake values and symbolic sizes), written atomically (temporary file + rename).
+GraphPickler form, which keeps the fake values and symbolic sizes; beside it each node's value type for the graph's
+text, and the coverage and host syncs of the build that stored it), written atomically (temporary file + rename). A
+hit rebuilds only the fake values lowering reads (Entry.values): the other consumers of the values on a warm start
+read what is stored beside the graph, and Inductor's fallback and the rewrite check have every value rebuilt.
 The key (`entry_key`) hashes everything that changes the result: the captured graph's text and its inputs'
 metadata (sizes symbolic or not, strides, dtypes, devices), the values of its tensor constants, the target and
 its profile's fingerprint, the options that reach the passes and lowering, the pass list, and the versions of
@@ -62,12 +65,13 @@ import torch.fx
 import torch.fx.experimental.symbolic_shapes as symbolic_shapes
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.fx._graph_pickler import GraphPickler, Options, _GraphUnpickler, _NodePickleData, _UnpickleState
+from torch.fx._graph_pickler import (GraphPickler, Options, _GraphUnpickler, _NodePickleData, _TensorPickleData,
+                                     _UnpickleState)
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from dzc import config
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the value types and the build's analyses stored beside the graph
 # Options that do not change what the passes and lowering make of a graph: where the cache lives (a copied
 # directory must still hit) and the shipped tuning database (read by tuning, at the first call).
 # nested_regions changes what the captured graph is made of (region calls or not), which the key hashes itself.
@@ -169,12 +173,106 @@ def entry_key(captured_text: str, gm: torch.fx.GraphModule, example_inputs, targ
 @dataclass
 class Entry:
     """What a build's passes made of the graph: the rewritten graph (before lowering), the stages ((name, text,
-    rewrites, refusals), the last three None for "capture"), and torch's cache artifacts for the fallback compile
-    (None where there were none)."""
+    rewrites, refusals), the last three None for "capture"), torch's cache artifacts for the fallback compile
+    (None where there were none), each node's value type as ir.value_type gives it (by node name: the lowered
+    graph's text without the fake values) and the analyses of the build that stored it (Analyses, or None).
+
+    Its nodes' fake values are rebuilt when asked for (`values`): rebuilding all of them through torch's
+    MetaConverter was most of a warm load (4548 tensors at full depth), and a warm hit whose fallback runs the graph
+    as Python reads only those lowering reads."""
 
     graph: torch.fx.Graph
     stages: list[tuple[str, str, list[str] | None, list[tuple[str, str]] | None]]
     torch_artifacts: bytes | None = None
+    types: dict[str, object] | None = None
+    analyses: Analyses | None = None
+    _deferred: _DeferredValues | None = None
+
+    def values(self, nodes=None) -> None:
+        """Put the fake values of `nodes` (every node: None) back in their meta["val"]."""
+        if self._deferred is not None:
+            self._deferred.rebuild(self.graph.nodes if nodes is None else nodes)
+
+
+@dataclass
+class Analyses:
+    """What the build that stored an entry worked out from its lowered graph's fake values, for a hit whose lowered
+    graph is the same (`outcome`, lowering_outcome): its coverage and host syncs (dzc/capture.py)."""
+
+    outcome: str
+    coverage: object
+    host_syncs: list[str]
+
+
+def lowering_outcome(graph: torch.fx.Graph) -> str:
+    """A hash of what a lowered graph's analyses read besides the values lowering leaves as they were: each node's
+    op, inputs and whether a kernel runs it."""
+    digest = hashlib.sha256()
+    for node in graph.nodes:
+        inputs = ",".join(n.name for n in node.all_input_nodes)
+        digest.update(f"{node.name} {node.op} {node.target} {inputs} {bool(node.kwargs.get('kernel_id'))}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+class _Deferred:
+    """A fake tensor of a loaded graph, not rebuilt yet: GraphPickler's description of it and the load's state
+    (its MetaConverter: tensors sharing a storage or a view's base are rebuilt as sharing them)."""
+
+    __slots__ = ("data", "state", "index", "value")
+
+    def __init__(self, data: _TensorPickleData, state: _UnpickleState, index: int):
+        self.data, self.state, self.index, self.value = data, state, index, None
+
+
+class _DeferredValues:
+    """The fake values of a loaded graph's nodes, rebuilt on demand. Within a storage, tensors are rebuilt in the
+    order of the stored graph, as loading them all would: the first to be rebuilt gets a fresh storage, the others
+    are set onto it (torch's MetaConverter), so a node read alone gets the value a full load gives it."""
+
+    def __init__(self, pending: dict[torch.fx.Node, object], deferred: list[_Deferred], fake_mode):
+        self.pending, self.fake_mode = pending, fake_mode
+        self.storages: dict[object, list[_Deferred]] = {}
+        for item in deferred:
+            storage = item.data.metadata.storage
+            self.storages.setdefault(storage.id if storage is not None else ("own", item.index), []).append(item)
+
+    def rebuild(self, nodes) -> None:
+        wanted = [node for node in nodes if node in self.pending]
+        if not wanted:
+            return
+        with self.fake_mode:
+            for node in wanted:
+                if node in self.pending:  # (a node may be asked for twice)
+                    node.meta["val"] = self._value(self.pending.pop(node))
+
+    def _value(self, value):
+        if isinstance(value, _Deferred):
+            if value.value is None:
+                storage = value.data.metadata.storage
+                for item in self.storages[storage.id if storage is not None else ("own", value.index)]:
+                    if item.index > value.index:
+                        break
+                    if item.value is None:
+                        item.value = item.data.unpickle(item.state)
+            return value.value
+        if isinstance(value, (tuple, list)):
+            items = [self._value(item) for item in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        if isinstance(value, dict):
+            return type(value)((key, self._value(item)) for key, item in value.items())
+        return value
+
+
+def _deferred_in(value, found: list) -> bool:
+    """Whether `value` (a node's stored value) holds deferred tensors, collected into `found`."""
+    if isinstance(value, _Deferred):
+        found.append(value)
+        return True
+    if isinstance(value, (tuple, list)):
+        return any([_deferred_in(item, found) for item in value])
+    if isinstance(value, dict):
+        return any([_deferred_in(item, found) for item in value.values()])
+    return False
 
 
 # The node metadata lowering, coverage and Inductor read; the rest (where a node came from, module stacks) holds
@@ -246,19 +344,46 @@ def _with_nodes(value, mapping: dict):
 
 
 class _Unpickler(_GraphUnpickler):
-    """GraphPickler's unpickler, whose node records are _NodeData (the pickled form is GraphPickler's own)."""
+    """GraphPickler's unpickler, whose node records are _NodeData (the pickled form is GraphPickler's own) and, with
+    `defer`, whose fake tensors are _Deferred (rebuilt by _DeferredValues)."""
+
+    def __init__(self, stream, state: _UnpickleState, defer: bool):
+        super().__init__(stream, state)
+        self.deferred: list[_Deferred] | None = [] if defer else None
 
     def find_class(self, module: str, name: str):
         if module == _NodePickleData.__module__ and name == _NodePickleData.__name__:
             return _NodeData
+        if self.deferred is not None and module == _TensorPickleData.__module__ \
+                and name == f"{_TensorPickleData.__qualname__}.unpickle":
+            return self._defer
         return super().find_class(module, name)
+
+    def _defer(self, data: _TensorPickleData, state: _UnpickleState) -> _Deferred:
+        self.deferred.append(_Deferred(data, state, len(self.deferred)))
+        return self.deferred[-1]
 
 
 def _load_graph_module(data: bytes, fake_mode: FakeTensorMode) -> torch.fx.GraphModule:
     """GraphPickler.loads of `data`, its nodes rebuilt as _NodeData (call it as GraphPickler.loads is called here:
     under `fake_mode` and _slice_as_pytree_node)."""
     with io.BytesIO(data) as stream:
-        return _Unpickler(stream, _UnpickleState(fake_mode)).load()
+        return _Unpickler(stream, _UnpickleState(fake_mode), defer=False).load()
+
+
+def _load_graph_deferred(data: bytes, fake_mode: FakeTensorMode) -> tuple[torch.fx.Graph, _DeferredValues | None]:
+    """_load_graph_module, the nodes' fake values left to rebuild (their meta["val"] taken out until asked for).
+    Where a fake tensor is stored elsewhere than in a value (a node's argument), all are rebuilt as they load."""
+    with io.BytesIO(data) as stream:
+        unpickler = _Unpickler(stream, _UnpickleState(fake_mode), defer=True)
+        graph = unpickler.load().graph
+    pending, found = {}, []
+    for node in graph.nodes:
+        if _deferred_in(node.meta.get("val"), found):
+            pending[node] = node.meta.pop("val")
+    if len({id(item) for item in found}) != len(unpickler.deferred):
+        return _load_graph_module(data, fake_mode).graph, None
+    return graph, _DeferredValues(pending, unpickler.deferred, fake_mode)
 
 
 def pickle_graph(graph: torch.fx.Graph, root: torch.nn.Module) -> bytes | str:
@@ -288,8 +413,9 @@ class CompileCache:
 
         def entry(stored: dict) -> Entry:
             with fake_mode, _slice_as_pytree_node():
-                module = _load_graph_module(stored["graph"], fake_mode)
-            return Entry(module.graph, stored["stages"], stored["torch_artifacts"])
+                graph, deferred = _load_graph_deferred(stored["graph"], fake_mode)
+            return Entry(graph, stored["stages"], stored["torch_artifacts"], stored["types"], stored["analyses"],
+                         deferred)
 
         return self._read(self.path(key), key, entry, warn)
 
@@ -300,11 +426,13 @@ class CompileCache:
                       "replacing it", RuntimeWarning, stacklevel=4)
         return message
 
-    def store(self, key: str, parts: dict, graph: bytes, stages: list, torch_artifacts: bytes | None) -> str:
-        """Write an entry (graph: pickle_graph's bytes); returns "" or, when it could not be written (read-only,
-        full disk), why (the compile stands, it is only not cached)."""
+    def store(self, key: str, parts: dict, graph: bytes, stages: list, types: dict, torch_artifacts: bytes | None,
+              analyses: Analyses | None) -> str:
+        """Write an entry (graph: pickle_graph's bytes; types: ir.value_types of that graph); returns "" or, when it
+        could not be written (read-only, full disk), why (the compile stands, it is only not cached)."""
         data = pickle.dumps({"format": FORMAT_VERSION, "key": key, "parts": parts, "graph": graph,
-                             "stages": stages, "torch_artifacts": torch_artifacts})
+                             "stages": stages, "types": types, "torch_artifacts": torch_artifacts,
+                             "analyses": analyses})
         return write_atomically(self.path(key), data)
 
     def capture_path(self, key: str) -> Path:

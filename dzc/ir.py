@@ -29,8 +29,26 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
+def value_type(value) -> tuple:
+    """What the printed form shows of a node's value, its symbolic sizes as torch names them (print_graph renames
+    them): kept beside a cached graph, whose fake values a warm compile does not rebuild to print it."""
+    if isinstance(value, torch.Tensor):
+        return "tensor", (dtype_name(value.dtype), tuple(str(d) for d in value.shape))
+    if isinstance(value, torch.SymInt):
+        return "sym", str(value)
+    if isinstance(value, (tuple, list)):
+        return "seq", tuple(value_type(v) for v in value)
+    return "name", type(value).__name__
+
+
+def value_types(graph: torch.fx.Graph) -> dict[str, tuple]:
+    """value_type of each node's value, by node name."""
+    return {node.name: value_type(node.meta.get("val")) for node in graph.nodes}
+
+
 class _Printer:
-    def __init__(self):
+    def __init__(self, types: dict[str, tuple] | None = None):
+        self.types = types or {}  # value_type by node name, for nodes whose meta holds no value (yet)
         self.values: dict[torch.fx.Node, str] = {}
         self.symbols: dict[str, str] = {}
         self.renamed: dict[str, str] = {}  # an expression's text -> its text with the symbols renamed
@@ -50,15 +68,22 @@ class _Printer:
         renamed = self.renamed[text] = re.sub(r"\b[su]\d+\b", rename, text)
         return renamed
 
-    def type_of(self, value) -> str:
-        if isinstance(value, torch.Tensor):
-            dims = ", ".join(self.symbol(d) for d in value.shape)
-            return f"{dtype_name(value.dtype)}[{dims}]"
-        if isinstance(value, torch.SymInt):
-            return f"sym {self.symbol(value)}"
-        if isinstance(value, (tuple, list)):
-            return "(" + ", ".join(self.type_of(v) for v in value) + ")"
-        return type(value).__name__
+    def type_of(self, described) -> str:
+        """The printed type of a value as value_type describes it."""
+        kind, what = described
+        if kind == "tensor":
+            dtype, dims = what
+            return f"{dtype}[{', '.join(self.symbol(d) for d in dims)}]"
+        if kind == "sym":
+            return f"sym {self.symbol(what)}"
+        if kind == "seq":
+            return "(" + ", ".join(self.type_of(v) for v in what) + ")"
+        return what
+
+    def node_type(self, node: torch.fx.Node) -> str:
+        if "val" not in node.meta and node.name in self.types:
+            return self.type_of(self.types[node.name])
+        return self.type_of(value_type(node.meta.get("val")))
 
     def arg(self, value) -> str:
         if isinstance(value, torch.fx.Node):
@@ -85,7 +110,7 @@ class _Printer:
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         for i, node in enumerate(placeholders):
             self.values[node] = f"%a{i}"
-        params = ", ".join(f"{self.values[n]}: {self.type_of(n.meta.get('val'))}" for n in placeholders)
+        params = ", ".join(f"{self.values[n]}: {self.node_type(n)}" for n in placeholders)
         lines.append(f"graph({params}):")
         counter = 0
         for node in graph.nodes:
@@ -106,7 +131,7 @@ class _Printer:
                 call = f"{args[0]}[{args[1]}]"
             else:
                 call = f"{self.target(node)}({', '.join(args)})"
-            lines.append(f"  {name} = {call}  # {self.type_of(node.meta.get('val'))}")
+            lines.append(f"  {name} = {call}  # {self.node_type(node)}")
         return "\n".join(lines) + "\n"
 
 
@@ -116,9 +141,10 @@ def call_arguments(node: torch.fx.Node) -> dict:
     return {**dict(zip(names, node.args)), **node.kwargs}
 
 
-def print_graph(graph: torch.fx.Graph, title: str | None = None) -> str:
-    """Deterministic readable text of an ATen-level fx graph."""
-    return _Printer().print(graph, title)
+def print_graph(graph: torch.fx.Graph, title: str | None = None, types: dict[str, tuple] | None = None) -> str:
+    """Deterministic readable text of an ATen-level fx graph; `types`: value_types of nodes whose meta holds no
+    value (a cached graph's, dzc/compile_cache.py)."""
+    return _Printer(types).print(graph, title)
 
 
 _VALUELESS_OPS = (torch.ops.aten._assert_scalar.default,)

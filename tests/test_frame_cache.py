@@ -6,6 +6,7 @@ save on an object not found by name refuses the frame entry; a damaged entry is 
 import dataclasses
 import gc
 import pickle
+import re
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from conftest import assert_add_rms_norm_matches_eager
 from torch._dynamo.utils import counters
 
 import dzc
-from dzc import compile_cache, frame_cache, regions
+from dzc import capture, compile_cache, frame_cache, regions
 from dzc.models import build_model
 from dzc.models.decoder import AddRMSNorm
 from dzc.targets import triton_codegen
@@ -125,6 +126,40 @@ def test_a_deep_models_warm_load_repeats_no_per_layer_work(options, monkeypatch)
     assert len(generated) == 1, generated
     assert collecting == [False] and gc.isenabled()
     assert "dynamo guards" in warm.graphs[0].compile_seconds, warm.graphs[0].compile_seconds
+    assert all(torch.equal(a, b) for a, b in zip(cold_out, warm_out))
+
+
+def test_a_warm_load_rebuilds_only_the_values_lowering_reads(options, monkeypatch):
+    """A frame entry's graph comes back without its fake values: lowering's are rebuilt (through torch's
+    MetaConverter, most of a warm load before), the lowered graph's text comes from the types stored beside it, and
+    its coverage and host syncs are the cold build's, as the report had them."""
+    monkeypatch.setenv("DZC_COMPILE_CACHE", "1")
+    monkeypatch.setenv("DZC_FRAME_CACHE", "1")
+    model, (tokens,) = build_model("llama_decoder", layers=2)
+    cold, cold_out, _ = _compile_and_run(model, options, [tokens])
+    assert cold.frame_cache == "stored", cold.frame_cache
+    loads, coverage = [], []
+    deferred_values, graph_coverage = compile_cache._DeferredValues, capture.graph_coverage
+
+    def kept(*args):
+        loads.append(deferred_values(*args))
+        return loads[-1]
+
+    monkeypatch.setattr(compile_cache, "_DeferredValues", kept)
+    monkeypatch.setattr(capture, "graph_coverage", lambda *a: coverage.append(a) or graph_coverage(*a))
+    warm, warm_out, frames = _compile_and_run(model, options, [tokens])
+    assert warm.frame_cache.startswith("hit (1 graph") and frames == 0, warm.frame_cache
+    [values] = loads
+    tensors = [item for items in values.storages.values() for item in items]
+    rebuilt = [item for item in tensors if item.value is not None]
+    assert 0 < len(rebuilt) < len(tensors) / 2, (len(rebuilt), len(tensors))
+    assert coverage == [], "coverage was computed again"
+    [cold_graph], [warm_graph] = cold.graphs, warm.graphs
+    assert warm_graph.host_syncs == cold_graph.host_syncs
+    assert warm_graph.coverage == dataclasses.replace(cold_graph.coverage, compile_id=warm_graph.compile_id)
+    scope = re.compile(r"\.m\d+\b")  # each compiled model's kernel table (capture.DzcBackend.kernels)
+    lowered = [scope.sub("", dict(g.stages)["lowered"]) for g in (cold_graph, warm_graph)]
+    assert lowered[0] == lowered[1]
     assert all(torch.equal(a, b) for a, b in zip(cold_out, warm_out))
 
 
