@@ -445,6 +445,8 @@ class DzcBackend:
             cached.before_fallback()
             if entry is not None and (checkable or not fallback.startswith("eager")):
                 entry.values()  # Inductor and the rewrite check read every value
+                if found is not None:  # the capture hit's inputs, left unbuilt (_CaptureHit.root_and_inputs)
+                    example_inputs = [node.meta["val"] for node in graph.nodes if node.op == "placeholder"]
             compiled, checked = self._fallback(gm, graph, example_inputs, fallback, checkable, inductor_context)
         host_syncs = stored.host_syncs if stored is not None else _host_syncs(graph)
         if cached.state != "off":
@@ -553,8 +555,11 @@ class _CaptureHit:
         for name, (tensor, device) in self.entry.constants.items():
             setattr(root, name, tensor.to(device))
         placeholders = [node for node in self.cached.graph.nodes if node.op == "placeholder"]
-        self.cached.values(placeholders)
-        return root, [node.meta["val"] for node in placeholders]
+        # Of the inputs' fake values, only the first tensor's is rebuilt here (its device: where the kernels run);
+        # the others are None until something reads them (lowering, Inductor's fallback: DzcBackend._build).
+        types = self.cached.types or {}
+        self.cached.values([node for node in placeholders if types.get(node.name, ("tensor",))[0] == "tensor"][:1])
+        return root, [node.meta.get("val") for node in placeholders]
 
 
 class _CaptureCache:
@@ -975,9 +980,9 @@ class _RewriteCheck:
 
 
 def _lowering_reads(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """The nodes whose values lowering reads: the graph's inputs, and each dzc op with its inputs and users (its
-    spec's shapes and dtypes)."""
-    nodes = [node for node in graph.nodes if node.op == "placeholder"]
+    """The nodes whose values lowering reads: each dzc op with its inputs and users (its spec's shapes and
+    dtypes)."""
+    nodes = []
     for node in graph.nodes:
         if dzc_op_name(node) is not None:
             nodes += [node, *node.all_input_nodes, *node.users]

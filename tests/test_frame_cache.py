@@ -163,6 +163,25 @@ def test_a_warm_load_rebuilds_only_the_values_lowering_reads(options, monkeypatc
     assert all(torch.equal(a, b) for a, b in zip(cold_out, warm_out))
 
 
+def test_a_warm_hit_compiled_by_inductor_rebuilds_every_value(options, norm, monkeypatch):
+    """Inductor reads every node's value: a hit whose fallback it compiles (forced here, on the CPU) has them all
+    rebuilt first, its inputs' too, and computes what the cold compile did."""
+    _, inputs = norm
+    model = LeavesOpsToInductor().to(torch.bfloat16)
+    options = dataclasses.replace(options, fallback="inductor")
+    cold, cold_out, _ = _compile_and_run(model, options, inputs)
+    loads, deferred_values = [], compile_cache._DeferredValues
+    monkeypatch.setattr(compile_cache, "_DeferredValues",
+                        lambda *args: loads.append(deferred_values(*args)) or loads[-1])
+    warm, warm_out, frames = _compile_and_run(model, options, inputs)
+    assert cold.frame_cache == "stored" and warm.frame_cache.startswith("hit (1 graph") and frames == 0, \
+        (cold.frame_cache, warm.frame_cache)
+    assert warm.graphs[0].fallback == "inductor" and warm.graphs[0].compile_cache == HIT, warm.graphs[0].fallback
+    [values] = loads
+    assert values.pending == {} and all(item.value is not None for items in values.storages.values() for item in items)
+    assert all(torch.equal(a, b) for a, b in zip(cold_out, warm_out))
+
+
 def test_another_option_or_the_knob_off_misses(options, norm, monkeypatch):
     model, inputs = norm
     _compile_and_run(model, options, inputs)
