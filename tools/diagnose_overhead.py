@@ -223,6 +223,8 @@ def main():
                         help="default 1 64 4096 (cuda; mxfp4_moe: 1 64), 1 4 (cpu)")
     parser.add_argument("--calls", type=int, help="default 300 (cuda), 20 (cpu)")
     parser.add_argument("--cache-dir", default="/tmp/dzc-diag")
+    # Host costs do not depend on the config; tuning every MoE candidate took longer than a campaign part (s32).
+    parser.add_argument("--tune", action="store_true", help="autotune the kernels (default: untuned defaults)")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: check the arguments, build what needs no device, print the plan")
     args = parser.parse_args()
@@ -230,13 +232,14 @@ def main():
     hidden = args.hidden or (64 if cpu else 2880)
     token_counts = args.tokens or ([1, 4] if cpu else [1, 64] if args.op == "mxfp4_moe" else [1, 64, 4096])
     calls = args.calls or (20 if cpu else 300)
+    base = dict(cache_dir=args.cache_dir, autotune=args.tune)
     variants = {"dzc": dict(), "dzc, no CUDA graphs": dict(cuda_graph_max_tokens=0)}
     if cpu:
         variants = {"dzc (Triton interpreter)": dict()}
     model, arguments, shape = build(args.op, cpu, hidden, args.experts or (4 if cpu else 32))
     if args.dry_run:  # the model and the dzc variants, uncalled
         for options in variants.values():
-            dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=args.cache_dir, **options))
+            dzc.compile(model, "cuda", dzc.CompileOptions(**base, **options))
         print(f"dry run: {shape}, tokens {token_counts}")
         return
     device = torch.device(args.device)
@@ -252,14 +255,14 @@ def main():
     for tokens, call_args in inputs.items():
         plain = {}
         for name, options in variants.items():
-            compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=args.cache_dir, **options))
+            compiled = dzc.compile(model, "cuda", dzc.CompileOptions(**base, **options))
             plain[name] = per_call_us(lambda c=compiled: c(*call_args), calls, synchronize)
         if not cpu:
             with torch.no_grad():
                 inductor = torch.compile(model, dynamic=False)
                 plain["torch.compile"] = per_call_us(lambda: inductor(*call_args), calls, synchronize)
                 plain["eager"] = per_call_us(lambda: model(*call_args), calls, synchronize)
-            plain.update(launch_rows(model, call_args, calls, args.cache_dir))
+            plain.update(launch_rows(model, call_args, calls, base))
         print(f"T={tokens}: back to back, uninstrumented (host and device together)")
         for name, us in plain.items():
             print(f"    {name:52s} {us:8.2f} us/call")
@@ -271,7 +274,7 @@ def main():
     for tokens, call_args in inputs.items():
         print(f"T={tokens}:")
         for name, options in variants.items():
-            compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=args.cache_dir, **options))
+            compiled = dzc.compile(model, "cuda", dzc.CompileOptions(**base, **options))
             with torch.no_grad():
                 compiled(*call_args)  # compiles, so that the model's kernels exist to be wrapped
             runner = compiled._cuda_graphs
@@ -281,18 +284,18 @@ def main():
                 print("      runner: " + runner.describe().replace("\n", "\n      "))
     if not cpu:
         call_args = inputs[token_counts[-1]]
-        compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=args.cache_dir, cuda_graph_max_tokens=0))
+        compiled = dzc.compile(model, "cuda", dzc.CompileOptions(**base, cuda_graph_max_tokens=0))
         with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(20):
                 compiled(*call_args)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
-def launch_rows(model, call_args: tuple, calls: int, cache_dir: str) -> dict[str, float]:
-    """The model's generated kernel alone, on the op arguments and tuned config of a model call: through
+def launch_rows(model, call_args: tuple, calls: int, base: dict) -> dict[str, float]:
+    """The model's generated kernel alone, on the op arguments and config of a model call: through
     GeneratedKernel, the family's launch with dzc's cached launchers, and with Triton's JIT for the generated
     kernels (MoE routing and combine stay on dzc's launcher)."""
-    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=cache_dir, cuda_graph_max_tokens=0))
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(**base, cuda_graph_max_tokens=0))
     calls_seen, kernel_call = [], GeneratedKernel.__call__
     GeneratedKernel.__call__ = lambda self, *op_args: calls_seen.append((self, op_args)) or kernel_call(self, *op_args)
     try:
