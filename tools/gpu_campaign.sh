@@ -15,10 +15,10 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session: wheels-1 (it also installs dzc: every step needs that, bare machines included) and s32-host first
-# (session 31's MoE host-path change, committed without a GPU), wheels-2, then s32-vision-tests (the varlen GPU
-# numerics session 31's limit cut, now with the split-column configs), s32-vision-split (their timing beside the
-# unsplit configs and cuDNN), s32-vision-auto (the user's codegen "auto" path beside cuDNN).
+# Next session (session 32 lost its machine after s32-host): wheels-1 (it also installs dzc: every step needs that,
+# bare machines included) and s33-host (what s32-host's limits cut), then wheels-2 and s32-vision-split (the
+# split-column varlen configs timed, first: the goal at head dim 72 hangs on it), s33-topk-phases (where the top-k's
+# fixed ~8 us goes), s32-vision-tests (varlen GPU numerics, the split configs included), s32-vision-auto.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -186,15 +186,18 @@ s30-moe)
   TAIL=20 part bench_moe_decode 540 python3 tools/bench_mxfp4_moe.py --models deepseek-style --tokens 8 64 \
     --routing uniform skewed --codegens triton --memory-layers 0 --out "$OUT/mxfp4_moe_decode_h200.md"
   ;;
-s32-host)
-  # (after wheels-1) issues 18/17: session 31's mxfp4_moe host path (routing and combine kernels through the cached
-  # launcher, TMA descriptors cached and fast-keyed), not yet run on a GPU: its GPU tests against Triton 3.6's real
-  # launcher first, then the host time per layer of an MoE call (was ~700 us of self CPU under the profiler at 64
-  # tokens), then the EP table again (session 31: 1690 us at 64 tokens; with the fixed-capacity column if landed).
-  TAIL=8 part gpu_tests_host 170 python3 -m pytest -q -p no:logging -rf tests/test_host_path.py \
-    tests/test_mxfp4_moe_kernels.py -k "not tilelang and (tma or routing or swap_ab or on_gpu or default_configs)"
-  TAIL=60 part diagnose_overhead_moe 110 python3 tools/diagnose_overhead.py --op mxfp4_moe --tokens 1 64 --calls 300
-  TAIL=12 part bench_ep 300 python3 tools/bench_distributed.py --no-tune --tables ep --out "$OUT/distributed_ep_h200.md"
+s33-host)
+  # (after wheels-1) issues 18/15: what s32-host's limits cut: the MoE op's host time uninstrumented (untuned
+  # defaults now; s32's run autotuned every candidate and outran its part), and the GPU tests the part's 170 s did
+  # not reach (the run stopped in a Triton compile after 51 passed).
+  TAIL=60 part diagnose_overhead_moe 200 python3 tools/diagnose_overhead.py --op mxfp4_moe --tokens 1 64 --calls 300
+  TAIL=8 part gpu_tests_moe_rest 300 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_kernels.py \
+    -k "not tilelang and (on_gpu or default_configs or tma_launch or routing_kernels)"
+  ;;
+s33-topk-phases)
+  # (after wheels-1 and wheels-2) issue 14: the top-k's phases timed from inside the kernel (PHASE_STAMPS=1: thread
+  # 0's globaltimer and clock64 at each phase's end); 4096-position rows show the length-independent work.
+  TAIL=60 part topk_phases 240 python3 tools/diagnose_dsa_topk_phases.py --lengths 4096 32768 131072
   ;;
 s32-vision-tests)
   # (after wheels-1 and wheels-2) issue 14: the varlen TileLang numerics not run since session 30's NaN-leak fix,
