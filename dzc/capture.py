@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from dzc import compile_cache, config, distributed, ir, regions, runtime
 from dzc.coverage import GraphCoverage, graph_coverage
 from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph
+from dzc.ops import LOWERED_AS_PARTS
 from dzc.options import CompileOptions
 from dzc.passes.graph_pass import PassResult, copy_graph, written_inputs
 from dzc.pipeline import Stage, build_pipeline, pass_results, run_pipeline
@@ -412,10 +413,12 @@ class DzcBackend:
         cached = _CachedPasses(self.target, options, gm, example_inputs, timer, found)
         graph, stages = cached.passes()
         entry = cached.entry  # a hit: values its graph's analyses read are not rebuilt where the entry holds those
+        specs = entry.specs if entry is not None and entry.specs is not None else {}
         if entry is not None:
             with timer.stage("compile cache"):
-                entry.values(_lowering_reads(graph))
-        created = lower_graph(graph, self.target, self.options, execution, device, self.kernels, timer=timer)
+                entry.values(_lowering_reads(graph, specs))
+        created = lower_graph(graph, self.target, self.options, execution, device, self.kernels, timer=timer,
+                              specs=specs)
         uses = kernel_uses(graph)
         results = pass_results(stages)
         references = [record for record in created if record.codegen == "reference"]
@@ -451,7 +454,7 @@ class DzcBackend:
         host_syncs = stored.host_syncs if stored is not None else _host_syncs(graph)
         if cached.state != "off":
             with timer.stage("compile cache"):
-                cached.store(fallback == "inductor", compile_cache.Analyses(outcome, coverage, host_syncs))
+                cached.store(fallback == "inductor", specs, compile_cache.Analyses(outcome, coverage, host_syncs))
         return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, host_syncs,
                       cached.state, cached.key if cached.state in ("hit", "miss") else None)
 
@@ -686,11 +689,11 @@ class _CachedPasses:
         if self.entry is not None:
             compile_cache.load_torch_artifacts(self.entry.torch_artifacts)
 
-    def store(self, inductor: bool, analyses: compile_cache.Analyses) -> None:
+    def store(self, inductor: bool, specs: dict, analyses: compile_cache.Analyses) -> None:
         if self._pending is None:
             return
         artifacts = compile_cache.save_torch_artifacts() if inductor else None
-        problem = self.cache.store(*self._pending, artifacts, analyses)
+        problem = self.cache.store(*self._pending, artifacts, specs, analyses)
         if problem:
             self.state = f"miss ({problem})"
         elif not self.state.startswith("corrupted"):
@@ -979,12 +982,13 @@ class _RewriteCheck:
         return expected_outputs
 
 
-def _lowering_reads(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """The nodes whose values lowering reads: each dzc op with its inputs and users (its spec's shapes and
-    dtypes)."""
+def _lowering_reads(graph: torch.fx.Graph, specs: dict) -> list[torch.fx.Node]:
+    """The nodes whose values lowering reads: each dzc op whose spec is not in `specs` (lower_graph's), or that is
+    lowered into parts, with its inputs and users (shapes and dtypes)."""
     nodes = []
     for node in graph.nodes:
-        if dzc_op_name(node) is not None:
+        op = dzc_op_name(node)
+        if op is not None and (node.name not in specs or op in LOWERED_AS_PARTS):
             nodes += [node, *node.all_input_nodes, *node.users]
     return nodes
 

@@ -10,9 +10,10 @@ Inductor's FX graph cache hits).
 
 Layout: `<cache>/compile/<key>.pkl`, one entry per graph (a pickled dict, the rewritten graph in torch's
 GraphPickler form, which keeps the fake values and symbolic sizes; beside it each node's value type for the graph's
-text, and the coverage and host syncs of the build that stored it), written atomically (temporary file + rename). A
-hit rebuilds only the fake values lowering reads (Entry.values): the other consumers of the values on a warm start
-read what is stored beside the graph, and Inductor's fallback and the rewrite check have every value rebuilt.
+text, lowering's specs, and the coverage and host syncs of the build that stored it), written atomically (temporary
+file + rename). A hit whose fallback runs the graph as Python rebuilds almost none of the fake values (Entry.values):
+what reads them on a warm start reads what is stored beside the graph instead; Inductor's fallback and the rewrite
+check have every value rebuilt.
 The key (`entry_key`) hashes everything that changes the result: the captured graph's text and its inputs'
 metadata (sizes symbolic or not, strides, dtypes, devices), the values of its tensor constants, the target and
 its profile's fingerprint, the options that reach the passes and lowering, the pass list, and the versions of
@@ -71,7 +72,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from dzc import config
 
-FORMAT_VERSION = 2  # 2: the value types and the build's analyses stored beside the graph
+FORMAT_VERSION = 3  # 2: the value types and the build's analyses stored beside the graph; 3: lowering's specs
 # Options that do not change what the passes and lowering make of a graph: where the cache lives (a copied
 # directory must still hit) and the shipped tuning database (read by tuning, at the first call).
 # nested_regions changes what the captured graph is made of (region calls or not), which the key hashes itself.
@@ -175,7 +176,8 @@ class Entry:
     """What a build's passes made of the graph: the rewritten graph (before lowering), the stages ((name, text,
     rewrites, refusals), the last three None for "capture"), torch's cache artifacts for the fallback compile
     (None where there were none), each node's value type as ir.value_type gives it (by node name: the lowered
-    graph's text without the fake values) and the analyses of the build that stored it (Analyses, or None).
+    graph's text without the fake values), lowering's specs (lower_graph's `specs`, or None where they did not
+    pickle) and the analyses of the build that stored it (Analyses, or None).
 
     Its nodes' fake values are rebuilt when asked for (`values`): rebuilding all of them through torch's
     MetaConverter was most of a warm load (4548 tensors at full depth), and a warm hit whose fallback runs the graph
@@ -185,6 +187,7 @@ class Entry:
     stages: list[tuple[str, str, list[str] | None, list[tuple[str, str]] | None]]
     torch_artifacts: bytes | None = None
     types: dict[str, object] | None = None
+    specs: dict[str, object] | None = None
     analyses: Analyses | None = None
     _deferred: _DeferredValues | None = None
 
@@ -414,8 +417,8 @@ class CompileCache:
         def entry(stored: dict) -> Entry:
             with fake_mode, _slice_as_pytree_node():
                 graph, deferred = _load_graph_deferred(stored["graph"], fake_mode)
-            return Entry(graph, stored["stages"], stored["torch_artifacts"], stored["types"], stored["analyses"],
-                         deferred)
+            return Entry(graph, stored["stages"], stored["torch_artifacts"], stored["types"], stored["specs"],
+                         stored["analyses"], deferred)
 
         return self._read(self.path(key), key, entry, warn)
 
@@ -427,12 +430,17 @@ class CompileCache:
         return message
 
     def store(self, key: str, parts: dict, graph: bytes, stages: list, types: dict, torch_artifacts: bytes | None,
-              analyses: Analyses | None) -> str:
-        """Write an entry (graph: pickle_graph's bytes; types: ir.value_types of that graph); returns "" or, when it
-        could not be written (read-only, full disk), why (the compile stands, it is only not cached)."""
+              specs: dict, analyses: Analyses | None) -> str:
+        """Write an entry (graph: pickle_graph's bytes; types: ir.value_types of that graph; specs: lowering's);
+        returns "" or, when it could not be written (read-only, full disk), why (the compile stands, it is only not
+        cached)."""
+        try:
+            pickle.dumps(specs)
+        except Exception:  # noqa: BLE001  (a spec holding a symbolic size: a hit rebuilds the values lowering reads)
+            specs = None
         data = pickle.dumps({"format": FORMAT_VERSION, "key": key, "parts": parts, "graph": graph,
                              "stages": stages, "types": types, "torch_artifacts": torch_artifacts,
-                             "analyses": analyses})
+                             "specs": specs, "analyses": analyses})
         return write_atomically(self.path(key), data)
 
     def capture_path(self, key: str) -> Path:

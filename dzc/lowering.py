@@ -181,7 +181,7 @@ def write_kernel_source(kernel_dir: Path, name: str, source: str) -> tuple[Path,
 
 def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, execution: Execution,
                 device: torch.device | None, table: KernelTable | None = None,
-                timer: CompileTimer | None = None) -> list[KernelRecord]:
+                timer: CompileTimer | None = None, specs: dict[str, object] | None = None) -> list[KernelRecord]:
     """Bind every dzc op node in `graph` (in place) to a generated kernel; returns the report entries of the
     kernels this call added to `table` (a compiled model's own; kernels already in it are reused). `timer` gets
     the seconds of "codegen" (rendering and writing sources), "kernel load" (importing them) and "lowering" (the
@@ -190,19 +190,23 @@ def lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, 
     With a table (dzc.compile), an op instance that no kernel takes (the family rejects its spec: head dim,
     dtype, size; or no config is legal on the profile) runs the op's plain-torch reference, and its record says
     why. Without one (dzc-selftest, kernel tests, which ask for that kernel), it raises.
+
+    specs: node name -> the spec its family made of it, or why the family rejected it (text); read there instead of
+    the node's fake value, filled in for the others (a compile cache entry keeps them: a warm hit then rebuilds no
+    value for lowering, dzc/compile_cache.py).
     """
     timer = timer or CompileTimer()
     start = time.perf_counter()
     inner = sum(timer.seconds.get(name, 0.0) for name in ("codegen", "kernel load"))
     try:
-        return _lower_graph(graph, target, options, execution, table, timer)
+        return _lower_graph(graph, target, options, execution, table, timer, {} if specs is None else specs)
     finally:
         inner = sum(timer.seconds.get(name, 0.0) for name in ("codegen", "kernel load")) - inner
         timer.add("lowering", time.perf_counter() - start - inner)
 
 
 def _lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions, execution: Execution,
-                 table: KernelTable | None, timer: CompileTimer) -> list[KernelRecord]:
+                 table: KernelTable | None, timer: CompileTimer, specs: dict[str, object]) -> list[KernelRecord]:
     fall_back = table is not None
     table = table if table is not None else KernelTable()
     cache = Path(options.resolved_cache_dir())
@@ -241,7 +245,15 @@ def _lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions,
         family = KERNEL_FAMILIES[op]
         spec = None
         try:
-            spec = family.spec_from_node(node)
+            known = specs.get(node.name)
+            if isinstance(known, str):
+                raise ValueError(known)
+            try:
+                spec = known if known is not None else family.spec_from_node(node)
+            except ValueError as rejected:
+                specs[node.name] = str(rejected)
+                raise
+            specs[node.name] = spec
             codegen_name, legal, illegal, source, digest, name = kernel_choice(op, spec)
             codegen = target.codegens[codegen_name]
         except (ValueError, NoLegalConfig) as rejected:

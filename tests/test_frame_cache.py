@@ -129,10 +129,10 @@ def test_a_deep_models_warm_load_repeats_no_per_layer_work(options, monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(cold_out, warm_out))
 
 
-def test_a_warm_load_rebuilds_only_the_values_lowering_reads(options, monkeypatch):
-    """A frame entry's graph comes back without its fake values: lowering's are rebuilt (through torch's
-    MetaConverter, most of a warm load before), the lowered graph's text comes from the types stored beside it, and
-    its coverage and host syncs are the cold build's, as the report had them."""
+def test_a_warm_load_rebuilds_no_fake_values(options, monkeypatch):
+    """A frame entry's graph comes back without its fake values (rebuilding them through torch's MetaConverter was
+    most of a warm load): lowering reads the specs stored beside the graph, the lowered graph's text comes from the
+    types stored there, its coverage and host syncs are the cold build's, and the report says what it said."""
     monkeypatch.setenv("DZC_COMPILE_CACHE", "1")
     monkeypatch.setenv("DZC_FRAME_CACHE", "1")
     model, (tokens,) = build_model("llama_decoder", layers=2)
@@ -152,7 +152,7 @@ def test_a_warm_load_rebuilds_only_the_values_lowering_reads(options, monkeypatc
     [values] = loads
     tensors = [item for items in values.storages.values() for item in items]
     rebuilt = [item for item in tensors if item.value is not None]
-    assert 0 < len(rebuilt) < len(tensors) / 2, (len(rebuilt), len(tensors))
+    assert len(rebuilt) == 1 and len(tensors) > 50, (len(rebuilt), len(tensors))  # the first input's (its device)
     assert coverage == [], "coverage was computed again"
     [cold_graph], [warm_graph] = cold.graphs, warm.graphs
     assert warm_graph.host_syncs == cold_graph.host_syncs
