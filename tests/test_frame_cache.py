@@ -163,6 +163,27 @@ def test_a_warm_load_rebuilds_no_fake_values(options, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(cold_out, warm_out))
 
 
+def test_a_warm_hit_lowered_otherwise_computes_its_analyses_again(options, norm, monkeypatch):
+    """Where the hit's lowered graph is not the one the entry's coverage and host syncs were worked out on (another
+    lowering outcome), every value is rebuilt and both are computed again."""
+    model, inputs = norm
+    cold, cold_out, _ = _compile_and_run(model, options, inputs)
+    loads, coverage = [], []
+    deferred_values, graph_coverage = compile_cache._DeferredValues, capture.graph_coverage
+    monkeypatch.setattr(compile_cache, "_DeferredValues",
+                        lambda *args: loads.append(deferred_values(*args)) or loads[-1])
+    monkeypatch.setattr(capture, "graph_coverage", lambda *a: coverage.append(a) or graph_coverage(*a))
+    monkeypatch.setattr(compile_cache, "lowering_outcome", lambda graph: "another outcome")
+    warm, warm_out, frames = _compile_and_run(model, options, inputs)
+    assert warm.frame_cache.startswith("hit (1 graph") and frames == 0, warm.frame_cache
+    [values] = loads
+    assert len(coverage) == 1 and values.pending == {}
+    [cold_graph], [warm_graph] = cold.graphs, warm.graphs
+    assert warm_graph.host_syncs == cold_graph.host_syncs
+    assert warm_graph.coverage == dataclasses.replace(cold_graph.coverage, compile_id=warm_graph.compile_id)
+    assert all(torch.equal(a, b) for a, b in zip(cold_out, warm_out))
+
+
 def test_a_warm_hit_compiled_by_inductor_rebuilds_every_value(options, norm, monkeypatch):
     """Inductor reads every node's value: a hit whose fallback it compiles (forced here, on the CPU) has them all
     rebuilt first, its inputs' too, and computes what the cold compile did."""
