@@ -544,6 +544,17 @@ def test_tilelang_kernels_take_fast_math_unless_the_profile_pins_it(tmp_path):
         assert configs.get(tilelang.PassConfigKey.TL_ENABLE_FAST_MATH) == (pinned if pinned is not None else True)
 
 
+def _lowered_within_its_shared_memory(spec, config, tmp_path) -> str:
+    """The CUDA TileLang lowers `config` of `spec` to for sm_90, after checking its shared memory against the
+    family's estimate (which legality prunes by)."""
+    path = tmp_path / "varlen_attention_tilelang.py"
+    path.write_text(family.tilelang_source(spec, SM_90))
+    artifact = tilelang_codegen.lower(path, family.TILELANG_FACTORY_NAME, config, SM_90)
+    (device_func,) = artifact.device_mod.functions.values()
+    assert int(device_func.attrs.get("dyn_shared_memory_buf", 0)) <= family.tilelang_shared_memory_bytes(spec, config)
+    return artifact.kernel_source
+
+
 def test_tilelang_warp_specialized_lowers_and_compiles_for_sm_90(tmp_path):
     """Head dim 72 (tiles padded to 80): the producer warpgroup gives its registers to the consumers and loads k and
     v tiles by TMA only, five 16-column boxes a tile, the last reading zeros past the 72-wide row (the barrier
@@ -556,12 +567,7 @@ def test_tilelang_warp_specialized_lowers_and_compiles_for_sm_90(tmp_path):
     spec = family.make_spec(72, BF16, None)
     config = next(c for c in family.tilelang_configs(spec, SM_90)
                   if dict(c.params).get("WARP_SPECIALIZED") and c["BLOCK_N"] == 128)
-    path = tmp_path / "varlen_attention_tilelang.py"
-    path.write_text(family.tilelang_source(spec, SM_90))
-    artifact = tilelang_codegen.lower(path, family.TILELANG_FACTORY_NAME, config, SM_90)
-    cuda = artifact.kernel_source
-    (device_func,) = artifact.device_mod.functions.values()
-    assert int(device_func.attrs.get("dyn_shared_memory_buf", 0)) <= family.tilelang_shared_memory_bytes(spec, config)
+    cuda = _lowered_within_its_shared_memory(spec, config, tmp_path)
     assert "__launch_bounds__(384, 1)" in cuda
     assert "warpgroup_reg_alloc<240>" in cuda and "warpgroup_reg_dealloc<24>" in cuda
     # k and v reach the kernel only as TMA descriptors; each tile is 128 rows x 80 columns of bf16.
@@ -587,12 +593,7 @@ def test_tilelang_split_columns_lowers_for_sm_90(tmp_path):
     config = next(c for c in family.tilelang_configs(spec, SM_90)
                   if dict(c.params).get("SPLIT_COLUMNS") and not dict(c.params).get("PINGPONG"))
     assert config != family.tilelang_default_config(spec, SM_90)
-    path = tmp_path / "varlen_attention_tilelang.py"
-    path.write_text(family.tilelang_source(spec, SM_90))
-    artifact = tilelang_codegen.lower(path, family.TILELANG_FACTORY_NAME, config, SM_90)
-    cuda = artifact.kernel_source
-    (device_func,) = artifact.device_mod.functions.values()
-    assert int(device_func.attrs.get("dyn_shared_memory_buf", 0)) <= family.tilelang_shared_memory_bytes(spec, config)
+    cuda = _lowered_within_its_shared_memory(spec, config, tmp_path)
     for tensor, tile, high in (("k", "k_ring", "k_high"), ("v", "v_ring", "v_high")):
         # One box of 64 columns at column 0 (the low tile's whole slot), one of 16 at column 64.
         assert re.search(rf"tma_load\({tensor}_desc, [^;]*\(\(bfloat16_t\*\){tile}\)\[[^;]*\* 8192\)\]\)\), 0, ",
