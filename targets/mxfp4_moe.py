@@ -551,23 +551,7 @@ class _LaunchPlan:
     config: KernelConfig
     word_loads: bool  # TMA or SWAP_AB: the weights must be 16-byte aligned (_plain_loads otherwise)
     order: int  # the activations' column order (_act_order)
-    options: Mapping  # the GEMMs' constexprs and launch options
-
-    @property
-    def fp8(self) -> bool:
-        return self.options["FP8"]
-
-    @property
-    def workspace(self) -> bool:
-        return self.options["WORKSPACE"]
-
-    @property
-    def split_k(self) -> int:
-        return self.options["SPLIT_K"]
-
-    @property
-    def block_n(self) -> int:
-        return self.options["BLOCK_N"]
+    options: Mapping  # the GEMMs' constexprs and launch options (FP8, WORKSPACE, SPLIT_K, BLOCK_N, ...)
 
 
 @functools.cache
@@ -589,12 +573,13 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     gives way to that path's standard tile (_PATH_CONFIGS); the tuner's tiers keep that to calls whose token
     bucket straddles FP8_MIN_ROWS_PER_EXPERT."""
     plan = _launch_plan(config)
-    if fp8 != plan.fp8:
+    if fp8 != plan.options["FP8"]:
         plan = _launch_plan(_PATH_CONFIGS[fp8])
     if plan.word_loads and (w13_blocks.data_ptr() % TMA_ALIGNMENT or w2_blocks.data_ptr() % TMA_ALIGNMENT):
         # TMA reads from 16-byte aligned addresses only, SWAP_AB reads words: the same tile by plain byte loads
         plan = _launch_plan(_plain_loads(plan.config))
-    options, order, split_k, block_n = plan.options, plan.order, plan.split_k, plan.block_n
+    options, order = plan.options, plan.order
+    split_k, block_n = options["SPLIT_K"], options["BLOCK_N"]
     spec = _LaunchShape.of(hidden, topk_ids, w13_scales)
     tokens = hidden.shape[0]
     pairs = tokens * spec.top_k
@@ -610,7 +595,7 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     gate_source, up_source, down_source = (
         _tma_sources(w13_blocks, w2_blocks, interleaved, block_n, options["BLOCK_K"], options["SWAP_AB"])
         if options["TMA"] else (w13_blocks,) * 3)
-    if plan.fp8:
+    if options["FP8"]:
         _launch_w4a8(kernels, route_plan, options, hidden, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
                      w2_scales, w2_bias, alpha, limit, act, pair_out, spec)
         combine(pair_out, ids, spec, out)
@@ -620,11 +605,11 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
         pair_out = torch.empty(split_k, pairs, spec.hidden, dtype=torch.float32, device=device)
     else:  # no partial sums: any pointer will do, with SPLIT_K = 1 the kernels never read it
         gate_up_partial = pair_out
-    ws = workspace(device, spec.workspace_dtype, workspace_elements(spec, tokens)) if plan.workspace else hidden
+    ws = workspace(device, spec.workspace_dtype, workspace_elements(spec, tokens)) if options["WORKSPACE"] else hidden
     # Absent biases: any pointer will do, the kernels never read it (HAS_*_BIAS is False in their source).
     w13_bias_arg = w13_bias if w13_bias is not None else hidden
     w2_bias_arg = w2_bias if w2_bias is not None else hidden
-    if plan.workspace:
+    if options["WORKSPACE"]:
         _dequantize_experts(kernels, w13_blocks, w13_scales, route_plan, ws, 2 * spec.inter, spec.hidden, spec)
     if order == NATURAL_ORDER:
         hidden_n = hidden
@@ -646,7 +631,7 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
             gate_up_partial, route_plan.block_expert, route_plan.block_row_start, route_plan.block_row_end,
             w13_bias_arg, act, alpha, limit, pairs, BLOCK_M=options["BLOCK_M"], BLOCK_N=block_n, SPLIT_K=split_k,
             ACT_ORDER=order, num_warps=options["num_warps"])
-    if plan.workspace:
+    if options["WORKSPACE"]:
         _dequantize_experts(kernels, w2_blocks, w2_scales, route_plan, ws, spec.hidden, spec.inter, spec)
     kernels["moe_down_kernel"][(_tiles(route_plan, spec.hidden, block_n), split_k)](
         act, *schedule, w2_blocks, w2_scales, ws, w2_bias_arg, topk_weights.reshape(-1), pair_out, pair_out,
