@@ -9,6 +9,7 @@ random MoE layers (weights quantized from random floats by dzc.mxfp4), outputs N
 import gc
 import os
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -626,6 +627,39 @@ def test_triton_kernels_compile_ahead_of_time_for_sm_90(tmp_path):
         if "estimate" in r and "bf16" in r["label"]:
             assert r["mma"], f"{r['label']}: the GEMM did not use matrix instructions"
             assert r["shared"] <= r["estimate"], f"{r['label']}: shared memory {r['shared']} > estimate"
+
+
+_STATIC_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    sys.path.insert(0, os.path.join(os.environ["DZC_ROOT"], "tools"))
+    import diagnose_mxfp4_moe_kernels as tool
+    from dzc.targets.kernel_config import KernelConfig
+
+    config = KernelConfig.make(4, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1)
+    profiles = tool.static_profiles(tool.bench.model_spec("gpt-oss-120b"), config, Path(sys.argv[1]))
+    print("RESULTS " + json.dumps(profiles))
+""")
+
+
+def test_swap_ab_prefill_tile_keeps_wgmma_in_flight_across_its_k_step(tmp_path):
+    """The W4A16 prefill pick at gpt-oss-120b T=8192 (SWAP_AB, 128 token rows, BLOCK_N 64, 4 warps, 3 stages),
+    compiled for sm_90 and read by `tools/diagnose_mxfp4_moe_kernels.py --sass` (docs/mxfp4_moe_kernels.md, static
+    diagnosis): each GEMM's K loop multiplies by wgmma (64 x 128 x 16 bf16: 16 a step for the stacked gate/up, 8 for
+    down) and never waits for every wgmma issued (each wait leaves one group in flight, across the decode of the next
+    half-tile and across the step's end): a serialized pipeline (C7515) would show waits of depth 0 here. The waits
+    and MMA counts are checked with Triton 3.9+ (what the doc's table was read from; Triton 3.6's SASS has not been
+    read)."""
+    results = run_ahead_of_time_script(_STATIC_SCRIPT, tmp_path, DZC_ROOT=str(Path(__file__).resolve().parents[1]))
+    mmas = {"moe_gate_up_kernel": 16, "moe_down_kernel": 8}
+    for name, profile in results.items():
+        loop = profile["loop"]
+        assert loop and loop["mma_shapes"], f"{name}: no K loop with MMAs found in the SASS"
+        assert all(shape.startswith("HGMMA.") for shape in loop["mma_shapes"]), (name, loop["mma_shapes"])
+        if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 9):
+            assert loop["mma_shapes"] == {"HGMMA.64x128x16.F32.BF16": mmas[name]}, (name, loop["mma_shapes"])
+            assert loop["waits"] and min(loop["waits"]) >= 1, (name, loop["waits"])
+            assert not profile["wgmma_serialized"], name
 
 
 # ---------------------------------------------------------------------------------------------------------

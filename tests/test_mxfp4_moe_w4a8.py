@@ -9,9 +9,11 @@ truncate. Inputs are fresh seeded random layers; outputs are NaN-poisoned before
 
 import dataclasses
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 from conftest import run_ahead_of_time_script
 
 import dzc
@@ -342,6 +344,44 @@ def test_w4a8_kernels_compile_for_sm_90_with_fp8_wgmma(tmp_path):
             assert r["shared"] <= r["estimate"], r
         else:  # the E4M3 rounding's add-and-subtract survived compilation (nothing reassociated it away)
             assert r["rounding_adds"], r
+
+
+_STATIC_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    sys.path.insert(0, os.path.join(os.environ["DZC_ROOT"], "tools"))
+    import diagnose_mxfp4_moe_kernels as tool
+    from dzc.targets import mxfp4_moe as family
+    from dzc.targets.kernel_config import KernelConfig
+
+    config = KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)
+    spec = tool.dataclasses.replace(tool.bench.model_spec("gpt-oss-120b"), fp8_activations=True)
+    profiles = tool.static_profiles(spec, config, Path(sys.argv[1]))
+    print("RESULTS " + json.dumps(dict(profiles=profiles, estimate=family.triton_shared_memory_bytes(spec, config))))
+""")
+
+
+def test_w4a8_prefill_tile_k_loops_read_statically(tmp_path):
+    """The W4A8 tile tuned at gpt-oss-120b T=8192 on the H200 (64 x 64, 4 warps, 3 stages), compiled for sm_90 and read
+    by `tools/diagnose_mxfp4_moe_kernels.py --sass` (docs/mxfp4_moe_kernels.md, static diagnosis): each K loop is
+    found, multiplies E4M3 by wgmma, does not touch local memory and uses at most the shared memory the family
+    estimates. Each step waits for its own wgmma before scaling the product (the per-128-column promotion): waits
+    of depth 0, one per dot (gate and up, then down); a change that keeps MMAs in flight across that step changes
+    this test on purpose. Shapes, spills and waits are checked with Triton 3.9+ (the doc's table); older ones may
+    differ."""
+    results = run_ahead_of_time_script(_STATIC_SCRIPT, tmp_path, DZC_ROOT=str(Path(__file__).resolve().parents[1]))
+    waits = {"moe_gate_up_kernel": [0, 0], "moe_down_kernel": [0]}
+    read = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 9)  # what the table was read from
+    for name, profile in results["profiles"].items():
+        loop = profile["loop"]
+        assert loop, f"{name}: no K loop found in the SASS"
+        shapes = loop["mma_shapes"]
+        assert shapes and all(s.startswith("QGMMA.") and s.endswith(".E4M3.E4M3") for s in shapes), (name, shapes)
+        assert profile["shared"] <= results["estimate"], (name, profile["shared"], results["estimate"])
+        if read:
+            assert set(loop["mma_shapes"]) == {"QGMMA.64x64x32.F32.E4M3.E4M3"}, (name, loop["mma_shapes"])
+            assert loop["spill_accesses_in_loop"] == 0 and profile["spill_bytes"] == [0, 0], (name, profile)
+            assert loop["waits"] == waits[name], (name, loop["waits"])
 
 
 # ---------------------------------------------------------------------------------------------------------
