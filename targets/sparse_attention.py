@@ -522,11 +522,16 @@ def _warp_specialized_configs(spec: SparseAttentionSpec, profile: DeviceProfile)
         return []
     configs = []
     # FP8 cache: the producer's interleaved column order (FP8_INTERLEAVED=1, its shared-memory stores free of bank
-    # conflicts; the untuned choice) beside the plain order (a tuning candidate).
-    for interleaved in ((0, 1) if spec.fp8_cache and spec.d_main % 64 == 0 and kv_cache.FP8_LATENT_TILE % 64 == 0
-                        else (0,)):
+    # conflicts; the untuned choice) beside the plain order (a tuning candidate). bf16 cache: the producer's copies
+    # addressed from one base a row (ROW_ADDRESS=1, a tuning candidate: 439 SASS instructions a stage pair in its
+    # loop against 681, static, not timed on a GPU yet) beside the page/slot addressing.
+    if spec.fp8_cache:
+        variants = ({}, {"FP8_INTERLEAVED": 1}) if spec.d_main % 64 == 0 and kv_cache.FP8_LATENT_TILE % 64 == 0 \
+            else ({},)
+    else:
+        variants = ({}, {"ROW_ADDRESS": 1})
+    for extra in variants:
         for splits in (0, 1, 4, 16):
-            extra = {"FP8_INTERLEAVED": 1} if interleaved else {}
             config = KernelConfig.make(num_warps=_WS_THREADS // profile.warp_size, num_stages=2, SPLITS=splits,
                                        BLOCK_H=_WS_BLOCK, BLOCK_N=_WS_BLOCK, THREADS=_WS_THREADS, NUM_STAGES=2,
                                        WARP_SPECIALIZED=1, **extra)
@@ -586,9 +591,10 @@ def tilelang_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -
     # candidate only (the tuner drops a candidate whose outputs disagree with the untuned default's), not the
     # untuned choice. The FP8 reader's interleaved order is the choice where it fits: on the H200 (64 x 2 rows,
     # 32K context, 1 split) 325 µs against 356 for the plain order (s25-ncu, 2026-12-04; numerics passed in s23-2).
+    # ROW_ADDRESS (the bf16 producer's row-based copy addresses) is a tuning candidate until a GPU has timed it.
     verified = spec.heads % _WS_BLOCK == 0
     return max(prefill, key=lambda c: (_warp_specialized(c) and verified, dict(c.params).get("FP8_INTERLEAVED", 0),
-                                       c["BLOCK_N"], c["NUM_STAGES"]))
+                                       not dict(c.params).get("ROW_ADDRESS", 0), c["BLOCK_N"], c["NUM_STAGES"]))
 
 
 def tilelang_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) -> int:
