@@ -2,14 +2,17 @@
 (128 heads, Dqk 576, Dv 512, top-k 2048, BF16 latent cache in 64-token pages), on a CUDA GPU.
 
     python tools/diagnose_sparse_attention_configs.py [--variants prefill decode] [--limit-s 120]
-        [--codegen triton|tilelang] [--fp8-cache] [--only-default] [--launches N] [--public DIR]
+        [--codegen triton|tilelang] [--fp8-cache] [--only-default] [--match KEY=VALUE ...] [--launches N]
+        [--public DIR]
 
 Prefill: 4096 query rows at the end of an 8K context; decode: 64 sequences x 2 query rows at 32K (--fp8-cache: over
 the 656 B/token FP8 latent cache). Each config is checked against the op's reference on the first two query rows,
 then timed (do_bench median; its TFLOP/s count 2·H·topk·(Dqk + Dv) per query row). What tools/bench_dsa.py reports
 for the untuned default is the row marked "default"; this table says which tile shapes the tuner should find, and
-what the default leaves on the table. --launches N: launch each config N more times after its check instead of
-timing it, for a profiler (`ncu --launch-skip 1 --launch-count 1` then sees a checked kernel's second launch).
+what the default leaves on the table. --match KEY=VALUE ...: of the tier, only the configs with every such
+parameter (the default runs first all the same), e.g. --match ROW_ADDRESS=1 for an A/B of that candidate against
+the default. --launches N: launch each config N more times after its check instead of timing it, for a profiler
+(`ncu --launch-skip 1 --launch-count 1` then sees a checked kernel's second launch).
 --public DIR: also run the public `sparse_mla_fwd_pipelined` (tools/fetch_public_kernels.sh's folder) on the same
 inputs, checked and then timed or launched the same way (bf16 cache only).
 """
@@ -42,11 +45,17 @@ def main() -> None:
     parser.add_argument("--codegen", choices=["triton", "tilelang"], default="triton")
     parser.add_argument("--fp8-cache", action="store_true", help="decode reads the FP8 latent cache")
     parser.add_argument("--only-default", action="store_true", help="only the untuned default config")
+    parser.add_argument("--match", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="besides the default, only the tier's configs with all these parameters")
     parser.add_argument("--launches", type=int, default=0, help="launch N more times instead of timing")
     parser.add_argument("--public", metavar="DIR", help="also run the public sparse_mla_fwd_pipelined from DIR")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: check the arguments, build what needs no device, print the plan")
     args = parser.parse_args()
+    try:
+        match = {key: int(value) for key, value in (item.split("=", 1) for item in args.match)}
+    except ValueError:
+        parser.error(f"--match takes KEY=INTEGER pairs, got {args.match}")
     device = torch.device("meta" if args.dry_run else "cuda")
     torch.manual_seed(0)
     where = "dry run (meta tensors)" if args.dry_run else torch.cuda.get_device_name()
@@ -70,7 +79,8 @@ def main() -> None:
         legal, _ = legal_configs(family, args.codegen, spec, SM_90)
         bucket = family.token_bucket(problem.rows)
         tier, default = family.configs_for_bucket(spec, SM_90, bucket, legal, untuned)
-        configs = [default] if args.only_default else [default] + [c for c in tier if c != default]
+        configs = [default] if args.only_default else [default] + [
+            c for c in tier if c != default and all(dict(c.params).get(k) == v for k, v in match.items())]
         if args.dry_run:  # the source generated and loaded, the tier chosen: everything before the first launch
             print(f"| {variant} | dry run: {len(configs)} of {len(tier)} configs in the tier, default {default} "
                   "| | | |")
