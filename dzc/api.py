@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import warnings
 import weakref
@@ -37,12 +38,45 @@ def _process_wide_dynamo_settings(options: CompileOptions):
     # on, 128 in 29 s against 41 s; other graphs within noise (docs/results/compile_time_cpu.md, session 26). A cache
     # of what the meta functions compute: no captured graph changes.
     config.fake_tensor_cache_enabled = False
+    _pause_gc_while_compiling()
     for name, value in wanted.items():
         if value and not getattr(config, name):
             setattr(config, name, True)
     if all(getattr(config, name) == value for name, value in wanted.items()):
         return contextlib.nullcontext()
     return config.patch(**wanted)
+
+
+def _pause_gc_while_compiling() -> None:
+    """Pause Python's cyclic garbage collector while Dynamo compiles a frame (its trace, dzc's backend: AOTAutograd,
+    the passes, lowering), process-wide, installed once; DZC_COMPILE_GC=on leaves it running. A full collection
+    rescans every object alive, and a compile builds hundreds of thousands (fake tensors, symbolic sizes, graph
+    nodes): at 8 + 8 layers of the multimodal reference model 7 full collections took 4.7 s of its compile
+    (docs/results/compile_time_cpu.md, session 33). Cycles a compile drops are collected after it, as usual."""
+    from torch._dynamo.callback import callback_handler
+
+    if _resume_gc in callback_handler.end_callbacks:
+        return
+    callback_handler.register_start_callback(_pause_gc)
+    callback_handler.register_end_callback(_resume_gc)
+
+
+_gc_paused = False  # whether dzc paused the collector (one left off by the user stays off)
+
+
+def _pause_gc(_) -> None:
+    global _gc_paused
+    # Dynamo runs start and end callbacks once around the outermost compile only (nested ones count).
+    if gc.isenabled() and config.COMPILE_GC.get() == "paused":
+        gc.disable()
+        _gc_paused = True
+
+
+def _resume_gc(_) -> None:
+    global _gc_paused
+    if _gc_paused:
+        _gc_paused = False
+        gc.enable()
 
 
 # What a capture that failed raises: Dynamo's own errors (BackendCompilerFailed where AOTAutograd's tracing inside

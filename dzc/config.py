@@ -93,8 +93,14 @@ NESTED_REGIONS = Knob("DZC_NESTED_REGIONS", "1",
                       "1 (default): capture the repeated layers of an nn.ModuleList once, as nested compile "
                       "regions; 0: off (CompileOptions.nested_regions wins)", "0 or 1", _one_of("0", "1"))
 
+COMPILE_GC = Knob("DZC_COMPILE_GC", "paused",
+                  "paused (default): Python's cyclic garbage collector waits while Dynamo compiles a frame (its "
+                  "full collections rescan every fake tensor and graph node built so far); on: it runs as usual "
+                  "(cyclic garbage a compile leaves is then freed during it, not after)", "paused or on",
+                  _one_of("paused", "on"))
+
 KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB, CHECK_REWRITES, COMPILE_CACHE, FRAME_CACHE,
-         NESTED_REGIONS)
+         NESTED_REGIONS, COMPILE_GC)
 
 
 def debug_level() -> int:

@@ -125,6 +125,38 @@ def test_each_compiled_model_has_its_own_kernels(tmp_path, seed):
     assert all(entry["how"] == "untuned default" for entry in theirs.tuned.values()), theirs.tuned
 
 
+@pytest.mark.parametrize("knob", ["paused", "on"])
+def test_the_garbage_collector_waits_while_dynamo_compiles(options, seed, monkeypatch, knob):
+    """dzc.compile pauses Python's cyclic garbage collector around Dynamo's compiles (dzc.api), the passes inside
+    them, unless DZC_COMPILE_GC=on; it runs again after, and a collector the user turned off stays off."""
+    import gc
+
+    from dzc import config
+
+    torch._dynamo.reset()
+    seen = []
+
+    def fuse_residual_norm(graph, real=dzc.pipeline.fuse_residual_norm):
+        seen.append(gc.isenabled())
+        return real(graph)
+
+    monkeypatch.setattr(dzc.pipeline, "fuse_residual_norm", fuse_residual_norm)
+    model = AddRMSNorm(64)
+    x, residual = torch.randn(5, 64), torch.randn(5, 64)
+    with config.scope(DZC_COMPILE_GC=knob):
+        compiled = dzc.compile(model, "cuda", options)
+        y, h = compiled(x, residual)
+        assert seen == [knob == "on"] and gc.isenabled()
+        assert compiled.report.fired() == {"fuse_residual_norm": 1}
+        torch.testing.assert_close((y, h), model(x, residual))
+        gc.disable()
+        try:
+            compiled(torch.randn(2, 7, 64), torch.randn(2, 7, 64))  # another rank: compiled again
+            assert len(seen) == 2 and not gc.isenabled()
+        finally:
+            gc.enable()
+
+
 def test_a_pass_that_fails_costs_its_fusion_not_the_compile(options, seed, monkeypatch):
     torch._dynamo.reset()
 
