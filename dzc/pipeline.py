@@ -155,7 +155,7 @@ def _run_passes(graph: torch.fx.Graph, passes: list[GraphPass], verify: bool, ti
         try:
             with timer.stage(f"pass {graph_pass.__name__}"):
                 result = graph_pass(graph)
-                if verify:
+                if verify and result.graph is not graph:
                     ir.verify(result.graph)
         except Exception as error:
             # A pass that fails (a structure it did not expect) costs a fusion, not the compile: the graph goes on
@@ -164,10 +164,15 @@ def _run_passes(graph: torch.fx.Graph, passes: list[GraphPass], verify: bool, ti
             warnings.warn(f"dzc: {graph_pass.__name__}{f' ({where})' if where else ''}: {why}", RuntimeWarning,
                           stacklevel=3)
             result = PassResult(graph_pass.__name__, graph, refusals=[("graph", why)])
+        unchanged = result.graph is graph
         graph = result.graph
         with timer.stage("ir text"):
-            title = f"built by {result.name}" + (f" {where}" if where else "")
-            stages.append(Stage(result.name, ir.print_graph(graph, title), result))
+            title = f"# built by {result.name}" + (f" {where}" if where else "")
+            if unchanged and stages:  # the input returned as it was (passes.graph_pass.calls_any): the same text
+                text = title + "\n" + stages[-1].text.split("\n", 1)[1]
+            else:
+                text = ir.print_graph(graph, title.removeprefix("# "))
+            stages.append(Stage(result.name, text, result))
     return graph, stages
 
 

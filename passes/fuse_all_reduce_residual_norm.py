@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from dzc.passes.graph_pass import PassResult, copy_graph, is_call, location_of
+from dzc.passes.graph_pass import PassResult, calls_any, copy_graph, is_call, location_of
 
 NAME = "fuse_all_reduce_residual_norm"
 _c10d = torch.ops._c10d_functional
@@ -59,6 +59,8 @@ def _why_not(wait: torch.fx.Node, reduce: torch.fx.Node) -> str:
 
 def fuse_all_reduce_residual_norm(graph: torch.fx.Graph) -> PassResult:
     """Fold the all-reduce feeding each dzc.add_rms_norm into it; returns a new graph and a report."""
+    if not calls_any(graph, _c10d.all_reduce.default):  # every site starts at an all_reduce
+        return PassResult(NAME, graph)
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
     for norm in list(graph.nodes):

@@ -1,8 +1,9 @@
 """What every pass shares: the result it returns, a copy of the graph to rewrite, and how it names a place.
 
-A pass is a function Graph -> PassResult; it never mutates its input graph. Its result carries the new graph and
-a report: where it rewrote, and where it matched but refused (with the reason), so that dumps and the compile
-report can say what fired where and what was left to the fallback.
+A pass is a function Graph -> PassResult; it never mutates its input graph. Its result carries the new graph (or
+the input itself, uncopied, where the pass found nothing to rewrite or refuse: `calls_any`) and a report: where it
+rewrote, and where it matched but refused (with the reason), so that dumps and the compile report can say what
+fired where and what was left to the fallback.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ class PassResult:
 
     def refused(self, where: str, reason: str) -> None:
         self.refusals.append((where, reason))
+
+
+def calls_any(graph: torch.fx.Graph, *targets) -> bool:
+    """Whether `graph` calls any of `targets`, from FX's index of call sites: a pass whose every site starts at
+    such a call returns its input uncopied where there is none (a copy costs ~0.25 s a pass at full model depth)."""
+    return any(graph.find_nodes(op="call_function", target=target) for target in targets)
 
 
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:

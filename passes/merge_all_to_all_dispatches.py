@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from dzc.passes.graph_pass import (PassResult, call_with_fake_value, copy_graph, fake_value, is_call,
+from dzc.passes.graph_pass import (PassResult, call_with_fake_value, calls_any, copy_graph, fake_value, is_call,
                                    location_of)
 
 NAME = "merge_all_to_all_dispatches"
@@ -168,6 +168,8 @@ def _merge(graph: torch.fx.Graph, calls: list[torch.fx.Node], order: dict) -> st
 def merge_all_to_all_dispatches(graph: torch.fx.Graph) -> PassResult:
     """Merge each set of all_to_all_single calls sharing splits and group into one; returns a new graph and a
     report."""
+    if not calls_any(graph, _ALL_TO_ALL):  # every site starts at an all_to_all_single
+        return PassResult(NAME, graph)
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
     groups: dict = {}

@@ -59,7 +59,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, statically_known_true
 
-from dzc.passes.graph_pass import (PassResult, call_with_fake_value, copy_graph, fake_value, is_call,
+from dzc.passes.graph_pass import (PassResult, call_with_fake_value, calls_any, copy_graph, fake_value, is_call,
                                    location_of, read_element)
 
 NAME = "pad_all_to_all_to_capacity"
@@ -323,6 +323,8 @@ def pad_all_to_all_to_capacity(graph: torch.fx.Graph, capacity: int | None = Non
     """Pad each expert-parallel dispatch (and its combine) whose splits are host reads of exchanged counts to chunks
     of `capacity` rows per peer (CompileOptions.ep_max_dispatch_rows; None: refused); returns a new graph and a
     report."""
+    if not calls_any(graph, _ALL_TO_ALL):  # every site starts at an all_to_all_single
+        return PassResult(NAME, graph)
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
     for dispatch, counts in [(n, _dispatch_counts(n)) for n in graph.nodes]:

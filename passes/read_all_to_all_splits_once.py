@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from dzc.passes.graph_pass import (PassResult, call_with_fake_value, copy_graph, fake_value, is_call,
+from dzc.passes.graph_pass import (PassResult, call_with_fake_value, calls_any, copy_graph, fake_value, is_call,
                                    location_of, read_element)
 
 NAME = "read_all_to_all_splits_once"
@@ -85,6 +85,8 @@ def _read_once(graph: torch.fx.Graph, reads: list[torch.fx.Node], elements: list
 def read_all_to_all_splits_once(graph: torch.fx.Graph) -> PassResult:
     """Read each run of a graph's all_to_all split sizes through one copy to the host; returns a new graph and a
     report."""
+    if not calls_any(graph, _ALL_TO_ALL):  # every site starts at an all_to_all_single
+        return PassResult(NAME, graph)
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
     reads = [n for n in graph.nodes if is_call(n, aten._local_scalar_dense.default) and _is_split(n)]

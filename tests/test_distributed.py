@@ -696,6 +696,35 @@ def test_all_reduce_with_another_use_is_refused(ranks):
         assert any("another use" in why for why in case["refusals"]["fuse_all_reduce_residual_norm"])
 
 
+def test_collective_passes_return_a_graph_without_collectives_as_it_was(tmp_path, seed):
+    """Without an all_reduce or an all_to_all_single the four collective passes find nothing to rewrite or refuse:
+    each returns its input uncopied (passes.graph_pass.calls_any), and its pipeline stage repeats the text of the
+    stage before it under its own title."""
+    import dzc
+    from dzc.models.decoder import AddRMSNorm
+    from dzc.pipeline import build_pipeline
+    from dzc.targets import resolve_target
+
+    names = ("fuse_all_reduce_residual_norm", "merge_all_to_all_dispatches", "read_all_to_all_splits_once",
+             "pad_all_to_all_to_capacity")
+    model = AddRMSNorm(64)
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False))
+    x, residual = torch.randn(5, 64), torch.randn(5, 64)
+    torch.testing.assert_close(compiled(x, residual), model(x, residual))
+    assert compiled.report.fired() == {"fuse_residual_norm": 1}
+    stages = compiled.report.graphs[0].stages
+    order = [name for name, _ in stages]
+    for name in names:
+        at = order.index(name)
+        assert stages[at][1].splitlines()[0] == f"# built by {name}"
+        assert _body(stages[at][1]) == _body(stages[at - 1][1])
+    graph = torch.fx.symbolic_trace(lambda a, b: (a + b).relu()).graph
+    for graph_pass in build_pipeline(resolve_target("cuda"), dzc.CompileOptions()):
+        if graph_pass.__name__ in names:
+            result = graph_pass(graph)
+            assert result.graph is graph and not result.rewrites and not result.refusals, graph_pass.__name__
+
+
 def test_rank_agreement_is_the_same_on_every_rank(ranks):
     assert [(r["agreement"]["flag"], r["agreement"]["no_flag"]) for r in ranks] == [(True, False)] * WORLD
     assert all(r["agreement"]["two_groups"][0] is None and "2 process groups" in r["agreement"]["two_groups"][1]
