@@ -41,6 +41,8 @@ SMOKE = {
     "diagnose_overhead.py --op mxfp4_moe": (["--op", "mxfp4_moe", "--device", "cpu", "--tokens", "1", "--calls", "2",
                                              "--cache-dir", "{tmp}/overhead"], "host overhead, all layers"),
     "diagnose_sparse_attention_configs.py": (["--dry-run"], "| decode | dry run:"),
+    "diagnose_sparse_attention_configs.py --match": (["--dry-run", "--codegen", "tilelang", "--match", "ROW_ADDRESS=1"],
+                                                     "| prefill | dry run: 2 of"),
     "diagnose_dsa_indexer_configs.py": (["--dry-run", "--match", "MIN_BLOCKS=3"], "dry run: "),
     "diagnose_dsa_topk_configs.py": (["--dry-run", "--match", "RADIX_BITS=10"], "dry run: 3 of 6 configs"),
     "diagnose_dsa_topk_phases.py": (["--dry-run", "--lengths", "32768"], "dry run: 128 rows of 32768, CACHE=32768"),
