@@ -64,9 +64,6 @@ SMOKE = {
                                  "not on this profile: mxfp4_moe_w4a8 on musa:mp_22"),
     "diagnose_mxfp4_moe_numerics.py": (["--dry-run", "--workdir", "{tmp}/work"], ""),
     "diagnose_mxfp4_moe_kernels.py": (["--dry-run"], "dry run: gpt-oss-120b T=[1, 8, 64] BLOCK_K=128"),
-    # Runs for real: one W4A8 tile compiled for sm_90 (no GPU needed) and its K loop's SASS counted.
-    "diagnose_mxfp4_moe_kernels.py --sass": (["--sass", "--configs", "BLOCK_M=64,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,"
-                                              "WORKSPACE=1,FP8=1,num_warps=4,num_stages=3"], "K step:"),
     # Run by their own tests (tests/test_model_zoo.py, the fuzzer's test): here they must at least import and parse
     # their arguments.
     "zoo.py": (["--help"], "usage:"),
