@@ -19,6 +19,9 @@
 # bare machines included) and s33-host (what s32-host's limits cut), then wheels-2 and s32-vision-split (the
 # split-column varlen configs timed, first: the goal at head dim 72 hangs on it), s33-topk-phases (where the top-k's
 # fixed ~8 us goes), s32-vision-tests (varlen GPU numerics, the split configs included), s32-vision-auto.
+# Session 33 had no machine (none lent): the steps above stay next, then s34-sparse-row (after wheels-2) and
+# s34-moe-tiles (the static findings of session 33 timed: docs/results/sparse_attention_warp_specialized_h200.md,
+# docs/mxfp4_moe_kernels.md).
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -221,6 +224,32 @@ s32-vision-auto)
   # Triton's configs tuned, the TileLang kernel's default beside them) against cuDNN, mixed pack.
   TAIL=30 part bench_vision_auto 560 python3 tools/bench_vision_attention.py --head-dims 72 128 --packs mixed \
     --codegens auto --no-compile-baseline --work-dir /tmp/dzc-vision-auto --out "$OUT/vision_attention_auto_h200.md"
+  ;;
+s34-sparse-row)
+  # (after wheels-1 and wheels-2) issue 14: session 33's ROW_ADDRESS=1 producer (one address a token row, immediate
+  # offsets: 439 SASS instructions a stage pair against 681; static only) - numerics first, then the prefill A/B
+  # beside the public pipelined kernel and the decode A/B, each in one process.
+  TAIL=6 part gpu_tests_sparse_row 300 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_dsa_kernels.py \
+    -k "warp_specialized_sparse_attention_on_gpu and (row or 128h-prefill) and not fp8"
+  TAIL=12 part sparse_row_prefill 240 python3 tools/diagnose_sparse_attention_configs.py --variants prefill \
+    --codegen tilelang --match ROW_ADDRESS=1 --public .public-kernels/deepseek_v32
+  TAIL=12 part sparse_row_decode 200 python3 tools/diagnose_sparse_attention_configs.py --variants decode \
+    --codegen tilelang --match ROW_ADDRESS=1 SPLITS=1
+  ;;
+s34-moe-tiles)
+  # (after wheels-1) issue 15: the first per-kernel timing of W4A8 (FP8=1 runs against its reference now) beside the
+  # tuned W4A16 SWAP_AB tiles at gpt-oss-120b T=8192, then Triton 3.6's own SASS of the same tiles (session 33's
+  # static counts were Triton 3.9's), then the W4A8 bench.
+  moe_tiles=("BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=8,num_stages=3"
+    "BLOCK_M=64,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,WORKSPACE=1,FP8=1,num_warps=4,num_stages=3"
+    "BLOCK_M=64,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,WORKSPACE=1,FP8=1,num_warps=4,num_stages=2"
+    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,WORKSPACE=1,FP8=1,num_warps=4,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,WORKSPACE=1,FP8=1,num_warps=8,num_stages=3")
+  TAIL=40 part moe_tiles 300 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8192 --configs "${moe_tiles[@]}"
+  TAIL=40 part moe_tiles_sass 150 python3 tools/diagnose_mxfp4_moe_kernels.py --sass --configs "${moe_tiles[@]}"
+  TAIL=12 part bench_moe_w4a8 400 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 8192 \
+    --routing uniform --codegens triton --w4a8 --memory-layers 0 --out "$OUT/mxfp4_moe_w4a8_h200.md"
   ;;
 s25-busy)
   # (after wheels-1: dzc installed) issues 18/14/15: bench_multimodal --quick again, its
