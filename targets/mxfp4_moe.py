@@ -326,7 +326,7 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
     # Where descriptor loads are bulk copies (Hopper's TMA), a decode tile's TMA twin: 1.07-1.19x faster at 1-64
     # tokens on gpt-oss-120b and DeepSeek-style shapes on the H200 (docs/results/mxfp4_moe_tma_h200.md); at
     # T=8192 the 128-row SWAP_AB tiles were 1.06-1.6x slower with TMA (session 26). DOT_SCALED tiles were slower
-    # everywhere: tuning only.
+    # everywhere: tuning only; so are W4A8's FP8_STACKED and SWAP_AB's DECODE=2 tiles (not timed on a GPU yet).
     decode = rows_per_expert(spec, bucket) <= DECODE_MAX_ROWS_PER_EXPERT
     want_tma = profile.bulk_tensor_copies and decode
 
@@ -336,7 +336,8 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         # fastest on the H200 (docs/results/mxfp4_moe_h200.md).
         threads = c.num_warps * profile.warp_size
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
-                _dot_scaled(c), _swap_ab(c) != want_swap, _tma(c) != want_tma, -c["BLOCK_M"],
+                _dot_scaled(c), _fp8_stacked(c), _decode(c) != 1, _swap_ab(c) != want_swap, _tma(c) != want_tma,
+                -c["BLOCK_M"],
                 _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64), abs(c["BLOCK_K"] - 128),
                 abs(threads - 128), c.num_stages != 3)
 
@@ -359,6 +360,14 @@ def _swap_ab(config: KernelConfig) -> bool:
     return dict(config.params).get("SWAP_AB", 0) == 1
 
 
+def _fp8_stacked(config: KernelConfig) -> bool:
+    return dict(config.params).get("FP8_STACKED", 0) == 1
+
+
+def _decode(config: KernelConfig) -> int:
+    return dict(config.params).get("DECODE", 1)
+
+
 # The column orders the GEMMs read their activations in (the generated module's ACT_ORDER values).
 NATURAL_ORDER, NIBBLE_ORDER, SWAP_ORDER = 0, 1, 2
 # SWAP_AB: activation rows in swap order are padded to whole tiles of this many columns.
@@ -377,7 +386,8 @@ def _act_width(columns: int, order: int) -> int:
 def describe_config(config: KernelConfig) -> str:
     """Which path a config runs: what the compile report records per token bucket."""
     if _fp8(config):
-        return "W4A8 workspace (activated experts converted once to E4M3, then grouped FP8 GEMM)"
+        stacked = ", gate and up as one MMA a step" if _fp8_stacked(config) else ""
+        return f"W4A8 workspace (activated experts converted once to E4M3, then grouped FP8 GEMM{stacked})"
     if _uses_workspace(config):
         return "workspace (dequantize activated experts once, then grouped bf16 GEMM)"
     split = f", split-K {_split_k(config)}" if _split_k(config) > 1 else ""
@@ -385,7 +395,8 @@ def describe_config(config: KernelConfig) -> str:
     if _dot_scaled(config):
         return f"online dequant (tl.dot_scaled: the compiler decodes MXFP4 into the MMA operand{split}{tma})"
     if _swap_ab(config):
-        return f"online dequant (MXFP4 decoded into the MMA's A operand, tokens as N{split}{tma})"
+        decoder = ", signs merged before the interleave (DECODE=2)" if _decode(config) == 2 else ""
+        return f"online dequant (MXFP4 decoded into the MMA's A operand, tokens as N{split}{tma}{decoder})"
     return f"online dequant (MXFP4 decoded in registers inside the GEMMs{split}{tma})"
 
 
@@ -432,6 +443,7 @@ def triton_source(spec: MXFP4MoESpec, profile: DeviceProfile) -> str:
     fields["activation_code"] = "\n    ".join(_TRITON_ACTIVATIONS[spec.activation])
     fields["decoder_code"] = triton_decoder_source(profile)
     fields["scaled_product_code"] = _SCALED_PRODUCT[profile.triton_dot_scaled]
+    fields["word_decoder_code"] = _WORD_DECODER_2 if profile.triton_inline_asm else _WORD_DECODER_2_ARITHMETIC
     fields.update(natural_order=NATURAL_ORDER, nibble_order=NIBBLE_ORDER, swap_order=SWAP_ORDER, swap_tile=SWAP_TILE)
     return Template((TEMPLATES / "mxfp4_moe.triton.py.tmpl").read_text()).substitute(fields)
 
@@ -442,6 +454,64 @@ _SCALED_PRODUCT = {
     True: 'return tl.dot_scaled(a, None, "bf16", tl.trans(packed), scales, "e2m1", acc)',
     False: 'tl.static_assert(False, "tl.dot_scaled is not available on this profile")\n    return acc',
 }
+
+
+# SWAP_AB's DECODE=2 word decoder (the generated module's `_decode_words_2`). The DECODE=1 one (the decoder template's
+# `_e2m1_word_lut`) looks 8 magnitudes up with 4 prmt, interleaves them into bf16 pairs with 4 more, then merges the
+# signs one pair at a time (a prmt and a lop3 each) and scales (a bf16x2 fma each): 23 instructions a word. DECODE=2
+# merges the signs into the looked-up high bytes, four values at once, before the interleave: prmt(q << 4, q) puts
+# the sign of value 2j (bit 8j + 3) and of value 2j + 1 (bit 8j + 7) at the top bits of output bytes 2j' and
+# 2j' + 1 (j' = j mod 2), the high bytes' own top bits, which the table leaves 0 (E2M1 magnitudes are positive):
+# one prmt and one lop3 per 4 values, 19 instructions a word, the same bits. Where Triton has no inline assembly
+# (and in its interpreter) the DECODE=1 decoder's arithmetic path.
+_WORD_DECODER_2 = '''
+@triton.jit
+def _e2m1_word_lut_2(words, scale_pairs):
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 m, mh, h0, l0, h1, l1, p0, p1, p2, p3, u, s, t0, t1, t2, t3, n, sm;
+        mov.b32 t0, 0x3F3F3F00; mov.b32 t1, 0x40404040; mov.b32 t2, 0xC0800000; mov.b32 t3, 0xC0804000;
+        mov.b32 n, 0x80008000; mov.b32 sm, 0x80808080;
+        and.b32 m, $8, 0x77777777;
+        shr.u32 mh, m, 16;
+        shl.b32 u, $8, 4;
+        prmt.b32 h0, t0, t1, m;
+        prmt.b32 s, u, $8, 0x5140;
+        lop3.b32 h0, h0, s, sm, 0xF8;
+        prmt.b32 h1, t0, t1, mh;
+        prmt.b32 s, u, $8, 0x7362;
+        lop3.b32 h1, h1, s, sm, 0xF8;
+        prmt.b32 l0, t2, t3, m;
+        prmt.b32 l1, t2, t3, mh;
+        prmt.b32 p0, l0, h0, 0x5140;
+        prmt.b32 p1, l0, h0, 0x7362;
+        prmt.b32 p2, l1, h1, 0x5140;
+        prmt.b32 p3, l1, h1, 0x7362;
+        fma.rn.bf16x2 p0, p0, $9, n;
+        fma.rn.bf16x2 p1, p1, $9, n;
+        fma.rn.bf16x2 p2, p2, $9, n;
+        fma.rn.bf16x2 p3, p3, $9, n;
+        mov.b32 {$0, $1}, p0;
+        mov.b32 {$2, $3}, p1;
+        mov.b32 {$4, $5}, p2;
+        mov.b32 {$6, $7}, p3;
+        }""",
+        "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [words, scale_pairs], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _decode_words_2(words, scale):
+    """_decode_words with DECODE=2's word decoder (_e2m1_word_lut_2): the same values."""
+    if INTERPRETED:
+        return _decode_words_arithmetic(words, scale)
+    return _e2m1_word_lut_2(words, scale)
+'''
+_WORD_DECODER_2_ARITHMETIC = '''
+@triton.jit
+def _decode_words_2(words, offsets):
+    """No inline assembly: DECODE=2 is DECODE=1 (_decode_words)."""
+    return _decode_words(words, offsets)
+'''
 
 
 def triton_decoder_source(profile: DeviceProfile) -> str:
@@ -474,6 +544,13 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
                                  BLOCK_K=FP8_GROUP, WORKSPACE=1, SPLIT_K=1, FP8=1)
                for block_m in (16, 32, 64, 128) for block_n in (64, 128)
                for warps in ((4,) if block_m <= 64 else (4, 8)) for stages in (2, 3, 4)]
+        # FP8_STACKED: the gate/up GEMM's gate and up weight rows stacked into one MMA a step (one wgmma wait a
+        # step, not two; its scales loaded a step ahead: generated module docstring). Tuning only (not timed on a
+        # GPU yet), at the prefill tiles whose sm_90 K step it shortened without spilling more (static:
+        # docs/mxfp4_moe_kernels.md); 64 x 128 and 128 x 64 on 4 warps spilled more than without.
+        fp8 += [KernelConfig.make(num_warps=warps, num_stages=3, BLOCK_M=block_m, BLOCK_N=block_n,
+                                  BLOCK_K=FP8_GROUP, WORKSPACE=1, SPLIT_K=1, FP8=1, FP8_STACKED=1)
+                for block_m, block_n, warps in ((64, 64, 4), (128, 64, 8), (128, 128, 8))]
         if not profile.supports_dtype(torch.float8_e4m3fn):
             return fp8
         w4a16 = triton_configs(dataclasses.replace(spec, fp8_activations=False), profile)
@@ -515,6 +592,12 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
         configs += [KernelConfig.make(num_warps=warps, num_stages=stages, BLOCK_M=128, BLOCK_N=block_n,
                                       BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, **tma)
                     for block_n, warps in ((64, 4), (128, 8)) for stages in (3, 4) for tma in tmas]
+        if profile.triton_inline_asm:
+            # DECODE=2: the same prefill tiles with the signs merged four values at a time (_WORD_DECODER_2).
+            # Tuning only: its sm_90 K step is shorter (docs/mxfp4_moe_kernels.md, static), not yet timed.
+            configs += [KernelConfig.make(num_warps=warps, num_stages=3, BLOCK_M=128, BLOCK_N=block_n,
+                                          BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, DECODE=2)
+                        for block_n, warps in ((64, 4), (128, 8))]
     return list(dict.fromkeys(configs))  # the lists overlap (64-row DOT_SCALED tiles): each config once
 
 
@@ -561,7 +644,8 @@ def _launch_plan(config: KernelConfig) -> _LaunchPlan:
     options = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                    WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=upcast,
                    FP8=_fp8(config), TMA=_tma(config), K_STAGES=config.num_stages, DOT_SCALED=_dot_scaled(config),
-                   SWAP_AB=_swap_ab(config), num_warps=config.num_warps, num_stages=config.num_stages)
+                   SWAP_AB=_swap_ab(config), FP8_STACKED=_fp8_stacked(config), DECODE=_decode(config),
+                   num_warps=config.num_warps, num_stages=config.num_stages)
     return _LaunchPlan(config, _tma(config) or _swap_ab(config), _act_order(config), types.MappingProxyType(options))
 
 
@@ -797,7 +881,7 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
     tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                  WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=False, FP8=fp8,
                  TMA=_tma(config), K_STAGES=config.num_stages, DOT_SCALED=_dot_scaled(config),
-                 SWAP_AB=_swap_ab(config))
+                 SWAP_AB=_swap_ab(config), FP8_STACKED=_fp8_stacked(config), DECODE=_decode(config))
     # the weights' TMA descriptors (_tma_sources), else the packed bytes (unread)
     box = (f"i32[1, {config['BLOCK_N']}, {config['BLOCK_K'] // 8}]" if _swap_ab(config)
            else f"u8[1, {config['BLOCK_N']}, {config['BLOCK_K'] // 2}]")

@@ -8,6 +8,7 @@ random MoE layers (weights quantized from random floats by dzc.mxfp4), outputs N
 
 import gc
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -53,6 +54,9 @@ SWAP_AB_SPLIT = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N
 # The prefill SWAP_AB tile: 128 token rows, a 128-row weight tile over two warp groups.
 SWAP_AB_PREFILL = KernelConfig.make(num_warps=8, num_stages=3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, WORKSPACE=0,
                                     SWAP_AB=1)
+# Its word decoder that merges the signs four values at a time (DECODE=2; the interpreter runs the arithmetic path).
+SWAP_AB_DECODE_2 = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0,
+                                     SWAP_AB=1, DECODE=2)
 
 
 def tolerance(dtype: torch.dtype, expected: torch.Tensor) -> dict:
@@ -153,6 +157,7 @@ NUMERIC_CASES = [
     ("gptoss-T37-skewed-bf16-weights", SWAP_AB_TMA_SPLIT),
     ("silu-concat-nobias-T37-skewed", SWAP_AB_TMA_SPLIT),
     ("gptoss-T37-skewed-bf16-weights", SWAP_AB_PREFILL),
+    ("silu-concat-nobias-T37-skewed", SWAP_AB_DECODE_2),
 ]
 
 
@@ -161,7 +166,8 @@ def _case_id(case: str, config: KernelConfig) -> str:
     split = dict(config.params).get("SPLIT_K", 1)
     options = dict(config.params)
     return (f"{case}-{path}" + (f"-split{split}" if split > 1 else "") + ("-tma" if options.get("TMA") else "")
-            + ("-dot_scaled" if options.get("DOT_SCALED") else "") + ("-swap_ab" if options.get("SWAP_AB") else ""))
+            + ("-dot_scaled" if options.get("DOT_SCALED") else "") + ("-swap_ab" if options.get("SWAP_AB") else "")
+            + (f"-decode{options['DECODE']}" if "DECODE" in options else ""))
 
 
 @pytest.mark.parametrize("case, config", NUMERIC_CASES, ids=[_case_id(c, cfg) for c, cfg in NUMERIC_CASES])
@@ -293,13 +299,103 @@ def test_routing_kernels_launch_through_the_cached_launcher_unless_interpreting(
             assert isinstance(launched, triton_codegen.CachedLaunchKernel) and launched.fn is fn
 
 
+def _ptx_word_decoder(asm: str):
+    """A word decoder's inline PTX ($0..$7: bf16 outputs, $8: packed word, $9: scale pair), run on the CPU: the
+    instructions the decoders use, on torch int64 lanes (every register value kept in [0, 2^32))."""
+    body = [line.strip().rstrip(";") for line in asm.splitlines()]
+    mask = 0xFFFFFFFF
+
+    def run(words: torch.Tensor, scales: torch.Tensor) -> list[torch.Tensor]:
+        regs = {"$8": words.long() & mask, "$9": scales.long() & mask}
+        outputs = {}
+
+        def value(token):
+            return regs[token] if token in regs else torch.full_like(words.long(), int(token, 0))
+
+        for line in body:
+            if not line or line.startswith((".reg", "{", "}")):
+                continue
+            for statement in filter(None, (part.strip() for part in line.split(";"))):
+                op, rest = statement.split(None, 1)
+                halves = re.match(r"\{(\$\d), (\$\d)\}, (\w+)", rest)
+                if halves:  # mov.b32 {lo, hi}, r
+                    outputs[halves.group(1)] = regs[halves.group(3)] & 0xFFFF
+                    outputs[halves.group(2)] = regs[halves.group(3)] >> 16
+                    continue
+                dst, *src = [t.strip() for t in rest.split(",")]
+                a = [value(t) for t in src]
+                if op == "mov.b32":
+                    result = a[0]
+                elif op == "and.b32":
+                    result = a[0] & a[1]
+                elif op == "shr.u32":
+                    result = a[0] >> a[1]
+                elif op == "shl.b32":
+                    result = (a[0] << a[1]) & mask
+                elif op == "prmt.b32":
+                    pool = a[0] | (a[1] << 32)
+                    result = torch.zeros_like(pool)
+                    for k in range(4):
+                        selector = (a[2] >> (4 * k)) & 15
+                        byte = (pool >> (8 * (selector & 7))) & 255
+                        byte = torch.where(selector >= 8, torch.where(byte >= 128, 255, 0), byte)
+                        result |= byte << (8 * k)
+                elif op == "lop3.b32":
+                    lut, result = int(src[3], 0), torch.zeros_like(a[0])
+                    for index in range(8):
+                        if lut >> index & 1:
+                            terms = [x if index >> shift & 1 else ~x & mask for x, shift in zip(a[:3], (2, 1, 0))]
+                            result |= terms[0] & terms[1] & terms[2]
+                elif op == "fma.rn.bf16x2":
+                    result = torch.zeros_like(a[0])
+                    for shift in (0, 16):
+                        x, y, z = (((t >> shift) & 0xFFFF).to(torch.int32) << 16 for t in a)
+                        x, y, z = (t.view(torch.float32) for t in (x, y, z))
+                        bits = (x * y + z).to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
+                        result |= bits << shift
+                else:
+                    raise AssertionError(f"no emulation of {op}")
+                regs[dst] = result
+        return [outputs[f"${i}"] for i in range(8)]
+
+    return run
+
+
+def test_swap_ab_decode_2_word_decoder_gives_decode_1_bits():
+    """DECODE=2's inline PTX (signs merged into the looked-up high bytes, 19 instructions a word) and DECODE=1's
+    (23), both emulated instruction by instruction on the CPU (Triton's interpreter runs the arithmetic decoder
+    instead, so the layer tests do not reach them): every E2M1 code in every nibble of a word, random words, at
+    scale bytes from 0 (read as 2^-126) to 254 (products past bf16's range: inf), give each value of the word,
+    natural order, times its scale, as bf16, the same bits from both."""
+    decode_2 = re.search(r'"""\{(.*?)\}"""', mxfp4_moe._WORD_DECODER_2, re.S).group(1)
+    lut = (Path(mxfp4_moe.TEMPLATES) / "mxfp4_decode_lut.triton.py.tmpl").read_text().replace("$$", "$")
+    decode_1 = re.search(r'def _e2m1_word_lut\(.*?"""\{(.*?)\}"""', lut, re.S).group(1)
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.arange(16)
+    words = torch.cat([(codes[:, None] << (4 * torch.arange(8))).flatten(),  # one code in one nibble, zeros around
+                       (codes[:, None] * 0x11111111).flatten(),  # the same code in every nibble
+                       torch.randint(0, 2**32, (4096,), generator=generator)])
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    for scale in (0, 1, 2, 100, 127, 128, 140, 200, 253, 254):
+        bits = max(scale, 1) << 7
+        pairs = torch.full_like(words, bits | bits << 16)
+        nibbles = (words[:, None] >> (4 * torch.arange(8))) & 15
+        expected = (torch.where(nibbles >= 8, -1.0, 1.0).double() * magnitudes[nibbles & 7]
+                    * 2.0 ** (max(scale, 1) - 127)).float().to(torch.bfloat16).view(torch.int16).long() & 0xFFFF
+        got_1 = torch.stack(_ptx_word_decoder(decode_1)(words, pairs), dim=1)
+        got_2 = torch.stack(_ptx_word_decoder(decode_2)(words, pairs), dim=1)
+        assert torch.equal(got_1, expected), scale
+        assert torch.equal(got_2, expected), scale
+
+
 @pytest.mark.parametrize("case", ["gptoss-bfloat16-T5", "gptoss-float32-T5"])
 def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
     """TMA tiles where the profile's Triton has tensor descriptors, DOT_SCALED ones where it compiles dot_scaled
     and the activations are bf16, SWAP_AB ones for bf16 activations. The untuned choice of a decode bucket is a
     TMA tile exactly where descriptor loads are bulk copies (measured faster there, slower at prefill size), and
     that of every bucket a SWAP_AB one exactly where the MMA is wgmma and the activations are bf16 (measured
-    faster at every size); DOT_SCALED tiles (measured slower) never are."""
+    faster at every size); DOT_SCALED tiles (measured slower) never are, nor DECODE=2 ones (SWAP_AB tiles where
+    Triton has inline assembly; not timed yet)."""
     spec = mxfp4_moe.spec_from_args(*case_args(case, 0)[:11])
     bf16 = spec.hidden_dtype == torch.bfloat16
     for profile in PROFILES.values():
@@ -311,6 +407,9 @@ def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
         assert bool(scaled) == (profile.triton_dot_scaled and bf16), profile.name
         assert bool(swapped) == bf16 and all(c["BLOCK_K"] == 128 for c in swapped), profile.name
         assert all(c["WORKSPACE"] == 0 and c.num_stages >= 3 for c in tma + scaled + swapped)
+        decode_2 = [c for c in configs if dict(c.params).get("DECODE", 1) != 1]
+        assert bool(decode_2) == (profile.triton_inline_asm and bf16), profile.name
+        assert all(dict(c.params)["DECODE"] == 2 and c in swapped for c in decode_2), profile.name
         for bucket in (1, 8, 64, 4096):
             _, default = mxfp4_moe.configs_for_bucket(spec, profile, bucket, configs, configs[0])
             options = dict(default.params)
@@ -318,7 +417,7 @@ def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
             assert bool(options.get("TMA")) == (profile.bulk_tensor_copies and decode), (profile.name, bucket)
             assert bool(options.get("SWAP_AB")) == (profile.matrix_instruction == "wgmma" and bf16), \
                 (profile.name, bucket)
-            assert "DOT_SCALED" not in options, (profile.name, bucket)
+            assert "DOT_SCALED" not in options and "DECODE" not in options, (profile.name, bucket)
 
 
 def test_int64_ids_and_strided_hidden(seed, tmp_path):
@@ -660,6 +759,47 @@ def test_swap_ab_prefill_tile_keeps_wgmma_in_flight_across_its_k_step(tmp_path):
             assert loop["mma_shapes"] == {"HGMMA.64x128x16.F32.BF16": mmas[name]}, (name, loop["mma_shapes"])
             assert loop["waits"] and min(loop["waits"]) >= 1, (name, loop["waits"])
             assert not profile["wgmma_serialized"], name
+
+
+_DECODE_STATIC_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    sys.path.insert(0, os.path.join(os.environ["DZC_ROOT"], "tools"))
+    import diagnose_mxfp4_moe_kernels as tool
+    from dzc.targets.kernel_config import KernelConfig
+
+    spec = tool.bench.model_spec("gpt-oss-120b")
+    print("RESULTS " + json.dumps({decode: tool.static_profiles(spec, KernelConfig.make(
+        4, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, DECODE=decode),
+        Path(sys.argv[1]) / str(decode)) for decode in (1, 2)}))
+""")
+
+
+def test_swap_ab_decode_2_shortens_the_prefill_tiles_k_step(tmp_path):
+    """The W4A16 prefill pick (SWAP_AB 128 x 64, 4 warps, 3 stages, gpt-oss-120b) with DECODE=2 against DECODE=1,
+    compiled for sm_90 and read by `tools/diagnose_mxfp4_moe_kernels.py --sass`: in both GEMMs' K step the decode's
+    ALU work (PRMT + LOP3 + SHF + HFMA2; gate/up 393 = 3.1 a value with DECODE=1) shrinks by at least 10%, the step
+    by at least 5%, with no more spill bytes or local accesses and the wgmma still in flight (waits of depth 1).
+    Checked with Triton 3.9+ (docs/mxfp4_moe_kernels.md)."""
+    (tmp_path / "1").mkdir()
+    (tmp_path / "2").mkdir()
+    results = run_ahead_of_time_script(_DECODE_STATIC_SCRIPT, tmp_path,
+                                       DZC_ROOT=str(Path(__file__).resolve().parents[1]))
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):
+        pytest.skip("the counts were read from Triton 3.9's SASS")
+    for name in ("moe_gate_up_kernel", "moe_down_kernel"):
+        old, new = results["1"][name], results["2"][name]
+
+        def decode_alu(profile):
+            counts = profile["loop"]["counts"]
+            return sum(counts.get(k, 0) for k in ("PRMT", "LOP3", "SHF", "HFMA2/HMUL2"))
+
+        assert decode_alu(new) <= 0.9 * decode_alu(old), (name, decode_alu(old), decode_alu(new))
+        assert new["loop"]["instructions"] <= 0.95 * old["loop"]["instructions"], name
+        assert new["spill_bytes"][0] <= old["spill_bytes"][0], (name, old["spill_bytes"], new["spill_bytes"])
+        assert new["loop"]["spill_accesses_in_loop"] <= old["loop"]["spill_accesses_in_loop"], name
+        assert new["loop"]["mma_shapes"] == old["loop"]["mma_shapes"], name
+        assert min(new["loop"]["waits"]) >= 1 and not new["wgmma_serialized"], (name, new["loop"]["waits"])
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -30,6 +30,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.anydevice  # every test here runs on DEVICE
 DECODE = KernelConfig.make(4, 2, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)
 PREFILL = KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)
+# The gate/up GEMM's gate and up rows stacked into one MMA a step (FP8_STACKED), and the same tile without.
+STACKED = KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1, FP8_STACKED=1)
+UNSTACKED = KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)
 
 
 def _w4a8_spec(args) -> mxfp4_moe.MXFP4MoESpec:
@@ -177,7 +180,8 @@ def test_weight_conversion_kernel_matches_reference_bits(seed, tmp_path):
 W4A8_CASES = [("float32", dict(dtype=torch.float32, tokens=128, experts=2), DECODE),
               ("float32-T200-skewed", dict(dtype=torch.float32, tokens=200, experts=3, skew=3.0), PREFILL),
               ("bfloat16-silu-nobias", dict(tokens=128, experts=2, activation="silu_glu", interleaved=False,
-                                            bias=False), PREFILL)]
+                                            bias=False), PREFILL),
+              ("float32-T200-skewed-stacked", dict(dtype=torch.float32, tokens=200, experts=3, skew=3.0), STACKED)]
 
 
 class _FirstArguments:
@@ -266,6 +270,28 @@ def test_w4a8_layer_matches_reference(name, changes, config, seed, tmp_path):
     assert ((w4a16 - expected).abs() > bound).any(), "the check must tell W4A8 from W4A16"
 
 
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+def test_stacked_gate_up_gives_the_unstacked_tiles_bits(interleaved, seed, tmp_path):
+    """FP8_STACKED multiplies gate and up rows in one MMA and scales the product in the same order: the layer's
+    output is the unstacked tile's bit for bit (FP8 dots are exact in the interpreter), with I = 96 leaving the
+    second column block's stacked rows half masked and H = 160 a partial last scale group (the scales loaded a
+    step ahead read past K there: masked). A NaN activation group reaches the same outputs through both."""
+    args = list(_random_args(seed, tokens=128, experts=2, interleaved=interleaved))
+    args[0] = args[0].clone()
+    args[0][3, 140] = float("nan")  # token 3's second scale group of x: NaN scale
+    spec = _w4a8_spec(args)
+    kernels = _kernels(spec, tmp_path)
+    outs = []
+    for config in (STACKED, UNSTACKED):
+        inputs, (out,), _, _ = mxfp4_moe.prepare(spec, *args)
+        out.fill_(float("nan") if config is UNSTACKED else 7.0)  # poisoned, differently for each
+        mxfp4_moe.triton_launch(kernels, config, *inputs, out)
+        outs.append(out.clone())
+    assert outs[0][3].isnan().all() and not outs[0][torch.arange(128) != 3].isnan().any()
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0, equal_nan=True)
+    assert "gate and up as one MMA" in mxfp4_moe.describe_config(STACKED)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Configs and the sm_90 compile
 
@@ -284,6 +310,7 @@ def test_fp8_configs_only_where_e4m3_is_native():
             for bucket, path, flag in ((1, "online", 0), (64, "online", 0), (8192, "W4A8", 1)):
                 tier, default = mxfp4_moe.configs_for_bucket(spec, target.profile, bucket, legal, legal[0])
                 assert default in tier and mxfp4_moe.describe_config(default).startswith(path), (name, bucket)
+                assert "FP8_STACKED" not in dict(default.params), (name, bucket)  # tuning only
                 assert all(dict(c.params).get("FP8", 0) == flag for c in tier), (name, bucket)
         else:
             assert not legal and illegal, f"{name} has no native E4M3 and must get no W4A8 config"
@@ -354,7 +381,8 @@ _STATIC_SCRIPT = textwrap.dedent("""
     from dzc.targets import mxfp4_moe as family
     from dzc.targets.kernel_config import KernelConfig
 
-    config = KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1)
+    config = KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1,
+                               **({"FP8_STACKED": 1} if os.environ.get("DZC_FP8_STACKED") else {}))
     spec = tool.dataclasses.replace(tool.bench.model_spec("gpt-oss-120b"), fp8_activations=True)
     profiles = tool.static_profiles(spec, config, Path(sys.argv[1]))
     print("RESULTS " + json.dumps(dict(profiles=profiles, estimate=family.triton_shared_memory_bytes(spec, config))))
@@ -382,6 +410,28 @@ def test_w4a8_prefill_tile_k_loops_read_statically(tmp_path):
             assert set(loop["mma_shapes"]) == {"QGMMA.64x64x32.F32.E4M3.E4M3"}, (name, loop["mma_shapes"])
             assert loop["spill_accesses_in_loop"] == 0 and profile["spill_bytes"] == [0, 0], (name, profile)
             assert loop["waits"] == waits[name], (name, loop["waits"])
+
+
+def test_w4a8_stacked_gate_up_waits_once_a_step_statically(tmp_path):
+    """The same tile with FP8_STACKED (gpt-oss-120b, 64 x 64, 4 warps, 3 stages), read the same way: its gate/up K
+    step issues one wgmma group (gate and up rows as one 64 x 128 MMA) and waits for it once, where the unstacked
+    step waits twice (test above); its scale loads, a step ahead, go through the pipeliner's asynchronous copies
+    (a few plain global loads a step are left, not the unstacked step's 34), and nothing spills. Each wait still
+    leaves no wgmma in flight: Triton issues a dot whose product is used in its own step synchronously (keeping
+    the product a step longer, to scale it after the next step's MMAs, made it no less synchronous and stopped the
+    loads' pipelining: docs/mxfp4_moe_kernels.md). Checked with Triton 3.9+."""
+    results = run_ahead_of_time_script(_STATIC_SCRIPT, tmp_path, DZC_ROOT=str(Path(__file__).resolve().parents[1]),
+                                       DZC_FP8_STACKED="1")
+    profile = results["profiles"]["moe_gate_up_kernel"]
+    loop = profile["loop"]
+    assert loop and all(s.startswith("QGMMA.") for s in loop["mma_shapes"]), profile
+    assert profile["shared"] <= results["estimate"], (profile["shared"], results["estimate"])
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 9):
+        assert loop["mma_shapes"] == {"QGMMA.64x128x32.F32.E4M3.E4M3": 4}, loop["mma_shapes"]
+        assert loop["waits"] == [0], loop["waits"]
+        assert loop["counts"].get("LDG", 0) <= 4 and loop["counts"].get("LDGSTS", 0) >= 8, loop["counts"]
+        assert loop["spill_accesses_in_loop"] == 0 and profile["spill_bytes"] == [0, 0], profile
+        assert loop["instructions"] < 300, loop["instructions"]  # 390 unstacked (docs/mxfp4_moe_kernels.md)
 
 
 # ---------------------------------------------------------------------------------------------------------
