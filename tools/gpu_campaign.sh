@@ -240,12 +240,19 @@ s34-moe-tiles)
   # (after wheels-1) issue 15: the first per-kernel timing of W4A8 (FP8=1 runs against its reference now) beside the
   # tuned W4A16 SWAP_AB tiles at gpt-oss-120b T=8192, then Triton 3.6's own SASS of the same tiles (session 33's
   # static counts were Triton 3.9's), then the W4A8 bench.
-  moe_tiles=("BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3"
-    "BLOCK_M=128,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,SWAP_AB=1,num_warps=8,num_stages=3"
-    "BLOCK_M=64,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,WORKSPACE=1,FP8=1,num_warps=4,num_stages=3"
-    "BLOCK_M=64,BLOCK_N=128,BLOCK_K=128,SPLIT_K=1,WORKSPACE=1,FP8=1,num_warps=4,num_stages=2"
-    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,WORKSPACE=1,FP8=1,num_warps=4,num_stages=3"
-    "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,WORKSPACE=1,FP8=1,num_warps=8,num_stages=3")
+  # Each tile with and without session 33's opt-in knobs (DECODE=2: signs merged four values a PRMT; FP8_STACKED=1:
+  # gate and up rows in one MMA, one wgmma wait a step), as they are offered to the tuner.
+  swap="BLOCK_K=128,SPLIT_K=1,SWAP_AB=1" ws="BLOCK_K=128,SPLIT_K=1,WORKSPACE=1,FP8=1"
+  moe_tiles=("BLOCK_M=128,BLOCK_N=64,$swap,num_warps=4,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=64,$swap,DECODE=2,num_warps=4,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=128,$swap,num_warps=8,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=128,$swap,DECODE=2,num_warps=8,num_stages=3"
+    "BLOCK_M=64,BLOCK_N=64,$ws,num_warps=4,num_stages=3"
+    "BLOCK_M=64,BLOCK_N=64,$ws,FP8_STACKED=1,num_warps=4,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=64,$ws,num_warps=8,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=64,$ws,FP8_STACKED=1,num_warps=8,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=128,$ws,num_warps=8,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=128,$ws,FP8_STACKED=1,num_warps=8,num_stages=3")
   TAIL=40 part moe_tiles 300 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8192 --configs "${moe_tiles[@]}"
   TAIL=40 part moe_tiles_sass 150 python3 tools/diagnose_mxfp4_moe_kernels.py --sass --configs "${moe_tiles[@]}"
   TAIL=12 part bench_moe_w4a8 400 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 8192 \
