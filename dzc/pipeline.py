@@ -167,11 +167,11 @@ def _run_passes(graph: torch.fx.Graph, passes: list[GraphPass], verify: bool, ti
         unchanged = result.graph is graph
         graph = result.graph
         with timer.stage("ir text"):
-            title = f"# built by {result.name}" + (f" {where}" if where else "")
+            title = f"built by {result.name}" + (f" {where}" if where else "")
             if unchanged and stages:  # the input returned as it was (passes.graph_pass.calls_any): the same text
-                text = title + "\n" + stages[-1].text.split("\n", 1)[1]
+                text = f"# {title}\n" + stages[-1].text.split("\n", 1)[1]
             else:
-                text = ir.print_graph(graph, title.removeprefix("# "))
+                text = ir.print_graph(graph, title)
             stages.append(Stage(result.name, text, result))
     return graph, stages
 

@@ -10,11 +10,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -127,6 +129,35 @@ def run_ahead_of_time_script(script: str, tmp_path, timeout: int = 600, **env) -
     assert proc.returncode == 0, proc.stderr[-6000:]
     [line] = [line for line in proc.stdout.splitlines() if line.startswith("RESULTS ")]
     return json.loads(line.removeprefix("RESULTS "))
+
+
+_GPT_OSS_GEMM_SASS = """
+import dataclasses, json, os, sys
+from pathlib import Path
+sys.path.insert(0, os.path.join(os.environ["DZC_ROOT"], "tools"))
+import diagnose_mxfp4_moe_kernels as tool
+
+spec, results = tool.bench.model_spec("gpt-oss-120b"), {}
+for label, text in json.loads(os.environ["DZC_SASS_CONFIGS"]).items():
+    (Path(sys.argv[1]) / label).mkdir()
+    config = tool.parse_config(text)
+    results[label] = dict(
+        profiles=tool.static_profiles(spec, config, Path(sys.argv[1]) / label),
+        shared_estimate=tool.family.triton_shared_memory_bytes(
+            dataclasses.replace(spec, fp8_activations=tool.is_w4a8(config)), config))
+print("RESULTS " + json.dumps(results))
+"""
+# Whether Triton is the one the static SASS tables of docs/mxfp4_moe_kernels.md were read from (3.9+): counts and
+# shapes are checked exactly only there.
+SASS_TABLES_TRITON = tuple(int(part) for part in importlib.metadata.version("triton").split(".")[:2]) >= (3, 9)
+
+
+def gpt_oss_gemm_sass(tmp_path, **configs: str) -> dict:
+    """label -> {"profiles": the two MXFP4 MoE GEMMs of gpt-oss-120b compiled for sm_90 with that config
+    (KEY=VALUE,...: W4A8 where FP8=1) and read by `tools/diagnose_mxfp4_moe_kernels.py --sass` (its
+    static_profiles), "shared_estimate": the family's shared-memory estimate for it}; no GPU needed."""
+    return run_ahead_of_time_script(_GPT_OSS_GEMM_SASS, tmp_path, DZC_ROOT=str(Path(__file__).resolve().parents[1]),
+                                    DZC_SASS_CONFIGS=json.dumps(configs))
 
 
 def compile_tuned_and_check(model, cache_dir, tokens_list):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import triton
-from conftest import run_ahead_of_time_script
+from conftest import SASS_TABLES_TRITON, gpt_oss_gemm_sass, run_ahead_of_time_script
 
 from dzc import mxfp4
 from dzc.ops import mxfp4_moe_reference
@@ -728,17 +728,8 @@ def test_triton_kernels_compile_ahead_of_time_for_sm_90(tmp_path):
             assert r["shared"] <= r["estimate"], f"{r['label']}: shared memory {r['shared']} > estimate"
 
 
-_STATIC_SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    from pathlib import Path
-    sys.path.insert(0, os.path.join(os.environ["DZC_ROOT"], "tools"))
-    import diagnose_mxfp4_moe_kernels as tool
-    from dzc.targets.kernel_config import KernelConfig
-
-    config = KernelConfig.make(4, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1)
-    profiles = tool.static_profiles(tool.bench.model_spec("gpt-oss-120b"), config, Path(sys.argv[1]))
-    print("RESULTS " + json.dumps(profiles))
-""")
+# The W4A16 prefill pick at gpt-oss-120b T=8192 on the H200 (SWAP_AB, 128 token rows, BLOCK_N 64, 4 warps, 3 stages).
+SWAP_AB_PREFILL_PICK = "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,WORKSPACE=0,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3"
 
 
 def test_swap_ab_prefill_tile_keeps_wgmma_in_flight_across_its_k_step(tmp_path):
@@ -749,30 +740,16 @@ def test_swap_ab_prefill_tile_keeps_wgmma_in_flight_across_its_k_step(tmp_path):
     half-tile and across the step's end): a serialized pipeline (C7515) would show waits of depth 0 here. The waits
     and MMA counts are checked with Triton 3.9+ (what the doc's table was read from; Triton 3.6's SASS has not been
     read)."""
-    results = run_ahead_of_time_script(_STATIC_SCRIPT, tmp_path, DZC_ROOT=str(Path(__file__).resolve().parents[1]))
+    results = gpt_oss_gemm_sass(tmp_path, tile=SWAP_AB_PREFILL_PICK)["tile"]["profiles"]
     mmas = {"moe_gate_up_kernel": 16, "moe_down_kernel": 8}
     for name, profile in results.items():
         loop = profile["loop"]
         assert loop and loop["mma_shapes"], f"{name}: no K loop with MMAs found in the SASS"
         assert all(shape.startswith("HGMMA.") for shape in loop["mma_shapes"]), (name, loop["mma_shapes"])
-        if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 9):
+        if SASS_TABLES_TRITON:
             assert loop["mma_shapes"] == {"HGMMA.64x128x16.F32.BF16": mmas[name]}, (name, loop["mma_shapes"])
             assert loop["waits"] and min(loop["waits"]) >= 1, (name, loop["waits"])
             assert not profile["wgmma_serialized"], name
-
-
-_DECODE_STATIC_SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    from pathlib import Path
-    sys.path.insert(0, os.path.join(os.environ["DZC_ROOT"], "tools"))
-    import diagnose_mxfp4_moe_kernels as tool
-    from dzc.targets.kernel_config import KernelConfig
-
-    spec = tool.bench.model_spec("gpt-oss-120b")
-    print("RESULTS " + json.dumps({decode: tool.static_profiles(spec, KernelConfig.make(
-        4, 3, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, DECODE=decode),
-        Path(sys.argv[1]) / str(decode)) for decode in (1, 2)}))
-""")
 
 
 def test_swap_ab_decode_2_shortens_the_prefill_tiles_k_step(tmp_path):
@@ -781,14 +758,12 @@ def test_swap_ab_decode_2_shortens_the_prefill_tiles_k_step(tmp_path):
     ALU work (PRMT + LOP3 + SHF + HFMA2; gate/up 393 = 3.1 a value with DECODE=1) shrinks by at least 10%, the step
     by at least 5%, with no more spill bytes or local accesses and the wgmma still in flight (waits of depth 1).
     Checked with Triton 3.9+ (docs/mxfp4_moe_kernels.md)."""
-    (tmp_path / "1").mkdir()
-    (tmp_path / "2").mkdir()
-    results = run_ahead_of_time_script(_DECODE_STATIC_SCRIPT, tmp_path,
-                                       DZC_ROOT=str(Path(__file__).resolve().parents[1]))
-    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 9):
+    results = gpt_oss_gemm_sass(tmp_path, **{"1": SWAP_AB_PREFILL_PICK,
+                                             "2": SWAP_AB_PREFILL_PICK.replace("SWAP_AB=1", "SWAP_AB=1,DECODE=2")})
+    if not SASS_TABLES_TRITON:
         pytest.skip("the counts were read from Triton 3.9's SASS")
     for name in ("moe_gate_up_kernel", "moe_down_kernel"):
-        old, new = results["1"][name], results["2"][name]
+        old, new = results["1"]["profiles"][name], results["2"]["profiles"][name]
 
         def decode_alu(profile):
             counts = profile["loop"]["counts"]

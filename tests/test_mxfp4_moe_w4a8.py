@@ -9,12 +9,10 @@ truncate. Inputs are fresh seeded random layers; outputs are NaN-poisoned before
 
 import dataclasses
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-import triton
-from conftest import run_ahead_of_time_script
+from conftest import SASS_TABLES_TRITON, gpt_oss_gemm_sass, run_ahead_of_time_script
 
 import dzc
 from dzc import mxfp4
@@ -373,20 +371,15 @@ def test_w4a8_kernels_compile_for_sm_90_with_fp8_wgmma(tmp_path):
             assert r["rounding_adds"], r
 
 
-_STATIC_SCRIPT = textwrap.dedent("""
-    import json, os, sys
-    from pathlib import Path
-    sys.path.insert(0, os.path.join(os.environ["DZC_ROOT"], "tools"))
-    import diagnose_mxfp4_moe_kernels as tool
-    from dzc.targets import mxfp4_moe as family
-    from dzc.targets.kernel_config import KernelConfig
+# The W4A8 tile tuned at gpt-oss-120b T=8192 on the H200 (session 25).
+W4A8_PREFILL_PICK = "BLOCK_M=64,BLOCK_N=64,BLOCK_K=128,WORKSPACE=1,SPLIT_K=1,FP8=1,num_warps=4,num_stages=3"
 
-    config = KernelConfig.make(4, 3, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, WORKSPACE=1, SPLIT_K=1, FP8=1,
-                               **({"FP8_STACKED": 1} if os.environ.get("DZC_FP8_STACKED") else {}))
-    spec = tool.dataclasses.replace(tool.bench.model_spec("gpt-oss-120b"), fp8_activations=True)
-    profiles = tool.static_profiles(spec, config, Path(sys.argv[1]))
-    print("RESULTS " + json.dumps(dict(profiles=profiles, estimate=family.triton_shared_memory_bytes(spec, config))))
-""")
+
+def _w4a8_prefill_pick_sass(tmp_path, stacked: bool) -> tuple[dict, int]:
+    """(gpt_oss_gemm_sass's profiles of the pick, with FP8_STACKED where `stacked`; its shared-memory estimate)."""
+    result = gpt_oss_gemm_sass(tmp_path, tile=W4A8_PREFILL_PICK.replace("FP8=1", "FP8=1,FP8_STACKED=1") if stacked
+                               else W4A8_PREFILL_PICK)["tile"]
+    return result["profiles"], result["shared_estimate"]
 
 
 def test_w4a8_prefill_tile_k_loops_read_statically(tmp_path):
@@ -397,16 +390,15 @@ def test_w4a8_prefill_tile_k_loops_read_statically(tmp_path):
     of depth 0, one per dot (gate and up, then down); a change that keeps MMAs in flight across that step changes
     this test on purpose. Shapes, spills and waits are checked with Triton 3.9+ (the doc's table); older ones may
     differ."""
-    results = run_ahead_of_time_script(_STATIC_SCRIPT, tmp_path, DZC_ROOT=str(Path(__file__).resolve().parents[1]))
+    profiles, estimate = _w4a8_prefill_pick_sass(tmp_path, stacked=False)
     waits = {"moe_gate_up_kernel": [0, 0], "moe_down_kernel": [0]}
-    read = tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 9)  # what the table was read from
-    for name, profile in results["profiles"].items():
+    for name, profile in profiles.items():
         loop = profile["loop"]
         assert loop, f"{name}: no K loop found in the SASS"
         shapes = loop["mma_shapes"]
         assert shapes and all(s.startswith("QGMMA.") and s.endswith(".E4M3.E4M3") for s in shapes), (name, shapes)
-        assert profile["shared"] <= results["estimate"], (name, profile["shared"], results["estimate"])
-        if read:
+        assert profile["shared"] <= estimate, (name, profile["shared"], estimate)
+        if SASS_TABLES_TRITON:
             assert set(loop["mma_shapes"]) == {"QGMMA.64x64x32.F32.E4M3.E4M3"}, (name, loop["mma_shapes"])
             assert loop["spill_accesses_in_loop"] == 0 and profile["spill_bytes"] == [0, 0], (name, profile)
             assert loop["waits"] == waits[name], (name, loop["waits"])
@@ -420,13 +412,12 @@ def test_w4a8_stacked_gate_up_waits_once_a_step_statically(tmp_path):
     leaves no wgmma in flight: Triton issues a dot whose product is used in its own step synchronously (keeping
     the product a step longer, to scale it after the next step's MMAs, made it no less synchronous and stopped the
     loads' pipelining: docs/mxfp4_moe_kernels.md). Checked with Triton 3.9+."""
-    results = run_ahead_of_time_script(_STATIC_SCRIPT, tmp_path, DZC_ROOT=str(Path(__file__).resolve().parents[1]),
-                                       DZC_FP8_STACKED="1")
-    profile = results["profiles"]["moe_gate_up_kernel"]
+    profiles, estimate = _w4a8_prefill_pick_sass(tmp_path, stacked=True)
+    profile = profiles["moe_gate_up_kernel"]
     loop = profile["loop"]
     assert loop and all(s.startswith("QGMMA.") for s in loop["mma_shapes"]), profile
-    assert profile["shared"] <= results["estimate"], (profile["shared"], results["estimate"])
-    if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 9):
+    assert profile["shared"] <= estimate, (profile["shared"], estimate)
+    if SASS_TABLES_TRITON:
         assert loop["mma_shapes"] == {"QGMMA.64x128x32.F32.E4M3.E4M3": 4}, loop["mma_shapes"]
         assert loop["waits"] == [0], loop["waits"]
         assert loop["counts"].get("LDG", 0) <= 4 and loop["counts"].get("LDGSTS", 0) >= 8, loop["counts"]
