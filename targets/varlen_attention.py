@@ -581,13 +581,20 @@ def tilelang_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -
     """Untuned choice: the warp-specialized kernel with 128-key blocks, not ping-ponging, where it fits. On the H200
     (docs/results/vision_attention_h200.md, session 28) it was the fastest TileLang config or within 5% of it at head
     dims 72, 80 and 128, with and without RoPE, on the mixed and large packs: 176-key blocks were up to 0.5% faster
-    with RoPE, ping-pong 1-5% faster at 72 and 7-8% slower at 80. Else the first legal of 128 x 64 tiles with 256
-    threads, 64 x 64 with 128 (most stages first), then anything."""
+    with RoPE, ping-pong 1-5% faster at 72 and 7-8% slower at 80. Where a row's bytes are not whole 32-byte sectors
+    (head dim 72 in 16-bit: 144 bytes, every other row straddling a sector in the unsplit kernel's boxes), split
+    columns with ping-pong instead: 1.12x faster than the unsplit default at head dim 72 on the mixed pack, and
+    1.06x cuDNN (session 34, docs/results/vision_attention_split_h200.md); at 80 it was 3% slower than the unsplit
+    default. Else the first legal of 128 x 64 tiles with 256 threads, 64 x 64 with 128 (most stages first), then
+    anything."""
     configs = tilelang_configs(spec, profile)
     if not configs:
         raise ValueError(f"no legal TileLang varlen_attention config for {spec.describe()} on {profile.name}")
+    split = (spec.head_dim * spec.dtype.itemsize) % 32 != 0 and _splits_columns(spec)
     for candidate in configs:
-        if _warp_specialized(candidate) and candidate["BLOCK_N"] == 128 and not dict(candidate.params).get("PINGPONG"):
+        params = dict(candidate.params)
+        if (_warp_specialized(candidate) and candidate["BLOCK_N"] == 128
+                and params.get("PINGPONG", 0) == params.get("SPLIT_COLUMNS", 0) == split):
             return candidate
     for block_m, block_n, threads in ((128, 64, 256), (64, 64, 128)):
         for config in sorted(configs, key=lambda c: -c["NUM_STAGES"]):
