@@ -267,13 +267,16 @@ class MultimodalSession:
 
 
 def build_multimodal_example(grids=((2, 2), (2, 4), (4, 4)), text=(3, 5, 4, 6), device="cpu",
-                             layers: int | None = None):
+                             layers: int | None = None, vision_layers: int | None = None):
     """(tiny MultimodalModel in bf16, inputs of MultimodalModel.forward: a prefill of 3 images and text into a fresh
     cache): the MODELS entry. `device`: where the cache lives (move the model and the tensor inputs there too).
-    layers: decoder and vision layers each (compile-time measurements at depth); None = the tiny config's 2."""
+    layers: decoder and vision layers each (compile-time measurements at depth); None = the tiny config's 2.
+    vision_layers: the vision layers, when they differ (the full-depth reference: 61 decoder, 32 vision)."""
     cfg = CONFIGS["tiny"]
     if layers is not None:
         cfg = replace(cfg, layers=layers, vision=replace(cfg.vision, layers=layers))
+    if vision_layers is not None:
+        cfg = replace(cfg, vision=replace(cfg.vision, layers=vision_layers))
     model = build_multimodal(cfg)
     generator = torch.Generator().manual_seed(1)
     images = pack_images(list(grids), cfg.vision, torch.bfloat16, generator)

@@ -4,15 +4,18 @@ outputs match eager over requests of images + text and decode steps, and neither
 bring other image counts and sizes."""
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-
-import dzc
 from dzc.models import build_model
 from dzc.models.moe import MoEExperts
 from dzc.models.multimodal import CONFIGS, MultimodalSession, build_multimodal, new_cache, request_ids
 from dzc.models.vision import ImagePack, pack_images
+
+import dzc
 from dzc.runtime import NotRunnableError
 
 CFG = CONFIGS["tiny"]
@@ -153,6 +156,16 @@ def test_registered_model_runs_eagerly():
     with torch.no_grad():
         logits = model(*inputs)
     assert logits.shape == (1, CFG.vocab) and logits.isfinite().all()
+
+
+def test_registered_model_takes_a_decoder_and_a_vision_depth():
+    """Issue 18's full-depth compile (61 decoder, 32 vision layers) builds the two stacks to different depths; the
+    bench refuses the vision depth for a model that has none."""
+    model, _ = build_model("multimodal", layers=3, vision_layers=1)
+    assert (len(model.language.layers), len(model.vision.blocks)) == (3, 1)
+    bench = subprocess.run([sys.executable, str(Path(__file__).parent.parent / "tools" / "bench_compile.py"),
+                            "--vision-layers", "2"], capture_output=True, text=True)
+    assert bench.returncode == 2 and "--vision-layers builds the multimodal model only" in bench.stderr
 
 
 @pytest.mark.gpu

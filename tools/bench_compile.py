@@ -2,7 +2,8 @@
 process, with dzc's compile-time breakdown.
 
     python tools/bench_compile.py [--quick] [--models llama_decoder multimodal ...] [--no-torch] [--out table.md]
-                                  [--layers N] [--regions on|off|both] [--cold-only] [--profile-warm DIR]
+                                  [--layers N] [--vision-layers N] [--regions on|off|both] [--cold-only]
+                                  [--profile-warm DIR]
 
 Times are the compile call (dzc.compile / torch.compile) plus the first call: torch.compile() imports Inductor
 before it returns, dzc.compile() at the first call (before session 22 only the first call was timed, which left
@@ -13,7 +14,9 @@ is what a user waits for: capture, compile, and the first run (kernel builds, dz
 Models are dzc.models names (their example inputs), on CUDA when there is a GPU, else on the CPU (dzc's kernels
 through Triton's interpreter; torch.compile's fallback is Inductor's C++ backend there). dzc tunes nothing
 (autotune off): tuning is per device and has its own database. --quick: llama_decoder, dzc only. --layers: build
-the models with N layers (llama_decoder: decoder layers; multimodal: decoder and vision layers each). --regions:
+the models with N layers (llama_decoder: decoder layers; multimodal: decoder and vision layers each);
+--vision-layers: multimodal's vision layers where they differ (issue 18's full depth: --layers 61 --vision-layers
+32). --regions:
 dzc with CompileOptions.nested_regions on (the bench's default and dzc's), off, or both (a row each). --cold-only:
 skip the warm run. --profile-warm DIR: run each warm compile and first call under cProfile and write its 60
 costliest calls (cumulative) and what the fallback compile spends to DIR/<model>-<compiler>-warm.txt (where a
@@ -49,6 +52,8 @@ def child(args) -> None:
     # Models whose inputs hold objects (a paged cache) build those on the device themselves.
     wants_device = "device" in inspect.signature(MODELS[args.model][0]).parameters
     depth = {"layers": args.layers} if args.layers else {}
+    if args.vision_layers:
+        depth["vision_layers"] = args.vision_layers
     model, inputs = build_model(args.model, **({"device": device} if wants_device else {}), **depth)
     model = model.to(device)
     inputs = [i.to(device) if isinstance(i, torch.Tensor) else i for i in inputs]
@@ -85,12 +90,13 @@ def child(args) -> None:
 
 
 def run(kind: str, model: str, cache_dir: str, layers: int | None = None, regions: str = "on",
-        profile: str | None = None) -> dict:
+        profile: str | None = None, vision_layers: int | None = None) -> dict:
     env = dict(os.environ, DZC_CACHE_DIR=os.path.join(cache_dir, "dzc"),
                TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
                TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
     command = [sys.executable, __file__, "--child", kind, "--model", model, "--cache-dir", env["DZC_CACHE_DIR"],
                "--regions", regions, *(["--layers", str(layers)] if layers else []),
+               *(["--vision-layers", str(vision_layers)] if vision_layers else []),
                *(["--profile", profile] if profile else [])]
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
     for line in proc.stdout.splitlines():
@@ -108,6 +114,7 @@ def main() -> None:
     parser.add_argument("--no-torch", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--out", help="write the markdown table here too")
     parser.add_argument("--layers", type=int, help="build the models with this many layers")
+    parser.add_argument("--vision-layers", type=int, help="multimodal: this many vision layers (default --layers)")
     parser.add_argument("--regions", choices=["on", "off", "both"], default="on",
                         help="dzc's nested compile regions (CompileOptions.nested_regions)")
     parser.add_argument("--cold-only", action="store_true", help="skip the warm run")
@@ -123,6 +130,8 @@ def main() -> None:
     if args.profile_warm:
         os.makedirs(args.profile_warm, exist_ok=True)
     models = ["llama_decoder"] if args.quick else args.models
+    if args.vision_layers and models != ["multimodal"]:
+        parser.error("--vision-layers builds the multimodal model only: pass --models multimodal")
     kinds = ["dzc"] if args.quick or args.no_torch else ["dzc", "torch"]
     settings = ["on", "off"] if args.regions == "both" else [args.regions]
     lines = ["| model | compiler | cold s | warm s | warm/cold | of which the compile call (cold; warm) "
@@ -130,14 +139,18 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|"]
     device = "?"
     label = f" ({args.layers} layers)" if args.layers else ""
+    if args.vision_layers:
+        label = f" ({args.layers or 2} + {args.vision_layers} vision layers)"
     for model in models:
         for kind, regions in [(kind, r) for kind in kinds for r in (settings if kind == "dzc" else ["on"])]:
             with tempfile.TemporaryDirectory(prefix="dzc-bench-compile-") as cache_dir:
-                cold = run(kind, model, cache_dir, args.layers, regions)
+                cold = run(kind, model, cache_dir, args.layers, regions, vision_layers=args.vision_layers)
                 profile = (os.path.join(args.profile_warm, f"{model}-{kind}-warm.txt") if args.profile_warm
                            else None)
-                warm = cold if args.cold_only else run(kind, model, cache_dir, args.layers, regions, profile)
-            print(TAG + json.dumps({"model": model, "layers": args.layers, "kind": kind, "regions": regions,
+                warm = cold if args.cold_only else run(kind, model, cache_dir, args.layers, regions, profile,
+                                                       args.vision_layers)
+            print(TAG + json.dumps({"model": model, "layers": args.layers, "vision_layers": args.vision_layers,
+                                    "kind": kind, "regions": regions,
                                     "cold": cold, "warm": None if args.cold_only else warm}), flush=True)
             device = cold.get("device", device)
             if "failed" in cold or "failed" in warm:
