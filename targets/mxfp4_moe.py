@@ -286,6 +286,8 @@ def _tier(spec: MXFP4MoESpec, bucket: int) -> tuple[set[int], set[int]]:
         block_ms, paths = {32, 64}, {0}
     else:
         block_ms, paths = {64, 128}, {0, 1}
+        if rows >= SWAP_AB_WIDE_ROWS:  # SWAP_AB's 256-row tiles only where an expert's rows fill one on average
+            block_ms.add(SWAP_AB_WIDE_ROWS)
     if spec.fp8_activations:  # the FP8 configs are the workspace ones; decode sizes run W4A16 online
         paths = {1} if fp8_applies(bucket, spec.top_k, spec.experts) else {0}
     return block_ms, paths
@@ -326,7 +328,8 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
     # Where descriptor loads are bulk copies (Hopper's TMA), a decode tile's TMA twin: 1.07-1.19x faster at 1-64
     # tokens on gpt-oss-120b and DeepSeek-style shapes on the H200 (docs/results/mxfp4_moe_tma_h200.md); at
     # T=8192 the 128-row SWAP_AB tiles were 1.06-1.6x slower with TMA (session 26). DOT_SCALED tiles were slower
-    # everywhere: tuning only; so are W4A8's FP8_STACKED and SWAP_AB's DECODE=2 tiles (not timed on a GPU yet).
+    # everywhere: tuning only; so are W4A8's FP8_STACKED and SWAP_AB's DECODE=2 and 256-row tiles (not timed on a
+    # GPU yet).
     decode = rows_per_expert(spec, bucket) <= DECODE_MAX_ROWS_PER_EXPERT
     want_tma = profile.bulk_tensor_copies and decode
 
@@ -336,7 +339,9 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         # fastest on the H200 (docs/results/mxfp4_moe_h200.md).
         threads = c.num_warps * profile.warp_size
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
-                _dot_scaled(c), _fp8_stacked(c), _decode(c) != 1, _swap_ab(c) != want_swap, _tma(c) != want_tma,
+                _dot_scaled(c), _fp8_stacked(c), _decode(c) != 1, c["BLOCK_M"] >= SWAP_AB_WIDE_ROWS,
+                _swap_ab(c) != want_swap,
+                _tma(c) != want_tma,
                 -c["BLOCK_M"],
                 _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64), abs(c["BLOCK_K"] - 128),
                 abs(threads - 128), c.num_stages != 3)
@@ -372,6 +377,8 @@ def _decode(config: KernelConfig) -> int:
 NATURAL_ORDER, NIBBLE_ORDER, SWAP_ORDER = 0, 1, 2
 # SWAP_AB: activation rows in swap order are padded to whole tiles of this many columns.
 SWAP_TILE = 128
+# SWAP_AB prefill tiles of this many token rows (wgmma's largest N; tuning candidates, see triton_configs).
+SWAP_AB_WIDE_ROWS = 256
 
 
 def _act_order(config: KernelConfig) -> int:
@@ -598,6 +605,20 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
             configs += [KernelConfig.make(num_warps=warps, num_stages=3, BLOCK_M=128, BLOCK_N=block_n,
                                           BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, DECODE=2)
                         for block_n, warps in ((64, 4), (128, 8))]
+        if profile.matrix_instruction == "wgmma":
+            # 256 token rows a tile (wgmma's largest N): each decoded weight feeds twice a 128-row tile's MMA work.
+            # 64 weight rows on 8 warps: each warp group holds 64 of the 128 stacked gate/up rows x 256 tokens
+            # (128 fp32 accumulator registers a thread). Tuning only, not timed on a GPU yet. Compiled for sm_90
+            # (gpt-oss-120b, Triton 3.9, 3 stages; docs/mxfp4_moe_kernels.md, session 34): gate/up K step 452 SASS
+            # instructions a warp, 14.1 a token row for the block (128x64 on 4 warps: 728, 22.8), 188 B spilled,
+            # none in the loop (128x64: 256 B, 23 local accesses a step); down 394 (12.3 against 14.3: its two warp
+            # groups decode the same 64 rows), no spill; DECODE=2 spills no more. On 4 warps (6064 B, 570 local
+            # accesses a step) or with BLOCK_N 128 (3728 B, 539; wgmma serialized) the gate/up loop spills: not
+            # offered. 2 stages: about the same spills (172 B) and no more blocks an SM (the registers allow one).
+            decoders = [{}, {"DECODE": 2}] if profile.triton_inline_asm else [{}]
+            configs += [KernelConfig.make(num_warps=8, num_stages=3, BLOCK_M=SWAP_AB_WIDE_ROWS, BLOCK_N=64,
+                                          BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, **decoder)
+                        for decoder in decoders]
     return list(dict.fromkeys(configs))  # the lists overlap (64-row DOT_SCALED tiles): each config once
 
 
@@ -623,6 +644,10 @@ def triton_shared_memory_bytes(spec: MXFP4MoESpec, config: KernelConfig) -> int:
         weights = 2 * (block_n * block_k // 2 + block_n * block_k // mxfp4.BLOCK)
     if _fp8(config):  # and each step's activation-row and weight-column scales (fp32)
         weights += (block_m + 2 * block_n) * 4
+    if _swap_ab(config) and block_m >= SWAP_AB_WIDE_ROWS:
+        # Emitted for wgmma only (triton_configs), which takes the decoded weights from registers and reads the
+        # activations in place: the pipeline's buffers alone (sm_90, 3 stages: 212992 B compiled, 222720 here).
+        return config.num_stages * (activation + weights)
     staged = max(config.num_stages - 1, 1) * (activation + weights)
     return staged + 2 * block_n * block_k * operand + block_m * block_k * operand
 

@@ -54,6 +54,9 @@ SWAP_AB_SPLIT = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N
 # The prefill SWAP_AB tile: 128 token rows, a 128-row weight tile over two warp groups.
 SWAP_AB_PREFILL = KernelConfig.make(num_warps=8, num_stages=3, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, WORKSPACE=0,
                                     SWAP_AB=1)
+# 256 token rows a tile (wgmma's largest N; a tuning candidate on sm_90), 64 weight rows on two warp groups.
+SWAP_AB_WIDE = KernelConfig.make(num_warps=8, num_stages=3, BLOCK_M=256, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0,
+                                 SWAP_AB=1)
 # Its word decoder that merges the signs four values at a time (DECODE=2; the interpreter runs the arithmetic path).
 SWAP_AB_DECODE_2 = KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, WORKSPACE=0,
                                      SWAP_AB=1, DECODE=2)
@@ -219,6 +222,19 @@ def test_swap_ab_gate_up_nan_scale_reaches_its_tokens_only(config, interleaved, 
     assert out[routed].isnan().all()
     assert not out[~routed].isnan().any(), "NaN in the output: an element was not written (outputs are poisoned)"
     torch.testing.assert_close(out[~routed], expected[~routed], **tolerance(out.dtype, expected[~routed]))
+
+
+def test_swap_ab_256_row_tiles_with_full_partial_and_empty_row_blocks(seed, tmp_path):
+    """SWAP_AB with 256 token rows a tile: experts with 300 rows (a full block and a partial one), 260 (a full
+    block and 4 rows), 40 (one partial block) and none, over H = 288 and I = 160 (whole and partial K tiles)."""
+    generator = torch.Generator().manual_seed(seed)
+    args = list(mxfp4_moe.random_moe_args(torch.device(DEVICE), generator, tokens=300, hidden=288, inter=160,
+                                          experts=4, top_k=2))
+    ids = torch.tensor([0, 3], dtype=torch.int32).repeat(300, 1)
+    ids[:40, 1] = 1
+    args[1] = ids[torch.randperm(300, generator=generator)].to(DEVICE)
+    assert torch.bincount(args[1].flatten().long(), minlength=4).tolist() == [300, 40, 0, 260]
+    check_against_reference(args, run_triton(args, SWAP_AB_WIDE, tmp_path))
 
 
 def check_against_reference_with_nan_column(args, out, column, expert, topk_ids):
@@ -395,7 +411,8 @@ def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
     TMA tile exactly where descriptor loads are bulk copies (measured faster there, slower at prefill size), and
     that of every bucket a SWAP_AB one exactly where the MMA is wgmma and the activations are bf16 (measured
     faster at every size); DOT_SCALED tiles (measured slower) never are, nor DECODE=2 ones (SWAP_AB tiles where
-    Triton has inline assembly; not timed yet)."""
+    Triton has inline assembly; not timed yet), nor SWAP_AB tiles of 256 token rows (where the MMA is wgmma; not
+    timed yet)."""
     spec = mxfp4_moe.spec_from_args(*case_args(case, 0)[:11])
     bf16 = spec.hidden_dtype == torch.bfloat16
     for profile in PROFILES.values():
@@ -410,6 +427,9 @@ def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
         decode_2 = [c for c in configs if dict(c.params).get("DECODE", 1) != 1]
         assert bool(decode_2) == (profile.triton_inline_asm and bf16), profile.name
         assert all(dict(c.params)["DECODE"] == 2 and c in swapped for c in decode_2), profile.name
+        wide = [c for c in configs if c["BLOCK_M"] > 128]  # 256 token rows: wgmma's N, SWAP_AB only
+        assert bool(wide) == (profile.matrix_instruction == "wgmma" and bf16), profile.name
+        assert all(c in swapped and c.num_warps == 8 for c in wide), profile.name
         for bucket in (1, 8, 64, 4096):
             _, default = mxfp4_moe.configs_for_bucket(spec, profile, bucket, configs, configs[0])
             options = dict(default.params)
@@ -418,6 +438,7 @@ def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
             assert bool(options.get("SWAP_AB")) == (profile.matrix_instruction == "wgmma" and bf16), \
                 (profile.name, bucket)
             assert "DOT_SCALED" not in options and "DECODE" not in options, (profile.name, bucket)
+            assert default["BLOCK_M"] <= 128, (profile.name, bucket)
 
 
 def test_int64_ids_and_strided_hidden(seed, tmp_path):
@@ -775,6 +796,41 @@ def test_swap_ab_decode_2_shortens_the_prefill_tiles_k_step(tmp_path):
         assert new["loop"]["spill_accesses_in_loop"] <= old["loop"]["spill_accesses_in_loop"], name
         assert new["loop"]["mma_shapes"] == old["loop"]["mma_shapes"], name
         assert min(new["loop"]["waits"]) >= 1 and not new["wgmma_serialized"], (name, new["loop"]["waits"])
+
+
+def test_swap_ab_256_row_tiles_cut_the_k_step_per_token_row_without_spilling_more(tmp_path):
+    """Every SWAP_AB tile of 256 token rows that triton_configs offers on sm_90 (8 warps, BLOCK_N 64, 3 stages,
+    DECODE 1 and 2) against the 128-row prefill pick, compiled for gpt-oss-120b and read by
+    `tools/diagnose_mxfp4_moe_kernels.py --sass` (docs/mxfp4_moe_kernels.md, session 34): each GEMM spills no more
+    bytes and has no local access in its K loop, keeps a wgmma group in flight, and fits its shared-memory
+    estimate, which fits sm_90. The block's SASS instructions a K step per token row: gate/up at most 0.7x the
+    pick's (each warp group decodes 64 of the 128 stacked rows for all 256 tokens), down at most 0.9x (its two warp
+    groups decode the same 64 rows). Checked with Triton 3.9+."""
+    if not SASS_TABLES_TRITON:
+        pytest.skip("the counts were read from Triton 3.9's SASS")
+    wide = [c for c in mxfp4_moe.triton_configs(SPECS["gptoss-120b"], SM_90) if c["BLOCK_M"] == 256]
+    assert len(wide) == 2 and all(c.num_warps == 8 and c["BLOCK_N"] == 64 for c in wide)
+    configs = dict(pick=SWAP_AB_PREFILL_PICK, **{f"wide{i}": str(c).replace(" ", ",") for i, c in enumerate(wide)})
+    results = gpt_oss_gemm_sass(tmp_path, **configs)
+    # (warps, token rows) of each tile (all of BLOCK_N 64): the pick's 4 and 128
+    shapes = dict(pick=(4, 128), **{f"wide{i}": (c.num_warps, c["BLOCK_M"]) for i, c in enumerate(wide)})
+
+    def per_row(label, name):  # the block's instructions a K step per token row
+        warps, rows = shapes[label]
+        return results[label]["profiles"][name]["loop"]["instructions"] * warps / rows
+
+    mma = {"moe_gate_up_kernel": "HGMMA.64x256x16.F32.BF16", "moe_down_kernel": "HGMMA.64x128x16.F32.BF16"}
+    ratio = {"moe_gate_up_kernel": 0.7, "moe_down_kernel": 0.9}
+    for label in configs.keys() - {"pick"}:
+        for name in mma:
+            pick, new = results["pick"]["profiles"][name], results[label]["profiles"][name]
+            where = (configs[label], name)
+            assert new["spill_bytes"][0] <= pick["spill_bytes"][0], (where, pick["spill_bytes"], new["spill_bytes"])
+            assert new["loop"]["spill_accesses_in_loop"] == 0, where
+            assert new["loop"]["mma_shapes"] == {mma[name]: 8}, (where, new["loop"]["mma_shapes"])
+            assert min(new["loop"]["waits"]) >= 1 and not new["wgmma_serialized"], (where, new["loop"]["waits"])
+            assert per_row(label, name) <= ratio[name] * per_row("pick", name), (where, per_row(label, name))
+            assert new["shared"] <= results[label]["shared_estimate"] <= SM_90.shared_memory_per_block, where
 
 
 # ---------------------------------------------------------------------------------------------------------

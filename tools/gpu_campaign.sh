@@ -247,6 +247,8 @@ s34-moe-tiles)
     "BLOCK_M=128,BLOCK_N=64,$swap,DECODE=2,num_warps=4,num_stages=3"
     "BLOCK_M=128,BLOCK_N=128,$swap,num_warps=8,num_stages=3"
     "BLOCK_M=128,BLOCK_N=128,$swap,DECODE=2,num_warps=8,num_stages=3"
+    "BLOCK_M=256,BLOCK_N=64,$swap,num_warps=8,num_stages=3"
+    "BLOCK_M=256,BLOCK_N=64,$swap,DECODE=2,num_warps=8,num_stages=3"
     "BLOCK_M=64,BLOCK_N=64,$ws,num_warps=4,num_stages=3"
     "BLOCK_M=64,BLOCK_N=64,$ws,FP8_STACKED=1,num_warps=4,num_stages=3"
     "BLOCK_M=128,BLOCK_N=64,$ws,num_warps=8,num_stages=3"
