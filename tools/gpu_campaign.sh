@@ -15,13 +15,15 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session (session 32 lost its machine after s32-host): wheels-1 (it also installs dzc: every step needs that,
-# bare machines included) and s33-host (what s32-host's limits cut), then wheels-2 and s32-vision-split (the
-# split-column varlen configs timed, first: the goal at head dim 72 hangs on it), s33-topk-phases (where the top-k's
-# fixed ~8 us goes), s32-vision-tests (varlen GPU numerics, the split configs included), s32-vision-auto.
-# Session 33 had no machine (none lent): the steps above stay next, then s34-sparse-row (after wheels-2) and
-# s34-moe-tiles (the static findings of session 33 timed: docs/results/sparse_attention_warp_specialized_h200.md,
-# docs/mxfp4_moe_kernels.md).
+# Next session (session 34 ran wheels-1, s33-host, wheels-2, s32-vision-split, s33-topk-phases, s32-vision-tests,
+# s32-vision-auto and the first parts of s34-moe-tiles and s34-sparse-row: docs/results, "Session 34"), in order:
+#   call A (carry .whl-gpu1): bash tools/gpu_campaign.sh wheels-1 && bash tools/gpu_campaign.sh s35-moe
+#       the GPU numerics of DECODE=2, FP8_STACKED and the 256-row SWAP_AB tiles, then every tile timed at gpt-oss
+#       T=8192 (the numerics first: a tile becomes an untuned choice only where it passed and won)
+#   call B (carry .whl-gpu2): bash tools/gpu_campaign.sh wheels-2; bash tools/gpu_campaign.sh s35-topk
+#   call C: bash tools/gpu_campaign.sh s35-compile       # issue 18: the full-depth cold compile on the H200 host
+#   call D: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
+#   then the W4A8 bench (s34-moe-tiles' last part) and s34-sparse-row's numerics and decode parts.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -259,6 +261,35 @@ s34-moe-tiles)
   TAIL=40 part moe_tiles_sass 150 python3 tools/diagnose_mxfp4_moe_kernels.py --sass --configs "${moe_tiles[@]}"
   TAIL=12 part bench_moe_w4a8 400 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 8192 \
     --routing uniform --codegens triton --w4a8 --memory-layers 0 --out "$OUT/mxfp4_moe_w4a8_h200.md"
+  ;;
+s35-moe)
+  # (after wheels-1) issue 15: GPU numerics of the tiles session 34 timed or added (DECODE=2's inline PTX runs only
+  # on a GPU; FP8_STACKED; the 256-row SWAP_AB tiles), then s34-moe-tiles' timing, the 256-row tiles included.
+  TAIL=8 part gpu_tests_moe_tiles 240 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_kernels.py \
+    tests/test_mxfp4_moe_w4a8.py -k "swap_ab or decode or stacked or 256"
+  swap="BLOCK_K=128,SPLIT_K=1,SWAP_AB=1" ws="BLOCK_K=128,SPLIT_K=1,WORKSPACE=1,FP8=1"
+  tiles=("BLOCK_M=128,BLOCK_N=64,$swap,num_warps=4,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=64,$swap,DECODE=2,num_warps=4,num_stages=3"
+    "BLOCK_M=256,BLOCK_N=64,$swap,num_warps=8,num_stages=3"
+    "BLOCK_M=256,BLOCK_N=64,$swap,DECODE=2,num_warps=8,num_stages=3"
+    "BLOCK_M=64,BLOCK_N=64,$ws,num_warps=4,num_stages=3"
+    "BLOCK_M=64,BLOCK_N=64,$ws,FP8_STACKED=1,num_warps=4,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=64,$ws,num_warps=4,num_stages=3")  # (the last: W4A8's untuned choice, not timed in s34)
+  TAIL=60 part moe_tiles_35 300 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8192 --configs "${tiles[@]}"
+  ;;
+s35-compile)
+  # (after wheels-1: dzc installed) issue 18: the goal's measurement, cold compile of the reference multimodal model
+  # at full depth (61 decoder + 32 vision layers, no tuning) on the GPU host, where the leftovers go to Inductor and
+  # the first run builds real kernels; until now only measured on the 2-core CPU host (77.7 s of compile stages).
+  TAIL=12 part bench_compile_full_depth 560 python3 tools/bench_compile.py --models multimodal --no-torch \
+    --cold-only --layers 61 --vision-layers 32 --out "$OUT/compile_full_depth_h200.md"
+  ;;
+s35-vision-large)
+  # (after wheels-1 and wheels-2) issue 14: the large pack (never timed since the warp-specialized kernel's split
+  # and ping-pong configs) at the goal's three head dims, every TileLang config beside cuDNN.
+  TAIL=40 part bench_vision_large 560 python3 tools/bench_vision_attention.py --head-dims 72 80 128 --packs large \
+    --codegens tilelang --no-compile-baseline --work-dir /tmp/dzc-vision-large \
+    --out "$OUT/vision_attention_large_h200.md"
   ;;
 s25-busy)
   # (after wheels-1: dzc installed) issues 18/14/15: bench_multimodal --quick again, its
