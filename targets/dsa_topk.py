@@ -187,6 +187,13 @@ TILELANG_WIDE_RADIX_BITS = 10
 # one sweep left over the logits (59 registers a thread at 16, no spills: ptxas, sm_90a).
 TILELANG_CACHE = 32768
 TILELANG_CACHED_SWEEPS = (8192, 16384)
+# The second sweep (the candidates and the bitmap of the keys above them) by warp votes (the template's warp_vote):
+# ballots give the bitmap's words and one atomic add a warp and sweep step the candidates' slots. Session 34 (H200,
+# 32K rows, phase stamps): that sweep took 4.2 of the block's 14.2 µs reading keys from shared memory, bound by its
+# per-key work (shared atomics among it), not bytes. Only where a warp is 32 lanes (one bitmap word); a tuning
+# candidate beside its twin without it (the cached keys at TILELANG_VOTE_SWEEP positions in flight: each span's
+# untuned choice), not yet timed.
+TILELANG_VOTE_SWEEP = 8192
 
 
 def _is_tilelang(config: KernelConfig) -> bool:
@@ -200,8 +207,8 @@ def tilelang_source(spec: DsaTopkSpec, profile: DeviceProfile) -> str:
 
 def tilelang_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelConfig]:
     """Threads a row × bitmap span × positions in flight (× radix bits at 1024 threads, and the cached keys' twins
-    there), pruned to what is legal on `profile` (72 KiB of shared memory on mp_22 leaves the 32K span only, and
-    no cached keys)."""
+    there, one of them also with warp votes where a warp is 32 lanes), pruned to what is legal on `profile` (72 KiB
+    of shared memory on mp_22 leaves the 32K span only, and no cached keys)."""
     configs = []
     for width in TILELANG_WIDTHS:
         for threads in TILELANG_THREADS:
@@ -222,6 +229,11 @@ def tilelang_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelCo
                                               WIDTH=width, CANDIDATES=TILELANG_CANDIDATES, SWEEP=sweep,
                                               RADIX_BITS=TILELANG_WIDE_RADIX_BITS, CACHE=TILELANG_CACHE)
                             for sweep in TILELANG_CACHED_SWEEPS]
+                if profile.warp_size == 32:
+                    configs.append(KernelConfig.make(num_warps=threads // profile.warp_size, num_stages=1,
+                                                     THREADS=threads, WIDTH=width, CANDIDATES=TILELANG_CANDIDATES,
+                                                     SWEEP=TILELANG_VOTE_SWEEP, RADIX_BITS=TILELANG_WIDE_RADIX_BITS,
+                                                     CACHE=TILELANG_CACHE, WARP_VOTE=1))
     return [c for c in configs
             if tilelang_config_legal(profile, c, tilelang_shared_memory_bytes(spec, c), spec.dtypes)]
 
@@ -238,10 +250,11 @@ def tilelang_default_config(spec: DsaTopkSpec, profile: DeviceProfile) -> Kernel
 
 
 def _preference(config: KernelConfig) -> tuple:
-    """Within a span: the most threads, cached keys, 10-bit rounds, the fewest positions in flight."""
+    """Within a span: the most threads, cached keys, 10-bit rounds, the fewest positions in flight, no warp votes
+    (WARP_VOTE: not yet timed)."""
     params = dict(config.params)
     return (config["THREADS"], "CACHE" in params, params.get("RADIX_BITS") == TILELANG_WIDE_RADIX_BITS,
-            -config["SWEEP"])
+            -config["SWEEP"], -params.get("WARP_VOTE", 0))
 
 
 def tilelang_configs_for_bucket(bucket: int, configs: list[KernelConfig],

@@ -778,7 +778,7 @@ def test_tilelang_topk_source_and_configs(profile):
     assert f"WARP = {profile.warp_size} " in source
     (factory,) = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == dsa_topk.TILELANG_FACTORY_NAME]
     assert [arg.arg for arg in factory.args.args] == ["threads", "width", "candidates", "sweep", "radix_bits", "cache",
-                                                      "phase_stamps"]
+                                                      "warp_vote", "phase_stamps"]
     (kernel,) = [n for n in ast.walk(factory) if isinstance(n, ast.FunctionDef) and n.name == "dsa_topk"]
     # (stamps: a kernel argument only with phase_stamps)
     assert [arg.arg for arg in kernel.args.args] == ["logits", "lengths", "indices", "stamps"]
@@ -786,11 +786,21 @@ def test_tilelang_topk_source_and_configs(profile):
     default = dsa_topk.tilelang_default_config(TOPK_SPEC, profile)
     assert configs and default in configs
     assert not any("PHASE_STAMPS" in dict(c.params) for c in configs)  # a diagnostic build, never tuned
+    # Warp votes: tuning candidates only (not yet timed), only where a warp is one 32-bit bitmap word, each the twin
+    # of a legal config without them
+    votes = [c for c in configs if dict(c.params).get("WARP_VOTE")]
+    assert not votes or profile.warp_size == 32
+    assert {dict(c.params).get("WARP_VOTE") for c in votes} <= {1} and "WARP_VOTE" not in dict(default.params)
+    assert all(KernelConfig.make(c.num_warps, c.num_stages, **{n: v for n, v in c.params if n != "WARP_VOTE"})
+               in configs for c in votes)
+    if profile is SM_90:
+        assert sorted(c["WIDTH"] for c in votes) == list(dsa_topk.TILELANG_WIDTHS)
     for bucket in (1024, 4096, 32768, 131072, 1 << 20):
         candidates, chosen = dsa_topk.configs_for_bucket(TOPK_SPEC, profile, bucket, configs, default)
         assert chosen in candidates and set(candidates) <= set(configs), bucket
         assert len({c["WIDTH"] for c in candidates}) == 1, bucket
         assert (chosen["THREADS"], chosen["SWEEP"]) == (default["THREADS"], default["SWEEP"]), bucket
+        assert "WARP_VOTE" not in dict(chosen.params), bucket
         widths = sorted({c["WIDTH"] for c in configs})
         assert chosen["WIDTH"] == next((w for w in widths if w >= bucket), widths[-1]), bucket
     # The Triton configs still narrow the Triton way.
@@ -925,6 +935,38 @@ def test_tilelang_topk_phase_stamps_lower_for_sm90a(lowered_topk, tmp_path):
     stride = {int(s) for s in re.findall(r"\(\(int64_t\)\(\(int\)blockIdx\.x\)\) \* \(int64_t\)(\d+)\)", stamped)}
     assert stride == {2 * len(phases)}
     assert stamped.count("__syncthreads()") == plain.count("__syncthreads()") + 1
+
+
+@requires_nvcc
+@pytest.mark.slow
+def test_tilelang_topk_warp_vote_collects_without_per_key_atomics(lowered_topk, tmp_path):
+    """WARP_VOTE=1 (session 34, a tuning candidate): the second sweep (its twin without votes is lowered_topk's
+    cached config) takes ABOVE's words from warp ballots (a plain store a word) and the candidates' slots from one
+    shared-memory atomicAdd a warp and sweep step, broadcast by a shuffle: no atomic per key in that sweep, no
+    barrier added. It compiles for sm_90a without spills (nvcc: 64 registers a thread, the most 1024 threads
+    allow). Its numerics: test_tilelang_topk_cuda_runs_on_cpu_threads, and on a GPU every config's
+    test_tilelang_topk_matches_reference_on_gpu."""
+    (plain_config,) = [c for c in lowered_topk if dict(c.params).get("CACHE") and c["WIDTH"] == 32768]
+    config = KernelConfig.make(plain_config.num_warps, plain_config.num_stages, **dict(plain_config.params),
+                               WARP_VOTE=1)
+    assert config in dsa_topk.tilelang_configs(TOPK_SPEC, SM_90)
+    plain = lowered_topk[plain_config].kernel_source
+    source = tilelang_codegen.lower_to_device_source(_topk_tilelang_path(tmp_path), dsa_topk.TILELANG_FACTORY_NAME,
+                                                     config, SM_90)
+    # above the bin, in it; in a step inside the row and in the row's last step
+    assert "__ballot_sync(" not in plain and source.count("__ballot_sync(") == 4
+    assert "AtomicAddRet((&(((int*)candidate_count)" in plain
+    assert "AtomicAddRet((&(((int*)candidate_count)" not in source
+    lines = source.splitlines()
+    (append,) = [i for i, line in enumerate(lines) if "atomicAdd((&(((int*)candidate_count)[0]))" in line]
+    assert "threadIdx.x) % 32) == 0)" in lines[append - 1]  # lane 0's
+    sweep = "\n".join(_sweep_around(lines, append))
+    assert sweep.count("__ballot_sync(") == 4 and "__shfl_sync(" in sweep and "atomicAdd(" in sweep
+    assert "AtomicAdd" not in sweep and "__syncthreads" not in sweep
+    assert re.search(r"\(\(uint\*\)above_bits\)\[[^;]* >> 5\)\)\] = word\w*;", sweep)  # a word, stored
+    assert source.count("__syncthreads()") == plain.count("__syncthreads()")
+    report = tilelang_codegen.ptxas_report(source, SM_90, tmp_path)
+    assert "dsa_topk_kernel" in report and "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1071,9 +1113,29 @@ inline int __shfl_up_sync(uint, int v, int delta, int width) {
   g_warps[warp]->arrive_and_wait();
   return r;
 }
+inline uint __ballot_sync(uint mask, int p) {
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (mask != 0xFFFFFFFFu) { std::fprintf(stderr, "mask %x\n", mask); std::abort(); }
+  g_exchange[warp][lane] = p != 0;
+  g_warps[warp]->arrive_and_wait();  // (a lane that skips the vote leaves its warp waiting: the test times out)
+  uint r = 0;
+  for (int l = 0; l < 32; ++l) r |= (uint)g_exchange[warp][l] << l;
+  g_warps[warp]->arrive_and_wait();
+  return r;
+}
+inline int __shfl_sync(uint mask, int v, int src, int width) {
+  int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (mask != 0xFFFFFFFFu || width != 32 || src < 0 || src >= 32) { std::fprintf(stderr, "shfl\n"); std::abort(); }
+  g_exchange[warp][lane] = v;
+  g_warps[warp]->arrive_and_wait();
+  int r = g_exchange[warp][src];
+  g_warps[warp]->arrive_and_wait();
+  return r;
+}
 inline int __popc(uint x) { return __builtin_popcount(x); }
 template <class T1, class T2> void AtomicAdd(T1 *a, T2 v) { __atomic_fetch_add(a, (T1)v, __ATOMIC_RELAXED); }
 template <class T1, class T2> T1 AtomicAddRet(T1 *a, T2 v) { return __atomic_fetch_add(a, (T1)v, __ATOMIC_RELAXED); }
+inline int atomicAdd(int *a, int v) { return __atomic_fetch_add(a, v, __ATOMIC_RELAXED); }
 using std::max;
 using std::min;
 #include "kernel.inc"
@@ -1124,17 +1186,22 @@ _CPU_THREAD_CASES_1024 = [("normal", 2, 32768, 2048), ("ties", 2, 32768, 2048), 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
 @pytest.mark.slow
-@pytest.mark.parametrize(("threads", "radix_bits", "cache"),
-                         [(256, 8, 0), (256, 10, 0), (1024, 8, 0), (256, 8, 4096), (1024, 10, 32768)])
-def test_tilelang_topk_cuda_runs_on_cpu_threads(threads, radix_bits, cache, seed, tmp_path):
+@pytest.mark.parametrize(("threads", "radix_bits", "cache", "warp_vote"),
+                         [(256, 8, 0, 0), (256, 10, 0, 0), (1024, 8, 0, 0), (256, 8, 4096, 0), (1024, 10, 32768, 0),
+                          (256, 8, 0, 1), (256, 10, 4096, 1), (1024, 10, 32768, 1)])
+def test_tilelang_topk_cuda_runs_on_cpu_threads(threads, radix_bits, cache, warp_vote, seed, tmp_path):
     """The generated CUDA of a 256- and a 1024-thread config, compiled with g++ over _CUDA_ON_CPU_THREADS, gives the
     reference's positions: the kernel's numerics without a GPU (this found a loop whose bound the generated C
     re-evaluated each iteration while the loop shrank it). With 8- and 10-bit radix rounds (three and two rounds
     after the first histogram; 10 bits are four bins a thread at 256 threads), and keys cached in shared memory:
-    4096 positions of rows up to 20000 wide (sweeps partly from the cache, partly from the logits) and 32K."""
+    4096 positions of rows up to 20000 wide (sweeps partly from the cache, partly from the logits) and 32K. With
+    warp votes (WARP_VOTE: ballots, a shuffle, a warp's candidates' slots from one atomic add; a lane that skipped a
+    vote would leave its warp's barrier waiting) on every path too: rows shorter than k, past the bitmap span,
+    whose threshold bin overflows the candidates, with partial last warps and words."""
     import numpy as np
 
-    extra = ({"RADIX_BITS": radix_bits} if radix_bits != 8 else {}) | ({"CACHE": cache} if cache else {})
+    extra = ({"RADIX_BITS": radix_bits} if radix_bits != 8 else {}) | ({"CACHE": cache} if cache else {}) | (
+        {"WARP_VOTE": 1} if warp_vote else {})
     if threads == 256:
         config = KernelConfig.make(num_warps=8, num_stages=1, THREADS=256, WIDTH=8192, CANDIDATES=512, SWEEP=2048,
                                    **extra)
@@ -1218,7 +1285,8 @@ def tilelang_topk_kernels(tmp_path_factory):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", dsa_topk.tilelang_configs(TOPK_SPEC, SM_90),
                          ids=lambda c: f"threads{c['THREADS']}-width{c['WIDTH']}-sweep{c['SWEEP']}"
-                         f"-radix{dict(c.params).get('RADIX_BITS', 8)}-cache{dict(c.params).get('CACHE', 0)}")
+                         f"-radix{dict(c.params).get('RADIX_BITS', 8)}-cache{dict(c.params).get('CACHE', 0)}"
+                         f"{'-vote' if dict(c.params).get('WARP_VOTE') else ''}")
 def test_tilelang_topk_matches_reference_on_gpu(config, tilelang_topk_kernels, seed):
     """Every legal config on every TILELANG_TOPK_CASES entry, exactly the reference's positions (order, -1 padding);
     the outputs are poisoned (-7) before each launch."""
