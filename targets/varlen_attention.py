@@ -505,7 +505,8 @@ def tilelang_source(spec: VarlenAttentionSpec, profile: DeviceProfile) -> str:
 
 
 def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[KernelConfig]:
-    """Query block × key block × pipeline stages × threads, pruned to what is legal on `profile`.
+    """Query block × key block × pipeline stages (two only where _pipelines_copies) × threads, pruned to what is
+    legal on `profile`.
 
     Threads are whole warps of the profile and at most 2 per query row: T.gemm's FullRow policy gives each
     128-thread group (a Hopper warpgroup) 64 query rows. Then, where it fits, the warp-specialized kernel
@@ -515,7 +516,7 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
         return []
     configs = []
     for block_m, block_n in ((64, 32), (64, 64), (128, 64), (128, 128)):
-        for num_stages in (1, 2):
+        for num_stages in (1, 2) if _pipelines_copies(spec, profile) else (1,):
             for threads in (128, 256):
                 if threads % profile.warp_size or threads > 2 * block_m:
                     continue
@@ -537,6 +538,16 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
                 if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                     configs.append(config)
     return configs
+
+
+def _pipelines_copies(spec: VarlenAttentionSpec, profile: DeviceProfile) -> bool:
+    """Whether the pipelined kernel may run more than one stage. Its full-width k and v tiles (head dim a multiple
+    of 16) are T.copy's; where copies are not bulk (no TMA: sm_80, MUSA) TileLang 0.1.15 makes them cp.async, and
+    its software pipeline over the segment's dynamic count of key blocks ends in a cp.async.wait_group whose count
+    is computed from the loop variable, which its CUDA codegen rejects ("Downcast from tirx.Sub to ir.IntImm";
+    session 34, at head dims 80 and 128 on sm_80; MUSA's TileLang could not be tried here: the same rule). Padded
+    tiles (72) are built element-wise and pipeline."""
+    return profile.bulk_tensor_copies or tilelang_padded_dim(spec.head_dim) > spec.head_dim
 
 
 def _splits_columns(spec: VarlenAttentionSpec) -> bool:

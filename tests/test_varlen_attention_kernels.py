@@ -496,6 +496,29 @@ def test_warp_specialized_configs_on_wgmma_targets_only():
                 assert specialized(spec, TARGETS[name].profile) == []
 
 
+def test_sm_80_pipelines_full_width_tiles_in_one_stage_and_its_default_lowers(tmp_path):
+    """Where copies are not bulk (sm_80), TileLang 0.1.15 cannot lower the pipelined kernel's T.copy tiles in two
+    stages (its pipeline's last cp.async.wait_group takes a count computed from the loop variable): head dims 80
+    and 128 get one-stage configs only there, 72 (element-wise padded tiles) keeps two, sm_90 keeps two. The
+    default at 80 lowers for sm_80, and the excluded two-stage config still fails as described (when a TileLang
+    upgrade fixes it, this test says so and the two-stage configs can come back)."""
+    sm_80 = TARGETS["cuda:sm_80"].profile
+    for head_dim, stages in ((72, {1, 2}), (80, {1}), (128, {1})):
+        spec = family.make_spec(head_dim, BF16, None)
+        assert {c["NUM_STAGES"] for c in family.tilelang_configs(spec, sm_80)} == stages, head_dim
+        assert 2 in {c["NUM_STAGES"] for c in family.tilelang_configs(spec, SM_90)}, head_dim
+    if tilelang_codegen.import_problem():
+        pytest.skip(tilelang_codegen.import_problem())
+    spec = family.make_spec(80, BF16, None)
+    path = tmp_path / "varlen_attention_tilelang.py"
+    path.write_text(family.tilelang_source(spec, sm_80))
+    default = family.tilelang_default_config(spec, sm_80)
+    assert "cp_async" in tilelang_codegen.lower(path, family.TILELANG_FACTORY_NAME, default, sm_80).kernel_source
+    two_stages = KernelConfig.make(num_warps=8, num_stages=2, **{**dict(default.params), "NUM_STAGES": 2})
+    with pytest.raises(Exception, match="Downcast from tirx.Sub to ir.IntImm"):
+        tilelang_codegen.lower(path, family.TILELANG_FACTORY_NAME, two_stages, sm_80)
+
+
 def test_tilelang_ping_pong_lowers_for_sm_90(tmp_path):
     """PINGPONG=1: each consumer warpgroup its own 64 query rows (the second's q operand 64 rows into the tile) and
     its own fragments; each issues its MMAs in its turn (waits on its turn barrier, then arrives on the other's) at
