@@ -277,6 +277,16 @@ s35-moe)
     "BLOCK_M=128,BLOCK_N=64,$ws,num_warps=4,num_stages=3")  # (the last: W4A8's untuned choice, not timed in s34)
   TAIL=60 part moe_tiles_35 300 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8192 --configs "${tiles[@]}"
   ;;
+s35-topk)
+  # (after wheels-1 and wheels-2) issue 14: session 34's WARP_VOTE=1 top-k (the second sweep by warp ballots; static
+  # only): every TileLang top-k config's GPU numerics, the vote twins included, then each config timed at 4K-32K
+  # positions beside its twin, then the phases with and without the vote at 32K and 128K.
+  TAIL=6 part gpu_tests_topk 240 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_dsa_kernels.py \
+    -k "tilelang_topk_matches_reference_on_gpu"
+  TAIL=12 part topk_vote_configs 150 python3 tools/diagnose_dsa_topk_configs.py --match WARP_VOTE=1
+  TAIL=60 part topk_vote_phases 200 python3 tools/diagnose_dsa_topk_phases.py --lengths 32768 131072 \
+    --match WARP_VOTE=1
+  ;;
 s35-compile)
   # (after wheels-1: dzc installed) issue 18: the goal's measurement, cold compile of the reference multimodal model
   # at full depth (61 decoder + 32 vision layers, no tuning) on the GPU host, where the leftovers go to Inductor and
