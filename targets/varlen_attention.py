@@ -595,7 +595,7 @@ def tilelang_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -
     with RoPE, ping-pong 1-5% faster at 72 and 7-8% slower at 80. Where a row's bytes are not whole 32-byte sectors
     (head dim 72 in 16-bit: 144 bytes, every other row straddling a sector in the unsplit kernel's boxes), split
     columns with ping-pong instead: 1.12x faster than the unsplit default at head dim 72 on the mixed pack, and
-    1.06x cuDNN (session 34, docs/results/vision_attention_split_h200.md); at 80 it was 3% slower than the unsplit
+    1.06x cuDNN (session 34, docs/results/vision_attention_h200.md); at 80 it was 3% slower than the unsplit
     default. Else the first legal of 128 x 64 tiles with 256 threads, 64 x 64 with 128 (most stages first), then
     anything."""
     configs = tilelang_configs(spec, profile)
