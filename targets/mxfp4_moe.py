@@ -340,9 +340,7 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         threads = c.num_warps * profile.warp_size
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
                 _dot_scaled(c), _fp8_stacked(c), _decode(c) != 1, c["BLOCK_M"] >= SWAP_AB_WIDE_ROWS,
-                _swap_ab(c) != want_swap,
-                _tma(c) != want_tma,
-                -c["BLOCK_M"],
+                _swap_ab(c) != want_swap, _tma(c) != want_tma, -c["BLOCK_M"],
                 _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64), abs(c["BLOCK_K"] - 128),
                 abs(threads - 128), c.num_stages != 3)
 

@@ -139,8 +139,8 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|"]
     device = "?"
     label = f" ({args.layers} layers)" if args.layers else ""
-    if args.vision_layers:
-        label = f" ({args.layers or 2} + {args.vision_layers} vision layers)"
+    if args.vision_layers:  # (without --layers the decoder keeps the model's own depth)
+        label = f" ({args.layers or 'default'} decoder + {args.vision_layers} vision layers)"
     for model in models:
         for kind, regions in [(kind, r) for kind in kinds for r in (settings if kind == "dzc" else ["on"])]:
             with tempfile.TemporaryDirectory(prefix="dzc-bench-compile-") as cache_dir:
