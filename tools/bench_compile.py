@@ -3,7 +3,7 @@ process, with dzc's compile-time breakdown.
 
     python tools/bench_compile.py [--quick] [--models llama_decoder multimodal ...] [--no-torch] [--out table.md]
                                   [--layers N] [--vision-layers N] [--regions on|off|both] [--cold-only]
-                                  [--profile-warm DIR]
+                                  [--profile-warm DIR] [--no-bytecode-cache]
 
 Times are the compile call (dzc.compile / torch.compile) plus the first call: torch.compile() imports Inductor
 before it returns, dzc.compile() at the first call (before session 22 only the first call was timed, which left
@@ -20,7 +20,11 @@ the models with N layers (llama_decoder: decoder layers; multimodal: decoder and
 dzc with CompileOptions.nested_regions on (the bench's default and dzc's), off, or both (a row each). --cold-only:
 skip the warm run. --profile-warm DIR: run each warm compile and first call under cProfile and write its 60
 costliest calls (cumulative) and what the fallback compile spends to DIR/<model>-<compiler>-warm.txt (where a
-warm compile's seconds go).
+warm compile's seconds go). Every child shares one Python bytecode cache (PYTHONPYCACHEPREFIX), filled before the
+first timed run by a process that imports torch, Inductor and dzc: an installed torch has its .pyc files, but the
+H200 machine's has none, and there each process compiled ~260 modules from source (1.9 s, session 22), which is not
+what a user waits for. --no-bytecode-cache: each process reads bytecode where its installation keeps it (before
+session 35 the only way).
 """
 
 from __future__ import annotations
@@ -89,11 +93,22 @@ def child(args) -> None:
     print(TAG + json.dumps(result), flush=True)
 
 
+# What the bytecode cache is primed with: the modules both compilers import on their first call.
+PRIME = ("import torch, torch._dynamo, torch._inductor.compile_fx, torch._inductor.lowering, "
+         "torch._inductor.select_algorithm, dzc")
+
+
+def prime_bytecode(prefix: str) -> None:
+    subprocess.run([sys.executable, "-c", PRIME], check=True, env=dict(os.environ, PYTHONPYCACHEPREFIX=prefix))
+
+
 def run(kind: str, model: str, cache_dir: str, layers: int | None = None, regions: str = "on",
-        profile: str | None = None, vision_layers: int | None = None) -> dict:
+        profile: str | None = None, vision_layers: int | None = None, bytecode: str | None = None) -> dict:
     env = dict(os.environ, DZC_CACHE_DIR=os.path.join(cache_dir, "dzc"),
                TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
                TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
+    if bytecode:
+        env["PYTHONPYCACHEPREFIX"] = bytecode
     command = [sys.executable, __file__, "--child", kind, "--model", model, "--cache-dir", env["DZC_CACHE_DIR"],
                "--regions", regions, *(["--layers", str(layers)] if layers else []),
                *(["--vision-layers", str(vision_layers)] if vision_layers else []),
@@ -119,6 +134,8 @@ def main() -> None:
                         help="dzc's nested compile regions (CompileOptions.nested_regions)")
     parser.add_argument("--cold-only", action="store_true", help="skip the warm run")
     parser.add_argument("--profile-warm", metavar="DIR", help="cProfile each warm first call into DIR")
+    parser.add_argument("--no-bytecode-cache", action="store_true",
+                        help="no shared, primed bytecode cache: each process reads its installation's")
     parser.add_argument("--child", choices=["dzc", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -137,18 +154,42 @@ def main() -> None:
     lines = ["| model | compiler | cold s | warm s | warm/cold | of which the compile call (cold; warm) "
              "| dzc breakdown (cold; warm) | dzc compile cache (warm) |",
              "|---|---|---|---|---|---|---|---|"]
-    device = "?"
     label = f" ({args.layers} layers)" if args.layers else ""
     if args.vision_layers:  # (without --layers the decoder keeps the model's own depth)
         label = f" ({args.layers or 'default'} decoder + {args.vision_layers} vision layers)"
+    bytecode_dir = contextlib.nullcontext() if args.no_bytecode_cache else tempfile.TemporaryDirectory(
+        prefix="dzc-bench-pyc-")
+    with bytecode_dir as bytecode:
+        if bytecode:
+            prime_bytecode(bytecode)
+        device = measure(args, models, kinds, settings, label, lines, bytecode)
+    import torch
+
+    text = "\n".join([f"Compile time (compile call + first call), fresh process each; device: {device}, "
+                      f"torch {torch.__version__}; "
+                      + ("each process's own bytecode." if args.no_bytecode_cache else "a shared, primed bytecode "
+                         "cache."), "", *lines]) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    if any("exit " in line for line in lines[2:]):
+        sys.exit("a compile failed (see the table)")
+
+
+def measure(args, models: list[str], kinds: list[str], settings: list[str], label: str, lines: list[str],
+            bytecode: str | None) -> str:
+    """Each model's cold and warm rows appended to lines; returns the device the children ran on."""
+    device = "?"
     for model in models:
         for kind, regions in [(kind, r) for kind in kinds for r in (settings if kind == "dzc" else ["on"])]:
             with tempfile.TemporaryDirectory(prefix="dzc-bench-compile-") as cache_dir:
-                cold = run(kind, model, cache_dir, args.layers, regions, vision_layers=args.vision_layers)
+                cold = run(kind, model, cache_dir, args.layers, regions, vision_layers=args.vision_layers,
+                           bytecode=bytecode)
                 profile = (os.path.join(args.profile_warm, f"{model}-{kind}-warm.txt") if args.profile_warm
                            else None)
                 warm = cold if args.cold_only else run(kind, model, cache_dir, args.layers, regions, profile,
-                                                       args.vision_layers)
+                                                       args.vision_layers, bytecode)
             print(TAG + json.dumps({"model": model, "layers": args.layers, "vision_layers": args.vision_layers,
                                     "kind": kind, "regions": regions,
                                     "cold": cold, "warm": None if args.cold_only else warm}), flush=True)
@@ -164,17 +205,7 @@ def main() -> None:
                          f"{warm['seconds'] / cold['seconds']:.2f} | "
                          f"{cold['compile_call_s']:.2f}; {warm['compile_call_s']:.2f} | {breakdown} | {cache} |")
             print(lines[-1], flush=True)
-    import torch
-
-    text = "\n".join([f"Compile time (compile call + first call), fresh process each; device: {device}, "
-                      f"torch {torch.__version__}.",
-                      "", *lines]) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    if any("exit " in line for line in lines[2:]):
-        sys.exit("a compile failed (see the table)")
+    return device
 
 
 if __name__ == "__main__":
