@@ -194,6 +194,14 @@ TILELANG_CACHED_SWEEPS = (8192, 16384)
 # candidate beside its twin without it (the cached keys at TILELANG_VOTE_SWEEP positions in flight: each span's
 # untuned choice), not yet timed.
 TILELANG_VOTE_SWEEP = 8192
+# The second sweep over the row replaced by one over a speculative buffer (the template's speculate): the first
+# sweep step's histogram estimates the threshold bin, and the first sweep keeps every key from there up, with its
+# position, in the candidates' arrays grown to TILELANG_SPECULATE_BUFFER entries; a row whose buffer overflows, or
+# whose threshold bin lies below the estimate, takes the second sweep as before. Why: H200, 128 rows of 128K (past
+# the cached keys), that sweep re-read the logits: 18.8 of the block's 44 µs. Only where a warp is 32 lanes; a
+# tuning candidate beside each span's untuned choice (6144 entries: 16 KiB more shared memory, what the 128K span
+# leaves on the H200), not yet timed.
+TILELANG_SPECULATE_BUFFER = 6144
 
 
 def _is_tilelang(config: KernelConfig) -> bool:
@@ -207,8 +215,9 @@ def tilelang_source(spec: DsaTopkSpec, profile: DeviceProfile) -> str:
 
 def tilelang_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelConfig]:
     """Threads a row × bitmap span × positions in flight (× radix bits at 1024 threads, and the cached keys' twins
-    there, one of them also with warp votes where a warp is 32 lanes), pruned to what is legal on `profile` (72 KiB
-    of shared memory on mp_22 leaves the 32K span only, and no cached keys)."""
+    there, one of them also with warp votes where a warp is 32 lanes; and each span's untuned choice with the
+    speculative buffer, same warps), pruned to what is legal on `profile` (72 KiB of shared memory on mp_22 leaves
+    the 32K span only, and no cached keys)."""
     configs = []
     for width in TILELANG_WIDTHS:
         for threads in TILELANG_THREADS:
@@ -234,6 +243,13 @@ def tilelang_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelCo
                                                      THREADS=threads, WIDTH=width, CANDIDATES=TILELANG_CANDIDATES,
                                                      SWEEP=TILELANG_VOTE_SWEEP, RADIX_BITS=TILELANG_WIDE_RADIX_BITS,
                                                      CACHE=TILELANG_CACHE, WARP_VOTE=1))
+        if profile.warp_size == 32:  # the span's untuned choice with the speculative buffer, where it is legal
+            spans = [c for c in configs if c["WIDTH"] == width
+                     and tilelang_config_legal(profile, c, tilelang_shared_memory_bytes(spec, c), spec.dtypes)]
+            if spans:
+                chosen = max(spans, key=_preference)
+                configs.append(KernelConfig.make(chosen.num_warps, chosen.num_stages, **dict(chosen.params),
+                                                 SPECULATE=1, SPECULATE_BUFFER=TILELANG_SPECULATE_BUFFER))
     return [c for c in configs
             if tilelang_config_legal(profile, c, tilelang_shared_memory_bytes(spec, c), spec.dtypes)]
 
@@ -250,11 +266,11 @@ def tilelang_default_config(spec: DsaTopkSpec, profile: DeviceProfile) -> Kernel
 
 
 def _preference(config: KernelConfig) -> tuple:
-    """Within a span: the most threads, cached keys, 10-bit rounds, the fewest positions in flight, no warp votes
-    (WARP_VOTE: not yet timed)."""
+    """Within a span: the most threads, cached keys, 10-bit rounds, the fewest positions in flight, no warp votes,
+    no speculative buffer (WARP_VOTE, SPECULATE: not yet timed)."""
     params = dict(config.params)
     return (config["THREADS"], "CACHE" in params, params.get("RADIX_BITS") == TILELANG_WIDE_RADIX_BITS,
-            -config["SWEEP"], -params.get("WARP_VOTE", 0))
+            -config["SWEEP"], -params.get("WARP_VOTE", 0), -params.get("SPECULATE", 0))
 
 
 def tilelang_configs_for_bucket(bucket: int, configs: list[KernelConfig],
@@ -269,10 +285,13 @@ def tilelang_configs_for_bucket(bucket: int, configs: list[KernelConfig],
 
 
 def tilelang_shared_memory_bytes(spec: DsaTopkSpec, config: KernelConfig) -> int:
-    """First histogram, candidates' keys and positions, the two bitmaps, the warps' sums, the chosen bin, the
-    candidate counter and the cached keys (int32 each), each rounded up to 16 bytes as TileLang places them."""
-    sizes = (_TILELANG_FIRST_BINS, config["CANDIDATES"], config["CANDIDATES"], config["WIDTH"] // 32,
-             config["WIDTH"] // 32, 2 * config.num_warps, 4, 1, dict(config.params).get("CACHE", 0))
+    """First histogram, candidates' keys and positions (as many as the speculative buffer where it is more), the two
+    bitmaps, the warps' sums, the chosen bin, the candidate counter, the cached keys and the buffer's counter (int32
+    each), each rounded up to 16 bytes as TileLang places them."""
+    params = dict(config.params)
+    room = max(config["CANDIDATES"], params.get("SPECULATE_BUFFER", 0) if params.get("SPECULATE") else 0)
+    sizes = (_TILELANG_FIRST_BINS, room, room, config["WIDTH"] // 32, config["WIDTH"] // 32, 2 * config.num_warps,
+             4, 1, params.get("CACHE", 0), 1 if params.get("SPECULATE") else 0)
     return sum(-(-4 * n // 16) * 16 for n in sizes)
 
 

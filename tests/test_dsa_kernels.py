@@ -778,7 +778,7 @@ def test_tilelang_topk_source_and_configs(profile):
     assert f"WARP = {profile.warp_size} " in source
     (factory,) = [n for n in module.body if isinstance(n, ast.FunctionDef) and n.name == dsa_topk.TILELANG_FACTORY_NAME]
     assert [arg.arg for arg in factory.args.args] == ["threads", "width", "candidates", "sweep", "radix_bits", "cache",
-                                                      "warp_vote", "phase_stamps"]
+                                                      "warp_vote", "speculate", "speculate_buffer", "phase_stamps"]
     (kernel,) = [n for n in ast.walk(factory) if isinstance(n, ast.FunctionDef) and n.name == "dsa_topk"]
     # (stamps: a kernel argument only with phase_stamps)
     assert [arg.arg for arg in kernel.args.args] == ["logits", "lengths", "indices", "stamps"]
@@ -795,12 +795,24 @@ def test_tilelang_topk_source_and_configs(profile):
                in configs for c in votes)
     if profile is SM_90:
         assert sorted(c["WIDTH"] for c in votes) == list(dsa_topk.TILELANG_WIDTHS)
+    # The speculative buffer: likewise, each the twin of its span's untuned choice (where it is legal), and never
+    # the untuned choice itself
+    speculative = [c for c in configs if dict(c.params).get("SPECULATE")]
+    assert not speculative or profile.warp_size == 32
+    assert {(c["SPECULATE"], c["SPECULATE_BUFFER"]) for c in speculative} <= {(1, dsa_topk.TILELANG_SPECULATE_BUFFER)}
+    assert "SPECULATE" not in dict(default.params) and len({c["WIDTH"] for c in speculative}) == len(speculative)
+    for config in speculative:
+        twin = KernelConfig.make(config.num_warps, config.num_stages,
+                                 **{n: v for n, v in config.params if not n.startswith("SPECULATE")})
+        assert twin == dsa_topk.configs_for_bucket(TOPK_SPEC, profile, config["WIDTH"], configs, default)[1], config
+    if profile is SM_90:
+        assert sorted(c["WIDTH"] for c in speculative) == list(dsa_topk.TILELANG_WIDTHS)
     for bucket in (1024, 4096, 32768, 131072, 1 << 20):
         candidates, chosen = dsa_topk.configs_for_bucket(TOPK_SPEC, profile, bucket, configs, default)
         assert chosen in candidates and set(candidates) <= set(configs), bucket
         assert len({c["WIDTH"] for c in candidates}) == 1, bucket
         assert (chosen["THREADS"], chosen["SWEEP"]) == (default["THREADS"], default["SWEEP"]), bucket
-        assert "WARP_VOTE" not in dict(chosen.params), bucket
+        assert "WARP_VOTE" not in dict(chosen.params) and "SPECULATE" not in dict(chosen.params), bucket
         widths = sorted({c["WIDTH"] for c in configs})
         assert chosen["WIDTH"] == next((w for w in widths if w >= bucket), widths[-1]), bucket
     # The Triton configs still narrow the Triton way.
@@ -969,6 +981,34 @@ def test_tilelang_topk_warp_vote_collects_without_per_key_atomics(lowered_topk, 
     assert "dsa_topk_kernel" in report and "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
+@requires_nvcc
+@pytest.mark.slow
+def test_tilelang_topk_speculate_appends_by_warp_votes(tmp_path):
+    """SPECULATE=1 (session 35, a tuning candidate) at the 128K span on the H200: the first sweep's appends to the
+    speculative buffer are warp ballots and one shared-memory atomicAdd a warp and step (on the first step after
+    the estimate, and in the loop over the rest, which has no barrier); the candidates' arrays grow to the buffer
+    (the shared memory is the legality estimate, within the H200's 227 KiB); it compiles for sm_90a without
+    spills within the 64 registers a thread 1024 threads allow (nvcc 13.0: 59, 229680 bytes of shared memory).
+    Its numerics: test_tilelang_topk_speculate_runs_on_cpu_threads, and on a GPU
+    test_tilelang_topk_matches_reference_on_gpu."""
+    (config,) = [c for c in dsa_topk.tilelang_configs(TOPK_SPEC, SM_90)
+                 if dict(c.params).get("SPECULATE") and c["WIDTH"] == 131072]
+    artifact = tilelang_codegen.lower(_topk_tilelang_path(tmp_path), dsa_topk.TILELANG_FACTORY_NAME, config, SM_90)
+    source = artifact.kernel_source
+    (device_func,) = artifact.device_mod.functions.values()
+    shared = int(device_func.attrs["dyn_shared_memory_buf"])
+    assert shared == dsa_topk.tilelang_shared_memory_bytes(TOPK_SPEC, config) <= SM_90.shared_memory_per_block
+    lines = source.splitlines()
+    appends = [i for i, line in enumerate(lines) if "atomicAdd((&(((int*)spec_count)[0]))" in line]
+    assert len(appends) == 2 and all("threadIdx.x) % 32) == 0)" in lines[i - 1] for i in appends)  # lane 0's
+    sweep = "\n".join(_sweep_around(lines, appends[1]))
+    assert sweep.count("__ballot_sync(") == 1 and "__shfl_sync(" in sweep and "__syncthreads" not in sweep
+    assert "AtomicAdd((&(((int*)hist)" in sweep and "logits[" in sweep  # the first sweep's histogram and loads
+    report = tilelang_codegen.ptxas_report(source, SM_90, tmp_path)
+    assert "dsa_topk_kernel" in report and "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 64, report
+
+
 # ---------------------------------------------------------------------------------------------------------
 # GPU: DeepSeek-V3.2 shapes through dzc's lowering, both codegens for sparse attention
 
@@ -1103,6 +1143,7 @@ uchar *g_shmem;
 std::barrier<> *g_block;
 std::vector<std::barrier<> *> g_warps;
 int g_exchange[64][32];
+int *g_probe;  // a value per block that a test's edit of the kernel source records (-1 if none)
 inline void __syncthreads() { g_block->arrive_and_wait(); }
 inline int __shfl_up_sync(uint, int v, int delta, int width) {
   int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -1147,6 +1188,8 @@ int main(int argc, char **argv) {
   std::vector<float> logits((size_t)rows * n_cols);
   std::vector<int> lengths(rows), indices((size_t)rows * k, -7);
   fread(logits.data(), 4, logits.size(), f); fread(lengths.data(), 4, rows, f); fclose(f);
+  std::vector<int> probe(rows, -1);
+  g_probe = probe.data();
   std::vector<uchar> shmem(256 * 1024);
   for (int b = 0; b < rows; ++b) {
     memset(shmem.data(), 0xAB, shmem.size());  // stale shared memory
@@ -1168,6 +1211,7 @@ int main(int argc, char **argv) {
   }
   FILE *o = fopen(argv[3], "wb");
   fwrite(indices.data(), 4, indices.size(), o); fclose(o);
+  if (argc > 4) { o = fopen(argv[4], "wb"); fwrite(probe.data(), 4, rows, o); fclose(o); }
 }
 """
 # (kind, rows, width, k) with 256 threads, 8K-position bitmaps and 512 candidates: every path (candidates or rounds
@@ -1198,8 +1242,6 @@ def test_tilelang_topk_cuda_runs_on_cpu_threads(threads, radix_bits, cache, warp
     warp votes (WARP_VOTE: ballots, a shuffle, a warp's candidates' slots from one atomic add; a lane that skipped a
     vote would leave its warp's barrier waiting) on every path too: rows shorter than k, past the bitmap span,
     whose threshold bin overflows the candidates, with partial last warps and words."""
-    import numpy as np
-
     extra = ({"RADIX_BITS": radix_bits} if radix_bits != 8 else {}) | ({"CACHE": cache} if cache else {}) | (
         {"WARP_VOTE": 1} if warp_vote else {})
     if threads == 256:
@@ -1210,33 +1252,127 @@ def test_tilelang_topk_cuda_runs_on_cpu_threads(threads, radix_bits, cache, warp
         config = KernelConfig.make(num_warps=32, num_stages=1, THREADS=1024, WIDTH=32768, CANDIDATES=4096,
                                    SWEEP=8192, **extra)
         cases = _CPU_THREAD_CASES_1024
+    binary = _topk_on_cpu_threads(config, tmp_path)
+    generator = _generator(seed)
+    for kind, rows, width, k in cases:
+        _run_topk_on_cpu_threads(binary, threads, kind, *_topk_rows(kind, rows, width, k, generator), tmp_path)
+
+
+def _topk_on_cpu_threads(config: KernelConfig, tmp_path, edit=lambda kernel: kernel):
+    """The config's generated CUDA (`edit`ed) compiled with g++ over _CUDA_ON_CPU_THREADS: the binary's path."""
     source = tilelang_codegen.lower_to_device_source(_topk_tilelang_path(tmp_path), dsa_topk.TILELANG_FACTORY_NAME,
                                                      config, SM_90)
     shared = "extern __shared__ __align__(1024) uchar buf_dyn_shmem[];"
     assert shared in source
     kernel = "\n".join(line for line in source.splitlines() if not line.startswith("#include <tl_templates"))
-    (tmp_path / "kernel.inc").write_text(kernel.replace(shared, "uchar* buf_dyn_shmem = g_shmem;"))
+    (tmp_path / "kernel.inc").write_text(edit(kernel.replace(shared, "uchar* buf_dyn_shmem = g_shmem;")))
     (tmp_path / "main.cpp").write_text(_CUDA_ON_CPU_THREADS)
     binary = tmp_path / "topk_on_cpu"
     build = subprocess.run(["g++", "-std=c++20", "-O1", "-pthread", "-fno-strict-aliasing", "-w",
                             str(tmp_path / "main.cpp"), "-o", str(binary)], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-3000:]
+    return binary
+
+
+def _run_topk_on_cpu_threads(binary, threads: int, kind: str, logits, lengths, k: int, tmp_path) -> list[int]:
+    """Runs the binary on the rows (outputs poisoned: -7), asserts the reference's positions; the blocks' probes."""
+    import numpy as np
+
+    logits, lengths = logits.cpu(), lengths.cpu()
+    rows, width = logits.shape
+    with open(tmp_path / "in.bin", "wb") as f:
+        f.write(np.array([rows, width, k], dtype=np.int32).tobytes())
+        f.write(logits.numpy().tobytes())
+        f.write(lengths.numpy().tobytes())
+    subprocess.run([str(binary), str(threads), str(tmp_path / "in.bin"), str(tmp_path / "out.bin"),
+                    str(tmp_path / "probe.bin")], check=True, timeout=300)
+    indices = torch.from_numpy(np.fromfile(tmp_path / "out.bin", dtype=np.int32).reshape(rows, k))
+    expected = dsa_topk_reference(logits, lengths, k)
+    wrong = (indices != expected).any(dim=-1).nonzero().flatten().tolist()
+    assert not wrong, (f"{kind} rows={rows} width={width} k={k}: rows {wrong} (lengths "
+                       f"{lengths[wrong].tolist()}) differ, first: {indices[wrong[0]][:16].tolist()} vs "
+                       f"{expected[wrong[0]][:16].tolist()}")
+    return np.fromfile(tmp_path / "probe.bin", dtype=np.int32).tolist()
+
+
+# SPECULATE=1 on CPU threads (kind, rows, width, k) at 256 threads, 8K bitmaps, 512 candidates, 2048-position sweep
+# steps and a 1024-entry buffer: rows whose buffer holds their keys (normal; ties, whose threshold bin overflows the
+# candidates but not the buffer: rounds and marks over the buffer; NaN, -0.0, -inf; past the bitmap span), rows
+# that overflow it (ascending: the first step underestimates the bin; one value throughout; k large for the
+# buffer), a row whose bin lies below the estimate (descending), rows of at most k positions.
+_SPECULATE_CASES = [("normal", 6, 20000, 100), ("normal", 4, 8192, 200), ("ties", 6, 4096, 100),
+                    ("special", 6, 6000, 150), ("ascending", 3, 20000, 100), ("descending", 3, 20000, 1000),
+                    ("equal", 3, 3000, 100), ("normal", 4, 5000, 2048), ("normal", 3, 700, 32)]
+# The 32K span's SPECULATE=1 config on the H200 (1024 threads, the row's first 32K keys cached, 10-bit rounds, 6144
+# entries): at k = 2048 the buffer holds a 32K row's keys and a 70000-position one's (past the span and the cache);
+# 7 tied levels at 32K: a threshold bin of ~4.7K keys, more than the candidates, in the buffer; descending rows.
+_SPECULATE_CASES_1024 = [("normal", 2, 32768, 2048), ("ties", 1, 32768, 2048), ("normal", 1, 70000, 2048),
+                         ("descending", 1, 40000, 2048)]
+
+
+def _speculation_model(logits, lengths, k: int, sweep: int, buffer: int) -> list[int]:
+    """The template's speculate decision for each row (-1: at most k positions, never reached): 1 where the keys from
+    the estimated bin up fit the buffer and the threshold bin is not below it, else 0 (the second sweep)."""
+    import numpy as np
+
+    bits = logits.cpu().contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    keys = torch.where(bits > 0x80000000, ~bits & 0xFFFFFFFF, bits | 0x80000000)
+    keys = torch.where((bits & 0x7FFFFFFF) > 0x7F800000, 0xFFFFFFFF, keys)
+    bins = keys >> 20
+    decisions = []
+    for row, length in enumerate(lengths.clamp(0, logits.shape[1]).tolist()):
+        if length <= k:
+            decisions.append(-1)
+            continue
+        step = min(sweep, length)
+        rank = min(step, int(np.float32(k) * np.float32(1.5) * np.float32(step) / np.float32(length)) + 16)
+
+        def bin_at_rank(b, r):  # the highest bin with at least r of b's keys from it up
+            from_top = torch.bincount(b, minlength=4096).flip(0).cumsum(0).flip(0)
+            return int((from_top >= r).nonzero().max())
+
+        guess = bin_at_rank(bins[row, :step], rank)
+        held = int((bins[row, :length] >= guess).sum())
+        decisions.append(int(held <= buffer and bin_at_rank(bins[row, :length], k) >= guess))
+    return decisions
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not installed")
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", [256, 1024])
+def test_tilelang_topk_speculate_runs_on_cpu_threads(threads, seed, tmp_path):
+    """SPECULATE=1's generated CUDA on CPU threads (as test_tilelang_topk_cuda_runs_on_cpu_threads) gives the
+    reference's positions on every _SPECULATE_CASES row, and each row takes the path the template's rule says
+    (_speculation_model; the kernel records its decision through an edit of its source): the buffer on normal,
+    tied and special rows, the second sweep after an overflow or an estimate above the threshold bin, both seen.
+    At 1024 threads the 32K span's tuning candidate, on _SPECULATE_CASES_1024."""
+    if threads == 256:
+        config = KernelConfig.make(num_warps=8, num_stages=1, THREADS=256, WIDTH=8192, CANDIDATES=512, SWEEP=2048,
+                                   SPECULATE=1, SPECULATE_BUFFER=1024)
+        cases = _SPECULATE_CASES
+    else:
+        (config,) = [c for c in dsa_topk.tilelang_configs(TOPK_SPEC, SM_90)
+                     if dict(c.params).get("SPECULATE") and c["WIDTH"] == 32768]
+        cases = _SPECULATE_CASES_1024
+    sweep, buffer = config["SWEEP"], config["SPECULATE_BUFFER"]
+
+    def record(kernel):  # the block's decision, into the harness's probe
+        decision = re.compile(r"^(\s*speculated = condval_\d+;)$", re.MULTILINE)
+        assert len(decision.findall(kernel)) == 1
+        return decision.sub(r"\1 __atomic_store_n(&g_probe[blockIdx.x], speculated, __ATOMIC_RELAXED);", kernel)
+
+    binary = _topk_on_cpu_threads(config, tmp_path, record)
     generator = _generator(seed)
+    taken = {}
     for kind, rows, width, k in cases:
-        logits, lengths, k = (a.cpu() if isinstance(a, torch.Tensor) else a
-                              for a in _topk_rows(kind, rows, width, k, generator))
-        with open(tmp_path / "in.bin", "wb") as f:
-            f.write(np.array([rows, width, k], dtype=np.int32).tobytes())
-            f.write(logits.numpy().tobytes())
-            f.write(lengths.numpy().tobytes())
-        subprocess.run([str(binary), str(threads), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
-                       check=True, timeout=300)
-        indices = torch.from_numpy(np.fromfile(tmp_path / "out.bin", dtype=np.int32).reshape(rows, k))
-        expected = dsa_topk_reference(logits, lengths, k)
-        wrong = (indices != expected).any(dim=-1).nonzero().flatten().tolist()
-        assert not wrong, (f"{kind} rows={rows} width={width} k={k}: rows {wrong} (lengths "
-                           f"{lengths[wrong].tolist()}) differ, first: {indices[wrong[0]][:16].tolist()} vs "
-                           f"{expected[wrong[0]][:16].tolist()}")
+        logits, lengths, k = _topk_rows(kind, rows, width, k, generator)
+        probes = _run_topk_on_cpu_threads(binary, threads, kind, logits, lengths, k, tmp_path)
+        assert probes == _speculation_model(logits, lengths, k, sweep, buffer), (kind, width, k, lengths.tolist())
+        for probe in probes:
+            taken.setdefault(kind, set()).add(probe)
+    assert 1 in taken["normal"] and 1 in taken["ties"] and 0 in taken["descending"]
+    if threads == 256:
+        assert 1 in taken["special"] and 0 in taken["ascending"] and 0 in taken["equal"]
 
 
 # The TileLang top-k on fresh random rows (kind, rows, width, k): normal logits at the DSA shapes (32K and 128K, k =
@@ -1249,13 +1385,18 @@ TILELANG_TOPK_CASES = [("normal", 64, 32768, 2048), ("normal", 64, 32768, 1), ("
 
 
 def _topk_rows(kind: str, rows: int, width: int, k: int, generator: torch.Generator):
-    """dsa_topk's arguments for a TILELANG_TOPK_CASES entry: logits of the kind, lengths mostly past k, and rows
+    """dsa_topk's arguments for a TILELANG_TOPK_CASES entry (or a _SPECULATE_CASES one): logits of the kind, lengths
+    mostly past k, and rows
     of length 0, k + 1, k, k - 1, width - 1 and past the width (clamped) where there are rows for them; the first
     row (and with "special" the last, whose logits past k / 2 are -inf) spans the width."""
     if kind == "ties":
         logits = torch.randint(-3, 4, (rows, width), generator=generator).float()
     elif kind == "equal":
         logits = torch.full((rows, width), 0.25)
+    elif kind in ("ascending", "descending"):  # distinct logits over many first-histogram bins, in order
+        logits = torch.linspace(-8, 8, width).expand(rows, width).clone()
+        if kind == "descending":
+            logits = logits.flip(-1)
     else:
         logits = torch.randn(rows, width, generator=generator)
     if kind == "special":
@@ -1286,7 +1427,8 @@ def tilelang_topk_kernels(tmp_path_factory):
 @pytest.mark.parametrize("config", dsa_topk.tilelang_configs(TOPK_SPEC, SM_90),
                          ids=lambda c: f"threads{c['THREADS']}-width{c['WIDTH']}-sweep{c['SWEEP']}"
                          f"-radix{dict(c.params).get('RADIX_BITS', 8)}-cache{dict(c.params).get('CACHE', 0)}"
-                         f"{'-vote' if dict(c.params).get('WARP_VOTE') else ''}")
+                         f"{'-vote' if dict(c.params).get('WARP_VOTE') else ''}"
+                         f"{'-speculate' if dict(c.params).get('SPECULATE') else ''}")
 def test_tilelang_topk_matches_reference_on_gpu(config, tilelang_topk_kernels, seed):
     """Every legal config on every TILELANG_TOPK_CASES entry, exactly the reference's positions (order, -1 padding);
     the outputs are poisoned (-7) before each launch."""
