@@ -14,6 +14,7 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,14 +78,15 @@ def choose_codegen(op: str, options: CompileOptions, execution: Execution, spec=
     dzc-dump, nothing runs and the preference stands)."""
     if options.codegen != "auto":
         return options.codegen
-    return (_usable_codegens(op, execution, spec, profile) or ["triton"])[0]
+    # The first usable one only: asking whether a later one can run here imports TileLang (over a second of a warm
+    # start on the H200 machine, where an op whose first choice is Triton never needs it).
+    return next(_usable_codegens(op, execution, spec, profile), "triton")
 
 
-def _usable_codegens(op: str, execution: Execution, spec, profile) -> list[str]:
+def _usable_codegens(op: str, execution: Execution, spec, profile) -> Iterator[str]:
     """The op's preferred codegens, best first, that have a kernel for `spec` with a legal config on `profile` and
-    can run here (all of them where nothing runs)."""
+    can run here (all of them where nothing runs), each worked out when it is asked for."""
     family = KERNEL_FAMILIES[op]
-    usable = []
     for name in PREFERRED_CODEGENS[op]:
         # A family may have no kernel of a codegen for some specs (`<codegen>_supports(spec)` says so).
         supports = getattr(family, f"{name}_supports", None)
@@ -94,8 +96,7 @@ def _usable_codegens(op: str, execution: Execution, spec, profile) -> list[str]:
             continue
         if name == "triton" or execution.runtime is None or (
                 execution.runtime.runs_tilelang and tilelang_codegen.import_problem() is None):
-            usable.append(name)
-    return usable
+            yield name
 
 
 class NoLegalConfig(RuntimeError):

@@ -302,3 +302,17 @@ def test_tilelang_indexer_through_lowering_on_gpu(seed, tmp_path):
                                                 args[6][rows], args[7])
                           for rows in (slice(i, i + 256) for i in range(0, 1024, 256))])
     _check(logits, expected, FP8, "through lowering")
+
+
+def test_auto_codegen_asks_about_tilelang_only_when_triton_comes_second(monkeypatch):
+    """Where Triton is an op's first choice and has a kernel, "auto" never asks whether TileLang runs here: that
+    imports TileLang (1.4 s of a warm start on the H200 machine, session 35). Where TileLang comes first it asks."""
+    from dzc.targets.device_runtime import CudaRuntime
+
+    asked = []
+    monkeypatch.setattr(tilelang_codegen, "import_problem", lambda: asked.append(1) or "not importable (test)")
+    gpu, auto = Execution(CudaRuntime()), CompileOptions()
+    monkeypatch.setitem(PREFERRED_CODEGENS, "dsa_indexer", ("triton", "tilelang"))
+    assert choose_codegen("dsa_indexer", auto, gpu, FP8, SM_90) == "triton" and not asked
+    monkeypatch.setitem(PREFERRED_CODEGENS, "dsa_indexer", ("tilelang", "triton"))
+    assert choose_codegen("dsa_indexer", auto, gpu, FP8, SM_90) == "triton" and asked
