@@ -328,19 +328,25 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
     # Where descriptor loads are bulk copies (Hopper's TMA), a decode tile's TMA twin: 1.07-1.19x faster at 1-64
     # tokens on gpt-oss-120b and DeepSeek-style shapes on the H200 (docs/results/mxfp4_moe_tma_h200.md); at
     # T=8192 the 128-row SWAP_AB tiles were 1.06-1.6x slower with TMA (session 26). DOT_SCALED tiles were slower
-    # everywhere: tuning only; so are W4A8's FP8_STACKED and SWAP_AB's DECODE=2 and 256-row tiles (not timed on a
-    # GPU yet).
+    # everywhere: tuning only; so are SWAP_AB's 256-row tiles (1.14-1.19x slower than 128 rows at gpt-oss T=8192,
+    # session 35).
     decode = rows_per_expert(spec, bucket) <= DECODE_MAX_ROWS_PER_EXPERT
     want_tma = profile.bulk_tensor_copies and decode
+    # SWAP_AB's DECODE=2 (signs merged four values a PRMT): 1.04x faster on the 128-row prefill tile at gpt-oss
+    # T=8192 in sessions 34 and 35, its GPU numerics passed (session 35). W4A8's FP8_STACKED (gate and up in one MMA
+    # a step) on 64 x 64 tiles: 1.05x the same tile unstacked and 1.15x the 128 x 64 one (session 35).
+    want_decode = 2 if want_swap and any(_decode(x) == 2 for x in tier) else 1
+    want_stacked = any(_fp8_stacked(x) for x in tier)
 
     def preference(c: KernelConfig):
-        # The cost model's path, the tier's largest row block, then mid-size tiles (64 x 128) with 128 threads:
-        # for decode many small blocks keep every SM loading; for prefill one warp group per block measured
-        # fastest on the H200 (docs/results/mxfp4_moe_h200.md).
+        # The cost model's path, the tier's largest row block (W4A8: 64 rows), then mid-size tiles (64 x 128) with
+        # 128 threads: for decode many small blocks keep every SM loading; for prefill one warp group per block
+        # measured fastest on the H200 (docs/results/mxfp4_moe_h200.md).
         threads = c.num_warps * profile.warp_size
+        rows = abs(c["BLOCK_M"] - W4A8_BLOCK_M) if _fp8(c) else -c["BLOCK_M"]
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
-                _dot_scaled(c), _fp8_stacked(c), _decode(c) != 1, c["BLOCK_M"] >= SWAP_AB_WIDE_ROWS,
-                _swap_ab(c) != want_swap, _tma(c) != want_tma, -c["BLOCK_M"],
+                _dot_scaled(c), _fp8_stacked(c) != want_stacked, _decode(c) != want_decode,
+                c["BLOCK_M"] >= SWAP_AB_WIDE_ROWS, _swap_ab(c) != want_swap, _tma(c) != want_tma, rows,
                 _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64), abs(c["BLOCK_K"] - 128),
                 abs(threads - 128), c.num_stages != 3)
 
@@ -377,6 +383,9 @@ NATURAL_ORDER, NIBBLE_ORDER, SWAP_ORDER = 0, 1, 2
 SWAP_TILE = 128
 # SWAP_AB prefill tiles of this many token rows (wgmma's largest N; tuning candidates, see triton_configs).
 SWAP_AB_WIDE_ROWS = 256
+# W4A8's untuned row block: 64 x 64 tiles beat 128 x 64 (4 and 8 warps) and 128 x 128 at gpt-oss T=8192 on the
+# H200 (sessions 34-35, docs/results/mxfp4_moe_h200.md).
+W4A8_BLOCK_M = 64
 
 
 def _act_order(config: KernelConfig) -> int:
@@ -550,9 +559,10 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
                for block_m in (16, 32, 64, 128) for block_n in (64, 128)
                for warps in ((4,) if block_m <= 64 else (4, 8)) for stages in (2, 3, 4)]
         # FP8_STACKED: the gate/up GEMM's gate and up weight rows stacked into one MMA a step (one wgmma wait a
-        # step, not two; its scales loaded a step ahead: generated module docstring). Tuning only (not timed on a
-        # GPU yet), at the prefill tiles whose sm_90 K step it shortened without spilling more (static:
-        # docs/mxfp4_moe_kernels.md); 64 x 128 and 128 x 64 on 4 warps spilled more than without.
+        # step, not two; its scales loaded a step ahead: generated module docstring), at the prefill tiles whose
+        # sm_90 K step it shortened without spilling more (static: docs/mxfp4_moe_kernels.md); 64 x 128 and
+        # 128 x 64 on 4 warps spilled more than without. On the H200 1.14-1.46x faster gate/up GEMMs (sessions
+        # 34-35); the 64 x 64 one is the untuned choice (configs_for_bucket).
         fp8 += [KernelConfig.make(num_warps=warps, num_stages=3, BLOCK_M=block_m, BLOCK_N=block_n,
                                   BLOCK_K=FP8_GROUP, WORKSPACE=1, SPLIT_K=1, FP8=1, FP8_STACKED=1)
                 for block_m, block_n, warps in ((64, 64, 4), (128, 64, 8), (128, 128, 8))]
@@ -598,15 +608,16 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
                                       BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, **tma)
                     for block_n, warps in ((64, 4), (128, 8)) for stages in (3, 4) for tma in tmas]
         if profile.triton_inline_asm:
-            # DECODE=2: the same prefill tiles with the signs merged four values at a time (_WORD_DECODER_2).
-            # Tuning only: its sm_90 K step is shorter (docs/mxfp4_moe_kernels.md, static), not yet timed.
+            # DECODE=2: the same prefill tiles with the signs merged four values at a time (_WORD_DECODER_2):
+            # a shorter sm_90 K step (docs/mxfp4_moe_kernels.md), 1.04x faster on the H200 (sessions 34-35).
             configs += [KernelConfig.make(num_warps=warps, num_stages=3, BLOCK_M=128, BLOCK_N=block_n,
                                           BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, DECODE=2)
                         for block_n, warps in ((64, 4), (128, 8))]
         if profile.matrix_instruction == "wgmma":
             # 256 token rows a tile (wgmma's largest N): each decoded weight feeds twice a 128-row tile's MMA work.
             # 64 weight rows on 8 warps: each warp group holds 64 of the 128 stacked gate/up rows x 256 tokens
-            # (128 fp32 accumulator registers a thread). Tuning only, not timed on a GPU yet. Compiled for sm_90
+            # (128 fp32 accumulator registers a thread). Tuning only: 1.14-1.19x slower than the 128-row tile at
+            # gpt-oss T=8192 on the H200 (session 35), with and without DECODE=2. Compiled for sm_90
             # (gpt-oss-120b, Triton 3.9, 3 stages; docs/mxfp4_moe_kernels.md, session 34): gate/up K step 452 SASS
             # instructions a warp, 14.1 a token row for the block (128x64 on 4 warps: 728, 22.8), 188 B spilled,
             # none in the loop (128x64: 256 B, 23 local accesses a step); down 394 (12.3 against 14.3: its two warp
