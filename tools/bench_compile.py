@@ -3,7 +3,7 @@ process, with dzc's compile-time breakdown.
 
     python tools/bench_compile.py [--quick] [--models llama_decoder multimodal ...] [--no-torch] [--out table.md]
                                   [--layers N] [--vision-layers N] [--regions on|off|both] [--cold-only]
-                                  [--profile-warm DIR] [--no-bytecode-cache]
+                                  [--profile-warm DIR] [--child-logs DIR] [--no-bytecode-cache]
 
 Times are the compile call (dzc.compile / torch.compile) plus the first call: torch.compile() imports Inductor
 before it returns, dzc.compile() at the first call (before session 22 only the first call was timed, which left
@@ -103,7 +103,8 @@ def prime_bytecode(prefix: str) -> None:
 
 
 def run(kind: str, model: str, cache_dir: str, layers: int | None = None, regions: str = "on",
-        profile: str | None = None, vision_layers: int | None = None, bytecode: str | None = None) -> dict:
+        profile: str | None = None, vision_layers: int | None = None, bytecode: str | None = None,
+        log: str | None = None) -> dict:
     env = dict(os.environ, DZC_CACHE_DIR=os.path.join(cache_dir, "dzc"),
                TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
                TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
@@ -113,11 +114,19 @@ def run(kind: str, model: str, cache_dir: str, layers: int | None = None, region
                "--regions", regions, *(["--layers", str(layers)] if layers else []),
                *(["--vision-layers", str(vision_layers)] if vision_layers else []),
                *(["--profile", profile] if profile else [])]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    for line in proc.stdout.splitlines():
+    # With `log`, the child's output goes there as it is written (what a compile cut off by a time limit got
+    # through), its result line included.
+    if log:
+        with open(log, "w") as out:
+            proc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
+        stdout = stderr = open(log).read()
+    else:
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        stdout, stderr = proc.stdout, proc.stderr
+    for line in stdout.splitlines():
         if line.startswith(TAG):
             return json.loads(line.removeprefix(TAG))
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+    tail = (stderr.strip().splitlines() or ["no output"])[-1][:200]
     return {"failed": f"exit {proc.returncode}: {tail}"}
 
 
@@ -134,6 +143,8 @@ def main() -> None:
                         help="dzc's nested compile regions (CompileOptions.nested_regions)")
     parser.add_argument("--cold-only", action="store_true", help="skip the warm run")
     parser.add_argument("--profile-warm", metavar="DIR", help="cProfile each warm first call into DIR")
+    parser.add_argument("--child-logs", metavar="DIR", help="write each child's output to DIR/<model>-<compiler>-"
+                        "<cold|warm>.log as it runs (with DZC_DEBUG=1: dzc's report when its compile ends)")
     parser.add_argument("--no-bytecode-cache", action="store_true",
                         help="no shared, primed bytecode cache: each process reads its installation's")
     parser.add_argument("--child", choices=["dzc", "torch"], help=argparse.SUPPRESS)
@@ -144,8 +155,9 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    if args.profile_warm:
-        os.makedirs(args.profile_warm, exist_ok=True)
+    for folder in (args.profile_warm, args.child_logs):
+        if folder:
+            os.makedirs(folder, exist_ok=True)
     models = ["llama_decoder"] if args.quick else args.models
     if args.vision_layers and models != ["multimodal"]:
         parser.error("--vision-layers builds the multimodal model only: pass --models multimodal")
@@ -184,12 +196,14 @@ def measure(args, models: list[str], kinds: list[str], settings: list[str], labe
     for model in models:
         for kind, regions in [(kind, r) for kind in kinds for r in (settings if kind == "dzc" else ["on"])]:
             with tempfile.TemporaryDirectory(prefix="dzc-bench-compile-") as cache_dir:
+                logs = {when: os.path.join(args.child_logs, f"{model}-{kind}-{when}.log") if args.child_logs
+                        else None for when in ("cold", "warm")}
                 cold = run(kind, model, cache_dir, args.layers, regions, vision_layers=args.vision_layers,
-                           bytecode=bytecode)
+                           bytecode=bytecode, log=logs["cold"])
                 profile = (os.path.join(args.profile_warm, f"{model}-{kind}-warm.txt") if args.profile_warm
                            else None)
                 warm = cold if args.cold_only else run(kind, model, cache_dir, args.layers, regions, profile,
-                                                       args.vision_layers, bytecode)
+                                                       args.vision_layers, bytecode, logs["warm"])
             print(TAG + json.dumps({"model": model, "layers": args.layers, "vision_layers": args.vision_layers,
                                     "kind": kind, "regions": regions,
                                     "cold": cold, "warm": None if args.cold_only else warm}), flush=True)

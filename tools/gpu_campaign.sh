@@ -276,6 +276,12 @@ s35-moe)
     "BLOCK_M=64,BLOCK_N=64,$ws,FP8_STACKED=1,num_warps=4,num_stages=3"
     "BLOCK_M=128,BLOCK_N=64,$ws,num_warps=4,num_stages=3")  # (the last: W4A8's untuned choice, not timed in s34)
   TAIL=60 part moe_tiles_35 300 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8192 --configs "${tiles[@]}"
+  # Decode (issue 15: 0.68-0.74x triton_kernels at 8-64 tokens, sessions 27-30): where each kernel's microseconds go
+  # beside triton_kernels' layer (carry .triton-kernels), at the tuner's session-29 picks (split 2 and 1).
+  decode=("BLOCK_M=16,BLOCK_N=64,$swap,num_warps=4,num_stages=3"
+    "BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,SPLIT_K=2,SWAP_AB=1,num_warps=4,num_stages=3")
+  TAIL=60 part moe_decode_kernels 150 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8 64 \
+    --configs "${decode[@]}"
   ;;
 s35-topk)
   # (after wheels-1 and wheels-2) issue 14: session 34's WARP_VOTE=1 top-k (the second sweep by warp ballots; static
@@ -296,8 +302,11 @@ s35-compile)
   # its modules from source, which an installed torch does not).
   TAIL=8 part bench_compile_warm 200 python3 tools/bench_compile.py --models llama_decoder \
     --out "$OUT/compile_warm_h200.md"
-  TAIL=12 part bench_compile_full_depth 380 python3 tools/bench_compile.py --models multimodal --no-torch \
-    --cold-only --layers 61 --vision-layers 32 --out "$OUT/compile_full_depth_h200.md"
+  # Session 35 ran past 380 s here with the child's output lost: now it is streamed to a log, with dzc's report
+  # (the compile's stage breakdown) printed when the compile ends, before the first run builds the kernels.
+  TAIL=12 part bench_compile_full_depth 500 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
+    --no-torch --cold-only --layers 61 --vision-layers 32 --child-logs "$OUT/compile_logs" \
+    --out "$OUT/compile_full_depth_h200.md"
   ;;
 s35-vision-large)
   # (after wheels-1 and wheels-2) issue 14: the large pack (never timed since the warp-specialized kernel's split
