@@ -37,7 +37,8 @@ fallback's compiled Python code is kept too (`<cache>/compile/code/`, graph_func
 
 The cache directory (DZC_CACHE_DIR or CompileOptions.cache_dir) is one self-contained directory: kernels/, the
 tuning database, compile/ entries; copy it to another machine of the same kind (same GPU, same versions) and the
-first compile there is warm. Set TRITON_CACHE_DIR inside it too to carry Triton's compiled binaries.
+first compile there is warm. Set TRITON_CACHE_DIR and TILELANG_CACHE_DIR inside it too to carry Triton's and
+TileLang's compiled binaries.
 Entries are pickles: load only cache directories you trust, as with torch's own caches.
 """
 

@@ -7,8 +7,10 @@ process, with dzc's compile-time breakdown.
 
 Times are the compile call (dzc.compile / torch.compile) plus the first call: torch.compile() imports Inductor
 before it returns, dzc.compile() at the first call (before session 22 only the first call was timed, which left
-torch.compile's imports out). cold = a fresh process with an empty cache directory (dzc: DZC_CACHE_DIR;
-torch.compile: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR); warm = another fresh process with the same
+torch.compile's imports out). cold = a fresh process with empty cache directories (dzc: DZC_CACHE_DIR;
+torch.compile: TORCHINDUCTOR_CACHE_DIR; both: TRITON_CACHE_DIR and TILELANG_CACHE_DIR, whose compiled kernels
+before session 35 outlived a run in ~/.tilelang/cache, so that a later "cold" dzc compile on the same machine built
+no TileLang kernel); warm = another fresh process with the same
 directories (dzc: compile cache and tuning database hit; torch.compile: its FX graph and AOTAutograd caches). That
 is what a user waits for: capture, compile, and the first run (kernel builds, dzc's rewrite check).
 Models are dzc.models names (their example inputs), on CUDA when there is a GPU, else on the CPU (dzc's kernels
@@ -107,7 +109,8 @@ def run(kind: str, model: str, cache_dir: str, layers: int | None = None, region
         log: str | None = None) -> dict:
     env = dict(os.environ, DZC_CACHE_DIR=os.path.join(cache_dir, "dzc"),
                TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
-               TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"))
+               TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
+               TILELANG_CACHE_DIR=os.path.join(cache_dir, "tilelang"))
     if bytecode:
         env["PYTHONPYCACHEPREFIX"] = bytecode
     command = [sys.executable, __file__, "--child", kind, "--model", model, "--cache-dir", env["DZC_CACHE_DIR"],
