@@ -15,15 +15,16 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session (session 34 ran wheels-1, s33-host, wheels-2, s32-vision-split, s33-topk-phases, s32-vision-tests,
-# s32-vision-auto and the first parts of s34-moe-tiles and s34-sparse-row: docs/results, "Session 34"), in order:
-#   call A (carry .whl-gpu1): bash tools/gpu_campaign.sh wheels-1 && bash tools/gpu_campaign.sh s35-moe
-#       the GPU numerics of DECODE=2, FP8_STACKED and the 256-row SWAP_AB tiles, then every tile timed at gpt-oss
-#       T=8192 (the numerics first: a tile becomes an untuned choice only where it passed and won)
-#   call B (carry .whl-gpu2): bash tools/gpu_campaign.sh wheels-2; bash tools/gpu_campaign.sh s35-topk
-#   call C: bash tools/gpu_campaign.sh s35-compile       # issue 18: the full-depth cold compile on the H200 host
+# Next session (session 35 ran wheels-1 + s35-moe, wheels-2 + s35-compile's first part, the SPECULATE top-k's
+# numerics and phases, and the warm compile again: docs/results, "Session 35"), in order:
+#   call A (carry .whl-gpu1, .triton-kernels): bash tools/gpu_campaign.sh wheels-1 && bash tools/gpu_campaign.sh s36-moe
+#       issue 15: the tuned bench at gpt-oss T=8192 with the new untuned choices, W4A16 and W4A8 (first full W4A8
+#       bench row since session 25)
+#   call B (carry .whl-gpu2): bash tools/gpu_campaign.sh wheels-2; bash tools/gpu_campaign.sh s36-topk
+#       issue 14: the SPECULATE top-k after its first sweep was pipelined (numerics, then phases and configs)
+#   call C: bash tools/gpu_campaign.sh s36-compile       # issue 18: full-depth cold + warm, output streamed
 #   call D: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
-#   then the W4A8 bench (s34-moe-tiles' last part) and s34-sparse-row's numerics and decode parts.
+#   then s34-sparse-row's numerics and decode parts, and s35-topk's WARP_VOTE parts.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -282,6 +283,32 @@ s35-moe)
     "BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,SPLIT_K=2,SWAP_AB=1,num_warps=4,num_stages=3")
   TAIL=60 part moe_decode_kernels 150 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8 64 \
     --configs "${decode[@]}"
+  ;;
+s36-moe)
+  # (after wheels-1) issue 15: bench_mxfp4_moe at gpt-oss-120b T=8192, the tuned rows and the untuned choices
+  # session 35 made (DECODE=2 on the SWAP_AB prefill tile; W4A8 64 x 64 FP8_STACKED), W4A16 and W4A8, beside
+  # triton_kernels (carry .triton-kernels too) and grouped_mm.
+  TAIL=12 part bench_moe_prefill 480 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 8192 \
+    --routing uniform --codegens triton --w4a8 --memory-layers 0 --out "$OUT/mxfp4_moe_prefill_h200.md"
+  ;;
+s36-topk)
+  # (after wheels-1 and wheels-2) issue 14: the SPECULATE=1 top-k (a candidate buffer filled during the first
+  # sweep; session 35's first GPU run: the second sweep gone, the first 1.9x slower, 128K 46.3 -> 43.3 us) after
+  # its first sweep was pipelined: GPU numerics of every config with a twin, then phases and the configs table.
+  TAIL=6 part gpu_tests_topk 240 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_dsa_kernels.py \
+    -k "tilelang_topk_matches_reference_on_gpu and (speculate or vote)"
+  TAIL=60 part topk_speculate_phases 200 python3 tools/diagnose_dsa_topk_phases.py --lengths 32768 65536 131072 \
+    --match SPECULATE=1
+  TAIL=12 part topk_speculate_configs 150 python3 tools/diagnose_dsa_topk_configs.py --width 131072 \
+    --lengths 40000 65536 98304 131072 --match SPECULATE=1
+  ;;
+s36-compile)
+  # (after wheels-1 and wheels-2) issue 18: the multimodal model at full depth (61 decoder + 32 vision layers, no
+  # tuning), cold then warm, each child's output and dzc's report streamed to logs (session 35's cold run passed
+  # 380 s with its output lost).
+  TAIL=12 part bench_compile_full_depth 560 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
+    --no-torch --layers 61 --vision-layers 32 --child-logs "$OUT/compile_logs" \
+    --out "$OUT/compile_full_depth_h200.md"
   ;;
 s35-topk)
   # (after wheels-1 and wheels-2) issue 14: session 34's WARP_VOTE=1 top-k (the second sweep by warp ballots; static
