@@ -985,12 +985,12 @@ def test_tilelang_topk_warp_vote_collects_without_per_key_atomics(lowered_topk, 
 @pytest.mark.slow
 def test_tilelang_topk_speculate_appends_by_warp_votes(tmp_path):
     """SPECULATE=1 (session 35, a tuning candidate) at the 128K span on the H200: the first sweep's appends to the
-    speculative buffer are warp ballots and one shared-memory atomicAdd a warp and step (on the first step after
-    the estimate, and in the loop over the rest, which has no barrier); the candidates' arrays grow to the buffer
-    (the shared memory is the legality estimate, within the H200's 227 KiB); it compiles for sm_90a without
-    spills within the 64 registers a thread 1024 threads allow (nvcc 13.0: 59, 229680 bytes of shared memory).
-    Its numerics: test_tilelang_topk_speculate_runs_on_cpu_threads, and on a GPU
-    test_tilelang_topk_matches_reference_on_gpu."""
+    speculative buffer are one shared-memory atomicAdd a warp and step, by lane 31 after a shuffle scan of the
+    lanes' counts (on the first step after the estimate, and in the loop over the rest, which has no barrier, for
+    a step inside the row and for the last one); the candidates' arrays grow to the buffer (the shared memory is the
+    legality estimate, within the H200's 227 KiB); it compiles for sm_90a without spills within the 64 registers a
+    thread 1024 threads allow (nvcc 13.0: 55, 229680 bytes of shared memory). Its numerics:
+    test_tilelang_topk_speculate_runs_on_cpu_threads, and on a GPU test_tilelang_topk_matches_reference_on_gpu."""
     (config,) = [c for c in dsa_topk.tilelang_configs(TOPK_SPEC, SM_90)
                  if dict(c.params).get("SPECULATE") and c["WIDTH"] == 131072]
     artifact = tilelang_codegen.lower(_topk_tilelang_path(tmp_path), dsa_topk.TILELANG_FACTORY_NAME, config, SM_90)
@@ -1000,13 +1000,46 @@ def test_tilelang_topk_speculate_appends_by_warp_votes(tmp_path):
     assert shared == dsa_topk.tilelang_shared_memory_bytes(TOPK_SPEC, config) <= SM_90.shared_memory_per_block
     lines = source.splitlines()
     appends = [i for i, line in enumerate(lines) if "atomicAdd((&(((int*)spec_count)[0]))" in line]
-    assert len(appends) == 2 and all("threadIdx.x) % 32) == 0)" in lines[i - 1] for i in appends)  # lane 0's
+    assert len(appends) == 3 and all("threadIdx.x) & 31) == 31)" in lines[i - 1] for i in appends)  # lane 31's
     sweep = "\n".join(_sweep_around(lines, appends[1]))
-    assert sweep.count("__ballot_sync(") == 1 and "__shfl_sync(" in sweep and "__syncthreads" not in sweep
+    assert _sweep_around(lines, appends[2]) == _sweep_around(lines, appends[1])
+    assert sweep.count("__shfl_up_sync(") == 2 and "__shfl_sync(" in sweep and "__syncthreads" not in sweep
     assert "AtomicAdd((&(((int*)hist)" in sweep and "logits[" in sweep  # the first sweep's histogram and loads
     report = tilelang_codegen.ptxas_report(source, SM_90, tmp_path)
     assert "dsa_topk_kernel" in report and "0 bytes spill stores, 0 bytes spill loads" in report, report
     assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 64, report
+
+
+@requires_nvcc
+@pytest.mark.slow
+def test_tilelang_topk_speculate_sweep_is_lean(tmp_path):
+    """SPECULATE=1's first sweep at the 128K span (session 35): on the H200 the appends had doubled its time (17.8
+    -> 33.7 us), not by holding back its loads (the next step's were issued before the appends, as in the plain
+    sweep) but by instructions: ~350 a warp and step against the plain sweep's ~169 (8 ballots and 17 population
+    counts, 16 predicated stores, every key's order_key computed twice, a position test and a branch around each
+    atomic). Now a step inside the row takes no position test: its next step's loads are plain loads (no bounds
+    test: the only `n_cols` test in the loop is the last step's), its histogram atomics are unconditional, and its
+    appends take no ballot: a compare and an or a key into a mask, one population count, a shuffle scan, one
+    atomic a warp, and a loop over the thread's marked keys (few) for the stores. (307572f: ballots, no
+    dsa_topk_load.)"""
+    (config,) = [c for c in dsa_topk.tilelang_configs(TOPK_SPEC, SM_90)
+                 if dict(c.params).get("SPECULATE") and c["WIDTH"] == 131072]
+    source = tilelang_codegen.lower_to_device_source(_topk_tilelang_path(tmp_path), dsa_topk.TILELANG_FACTORY_NAME,
+                                                     config, SM_90)
+    lines = source.splitlines()
+    appends = [i for i, line in enumerate(lines) if "atomicAdd((&(((int*)spec_count)[0]))" in line]
+    sweep = _sweep_around(lines, appends[1])
+    text = "\n".join(sweep)
+    assert "__ballot_sync(" not in text
+    # a step inside the row: every load unconditional, and the last step's loads the loop's only bounds tests
+    loads = [i for i, line in enumerate(sweep) if "dsa_topk_load((&(logits[" in line]
+    assert len(loads) == 1 and sweep[loads[0] - 1].lstrip().startswith("for (")
+    assert sum("< n_cols" in line for line in sweep) == 1
+    # the histogram of a step inside the row: its atomics under the unrolled loop directly (no position test)
+    histogram = [i for i, line in enumerate(sweep) if "AtomicAdd((&(((int*)hist)" in line]
+    assert len(histogram) == 2 and sum(sweep[i - 1].lstrip().startswith("for (") for i in histogram) == 1
+    # population counts: a mask's count and a marked key's index, for each kind of step
+    assert text.count("__popc(") == 4 and text.count("__shfl_up_sync(") == 2
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1134,6 +1167,8 @@ _CUDA_ON_CPU_THREADS = r"""
 typedef unsigned int uint;
 typedef unsigned char uchar;
 #define __global__
+#define __device__
+#define __forceinline__ inline
 #define __launch_bounds__(a, b)
 #define __restrict__
 struct Dim3 { int x = 0, y = 0, z = 0; };
