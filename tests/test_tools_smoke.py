@@ -44,7 +44,7 @@ SMOKE = {
     "diagnose_sparse_attention_configs.py --match": (["--dry-run", "--codegen", "tilelang", "--match", "ROW_ADDRESS=1"],
                                                      "| prefill | dry run: 2 of"),
     "diagnose_dsa_indexer_configs.py": (["--dry-run", "--match", "MIN_BLOCKS=3"], "dry run: "),
-    "diagnose_dsa_topk_configs.py": (["--dry-run", "--match", "RADIX_BITS=10"], "dry run: 4 of 7 configs"),
+    "diagnose_dsa_topk_configs.py": (["--dry-run", "--match", "RADIX_BITS=10"], "dry run: 5 of 8 configs"),
     "diagnose_dsa_topk_phases.py": (["--dry-run", "--lengths", "32768"], "dry run: 128 rows of 32768, CACHE=32768"),
     # Runs for real: one request (its prefill) and a decode step, then the reports and their coverage.
     "demo.py": (["--requests", "1", "--decode-steps", "1"], "largest unfused ops (left to the fallback)"),
