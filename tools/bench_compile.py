@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 TAG = "BENCH_COMPILE "
 
@@ -122,7 +123,7 @@ def run(kind: str, model: str, cache_dir: str, layers: int | None = None, region
     if log:
         with open(log, "w") as out:
             proc = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
-        stdout = stderr = open(log).read()
+        stdout = stderr = Path(log).read_text()
     else:
         proc = subprocess.run(command, capture_output=True, text=True, env=env)
         stdout, stderr = proc.stdout, proc.stderr
