@@ -13,9 +13,15 @@ GraphModule attribute). Two halves here:
   layers are left unmarked and their children marked instead, each group formed by the child of one name (of one
   class, one module per layer) across the layers, by the same rule (descending further where they differ too, or
   where the child is a torch class: a Linear, a ModuleList); `Marking.refused` names the layers and the attribute.
-  The cost: what is left unmarked (the attention reading the cache) AOTAutograd traces once per layer, where it
-  traced the whole layers' deduplicated body once; Dynamo's saving is larger (multimodal model, CPU: 1.4 s of
-  Dynamo per decoder + vision layer pair down to 0.5 s, 0.4 s of AOTAutograd up to 0.9 s).
+  Where the instances differ only in int attributes of their own (the attention holding the layer index it reads
+  its cache with), the descent stops and they are marked whole, their children left alone: Dynamo traces every
+  call of them (its reuse check refuses, as above), finds the traced bodies equal (each layer's cache tensors are
+  inputs of its body, not constants in it) and installs one body, which AOTAutograd, most of a capture, traces
+  once instead of once a layer; `Marking.traced_per_call` names them. Their children stay unmarked because a region
+  inside a body that writes its inputs fails AOTAutograd in torch 2.13. Multimodal model, CPU, 8 + 8 to 16 + 16
+  layers: whole layers marked, 1.4 s of Dynamo and 0.4 s of AOTAutograd a decoder + vision layer pair; their
+  children, 0.5 s and 0.9 s; children and the attention marked whole, 0.3 s and none (AOTAutograd 7.8 s at both
+  depths; docs/results/compile_time_cpu.md, session 36).
   A group is named by its ModuleList's path (`layers`), a group of children by that path with `*` for the layer
   (`layers.*.mlp`, `layers.*.attn.indexer`). Each marked instance's class is swapped for a subclass of the same
   name whose forward is the original one wrapped in nested_compile_region. Outside Dynamo the wrapper calls the
@@ -253,12 +259,17 @@ class Marking:
 
     groups: list[tuple[str, str, list[torch.nn.Module]]] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # classes left unmarked, with why
+    # path of a group whose instances differ in int attributes of their own -> those attributes: Dynamo traces
+    # each of its calls (module docstring)
+    traced_per_call: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.groups)
 
     def describe(self) -> str:
-        return ", ".join(f"{path}: {len(layers)} x {name}" for path, name, layers in self.groups)
+        return ", ".join(f"{path}: {len(layers)} x {name}" + (
+            f" (each call traced: instances differ in int attribute {self.traced_per_call[path]})"
+            if path in self.traced_per_call else "") for path, name, layers in self.groups)
 
     def owners(self) -> dict[int, str]:
         """id of each parameter and buffer of a marked layer -> the layer's path."""
@@ -313,12 +324,13 @@ def _mark_group(marking: Marking, path: str, instances: list[torch.nn.Module]) -
     instances' subtrees were handled so (False: refused, in `marking.refused` where it is no torch class)."""
     cls = type(instances[0])
     why = _markable(instances[0])
-    differing = "" if why else _differing_int(instances)
-    if why == "a torch class" or differing:
+    differing = [] if why else _differing_ints(instances)
+    own = bool(differing) and all("." not in key for key in differing)  # attributes of the instances themselves
+    if why == "a torch class" or (differing and not own):
         at = len(marking.refused)  # (the layers' line before their children's)
         marked = _mark_children(marking, path if "*" in path else f"{path}.*", instances)
         if differing:
-            marking.refused.insert(at, f"{path}: {cls.__name__} (instances differ in int attribute {differing}: "
+            marking.refused.insert(at, f"{path}: {cls.__name__} (instances differ in int attribute {differing[0]}: "
                                    + ("marked its repeated children instead)" if marked else "no child marked)"))
         return True
     if why:
@@ -336,6 +348,8 @@ def _mark_group(marking: Marking, path: str, instances: list[torch.nn.Module]) -
         marking.refused.append(f"{path}: {cls.__name__} (its class cannot be swapped: {error})")
         return False
     marking.groups.append((path, cls.__name__, instances))
+    if own:
+        marking.traced_per_call[path] = ", ".join(differing)
     return True
 
 
@@ -356,17 +370,19 @@ def _mark_children(marking: Marking, path: str, instances: list[torch.nn.Module]
     return len(marking.groups) > before
 
 
-def _differing_int(instances: list[torch.nn.Module]) -> str:
-    """The first int attribute (bools are none here) that every instance's subtree holds at the same relative path
-    with other values, as `path.name`, or "". Dynamo guards such a value where a forward reads it (a layer index
-    picking the layer's cache): the reuse of one instance's body for another is refused, every call traced."""
+def _differing_ints(instances: list[torch.nn.Module]) -> list[str]:
+    """The int attributes (bools are none here) that every instance's subtree holds at the same relative path with
+    other values, as `path.name` (`name` for the instances' own), in the order of the first instance's modules.
+    Dynamo guards such a value where a forward reads it (a layer index picking the layer's cache): the reuse of
+    one instance's body for another is refused, every call traced."""
     held = [{(where, name): value for where, module in instance.named_modules()
              for name, value in vars(module).items() if type(value) is int} for instance in instances]
+    differing = []
     for key in held[0]:
         values = [of.get(key) for of in held]
         if None not in values and len(set(values)) > 1:
-            return ".".join(part for part in key if part)
-    return ""
+            differing.append(".".join(part for part in key if part))
+    return differing
 
 
 def misplaced_parameters(gm: torch.fx.GraphModule, example_inputs, marking: Marking) -> str:
