@@ -72,6 +72,7 @@ caller's cache.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import operator
 from dataclasses import dataclass
 
@@ -280,7 +281,8 @@ class _CacheFamily:
                 self._latest(arg, node)
 
 
-def _plan(graph: torch.fx.Graph, copy_back: torch.fx.Node) -> _CacheFamily:
+def _plan(graph: torch.fx.Graph, copy_back: torch.fx.Node, order: dict[torch.fx.Node, int]) -> _CacheFamily:
+    """order: each node's position in the graph (erasing nodes keeps the others' order)."""
     cache = copy_back.args[0]
     family = _CacheFamily(cache, copy_back)
     if not isinstance(family.cache_fake, torch.Tensor):
@@ -289,9 +291,22 @@ def _plan(graph: torch.fx.Graph, copy_back: torch.fx.Node) -> _CacheFamily:
         value = fake_value(other)
         if other is not cache and isinstance(value, torch.Tensor) and _same_storage(value, family.cache_fake):
             raise Refusal(f"inputs {cache.name} and {other.name} share memory")
-    for node in graph.nodes:
-        if any(a in family.members for a in node.all_input_nodes):
-            family.visit(node)
+    # Every node that uses a member, in graph order: only a member's users can join the family or read it, so they
+    # come from a heap of those users (a scan of the whole graph per mutated input was quadratic in its depth).
+    pending, queued = [], set()
+
+    def follow(member: torch.fx.Node) -> None:
+        for user in member.users:
+            if user not in queued:
+                queued.add(user)
+                heapq.heappush(pending, (order[user], user))
+
+    follow(cache)
+    while pending:
+        node = heapq.heappop(pending)[1]
+        family.visit(node)
+        if node in family.members:
+            follow(node)
     if not family.writes:
         raise Refusal(f"the value copied back into {cache.name} is not a write into it")
     return family
@@ -324,9 +339,10 @@ def _copy_backs(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 def reinplace_cache_writes(graph: torch.fx.Graph) -> PassResult:
     graph = copy_graph(graph)
     result = PassResult("reinplace_cache_writes", graph)
+    order = {node: i for i, node in enumerate(graph.nodes)}
     for copy_back in _copy_backs(graph):
         try:
-            family = _plan(graph, copy_back)
+            family = _plan(graph, copy_back, order)
         except Refusal as why:
             result.refused(f"input {copy_back.args[0].name}", str(why))
             continue
