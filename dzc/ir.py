@@ -17,6 +17,7 @@ import re
 
 import torch
 import torch.fx
+from torch.fx.experimental.sym_node import SymNode
 
 _DTYPE_NAMES = {
     torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
@@ -52,6 +53,7 @@ class _Printer:
         self.values: dict[torch.fx.Node, str] = {}
         self.symbols: dict[str, str] = {}
         self.renamed: dict[str, str] = {}  # an expression's text -> its text with the symbols renamed
+        self.sizes: dict = {}  # a SymInt's sympy expression -> symbol() of its text
 
     def symbol(self, expr) -> str:
         text = str(expr)
@@ -80,10 +82,34 @@ class _Printer:
             return "(" + ", ".join(self.type_of(v) for v in what) + ")"
         return what
 
+    def size(self, size) -> str:
+        """symbol(str(size)) of an int or SymInt: a SymInt's text is its expression's, formatted by sympy once per
+        distinct expression (formatting each value's sizes was half of printing a deep model's graph)."""
+        if isinstance(size, int):
+            return str(size)
+        node = size.node
+        if type(node) is not SymNode:  # (a nested int's text is not its expression's)
+            return self.symbol(size)
+        expr = node.expr
+        text = self.sizes.get(expr)
+        if text is None:
+            text = self.sizes[expr] = self.symbol(expr)
+        return text
+
+    def value_text(self, value) -> str:
+        """type_of(value_type(value)), its sizes through size()."""
+        if isinstance(value, torch.Tensor):
+            return f"{dtype_name(value.dtype)}[{', '.join(self.size(d) for d in value.shape)}]"
+        if isinstance(value, torch.SymInt):
+            return f"sym {self.size(value)}"
+        if isinstance(value, (tuple, list)):
+            return "(" + ", ".join(self.value_text(v) for v in value) + ")"
+        return type(value).__name__
+
     def node_type(self, node: torch.fx.Node) -> str:
         if "val" not in node.meta and node.name in self.types:
             return self.type_of(self.types[node.name])
-        return self.type_of(value_type(node.meta.get("val")))
+        return self.value_text(node.meta.get("val"))
 
     def arg(self, value) -> str:
         if isinstance(value, torch.fx.Node):
@@ -95,7 +121,9 @@ class _Printer:
             return dtype_name(value)
         if isinstance(value, torch.device):
             return repr(str(value))
-        if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        if isinstance(value, torch.SymInt):
+            return self.size(value)
+        if isinstance(value, torch.SymFloat):
             return self.symbol(value)
         return repr(value)
 
