@@ -12,16 +12,16 @@ on one of two paths, chosen per token bucket (a config parameter, WORKSPACE, so 
 TileLang runs the online path for bf16 and fp16 activations; it multiplies bf16 x bf16 only (its fp32 GEMM is
 TF32), so fp16 activations enter as 2 stacked bf16 terms, which hold them exactly (fp32: Triton, see
 tilelang_supports).
-W4A8 (the dzc.mxfp4_moe_w4a8 op, profiles with native FP8; Triton): the activations and the activated experts'
-weights are converted to E4M3 (one scale per 128 columns) once per call, and both GEMMs multiply FP8 tiles (configs
-with FP8=1, workspace path). Online dequant to FP8 is not offered: decoding in the GEMM's inner loop costs the same
-integer work per weight as W4A16's and W4A16 needs no activation quantization, so W4A8 only pays where the weights
-are converted once for many rows (prefill). At decode sizes the op is W4A16 (dzc.ops.mxfp4_moe.fp8_applies: fewer
-than 128 rows per expert; converting every activated expert per call made W4A8 6.7x slower than W4A16 at 64 tokens
-of gpt-oss-120b on the H200, 7628 vs 1142 us, 2026-12-01): the launch follows the call's token count, and the tier
-of a decode bucket is W4A16's online one (FP8=0); the report's path per token bucket says which ran. The two are
-not mixed in one tier: the tuner's agreement check (1/16 of the output's scale) could not tell FP8 rounding (up to
-~2^-4 of it) from a wrong result.
+W4A8 (the dzc.mxfp4_moe_w4a8 op, profiles with native FP8; Triton): the activations are converted to E4M3 (one scale
+per 128 columns) once per call and both GEMMs multiply FP8 tiles (configs with FP8=1). The weights are converted
+once per call into the workspace (WORKSPACE=1, the untuned choice: measured), or inside the GEMMs from the packed
+bytes (WORKSPACE=0, the online W4A8 path: a byte-permute lookup per word, no conversion kernel and no workspace;
+tuning candidates, not yet timed). Either way W4A8 is for prefill: at decode sizes the op is W4A16
+(dzc.ops.mxfp4_moe.fp8_applies: fewer than 128 rows per expert; converting every activated expert per call made
+W4A8 6.7x slower than W4A16 at 64 tokens of gpt-oss-120b on the H200, 7628 vs 1142 us, 2026-12-01): the launch
+follows the call's token count, and the tier of a decode bucket is W4A16's online one (FP8=0); the report's path
+per token bucket says which ran. The two are not mixed in one tier: the tuner's agreement check (1/16 of the
+output's scale) could not tell FP8 rounding (up to ~2^-4 of it) from a wrong result.
 
 Decode is weight-bandwidth bound: useful bytes = the packed weights (and scales) of the experts actually touched.
 """
@@ -277,8 +277,8 @@ def prepare(spec: MXFP4MoESpec, hidden, topk_ids, topk_weights, w13_blocks, w13_
 
 
 def _tier(spec: MXFP4MoESpec, bucket: int) -> tuple[set[int], set[int]]:
-    """(BLOCK_M values, WORKSPACE values) worth trying for `bucket` tokens. W4A8's FP8 configs are all workspace
-    ones; at decode sizes its tier is W4A16's online one instead (module docstring)."""
+    """(BLOCK_M values, paths (see _path)) worth trying for `bucket` tokens. W4A8's FP8 configs, with the workspace or
+    online, are one path; at decode sizes its tier is W4A16's online one instead (module docstring)."""
     rows = rows_per_expert(spec, bucket)
     if rows <= DECODE_MAX_ROWS_PER_EXPERT:
         block_ms, paths = {16}, {0}
@@ -288,9 +288,17 @@ def _tier(spec: MXFP4MoESpec, bucket: int) -> tuple[set[int], set[int]]:
         block_ms, paths = {64, 128}, {0, 1}
         if rows >= SWAP_AB_WIDE_ROWS:  # SWAP_AB's 256-row tiles only where an expert's rows fill one on average
             block_ms.add(SWAP_AB_WIDE_ROWS)
-    if spec.fp8_activations:  # the FP8 configs are the workspace ones; decode sizes run W4A16 online
-        paths = {1} if fp8_applies(bucket, spec.top_k, spec.experts) else {0}
+    if spec.fp8_activations:  # the FP8 configs at prefill sizes; decode sizes run W4A16 online
+        paths = {FP8_PATH} if fp8_applies(bucket, spec.top_k, spec.experts) else {0}
     return block_ms, paths
+
+
+# A tier's paths: WORKSPACE's value (0 online, 1 workspace) for W4A16 configs, FP8_PATH for W4A8's FP8 ones.
+FP8_PATH = 2
+
+
+def _path(config: KernelConfig) -> int:
+    return FP8_PATH if _fp8(config) else dict(config.params).get("WORKSPACE", 0)
 
 
 def _uses_workspace(config: KernelConfig) -> bool:
@@ -314,8 +322,8 @@ def _default_split_k(spec: MXFP4MoESpec, bucket: int) -> int:
 def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, configs: list[KernelConfig],
                        default: KernelConfig) -> tuple[list[KernelConfig], KernelConfig]:
     """The legal configs worth timing for `bucket`, and the untuned choice for it (cost model above)."""
-    block_ms, workspace_flags = _tier(spec, bucket)
-    tier = [c for c in configs if c["BLOCK_M"] in block_ms and dict(c.params).get("WORKSPACE", 0) in workspace_flags]
+    block_ms, paths = _tier(spec, bucket)
+    tier = [c for c in configs if c["BLOCK_M"] in block_ms and _path(c) in paths]
     if not tier:
         return configs, default
     # Where the MMA is wgmma, SWAP_AB tiles (the decoded weights as wgmma's A operand, from registers) at every
@@ -401,6 +409,8 @@ def describe_config(config: KernelConfig) -> str:
     """Which path a config runs: what the compile report records per token bucket."""
     if _fp8(config):
         stacked = ", gate and up as one MMA a step" if _fp8_stacked(config) else ""
+        if not _uses_workspace(config):
+            return f"W4A8 online (MXFP4 converted to E4M3 in registers inside the grouped FP8 GEMMs{stacked})"
         return f"W4A8 workspace (activated experts converted once to E4M3, then grouped FP8 GEMM{stacked})"
     if _uses_workspace(config):
         return "workspace (dequantize activated experts once, then grouped bf16 GEMM)"
@@ -458,6 +468,7 @@ def triton_source(spec: MXFP4MoESpec, profile: DeviceProfile) -> str:
     fields["decoder_code"] = triton_decoder_source(profile)
     fields["scaled_product_code"] = _SCALED_PRODUCT[profile.triton_dot_scaled]
     fields["word_decoder_code"] = _WORD_DECODER_2 if profile.triton_inline_asm else _WORD_DECODER_2_ARITHMETIC
+    fields["e4m3_word_code"] = _E4M3_WORDS if profile.triton_inline_asm else _E4M3_WORDS_ARITHMETIC
     fields.update(natural_order=NATURAL_ORDER, nibble_order=NIBBLE_ORDER, swap_order=SWAP_ORDER, swap_tile=SWAP_TILE)
     return Template((TEMPLATES / "mxfp4_moe.triton.py.tmpl").read_text()).substitute(fields)
 
@@ -527,6 +538,48 @@ def _decode_words_2(words, offsets):
     return _decode_words(words, offsets)
 '''
 
+# W4A8 online's word lookup (the generated module's `_e4m3_words`): where Triton has inline assembly, each word's 8
+# E2M1 codes looked up in their group's E4M3 table by byte permutes, 12 instructions a word. The magnitudes' low
+# nibbles (bytes 0..3) and high nibbles gather into one selector word (two lop3 and a prmt), two prmt look 4 bytes
+# up each from the table's 8, and one lop3 each merges the signs: a low nibble's sign (bit 8k + 3) shifted 4 up, a
+# high nibble's (bit 8k + 7) in place, are the E4M3 bytes' top bits. In the interpreter the arithmetic form.
+_E4M3_WORDS = '''
+@triton.jit
+def _e4m3_word_lut(words, table_low, table_high):
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 m, a, b, sl, sh, s, t, u, mask;
+        mov.b32 mask, 0x80808080;
+        and.b32 m, $2, 0x77777777;
+        shr.u32 a, m, 4;
+        shr.u32 b, m, 8;
+        lop3.b32 sl, m, a, 0x000F000F, 0xE4;
+        lop3.b32 sh, a, b, 0x000F000F, 0xE4;
+        prmt.b32 s, sl, sh, 0x6420;
+        shr.u32 t, s, 16;
+        prmt.b32 $0, $3, $4, s;
+        prmt.b32 $1, $3, $4, t;
+        shl.b32 u, $2, 4;
+        lop3.b32 $0, $0, u, mask, 0xF8;
+        lop3.b32 $1, $1, $2, mask, 0xF8;
+        }""",
+        "=r,=r,r,r,r", [words, table_low, table_high], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _e4m3_words(words, table_low, table_high):
+    """_e4m3_words_arithmetic's bytes by byte-permute lookups (_e4m3_word_lut)."""
+    if INTERPRETED:
+        return _e4m3_words_arithmetic(words, table_low, table_high)
+    return _e4m3_word_lut(words, table_low, table_high)
+'''
+_E4M3_WORDS_ARITHMETIC = '''
+@triton.jit
+def _e4m3_words(words, table_low, table_high):
+    """No inline assembly: the arithmetic form."""
+    return _e4m3_words_arithmetic(words, table_low, table_high)
+'''
+
 
 def triton_decoder_source(profile: DeviceProfile) -> str:
     """The generated module's `_decode_mxfp4`: a byte-permute lookup in inline PTX where the profile's Triton has
@@ -566,6 +619,13 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
         fp8 += [KernelConfig.make(num_warps=warps, num_stages=3, BLOCK_M=block_m, BLOCK_N=block_n,
                                   BLOCK_K=FP8_GROUP, WORKSPACE=1, SPLIT_K=1, FP8=1, FP8_STACKED=1)
                 for block_m, block_n, warps in ((64, 64, 4), (128, 64, 8), (128, 128, 8))]
+        # Online (WORKSPACE=0): the GEMMs convert the packed weights to E4M3 in registers (generated module
+        # docstring): no conversion kernel, no workspace. Tuning candidates only, not yet timed on a GPU, at the
+        # prefill tiles whose sm_90 K loops spill nothing (gpt-oss-120b, Triton 3.9: docs/mxfp4_moe_kernels.md);
+        # 128 x 64 on 4 warps, 64 x 128 and 128 x 128 spill in the gate/up loop.
+        fp8 += [KernelConfig.make(num_warps=warps, num_stages=3, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=FP8_GROUP,
+                                  WORKSPACE=0, SPLIT_K=1, FP8=1, **stacked)
+                for block_m, warps in ((64, 4), (128, 8)) for stacked in ({}, {"FP8_STACKED": 1})]
         if not profile.supports_dtype(torch.float8_e4m3fn):
             return fp8
         w4a16 = triton_configs(dataclasses.replace(spec, fp8_activations=False), profile)
@@ -666,7 +726,7 @@ class _LaunchPlan:
     """What triton_launch reads of a config, worked out once per config (_launch_plan), not per call."""
 
     config: KernelConfig
-    word_loads: bool  # TMA or SWAP_AB: the weights must be 16-byte aligned (_plain_loads otherwise)
+    word_loads: bool  # TMA, SWAP_AB or W4A8 online: the weights must be 16-byte aligned (_plain_loads otherwise)
     order: int  # the activations' column order (_act_order)
     options: Mapping  # the GEMMs' constexprs and launch options (FP8, WORKSPACE, SPLIT_K, BLOCK_N, ...)
 
@@ -680,7 +740,8 @@ def _launch_plan(config: KernelConfig) -> _LaunchPlan:
                    FP8=_fp8(config), TMA=_tma(config), K_STAGES=config.num_stages, DOT_SCALED=_dot_scaled(config),
                    SWAP_AB=_swap_ab(config), FP8_STACKED=_fp8_stacked(config), DECODE=_decode(config),
                    num_warps=config.num_warps, num_stages=config.num_stages)
-    return _LaunchPlan(config, _tma(config) or _swap_ab(config), _act_order(config), types.MappingProxyType(options))
+    word_loads = _tma(config) or _swap_ab(config) or (_fp8(config) and not _uses_workspace(config))
+    return _LaunchPlan(config, word_loads, _act_order(config), types.MappingProxyType(options))
 
 
 def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_weights, w13_blocks, w13_scales,
@@ -694,7 +755,8 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     if fp8 != plan.options["FP8"]:
         plan = _launch_plan(_PATH_CONFIGS[fp8])
     if plan.word_loads and (w13_blocks.data_ptr() % TMA_ALIGNMENT or w2_blocks.data_ptr() % TMA_ALIGNMENT):
-        # TMA reads from 16-byte aligned addresses only, SWAP_AB reads words: the same tile by plain byte loads
+        # TMA reads from 16-byte aligned addresses only, SWAP_AB and W4A8 online read words: the same tile by plain
+        # byte loads
         plan = _launch_plan(_plain_loads(plan.config))
     options, order = plan.options, plan.order
     split_k, block_n = options["SPLIT_K"], options["BLOCK_N"]
@@ -762,8 +824,10 @@ TMA_ALIGNMENT = 16
 
 
 def _plain_loads(config: KernelConfig) -> KernelConfig:
-    """The same tile with its weights by plain byte loads: without TMA and SWAP_AB."""
-    params = tuple((k, v) for k, v in config.params if k not in ("TMA", "SWAP_AB"))
+    """The same tile with its weights by plain byte loads: without TMA and SWAP_AB; W4A8 online's from the
+    workspace (its conversion kernel reads bytes)."""
+    params = tuple((k, 1 if k == "WORKSPACE" and _fp8(config) else v) for k, v in config.params
+                   if k not in ("TMA", "SWAP_AB"))
     return KernelConfig(params, config.num_warps, config.num_stages)
 
 
@@ -826,23 +890,28 @@ _PATH_CONFIGS = {
 
 def _launch_w4a8(kernels, plan: Routing, options: dict, hidden, topk_weights, w13_blocks, w13_scales, w13_bias,
                  w2_blocks, w2_scales, w2_bias, alpha, limit, act, pair_out, spec: "_LaunchShape") -> None:
-    """W4A8 (FP8 configs): x and the activations to E4M3 with their scales, each weight converted into the
-    workspace (E4M3 bytes, then its block scales) before its GEMM, both GEMMs on E4M3 tiles."""
+    """W4A8 (FP8 configs): x and the activations to E4M3 with their scales, both GEMMs on E4M3 tiles. Workspace
+    configs convert each weight into the workspace (E4M3 bytes, then its block scales) before its GEMM; online
+    ones (WORKSPACE=0) convert the packed weights inside the GEMMs: no conversion kernel, no workspace."""
     tokens, pairs, device = hidden.shape[0], act.shape[0], hidden.device
     e4m3 = torch.float8_e4m3fn
     x8 = torch.empty(tokens, spec.hidden, dtype=torch.uint8, device=device)
     x_scales = torch.empty(tokens, _groups(spec.hidden), dtype=torch.float32, device=device)
     kernels["moe_quantize_e4m3_kernel"][(tokens, _groups(spec.hidden))](
         hidden, x8, x_scales, hidden.stride(0), K=spec.hidden, REORDER=True, num_warps=4)
-    weight_bytes = workspace_elements(spec, tokens)  # one byte per E4M3 element
-    # Block scales after the E4M3 bytes, 16-byte aligned.
-    scales_offset = -(-weight_bytes // 16) * 16
-    slots = min(spec.experts, tokens * spec.top_k)
-    scale_count = slots * max(2 * spec.inter * _groups(spec.hidden), spec.hidden * _groups(spec.inter))
-    ws = workspace(device, torch.uint8, scales_offset + 4 * scale_count)
-    ws_values, ws_scales = ws[:weight_bytes], ws[scales_offset:].view(torch.float32)
+    if options["WORKSPACE"]:
+        weight_bytes = workspace_elements(spec, tokens)  # one byte per E4M3 element
+        # Block scales after the E4M3 bytes, 16-byte aligned.
+        scales_offset = -(-weight_bytes // 16) * 16
+        slots = min(spec.experts, tokens * spec.top_k)
+        scale_count = slots * max(2 * spec.inter * _groups(spec.hidden), spec.hidden * _groups(spec.inter))
+        ws = workspace(device, torch.uint8, scales_offset + 4 * scale_count)
+        ws_values, ws_scales = ws[:weight_bytes], ws[scales_offset:].view(torch.float32)
+        _convert_experts(kernels, w13_blocks, w13_scales, plan, ws_values, ws_scales, 2 * spec.inter, spec.hidden,
+                         spec)
+    else:  # online: any pointers will do, the GEMMs never read them
+        ws_values, ws_scales = x8, x_scales
     bias = [b if b is not None else hidden for b in (w13_bias, w2_bias)]  # absent: never read
-    _convert_experts(kernels, w13_blocks, w13_scales, plan, ws_values, ws_scales, 2 * spec.inter, spec.hidden, spec)
     kernels["moe_gate_up_kernel"][(_tiles(plan, spec.inter, options["BLOCK_N"]), 1)](
         x8.view(e4m3), plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end,
         plan.expert_slots, w13_blocks, w13_scales, ws_values.view(e4m3), bias[0], act, pair_out, x_scales, ws_scales,
@@ -851,7 +920,8 @@ def _launch_w4a8(kernels, plan: Routing, options: dict, hidden, topk_weights, w1
     act_scales = torch.empty(pairs, _groups(spec.inter), dtype=torch.float32, device=device)
     kernels["moe_quantize_e4m3_kernel"][(pairs, _groups(spec.inter))](
         act, act8, act_scales, act.stride(0), K=spec.inter, REORDER=False, num_warps=4)
-    _convert_experts(kernels, w2_blocks, w2_scales, plan, ws_values, ws_scales, spec.hidden, spec.inter, spec)
+    if options["WORKSPACE"]:
+        _convert_experts(kernels, w2_blocks, w2_scales, plan, ws_values, ws_scales, spec.hidden, spec.inter, spec)
     kernels["moe_down_kernel"][(_tiles(plan, spec.hidden, options["BLOCK_N"]), 1)](
         act8.view(e4m3), plan.sorted_pairs, plan.block_expert, plan.block_row_start, plan.block_row_end,
         plan.expert_slots, w2_blocks, w2_scales, ws_values.view(e4m3), bias[1], topk_weights.reshape(-1), pair_out,

@@ -5,6 +5,7 @@ OpenAI's triton_kernels MXFP4 MoE (matmul_ogs), in one run (H200).
     python tools/bench_mxfp4_moe.py [--quick] [--musa-legal] [--models gpt-oss-120b deepseek-style]
                                     [--tokens 1 2 4 8 16 32 64 2048 8192] [--routing uniform skewed] [--out results.md]
     python tools/bench_mxfp4_moe.py --w4a8 --tokens 2048 8192 --codegens triton   # W4A8 (FP8) beside W4A16
+    python tools/bench_mxfp4_moe.py ... --match "FP8_STACKED=1 SPLIT_K=1 WORKSPACE=0"   # defaults + those configs
     python tools/bench_mxfp4_moe.py --memory-only [--memory-layers 2] [--models ...]   # peak memory, no timings
     python tools/bench_mxfp4_moe.py --dry-run [--quick] [--triton-kernels DIR]   # CPU: the plan, no launches
 
@@ -128,7 +129,8 @@ def random_layer(name: str, device, generator) -> Layer:
 
 def random_routing(spec, tokens: int, skewed: bool, device, generator):
     """(hidden, topk_ids int32, topk_weights fp32): distinct experts per token; skewed = Zipf(1.2) popularity."""
-    logits = torch.rand(tokens, spec.experts, device=device, generator=generator).clamp_min(1e-9).log().neg().log().neg()
+    logits = torch.rand(tokens, spec.experts, device=device, generator=generator).clamp_min(1e-9)
+    logits = logits.log().neg().log().neg()
     if skewed:
         ranks = torch.arange(1, spec.experts + 1, device=device, dtype=torch.float32)
         logits = logits - 1.2 * ranks.log()  # Gumbel top-k over Zipf probabilities
@@ -348,10 +350,11 @@ class TritonKernelsMoE:
 # dzc kernels
 
 
-def bucket_configs(spec, codegen: str, bucket: int, musa_legal: bool,
-                   how_many: int) -> list[tuple[str, KernelConfig]]:
+def bucket_configs(spec, codegen: str, bucket: int, musa_legal: bool, how_many: int,
+                   match: list[str] | None = None) -> list[tuple[str, KernelConfig]]:
     """[("default", config), ("tuned candidates"...)] for the bucket: the cost model's choice first (no compile:
-    the dry run lists them too)."""
+    the dry run lists them too). With `match`, the candidates are the tier's configs whose text contains one of
+    those strings (all of them)."""
     if musa_legal:
         legal, _ = legal_configs(family, codegen, spec, MP_22)
         # The same threads per block on 32-lane warps.
@@ -363,6 +366,8 @@ def bucket_configs(spec, codegen: str, bucket: int, musa_legal: bool,
     tier, default = family.configs_for_bucket(spec, SM_90, bucket, legal,
                                               default if default in legal else legal[0])
     others = [c for c in tier if c != default]
+    if match:
+        return [("default", default)] + [("candidate", c) for c in others if any(text in str(c) for text in match)]
     # The default's tile with every other split of the reduction (a same-run A/B of split-K), then a spread
     # of the rest of the tier.
     tile = {k: v for k, v in default.params if k != "SPLIT_K"}
@@ -386,8 +391,8 @@ def bucket_configs(spec, codegen: str, bucket: int, musa_legal: bool,
 class DzcKernels:
     """The family's generated kernels for one spec and codegen, launched as GeneratedKernel would."""
 
-    def __init__(self, spec, codegen: str, workdir: Path):
-        self.spec, self.codegen = spec, codegen
+    def __init__(self, spec, codegen: str, workdir: Path, match: list[str] | None = None):
+        self.spec, self.codegen, self.match = spec, codegen, match
         source = getattr(family, f"{codegen}_source")(spec, SM_90)
         path = workdir / f"mxfp4_moe_{codegen}_{abs(hash(spec))}.py"
         path.write_text(source)
@@ -397,7 +402,7 @@ class DzcKernels:
 
     def configs(self, bucket: int, musa_legal: bool, how_many: int) -> list[tuple[str, KernelConfig]]:
         """[("default", config), ("tuned candidates"...)] for the bucket: the cost model's choice first."""
-        return bucket_configs(self.spec, self.codegen, bucket, musa_legal, how_many)
+        return bucket_configs(self.spec, self.codegen, bucket, musa_legal, how_many, self.match)
 
     def run(self, config, args):
         inputs, (out,), _, result = family.prepare(self.spec, *args)
@@ -487,8 +492,13 @@ def dry_run(args, how_many: int, tk, tk_origin: str) -> None:
             for codegen in args.codegens:
                 if codegen == "tilelang" and bucket > 64:
                     continue
-                configs = bucket_configs(spec, codegen, bucket, args.musa_legal, how_many if codegen == "triton" else 0)
+                configs = bucket_configs(spec, codegen, bucket, args.musa_legal, how_many if codegen == "triton" else 0,
+                                         args.match)
                 plans.append(f"{codegen}: {len(configs)} configs (default {configs[0][1]})")
+            if args.w4a8:
+                configs = bucket_configs(dataclasses.replace(spec, fp8_activations=True), "triton", bucket, False,
+                                         how_many, args.match)
+                plans.append(f"w4a8: {len(configs)} configs (default {configs[0][1]})")
             tk_plan = (f"HOPPER_VALUE/HOPPER_SCALE w{TritonKernelsMoE.num_warps(tokens)}" if tk is not None else "-")
             print(f"dry run: {model} T={tokens} bucket {bucket}: {spec.describe()}; {'; '.join(plans)}; "
                   f"triton_kernels: {tk_plan}")
@@ -510,6 +520,9 @@ def main():
     parser.add_argument("--w4a8", action="store_true",
                         help="also time the W4A8 op (dzc.mxfp4_moe_w4a8: FP8 activations on the workspace path at "
                              "prefill sizes, W4A16 online at decode sizes)")
+    parser.add_argument("--match", nargs="+",
+                        help="time each bucket's default and only the tier's configs whose text contains one of these "
+                             "(W4A16 and W4A8 alike; a config's text: KEY=VALUE pairs, sorted, space-separated)")
     parser.add_argument("--memory-only", action="store_true", help="only the memory measurement (no timings)")
     parser.add_argument("--triton-kernels", metavar="DIR",
                         help="OpenAI's triton_kernels package folder (holding triton_kernels/), timed as a baseline; "
@@ -551,8 +564,8 @@ def main():
         if args.out:
             Path(args.out).write_text("\n".join(lines) + "\n")
         return
-    header = ("| model | routing | T | experts touched | path (tuned) | dzc default µs | dzc tuned µs | TB/s | % of 4.8 "
-              "| TFLOP/s | tilelang µs | W4A8 op µs | W4A8 op path | W4A8 TFLOP/s | eager µs | compile µs "
+    header = ("| model | routing | T | experts touched | path (tuned) | dzc default µs | dzc tuned µs | TB/s "
+              "| % of 4.8 | TFLOP/s | tilelang µs | W4A8 op µs | W4A8 op path | W4A8 TFLOP/s | eager µs | compile µs "
               "| grouped_mm µs | triton_kernels µs | triton_kernels config | vs eager | vs compile | vs grouped_mm "
               "| vs triton_kernels | rel. err |")
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
@@ -561,8 +574,8 @@ def main():
     for model in args.models:
         layer = random_layer(model, device, generator)
         spec = layer.spec
-        kernels = {cg: DzcKernels(spec, cg, workdir) for cg in args.codegens}
-        w4a8_kernels = (DzcKernels(dataclasses.replace(spec, fp8_activations=True), "triton", workdir)
+        kernels = {cg: DzcKernels(spec, cg, workdir, args.match) for cg in args.codegens}
+        w4a8_kernels = (DzcKernels(dataclasses.replace(spec, fp8_activations=True), "triton", workdir, args.match)
                         if args.w4a8 else None)
         grouped = GroupedMMBaseline(layer)
         tk_moe = None
@@ -620,7 +633,8 @@ def main():
                 row = (f"| {model} | {routing} | {tokens} | {touched} | "
                        f"{family.describe_config(tuned_config).split(' (')[0] if tuned_config else '-'} | "
                        f"{default_s * 1e6:.1f} | {tuned_s * 1e6:.1f} | {bandwidth / 1e12:.2f} | "
-                       f"{100 * bandwidth / PEAK_BYTES_PER_S:.0f}% | {family.flops(spec, tokens) / tuned_s / 1e12:.1f} | "
+                       f"{100 * bandwidth / PEAK_BYTES_PER_S:.0f}% | "
+                       f"{family.flops(spec, tokens) / tuned_s / 1e12:.1f} | "
                        f"{tilelang_s * 1e6:.1f} | {w4a8_s * 1e6:.1f} | {w4a8_path} | "
                        f"{family.flops(spec, tokens) / w4a8_s / 1e12:.1f} | "
                        f"{eager_s * 1e6:.1f} | {compile_s * 1e6:.1f} | {grouped_s * 1e6:.1f} | "

@@ -24,6 +24,9 @@
 #       issue 14: the SPECULATE top-k after its first sweep was pipelined (numerics, then phases and configs)
 #   call C: bash tools/gpu_campaign.sh s36-compile       # issue 18: full-depth cold + warm, output streamed
 #   call D: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
+#   call E (after wheels-1): bash tools/gpu_campaign.sh s37-w4a8-online
+#       issue 15: the online W4A8 path (weights to E4M3 inside the GEMMs; never run on a GPU): numerics, per-kernel
+#       times and the layer at gpt-oss T=8192 beside the W4A8 and W4A16 defaults
 #   then s34-sparse-row's numerics and decode parts, and s35-topk's WARP_VOTE parts.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
@@ -290,6 +293,27 @@ s36-moe)
   # triton_kernels (carry .triton-kernels too) and grouped_mm.
   TAIL=12 part bench_moe_prefill 480 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 8192 \
     --routing uniform --codegens triton --w4a8 --memory-layers 0 --out "$OUT/mxfp4_moe_prefill_h200.md"
+  ;;
+s37-w4a8-online)
+  # (after wheels-1) issue 15: the online W4A8 path (FP8=1 WORKSPACE=0: both GEMMs convert the packed weights to E4M3
+  # in registers by a byte-permute lookup; no conversion kernel, no workspace), checked on CPU only so far. First its
+  # GPU numerics (the inline-PTX lookup runs only there: every relative exponent bit for bit, the layer bit for bit
+  # against the workspace tile and against the reference), then each kernel's time at gpt-oss-120b T=8192 beside
+  # the W4A8 default's (its conversion kernel alone took 7.5 ms in session 35), then the layer: the W4A16 and
+  # W4A8 defaults and the four online tiles in one run.
+  TAIL=8 part gpu_tests_w4a8_online 300 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_w4a8_online.py \
+    tests/test_mxfp4_moe_w4a8.py -k "online or conversion_kernel"
+  fp8="BLOCK_K=128,SPLIT_K=1,FP8=1"
+  tiles=("BLOCK_M=64,BLOCK_N=64,$fp8,WORKSPACE=1,FP8_STACKED=1,num_warps=4,num_stages=3"
+    "BLOCK_M=64,BLOCK_N=64,$fp8,WORKSPACE=0,num_warps=4,num_stages=3"
+    "BLOCK_M=64,BLOCK_N=64,$fp8,WORKSPACE=0,FP8_STACKED=1,num_warps=4,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=64,$fp8,WORKSPACE=0,num_warps=8,num_stages=3"
+    "BLOCK_M=128,BLOCK_N=64,$fp8,WORKSPACE=0,FP8_STACKED=1,num_warps=8,num_stages=3")
+  TAIL=60 part w4a8_online_kernels 300 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8192 --configs "${tiles[@]}"
+  TAIL=12 part bench_w4a8_online 400 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 8192 \
+    --routing uniform --codegens triton --w4a8 --memory-layers 0 --triton-kernels none \
+    --match "FP8=1 SPLIT_K=1 WORKSPACE=0" "FP8_STACKED=1 SPLIT_K=1 WORKSPACE=0" \
+    --out "$OUT/mxfp4_moe_w4a8_online_h200.md"
   ;;
 s36-topk)
   # (after wheels-1 and wheels-2) issue 14: the SPECULATE=1 top-k (a candidate buffer filled during the first
