@@ -67,7 +67,8 @@ import torch.fx
 import torch.fx.experimental.symbolic_shapes as symbolic_shapes
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
-from torch.fx._graph_pickler import (GraphPickler, Options, _GraphUnpickler, _NodePickleData, _TensorPickleData,
+from torch.fx._graph_pickler import (GraphPickler, Options, _GraphModulePickleData, _GraphPickleData,
+                                     _GraphUnpickler, _NodePickleData, _OpPickleData, _TensorPickleData,
                                      _UnpickleState)
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
@@ -312,12 +313,79 @@ def _slice_as_pytree_node():
 
 class _GraphPickler(GraphPickler):
     """GraphPickler, where a fake view's base (torch 2.13 clears the fake mode of the view's own description, not of
-    its base's) does not pickle the mode either: unpickling puts the loading fake mode on both."""
+    its base's) does not pickle the mode either: unpickling puts the loading fake mode on both. A graph module's
+    records are made by _graph_module_data: the same objects, so the same bytes, as GraphPickler's.
+    compiled: a module whose code is its graph's already (GraphModule's constructor generated it): not generated
+    again."""
+
+    def __init__(self, file, options: Options | None = None, compiled: torch.fx.GraphModule | None = None):
+        super().__init__(file, options)
+        self.compiled = compiled
 
     def reducer_override(self, obj):
         if isinstance(obj, FakeTensorMode):
             return _no_mode, ()
+        if isinstance(obj, torch.fx.GraphModule):
+            data = _graph_module_data(obj, self.options, recompile=obj is not self.compiled)
+            return _GraphModulePickleData.unpickle, (data, self._unpickle_state)
         return super().reducer_override(obj)
+
+
+def _graph_module_data(gm: torch.fx.GraphModule, options: Options, recompile: bool) -> _GraphModulePickleData:
+    """_GraphModulePickleData(gm, options), its node records made by _node_data; recompile: generate the module's
+    code first, as torch does (its code is pickled with it)."""
+    data = _GraphModulePickleData.__new__(_GraphModulePickleData)
+    if recompile and isinstance(gm, _LazyGraphModule):
+        gm._real_recompile()
+    elif recompile:
+        gm.recompile()
+    data.gm_dict = gm.__getstate__() if hasattr(gm, "__getstate__") else gm.__dict__.copy()
+    del data.gm_dict["_graph"]
+    graph = data.graph = _GraphPickleData.__new__(_GraphPickleData)
+    graph.tracer_cls, graph.tracer_extras = gm._graph._tracer_cls, gm._graph._tracer_extras
+    records: dict = {}
+    for node in gm._graph.nodes:
+        records[node] = _node_data(node, records, options)
+    graph.nodes = tuple(records.values())
+    graph._codegen = gm._graph._codegen
+    return data
+
+
+# The containers FX arguments are made of, rebuilt as torch's pytree rebuilds them (each a new object of its type).
+_SEQUENCES = frozenset({tuple, list, torch.fx.immutable_collections.immutable_list})
+_MAPPINGS = frozenset({dict, torch.fx.immutable_collections.immutable_dict})
+
+
+def _node_records(value, records: dict):
+    """pytree.tree_map_only(torch.fx.Node, records.__getitem__, value): what GraphPickler makes of a node's
+    arguments, for the plain containers without pytree's generic machinery (other pytree nodes go through it)."""
+    kind = type(value)
+    if kind is torch.fx.Node:
+        return records[value]
+    if kind in _SEQUENCES:
+        return kind([_node_records(item, records) for item in value])
+    if kind in _MAPPINGS:
+        return kind({key: _node_records(item, records) for key, item in value.items()})
+    if kind is slice:
+        return slice(*(_node_records(item, records) for item in (value.start, value.stop, value.step)))
+    if kind in pytree.SUPPORTED_NODES or pytree.is_namedtuple_instance(value) or isinstance(value, torch.fx.Node):
+        return pytree.tree_map_only(torch.fx.Node, records.__getitem__, value)
+    return value
+
+
+def _node_data(node: torch.fx.Node, records: dict, options: Options) -> _NodePickleData:
+    """_NodePickleData(node, records, options), its arguments mapped by _node_records instead of torch's pytree
+    maps (two per node, most of making a deep graph's records). Attributes in the order torch sets them: the
+    pickled dict is the same."""
+    data = _NodePickleData.__new__(_NodePickleData)
+    data.args = _node_records(node.args, records)
+    data.kwargs = _node_records(node.kwargs, records)
+    data.name, data.op = node.name, node.op
+    data.target = _OpPickleData.pickle(node.target, options)
+    data.type = node.type
+    keep = options.node_metadata_key_filter
+    data.meta = {k: v for k, v in node.meta.items() if not keep or keep(k)}
+    return data
 
 
 class _NodeData(_NodePickleData):
@@ -397,8 +465,11 @@ def pickle_graph(graph: torch.fx.Graph, root: torch.nn.Module) -> bytes | str:
     the entry's key; a hit's graph reads those of the module being compiled, or of its capture entry)."""
     options = Options(ops_filter=None, node_metadata_key_filter=_KEPT_METADATA.__contains__)
     try:
-        with _slice_as_pytree_node():
-            return _GraphPickler.dumps(torch.fx.GraphModule(root, graph), options)
+        module = torch.fx.GraphModule(root, graph)
+        # GraphPickler.dumps, the module's code generated once (GraphPickler would generate it a second time).
+        with _slice_as_pytree_node(), io.BytesIO() as stream:
+            _GraphPickler(stream, options, compiled=module).dump(module)
+            return stream.getvalue()
     except Exception as err:  # noqa: BLE001  (a graph GraphPickler cannot write is only not cached)
         return f"not stored: the graph cannot be pickled ({type(err).__name__}: {str(err)[:200]})"
 

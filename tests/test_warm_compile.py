@@ -14,7 +14,8 @@ import pytest
 import torch
 from conftest import assert_add_rms_norm_matches_eager
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx._graph_pickler import GraphPickler
+from torch.fx._graph_pickler import GraphPickler, Options
+from torch.fx.experimental.proxy_tensor import make_fx
 
 import dzc
 from dzc import compile_cache, frame_cache
@@ -143,6 +144,34 @@ def test_a_corrupted_entry_is_rebuilt_with_a_warning(options, norm_case):
         state = _compile_once(options, x, residual, model)
     assert state.startswith("corrupted entry rebuilt"), state
     assert _compile_once(options, x, residual, model) == "hit"  # the rebuilt entry replaced it
+
+
+def test_a_graph_pickles_to_the_bytes_graphpickler_writes():
+    """pickle_graph makes GraphPickler's records itself (node arguments mapped without torch's pytree, the module's
+    code generated once): the bytes GraphPickler.dumps writes, for nodes nested in lists, tuples, dicts, slices and
+    FX's immutable containers, with fake values and symbolic sizes."""
+
+    class Reference(GraphPickler):  # GraphPickler as compile_cache uses it, before its own records
+        def reducer_override(self, obj):
+            if isinstance(obj, FakeTensorMode):
+                return compile_cache._no_mode, ()
+            return super().reducer_override(obj)
+
+    def f(x, y):
+        n = x.shape[0]
+        return torch.cat([x, y * 2], 0)[: n + 1].sum(0), x.view(-1)
+
+    graph = make_fx(f, tracing_mode="symbolic")(torch.randn(4, 3), torch.randn(2, 3)).graph
+    x = next(iter(graph.nodes))
+    with graph.inserting_before(graph.output_node()):
+        nested = graph.call_function(operator.getitem, ((x, [x, {"a": (x, slice(None, x, 2))}]), 0))
+        graph.call_function(torch.ops.aten.cat.default, (torch.fx.immutable_collections.immutable_list([x, nested]),),
+                            torch.fx.immutable_collections.immutable_dict({"dim": 0}))
+    root = torch.nn.Module()
+    options = Options(ops_filter=None, node_metadata_key_filter=compile_cache._KEPT_METADATA.__contains__)
+    with compile_cache._slice_as_pytree_node():
+        expected = Reference.dumps(torch.fx.GraphModule(root, graph), options)
+    assert compile_cache.pickle_graph(graph, root) == expected
 
 
 def test_a_stored_graph_loads_as_graphpickler_loads_it():
