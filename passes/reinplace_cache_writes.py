@@ -281,16 +281,16 @@ class _CacheFamily:
                 self._latest(arg, node)
 
 
-def _plan(graph: torch.fx.Graph, copy_back: torch.fx.Node, order: dict[torch.fx.Node, int]) -> _CacheFamily:
-    """order: each node's position in the graph (erasing nodes keeps the others' order)."""
+def _plan(copy_back: torch.fx.Node, order: dict[torch.fx.Node, int], inputs: dict[int, list]) -> _CacheFamily:
+    """order: each node's position in the graph (erasing nodes keeps the others' order); inputs: the graph's tensor
+    inputs by storage (_inputs_by_storage)."""
     cache = copy_back.args[0]
     family = _CacheFamily(cache, copy_back)
     if not isinstance(family.cache_fake, torch.Tensor):
         raise Refusal(f"input {cache.name} has no fake tensor")
-    for other in graph.find_nodes(op="placeholder"):
-        value = fake_value(other)
-        if other is not cache and isinstance(value, torch.Tensor) and _same_storage(value, family.cache_fake):
-            raise Refusal(f"inputs {cache.name} and {other.name} share memory")
+    other = next((o for o in inputs.get(family.cache_fake.untyped_storage()._cdata, []) if o is not cache), None)
+    if other is not None:
+        raise Refusal(f"inputs {cache.name} and {other.name} share memory")
     # Every node that uses a member, in graph order: only a member's users can join the family or read it, so they
     # come from a heap of those users (a scan of the whole graph per mutated input was quadratic in its depth).
     pending, queued = [], set()
@@ -330,6 +330,17 @@ def _rewrite(graph: torch.fx.Graph, family: _CacheFamily) -> None:
             graph.erase_node(node)
 
 
+def _inputs_by_storage(graph: torch.fx.Graph) -> dict[int, list[torch.fx.Node]]:
+    """The placeholders with a tensor value, in graph order, by their storage (_same_storage's key): once per pass,
+    not once per mutated input (the rewrite changes no input's value)."""
+    inputs: dict[int, list[torch.fx.Node]] = {}
+    for node in graph.find_nodes(op="placeholder"):
+        value = fake_value(node)
+        if isinstance(value, torch.Tensor):
+            inputs.setdefault(value.untyped_storage()._cdata, []).append(node)
+    return inputs
+
+
 def _copy_backs(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     """AOTAutograd's in-graph input mutations: copy_(placeholder, new value)."""
     return [node for node in graph.find_nodes(op="call_function", target=aten.copy_.default)
@@ -340,9 +351,10 @@ def reinplace_cache_writes(graph: torch.fx.Graph) -> PassResult:
     graph = copy_graph(graph)
     result = PassResult("reinplace_cache_writes", graph)
     order = {node: i for i, node in enumerate(graph.nodes)}
+    inputs = _inputs_by_storage(graph)
     for copy_back in _copy_backs(graph):
         try:
-            family = _plan(graph, copy_back, order)
+            family = _plan(copy_back, order, inputs)
         except Refusal as why:
             result.refused(f"input {copy_back.args[0].name}", str(why))
             continue
