@@ -254,9 +254,16 @@ def _is_prefix(v, k) -> bool:
     return v.args[1] % fake_value(k).dim() == fake_value(k).dim() - 1
 
 
-def _rewrite(graph, topk, match: _Match):
+class _Builder(Builder):
+    """A Builder in the fake mode given: Builder's constructor finds it among every node's value (O(nodes) a site)."""
+
+    def __init__(self, graph, anchor, stack_trace, fake_mode):
+        self.graph, self.anchor, self.stack_trace, self.fake_mode = graph, anchor, stack_trace, fake_mode
+
+
+def _rewrite(graph, topk, match: _Match, fake_mode):
     indexer, attention = match.indexer, match.attention
-    build = Builder(graph, attention.out, attention.out.meta.get("stack_trace"))
+    build = _Builder(graph, attention.out, attention.out.meta.get("stack_trace"), fake_mode)
     q4, out4 = attention.q, attention.out
     batch, heads, queries = build.size(q4, 0), build.size(q4, 1), build.size(q4, 2)
 
@@ -443,10 +450,12 @@ def _match(topk):
                       "blocks of them) cover the keys")
     if indexer is not None and block != 1:
         raise Refusal("an indexer's top-k positions are repeated in blocks")
+    # Ancestors of the masked scores from the scatter on: a node on a path from the scatter lies after it (walking
+    # every ancestor went through all earlier layers, quadratic in the model's depth).
     ancestors, pending = set(), [masked]
     while pending:
         for node in pending.pop().all_input_nodes:
-            if node not in ancestors:
+            if node not in ancestors and not node < scatters[0]:
                 ancestors.add(node)
                 pending.append(node)
     mask_chain = (seen | {scatters[0]}) & ancestors  # from the scatter to the masked scores
@@ -485,7 +494,9 @@ def fuse_sparse_attention(graph: torch.fx.Graph) -> PassResult:
     """Rewrite every DSA top-k masked attention into dsa_indexer + top-k + sparse_attention."""
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
-    for topk in [n for n in graph.nodes if is_call(n, aten.topk.default)]:
+    topks = [n for n in graph.nodes if is_call(n, aten.topk.default)]
+    fake_mode = None  # the graph's, as Builder finds it (once)
+    for topk in topks:
         if topk.graph is not graph:
             continue
         try:
@@ -496,7 +507,9 @@ def fuse_sparse_attention(graph: torch.fx.Graph) -> PassResult:
         if match is None:
             continue
         where = location_of(match.attention.out)
-        _rewrite(graph, topk, match)
+        if fake_mode is None:
+            fake_mode = Builder(graph, match.attention.out, None).fake_mode
+        _rewrite(graph, topk, match, fake_mode)
         if match.indexer is not None:
             erase_replaced(graph, [match.attention.out, topk, match.indexer.logits])
         else:
