@@ -82,6 +82,7 @@ Ordering: runs on the captured ATen graph, before lowering. It does not depend o
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 
@@ -496,24 +497,44 @@ def fuse_sparse_attention(graph: torch.fx.Graph) -> PassResult:
     result = PassResult(NAME, graph)
     topks = [n for n in graph.nodes if is_call(n, aten.topk.default)]
     fake_mode = None  # the graph's, as Builder finds it (once)
-    for topk in topks:
-        if topk.graph is not graph:
-            continue
-        try:
-            match = _match(topk)
-        except (Refusal, NotAMask) as refusal:
-            result.refused(location_of(topk), str(refusal))
-            continue
-        if match is None:
-            continue
-        where = location_of(match.attention.out)
-        if fake_mode is None:
-            fake_mode = Builder(graph, match.attention.out, None).fake_mode
-        _rewrite(graph, topk, match, fake_mode)
-        if match.indexer is not None:
-            erase_replaced(graph, [match.attention.out, topk, match.indexer.logits])
-        else:
-            erase_replaced(graph, [match.attention.out])
-            where += f" (the model's own selection: {match.own_selection})"
-        result.rewrote(where)
+    with _cached_fake_values(fake_value(topks[0].args[0]) if topks else None):
+        for topk in topks:
+            if topk.graph is not graph:
+                continue
+            try:
+                match = _match(topk)
+            except (Refusal, NotAMask) as refusal:
+                result.refused(location_of(topk), str(refusal))
+                continue
+            if match is None:
+                continue
+            where = location_of(match.attention.out)
+            if fake_mode is None:
+                fake_mode = Builder(graph, match.attention.out, None).fake_mode
+            _rewrite(graph, topk, match, fake_mode)
+            if match.indexer is not None:
+                erase_replaced(graph, [match.attention.out, topk, match.indexer.logits])
+            else:
+                erase_replaced(graph, [match.attention.out])
+                where += f" (the model's own selection: {match.own_selection})"
+            result.rewrote(where)
     return result
+
+
+@contextlib.contextmanager
+def _cached_fake_values(value):
+    """Torch's cache of fake tensor dispatch on in the fake mode of `value` (a node's fake value, or None): every
+    layer's site builds the same ops over values of the same sizes, and an op's meta function (symbolic reshapes:
+    ~2 ms each) then runs for the first site only; the others' values are made from the cached metadata (a view:
+    its input's storage at the cached sizes and strides). dzc.compile turns the cache off process-wide for capture
+    (dzc/api.py)."""
+    mode = getattr(value, "fake_mode", None)
+    if mode is None:
+        yield
+        return
+    enabled = mode.cache_enabled
+    mode.cache_enabled = True
+    try:
+        yield
+    finally:
+        mode.cache_enabled = enabled

@@ -2,6 +2,8 @@
 tensor but the indexer logits). The pass is tested on the pipeline's output (reference ops, no kernels: fast);
 test_dsa_models.py runs whole models through dzc.compile with the kernels."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -546,3 +548,54 @@ def test_topk_ties_keep_the_models_selection_over_prefill_and_decode(seed):
     assert ties > 0, "no step tied at the k-th score: the test would not see another tie-break"
     assert len(results) >= 2 and all(len(r.rewrites) == 1 and not r.refusals for r in results), \
         [(r.rewrites, r.refusals) for r in results]
+
+
+class _TwoLayers(nn.Module):
+    """Two DSA layers over values of the same sizes: the second site's fake values come from the first's cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = DenseDSA("merged"), DenseDSA("separate")
+
+    def forward(self, q_index, k_index, weights, q, kv, positions):
+        return self.first(q_index, k_index, weights, q, kv, positions)[0] + \
+            self.second(q_index, k_index, weights, q * 2, kv, positions)[0]
+
+
+def test_fake_values_from_the_dispatch_cache_are_those_the_meta_functions_make(monkeypatch):
+    """The pass builds its ops' fake values with torch's dispatch cache on (dzc.compile has it off): the same graph
+    text, and each value the same sizes, strides, offset, dtype and storage sharing, as without the cache."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from dzc.passes import fuse_sparse_attention as fsa
+
+    def described(graph):
+        storages = {}
+        values = []
+        for node in graph.nodes:
+            for value in (v for v in torch.utils._pytree.tree_leaves(node.meta.get("val"))
+                          if isinstance(v, torch.Tensor)):
+                storage = storages.setdefault(value.untyped_storage()._cdata, node.name)
+                values.append((node.name, str(value.shape), str(value.stride()), str(value.storage_offset()),
+                               value.dtype, storage))
+        return ir.print_graph(graph), values
+
+    results = []
+
+    def both(gm, _):
+        with monkeypatch.context() as patch:
+            patch.setattr(fsa, "_cached_fake_values", lambda value: contextlib.nullcontext())
+            results.append(fuse_sparse_attention(gm.graph))
+        hits = FakeTensorMode.cache_hits
+        results.append(fuse_sparse_attention(gm.graph))
+        results.append(FakeTensorMode.cache_hits - hits)
+        return gm
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=both, inference_compiler=both, decompositions=select_decomp_table())
+    with torch.no_grad(), torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+        torch.compile(_TwoLayers(), backend=backend, dynamic=True)(*_inputs())
+    uncached, cached, hits = results
+    assert len(uncached.rewrites) == 2 and uncached.rewrites == cached.rewrites
+    assert hits > 0  # the second site's values came from the cache
+    assert described(cached.graph) == described(uncached.graph)
