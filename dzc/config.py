@@ -99,8 +99,14 @@ COMPILE_GC = Knob("DZC_COMPILE_GC", "paused",
                   "(cyclic garbage a compile leaves is then freed during it, not after)", "paused or on",
                   _one_of("paused", "on"))
 
+TILELANG_PREBUILD = Knob("DZC_TILELANG_PREBUILD", "1",
+                         "1 (default): when a compiled graph's TileLang kernels are loaded on a GPU, build each one's "
+                         "untuned config in a child process at once, all in parallel, into TileLang's kernel cache, "
+                         "which the first call then reads; 0: each is built when first called, one after another",
+                         "0 or 1", _one_of("0", "1"))
+
 KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB, CHECK_REWRITES, COMPILE_CACHE, FRAME_CACHE,
-         NESTED_REGIONS, COMPILE_GC)
+         NESTED_REGIONS, COMPILE_GC, TILELANG_PREBUILD)
 
 
 def debug_level() -> int:

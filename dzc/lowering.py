@@ -308,6 +308,9 @@ def _lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions,
                                          compiled=codegen.load(family, path, spec, target.profile), source_path=path,
                                          source_hash=digest, record=record, autotune=autotune, database=database,
                                          alternatives=alternatives)
+            if getattr(kernel.compiled, "prebuilding", 0):
+                record.notes.append(f"its untuned config's {kernel.compiled.prebuilding} TileLang kernel(s) building "
+                                    "in child processes (DZC_TILELANG_PREBUILD)")
         runtime.register_kernel(kernel_id, kernel)
         table.records[(name, where)] = record
         added[kernel_id] = record

@@ -242,14 +242,6 @@ def _record_compile(entry: dict, job: dict, outcome: dict) -> None:
         entry["status"] = "failed"
 
 
-def _tilelang_kernel_configs(family, spec, config) -> dict[str, object]:
-    """Kernel name -> factory config of every TileLang kernel `config` launches: the family's
-    tilelang_kernel_configs(spec, config) where it launches several, else the config itself."""
-    if hasattr(family, "tilelang_kernel_configs"):
-        return family.tilelang_kernel_configs(spec, config)
-    return {family.TILELANG_FACTORY_NAME: config}
-
-
 def _tilelang_lowering(family, spec, target: Target, source_path: str) -> dict:
     try:
         tilelang_codegen.tvm_target(target.profile)  # raises naming the TileLang build the target needs
@@ -257,7 +249,7 @@ def _tilelang_lowering(family, spec, target: Target, source_path: str) -> dict:
         return {"status": "not compiled here", "why": str(missing)}
     config = family.tilelang_default_config(spec, target.profile)
     path = Path(source_path)
-    kernels = _tilelang_kernel_configs(family, spec, config)
+    kernels = tilelang_codegen.factory_configs(family, spec, config)
     factory = tilelang_codegen.load_factory(path, family.TILELANG_FACTORY_NAME)
     for name, kernel_config in kernels.items():
         given = {param.lower() for param, _ in kernel_config.params}

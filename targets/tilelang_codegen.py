@@ -12,19 +12,25 @@ the functions that need it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
 import importlib.metadata
 import importlib.util
+import os
+import pickle
 import shutil
 import subprocess
-from collections.abc import Sequence
+import sys
+import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from dzc import config as dzc_config
 from dzc.targets.generated_module import import_generated
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.profiles import DeviceProfile
@@ -234,19 +240,112 @@ def compile_for_device(path: Path, factory_name: str, config: KernelConfig, prof
                             compile_flags=list(profile.tilelang_compile_flags) or None)
 
 
+def factory_configs(family, spec, config: KernelConfig) -> dict[str, KernelConfig]:
+    """Kernel name -> factory config of every TileLang kernel `config` launches: the family's
+    tilelang_kernel_configs(spec, config) where it launches several (or derives more arguments), else the config
+    itself."""
+    if hasattr(family, "tilelang_kernel_configs"):
+        return family.tilelang_kernel_configs(spec, config)
+    return {family.TILELANG_FACTORY_NAME: config}
+
+
+class _Prebuild:
+    """One kernel built by compile_for_device in a child process, into TileLang's kernel cache on disk (the child
+    inherits TILELANG_CACHE_DIR), where this process's own compile of it then finds it. A build takes 10-60 s of
+    TVM lowering and nvcc, mostly one core's work: a graph's kernels built on first use, one after another, made most
+    of a cold compile on the H200 (docs/results/compile_time_h200.md); children build them in parallel while the
+    graph is still being compiled and its Triton kernels built. At most one child a core runs at a time."""
+
+    _slots = threading.BoundedSemaphore(max(1, (os.cpu_count() or 2) - 1))
+    _running: set[subprocess.Popen] = set()
+    _lock = threading.Lock()
+
+    def __init__(self, path: Path, factory_name: str, config: KernelConfig, profile: DeviceProfile):
+        self._payload = pickle.dumps((str(path), factory_name, config, profile))
+        self._done = threading.Event()
+        self._state = "queued"  # -> "running" -> "built" | "failed: <why>"; or "dropped" (claimed while queued)
+        # A daemon thread: a process that exits while a child builds kills the child (_stop_children), not waits.
+        threading.Thread(target=self._run, name="dzc-tilelang-prebuild", daemon=True).start()
+
+    def _run(self) -> None:
+        with self._slots:
+            with self._lock:
+                if self._state == "dropped":
+                    return
+                self._state = "running"
+            try:
+                process = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                with self._lock:
+                    self._running.add(process)
+                _, stderr = process.communicate(self._payload)
+                with self._lock:
+                    self._running.discard(process)
+                lines = stderr.decode(errors="replace").strip().splitlines()
+                self._state = "built" if process.returncode == 0 else f"failed: {(lines or ['?'])[-1][:300]}"
+            except OSError as error:
+                self._state = f"failed: {error}"
+            finally:
+                self._done.set()
+
+    def claim(self) -> str:
+        """Before this process builds the kernel itself: wait for the child where it is building (it is ahead),
+        drop the build where it has not started; returns what happened ("built", "dropped", "failed: ...")."""
+        with self._lock:
+            if self._state == "queued":
+                self._state = "dropped"
+                return self._state
+        self._done.wait()
+        return self._state
+
+    @classmethod
+    def stop_children(cls) -> None:
+        with cls._lock:
+            for process in cls._running:
+                process.kill()
+
+
+atexit.register(_Prebuild.stop_children)
+
+# What a prebuild child runs: one compile_for_device, its arguments pickled on stdin.
+_CHILD = ("import pickle, sys; from pathlib import Path; from dzc.targets.tilelang_codegen import compile_for_device; "
+          "path, factory, config, profile = pickle.load(sys.stdin.buffer); "
+          "compile_for_device(Path(path), factory, config, profile)")
+
+
 class KernelsByConfig:
     """What a family's tilelang_launch takes: TileLang fixes the block shape at compile time, so each config is
-    its own kernel, compiled on first use and kept."""
+    its own kernel, compiled on first use and kept; `prebuild` starts building some in child processes."""
 
     def __init__(self, path: Path, factory_name: str, profile: DeviceProfile):
         self.path = path
         self.factory_name = factory_name
         self.profile = profile
         self._kernels: dict[KernelConfig, object] = {}
+        self._prebuilds: dict[KernelConfig, _Prebuild] = {}
+        self.prebuilt: dict[KernelConfig, str] = {}  # how each claimed prebuild ended (_Prebuild.claim)
+
+    @property
+    def prebuilding(self) -> int:
+        """Kernels started by `prebuild` and not yet asked for."""
+        return len(self._prebuilds)
+
+    def prebuild(self, configs: Iterable[KernelConfig]) -> None:
+        """Start building `configs` in child processes (_Prebuild), where TileLang's kernel cache is on."""
+        import tilelang
+
+        if not tilelang.env.is_cache_enabled():  # the children's kernels would reach this process nowhere
+            return
+        for config in configs:
+            if config not in self._kernels and config not in self._prebuilds:
+                self._prebuilds[config] = _Prebuild(self.path, self.factory_name, config, self.profile)
 
     def kernel_for(self, config: KernelConfig):
         kernel = self._kernels.get(config)
         if kernel is None:
+            prebuild = self._prebuilds.pop(config, None)
+            if prebuild is not None:  # built into the cache (read below), or failed: then built here, same error
+                self.prebuilt[config] = prebuild.claim()
             kernel = compile_for_device(self.path, self.factory_name, config, self.profile)
             self._kernels[config] = kernel
         return kernel
@@ -312,5 +411,9 @@ def launch_arguments(inputs: Sequence, outputs: Sequence[torch.Tensor], scalars:
 
 
 def load(family, path: Path, spec, profile: DeviceProfile) -> KernelsByConfig:
-    """The loaded kernel a family's tilelang_launch takes (lowering only loads TileLang kernels for a GPU)."""
-    return KernelsByConfig(path, family.TILELANG_FACTORY_NAME, profile)
+    """The loaded kernel a family's tilelang_launch takes (lowering only loads TileLang kernels for a GPU), its
+    untuned config's kernels building in child processes already (DZC_TILELANG_PREBUILD)."""
+    kernels = KernelsByConfig(path, family.TILELANG_FACTORY_NAME, profile)
+    if dzc_config.TILELANG_PREBUILD.get() == "1":
+        kernels.prebuild(factory_configs(family, spec, family.tilelang_default_config(spec, profile)).values())
+    return kernels

@@ -1,0 +1,63 @@
+"""TileLang kernels built ahead in child processes (DZC_TILELANG_PREBUILD, targets/tilelang_codegen.py): the child
+builds the untuned config into TileLang's kernel cache and the first call in this process reads it from there.
+
+Runs wherever TileLang and nvcc are (TileLang compiles a kernel for a CUDA target without a GPU; nothing runs)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from dzc import config
+from dzc.targets import add_rms_norm, tilelang_codegen
+from dzc.targets.add_rms_norm import AddRmsNormSpec
+from dzc.targets.profiles import SM_90
+
+pytestmark = pytest.mark.skipif(not tilelang_codegen.installed() or shutil.which("nvcc") is None,
+                                reason="needs TileLang and nvcc")
+
+FP32 = torch.float32
+# Two kernels: TileLang also keeps the kernels it loaded in memory, so the two halves of the test need their own.
+SPECS = {"1": AddRmsNormSpec(64, FP32, FP32, FP32, FP32, FP32, True, False),
+         "0": AddRmsNormSpec(128, FP32, FP32, FP32, FP32, FP32, True, False)}
+
+
+def _first_call_builds(tmp_path, monkeypatch, prebuild: str):
+    """Load the kernel as lowering does, with a fresh TileLang cache, then get its untuned config's kernel as the
+    first launch does: (what this process compiled itself, how the prebuild ended per config)."""
+    tmp_path.mkdir()
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang_cache"))
+    path = tmp_path / "add_rms_norm_prebuild.py"
+    spec = SPECS[prebuild]
+    path.write_text(add_rms_norm.tilelang_source(spec, SM_90))
+    from tilelang.jit.kernel import JITKernel
+
+    # TileLang compiles a kernel in JITKernel._compile_and_create_adapter; a kernel-cache hit skips it.
+    compiled_here = []
+    compile_and_create = JITKernel._compile_and_create_adapter
+
+    def counted(kernel, *args, **kwargs):
+        compiled_here.append(kernel)
+        return compile_and_create(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(JITKernel, "_compile_and_create_adapter", counted)
+    with config.scope(DZC_TILELANG_PREBUILD=prebuild):
+        kernels = tilelang_codegen.load(add_rms_norm, path, spec, SM_90)
+    assert kernels.prebuilding == int(prebuild)  # what lowering's record notes
+    kernels.kernel_for(add_rms_norm.tilelang_default_config(spec, SM_90))
+    assert kernels.prebuilding == 0
+    return compiled_here, kernels.prebuilt
+
+
+def test_the_first_call_reads_the_kernel_a_child_built(tmp_path, monkeypatch):
+    import tilelang
+
+    default = add_rms_norm.tilelang_default_config(SPECS["1"], SM_90)
+    compiled_here, prebuilt = _first_call_builds(tmp_path / "on", monkeypatch, "1")
+    assert prebuilt == {default: "built"} and compiled_here == [], (prebuilt, compiled_here)
+    assert tilelang.env.is_cache_enabled()
+    # Without the prebuild the first call compiles its kernel here: what the check above would have seen.
+    compiled_here, prebuilt = _first_call_builds(tmp_path / "off", monkeypatch, "0")
+    assert prebuilt == {} and len(compiled_here) == 1, (prebuilt, compiled_here)
