@@ -13,15 +13,17 @@ GraphModule attribute). Two halves here:
   layers are left unmarked and their children marked instead, each group formed by the child of one name (of one
   class, one module per layer) across the layers, by the same rule (descending further where they differ too, or
   where the child is a torch class: a Linear, a ModuleList); `Marking.refused` names the layers and the attribute.
-  Where the instances differ only in int attributes of their own (the attention holding the layer index it reads
-  its cache with), the descent stops and they are marked whole, their children left alone: Dynamo traces every
-  call of them (its reuse check refuses, as above), finds the traced bodies equal (each layer's cache tensors are
-  inputs of its body, not constants in it) and installs one body, which AOTAutograd, most of a capture, traces
-  once instead of once a layer; `Marking.traced_per_call` names them. Their children stay unmarked because a region
-  inside a body that writes its inputs fails AOTAutograd in torch 2.13. Multimodal model, CPU, 8 + 8 to 16 + 16
-  layers: whole layers marked, 1.4 s of Dynamo and 0.4 s of AOTAutograd a decoder + vision layer pair; their
-  children, 0.5 s and 0.9 s; children and the attention marked whole, 0.3 s and none (AOTAutograd 7.8 s at both
-  depths; docs/results/compile_time_cpu.md, session 36).
+  Where a group of the layers' children holds a differing int attribute of its own (the attention holding the
+  layer index it reads its cache with; its own children may hold it too, as an indexer reading its key cache), the
+  descent stops there and they are marked whole, their children left alone: Dynamo traces every call of them (its
+  reuse check refuses, as above), finds the traced bodies equal (each layer's cache tensors are inputs of its body,
+  not constants in it) and installs one body, which AOTAutograd, most of a capture, traces once instead of once a
+  layer; `Marking.traced_per_call` names them. The layers themselves are always descended into, so that their other
+  children (an MoE block) stay stamped out. The children of a group so marked stay unmarked because a region inside
+  a body that writes its inputs fails AOTAutograd in torch 2.13. Multimodal model, CPU, 8 + 8 to 16 + 16 layers:
+  whole layers marked, 1.4 s of Dynamo and 0.4 s of AOTAutograd a decoder + vision layer pair; their children, 0.5 s
+  and 0.9 s; children and the attention marked whole, 0.3 s and none (AOTAutograd 7.8 s at both depths;
+  docs/results/compile_time_cpu.md, session 36).
   A group is named by its ModuleList's path (`layers`), a group of children by that path with `*` for the layer
   (`layers.*.mlp`, `layers.*.attn.indexer`). Each marked instance's class is swapped for a subclass of the same
   name whose forward is the original one wrapped in nested_compile_region. Outside Dynamo the wrapper calls the
@@ -259,8 +261,8 @@ class Marking:
 
     groups: list[tuple[str, str, list[torch.nn.Module]]] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # classes left unmarked, with why
-    # path of a group whose instances differ in int attributes of their own -> those attributes: Dynamo traces
-    # each of its calls (module docstring)
+    # path of a group marked whole though its instances differ in int attributes of their own -> those attributes:
+    # Dynamo traces each of its calls (module docstring)
     traced_per_call: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
@@ -325,7 +327,9 @@ def _mark_group(marking: Marking, path: str, instances: list[torch.nn.Module]) -
     cls = type(instances[0])
     why = _markable(instances[0])
     differing = [] if why else _differing_ints(instances)
-    own = bool(differing) and all("." not in key for key in differing)  # attributes of the instances themselves
+    # A child group holding a differing int of its own (module docstring); the layers themselves are descended into,
+    # so that their other children (an MoE block) stay stamped out rather than traced per call.
+    own = "*" in path and any("." not in key for key in differing)
     if why == "a torch class" or (differing and not own):
         at = len(marking.refused)  # (the layers' line before their children's)
         marked = _mark_children(marking, path if "*" in path else f"{path}.*", instances)

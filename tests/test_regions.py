@@ -333,6 +333,34 @@ def test_layers_differing_in_an_int_attribute_have_their_children_marked(options
                for layer in model.layers)
 
 
+class _ReadingAttention(_IndexedAttention):
+    """An attention whose child reads a cache of its own by the same layer index (an indexer, say)."""
+
+    def __init__(self, layer: int):
+        super().__init__(layer)
+        self.reader = _IndexedAttention(layer)
+
+
+def test_a_child_group_holding_its_own_differing_int_is_marked_whole_its_layers_never():
+    """The attention holds the layer index and so does its child: the attention is marked whole (its child inside
+    it); the layers, which hold it only through the attention, are descended into. Layers holding it themselves are
+    descended into too (their other children stay stamped out): here those children are torch's Linears."""
+    model = _IndexedLayers()
+    for index, layer in enumerate(model.layers):
+        layer.attn = _ReadingAttention(index)
+    marking = regions.mark_repeated_layers(model)
+    try:
+        assert marking.describe() == (
+            "layers.*.attn: 3 x _ReadingAttention (each call traced: instances differ in int attribute layer, "
+            "reader.layer), layers.*.mlp: 3 x _Mlp"), marking.describe()
+    finally:
+        marking.restore()
+    flat = nn.ModuleList(_IndexedAttention(index) for index in range(3))
+    marking = regions.mark_repeated_layers(nn.Sequential(flat))
+    assert not marking and marking.refused == ["0: _IndexedAttention (instances differ in int attribute layer: no "
+                                               "child marked)"], marking.refused
+
+
 def test_layers_agreeing_on_their_int_attributes_are_marked_whole():
     """The same layers, each given the same int (and a bool that differs, which is no int here): marked whole."""
     model = _IndexedLayers(layer_of=lambda index: 0)
