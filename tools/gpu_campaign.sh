@@ -16,13 +16,15 @@
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Next session (session 35 ran wheels-1 + s35-moe, wheels-2 + s35-compile's first part, the SPECULATE top-k's
-# numerics and phases, and the warm compile again: docs/results, "Session 35"), in order:
+# numerics and phases, and the warm compile again: docs/results, "Session 35"; session 36 was lent no machine and
+# ran none of these), in order (E right after A where A's machine is still warm: it needs only wheels-1):
 #   call A (carry .whl-gpu1, .triton-kernels): bash tools/gpu_campaign.sh wheels-1 && bash tools/gpu_campaign.sh s36-moe
 #       issue 15: the tuned bench at gpt-oss T=8192 with the new untuned choices, W4A16 and W4A8 (first full W4A8
 #       bench row since session 25)
 #   call B (carry .whl-gpu2): bash tools/gpu_campaign.sh wheels-2; bash tools/gpu_campaign.sh s36-topk
 #       issue 14: the SPECULATE top-k after its first sweep was pipelined (numerics, then phases and configs)
 #   call C: bash tools/gpu_campaign.sh s36-compile       # issue 18: full-depth cold + warm, output streamed
+#       (since ec55bb3 the attention is one region body: AOTAutograd traces it once, not once a layer)
 #   call D: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
 #   call E (after wheels-1): bash tools/gpu_campaign.sh s37-w4a8-online
 #       issue 15: the online W4A8 path (weights to E4M3 inside the GEMMs; never run on a GPU): numerics, per-kernel
