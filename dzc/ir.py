@@ -125,6 +125,9 @@ class _Printer:
             return self.size(value)
         if isinstance(value, torch.SymFloat):
             return self.symbol(value)
+        if isinstance(value, torch._ops.HigherOrderOperator):
+            # (its repr holds its address, which would make the text, a compile-cache key, differ between processes)
+            return f"torch.ops.higher_order.{value.name()}"
         return repr(value)
 
     def target(self, node: torch.fx.Node) -> str:
