@@ -82,7 +82,8 @@ def _base_function(base: str, module):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: PLC0415
 
         return ALL_ATTENTION_FUNCTIONS["sdpa"]
-    function = _EAGER_FUNCTIONS.get(type(module))
+    # By the class's MRO: dzc.compile may have swapped the module's class for a subclass (dzc/regions.py).
+    function = next((_EAGER_FUNCTIONS[cls] for cls in type(module).__mro__ if cls in _EAGER_FUNCTIONS), None)
     if function is None:
         raise ValueError(f"dzc's attention (eager base): no eager_attention_forward found for "
                          f"{type(module).__qualname__} in {type(module).__module__}")
@@ -237,9 +238,12 @@ def take_over(model, mode: str, owner) -> Selection | None:
             continue
         selection.configs.append((config, current))
     for module in model.modules():
-        function = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if function is not None:
-            _EAGER_FUNCTIONS[type(module)] = function
+        # The file that defines the class, or its base where dzc.compile swapped it for a subclass (dzc/regions.py)
+        for cls in type(module).__mro__:
+            function = getattr(sys.modules.get(cls.__module__), "eager_attention_forward", None)
+            if function is not None:
+                _EAGER_FUNCTIONS[cls] = function
+                break
     selection.eager_helpers = _run_size_helpers_eagerly(model)
     if mode == "compiled":
         selection.select()
