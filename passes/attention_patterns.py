@@ -814,10 +814,13 @@ def new_node(graph: torch.fx.Graph, target, args, kwargs=None) -> torch.fx.Node:
 class Builder:
     """Inserts nodes before `anchor`, each with meta['val'] computed from its arguments' fake values."""
 
-    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, stack_trace):
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, stack_trace, fake_mode=None):
+        """fake_mode: the graph's, where the caller has it (else found among every node's value: O(nodes))."""
         self.graph, self.anchor, self.stack_trace = graph, anchor, stack_trace
-        values = [n.meta.get("val") for n in graph.nodes]
-        self.fake_mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+        if fake_mode is None:
+            values = [n.meta.get("val") for n in graph.nodes]
+            fake_mode = torch._guards.detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+        self.fake_mode = fake_mode
 
     def __call__(self, target, *args, **kwargs):
         with self.graph.inserting_before(self.anchor):

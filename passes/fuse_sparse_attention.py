@@ -255,16 +255,9 @@ def _is_prefix(v, k) -> bool:
     return v.args[1] % fake_value(k).dim() == fake_value(k).dim() - 1
 
 
-class _Builder(Builder):
-    """A Builder in the fake mode given: Builder's constructor finds it among every node's value (O(nodes) a site)."""
-
-    def __init__(self, graph, anchor, stack_trace, fake_mode):
-        self.graph, self.anchor, self.stack_trace, self.fake_mode = graph, anchor, stack_trace, fake_mode
-
-
 def _rewrite(graph, topk, match: _Match, fake_mode):
     indexer, attention = match.indexer, match.attention
-    build = _Builder(graph, attention.out, attention.out.meta.get("stack_trace"), fake_mode)
+    build = Builder(graph, attention.out, attention.out.meta.get("stack_trace"), fake_mode)
     q4, out4 = attention.q, attention.out
     batch, heads, queries = build.size(q4, 0), build.size(q4, 1), build.size(q4, 2)
 

@@ -133,8 +133,12 @@ def _op(node: torch.fx.Node) -> str:
     return f"{node.target} at {location_of(node)}"
 
 
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    return _storage_key(a) == _storage_key(b)
 
 
 def _equal(x, y) -> bool:
@@ -288,7 +292,7 @@ def _plan(copy_back: torch.fx.Node, order: dict[torch.fx.Node, int], inputs: dic
     family = _CacheFamily(cache, copy_back)
     if not isinstance(family.cache_fake, torch.Tensor):
         raise Refusal(f"input {cache.name} has no fake tensor")
-    other = next((o for o in inputs.get(family.cache_fake.untyped_storage()._cdata, []) if o is not cache), None)
+    other = next((o for o in inputs.get(_storage_key(family.cache_fake), []) if o is not cache), None)
     if other is not None:
         raise Refusal(f"inputs {cache.name} and {other.name} share memory")
     # Every node that uses a member, in graph order: only a member's users can join the family or read it, so they
@@ -331,13 +335,13 @@ def _rewrite(graph: torch.fx.Graph, family: _CacheFamily) -> None:
 
 
 def _inputs_by_storage(graph: torch.fx.Graph) -> dict[int, list[torch.fx.Node]]:
-    """The placeholders with a tensor value, in graph order, by their storage (_same_storage's key): once per pass,
+    """The placeholders with a tensor value, in graph order, by their storage (_storage_key): once per pass,
     not once per mutated input (the rewrite changes no input's value)."""
     inputs: dict[int, list[torch.fx.Node]] = {}
     for node in graph.find_nodes(op="placeholder"):
         value = fake_value(node)
         if isinstance(value, torch.Tensor):
-            inputs.setdefault(value.untyped_storage()._cdata, []).append(node)
+            inputs.setdefault(_storage_key(value), []).append(node)
     return inputs
 
 
