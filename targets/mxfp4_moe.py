@@ -337,7 +337,7 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
     # tokens on gpt-oss-120b and DeepSeek-style shapes on the H200 (docs/results/mxfp4_moe_tma_h200.md); at
     # T=8192 the 128-row SWAP_AB tiles were 1.06-1.6x slower with TMA (session 26). DOT_SCALED tiles were slower
     # everywhere: tuning only; so are SWAP_AB's 256-row tiles (1.14-1.19x slower than 128 rows at gpt-oss T=8192,
-    # session 35).
+    # session 35), and TMA_STACKED's decode tiles (not yet timed).
     decode = rows_per_expert(spec, bucket) <= DECODE_MAX_ROWS_PER_EXPERT
     want_tma = profile.bulk_tensor_copies and decode
     # SWAP_AB's DECODE=2 (signs merged four values a PRMT): 1.04x faster on the 128-row prefill tile at gpt-oss
@@ -353,7 +353,7 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         threads = c.num_warps * profile.warp_size
         rows = abs(c["BLOCK_M"] - W4A8_BLOCK_M) if _fp8(c) else -c["BLOCK_M"]
         return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
-                _dot_scaled(c), _fp8_stacked(c) != want_stacked, _decode(c) != want_decode,
+                _dot_scaled(c), _tma_stacked(c), _fp8_stacked(c) != want_stacked, _decode(c) != want_decode,
                 c["BLOCK_M"] >= SWAP_AB_WIDE_ROWS, _swap_ab(c) != want_swap, _tma(c) != want_tma, rows,
                 _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64), abs(c["BLOCK_K"] - 128),
                 abs(threads - 128), c.num_stages != 3)
@@ -383,6 +383,10 @@ def _fp8_stacked(config: KernelConfig) -> bool:
 
 def _decode(config: KernelConfig) -> int:
     return dict(config.params).get("DECODE", 1)
+
+
+def _tma_stacked(config: KernelConfig) -> bool:
+    return dict(config.params).get("TMA_STACKED", 0) == 1
 
 
 # The column orders the GEMMs read their activations in (the generated module's ACT_ORDER values).
@@ -420,6 +424,7 @@ def describe_config(config: KernelConfig) -> str:
         return f"online dequant (tl.dot_scaled: the compiler decodes MXFP4 into the MMA operand{split}{tma})"
     if _swap_ab(config):
         decoder = ", signs merged before the interleave (DECODE=2)" if _decode(config) == 2 else ""
+        decoder += ", gate and up rows as one TMA box and MMA operand" if _tma_stacked(config) else ""
         return f"online dequant (MXFP4 decoded into the MMA's A operand, tokens as N{split}{tma}{decoder})"
     return f"online dequant (MXFP4 decoded in registers inside the GEMMs{split}{tma})"
 
@@ -673,6 +678,21 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
             configs += [KernelConfig.make(num_warps=warps, num_stages=3, BLOCK_M=128, BLOCK_N=block_n,
                                           BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, DECODE=2)
                         for block_n, warps in ((64, 4), (128, 8))]
+        if profile.triton_tensor_descriptors and spec.interleaved:
+            # TMA_STACKED (decode, interleaved gate/up rows; tuning candidates, not yet timed on a GPU): the gate/up
+            # GEMM's gate and up rows come as one TMA box of 2 * BLOCK_N interleaved w13 rows, decoded into one MMA
+            # operand with one accumulator (the plain-load tile's stacked form), its scales a step ahead. Compiled
+            # for sm_90 (gpt-oss-120b, Triton 3.9; docs/mxfp4_moe_kernels.md, "Decode beside triton_kernels"): the
+            # T=8 tile's gate/up K step 711 -> 636 SASS instructions (triton_kernels: 450 for the same weight
+            # bytes), wgmma waits 3, 3, 3, 3 -> 1, 1, no spill; at BLOCK_N 128 both GEMMs stream 128 weight rows a
+            # program, as triton_kernels does (255 and 191 registers, no spill). With DECODE=2 (580 at BLOCK_N 64)
+            # they are timed by name first (tools/gpu_campaign.sh s37-moe-decode): a DECODE=2 tile in the decode
+            # tier would make DECODE=2 the decode buckets' untuned decoder (configs_for_bucket: DECODE=2 wherever a
+            # tile of the untuned choice's BLOCK_M has it).
+            configs += [KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N=block_n,
+                                          BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=split_k, SWAP_AB=1, TMA=1,
+                                          TMA_STACKED=1)
+                        for block_n in (64, 128) for split_k in (1, 2)]
         if profile.matrix_instruction == "wgmma":
             # 256 token rows a tile (wgmma's largest N): each decoded weight feeds twice a 128-row tile's MMA work.
             # 64 weight rows on 8 warps: each warp group holds 64 of the 128 stacked gate/up rows x 256 tokens
@@ -739,7 +759,7 @@ def _launch_plan(config: KernelConfig) -> _LaunchPlan:
                    WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=upcast,
                    FP8=_fp8(config), TMA=_tma(config), K_STAGES=config.num_stages, DOT_SCALED=_dot_scaled(config),
                    SWAP_AB=_swap_ab(config), FP8_STACKED=_fp8_stacked(config), DECODE=_decode(config),
-                   num_warps=config.num_warps, num_stages=config.num_stages)
+                   TMA_STACKED=_tma_stacked(config), num_warps=config.num_warps, num_stages=config.num_stages)
     word_loads = _tma(config) or _swap_ab(config) or (_fp8(config) and not _uses_workspace(config))
     return _LaunchPlan(config, word_loads, _act_order(config), types.MappingProxyType(options))
 
@@ -773,7 +793,8 @@ def triton_launch(kernels: dict, config: KernelConfig, hidden, topk_ids, topk_we
     pair_out = torch.empty(pairs, spec.hidden, dtype=torch.float32, device=device)
     # The weights' TMA descriptors (TMA configs); otherwise any pointer will do, the kernels never read them.
     gate_source, up_source, down_source = (
-        _tma_sources(w13_blocks, w2_blocks, interleaved, block_n, options["BLOCK_K"], options["SWAP_AB"])
+        _tma_sources(w13_blocks, w2_blocks, interleaved, block_n, options["BLOCK_K"], options["SWAP_AB"],
+                     options["TMA_STACKED"])
         if options["TMA"] else (w13_blocks,) * 3)
     if options["FP8"]:
         _launch_w4a8(kernels, route_plan, options, hidden, topk_weights, w13_blocks, w13_scales, w13_bias, w2_blocks,
@@ -827,7 +848,7 @@ def _plain_loads(config: KernelConfig) -> KernelConfig:
     """The same tile with its weights by plain byte loads: without TMA and SWAP_AB; W4A8 online's from the
     workspace (its conversion kernel reads bytes)."""
     params = tuple((k, 1 if k == "WORKSPACE" and _fp8(config) else v) for k, v in config.params
-                   if k not in ("TMA", "SWAP_AB"))
+                   if k not in ("TMA", "SWAP_AB", "TMA_STACKED"))
     return KernelConfig(params, config.num_warps, config.num_stages)
 
 
@@ -838,20 +859,23 @@ _TMA_SOURCES: dict[tuple, tuple] = {}
 _TMA_SOURCES_MAX = 256
 
 
-def _tma_sources(w13_blocks, w2_blocks, interleaved: bool, block_n: int, block_k: int, words: bool):
+def _tma_sources(w13_blocks, w2_blocks, interleaved: bool, block_n: int, block_k: int, words: bool,
+                 stacked: bool = False):
     """TMA descriptors over the packed weights as the GEMMs tile them, [E, N, K/2] bytes with boxes of [1, BLOCK_N,
     BLOCK_K/2] (words: [E, N, K/8] int32 words, boxes [1, BLOCK_N, BLOCK_K/8]): the gate rows and the up rows of
-    w13 (every other row where interleaved, else its two halves), and w2's rows.
+    w13 (every other row where interleaved, else its two halves), and w2's rows. `stacked` (TMA_STACKED, interleaved
+    words): the gate/up GEMM's descriptor covers every w13 row with boxes of 2 * BLOCK_N rows (a tile's gate and up
+    rows, interleaved), given twice.
 
     Built once per set of facts they are made of (each weight's address, dtype, device, shape and strides, the
     row order and the box): equal facts give equal descriptors, wherever the tensors came from."""
-    key = (_memory_facts(w13_blocks), _memory_facts(w2_blocks), interleaved, block_n, block_k, words)
+    key = (_memory_facts(w13_blocks), _memory_facts(w2_blocks), interleaved, block_n, block_k, words, stacked)
     sources = _TMA_SOURCES.get(key)
     if sources is None:
         if len(_TMA_SOURCES) >= _TMA_SOURCES_MAX:
             del _TMA_SOURCES[next(iter(_TMA_SOURCES))]  # the oldest
         sources = _TMA_SOURCES[key] = _make_tma_sources(w13_blocks.detach(), w2_blocks.detach(), interleaved,
-                                                        block_n, block_k, words)
+                                                        block_n, block_k, words, stacked)
         for weight in (w13_blocks, w2_blocks):
             weakref.finalize(weight, _TMA_SOURCES.pop, key, None)
     return sources
@@ -861,7 +885,8 @@ def _memory_facts(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.dtype, t.device, t.shape, t.stride()
 
 
-def _make_tma_sources(w13_blocks, w2_blocks, interleaved: bool, block_n: int, block_k: int, words: bool):
+def _make_tma_sources(w13_blocks, w2_blocks, interleaved: bool, block_n: int, block_k: int, words: bool,
+                      stacked: bool = False):
     from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: PLC0415 (CUDA Tritons only)
 
     experts, two_i = w13_blocks.shape[:2]
@@ -874,6 +899,11 @@ def _make_tma_sources(w13_blocks, w2_blocks, interleaved: bool, block_n: int, bl
     else:
         gate, up = w13.split(two_i // 2, dim=1)
     box = [1, block_n, block_k // (8 if words else 2)]
+    if stacked:
+        if not (interleaved and words):
+            raise ValueError("TMA_STACKED: SWAP_AB tiles of interleaved gate/up rows only")
+        gate_up = TensorDescriptor.from_tensor(w13, [1, 2 * block_n, block_k // 8])
+        return gate_up, gate_up, TensorDescriptor.from_tensor(w2, box)
     return (TensorDescriptor.from_tensor(gate, box), TensorDescriptor.from_tensor(up, box),
             TensorDescriptor.from_tensor(w2, box))
 
@@ -985,18 +1015,22 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
     tiles = dict(BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
                  WORKSPACE=_uses_workspace(config), SPLIT_K=_split_k(config), UPCAST_DOT=False, FP8=fp8,
                  TMA=_tma(config), K_STAGES=config.num_stages, DOT_SCALED=_dot_scaled(config),
-                 SWAP_AB=_swap_ab(config), FP8_STACKED=_fp8_stacked(config), DECODE=_decode(config))
+                 SWAP_AB=_swap_ab(config), FP8_STACKED=_fp8_stacked(config), DECODE=_decode(config),
+                 TMA_STACKED=_tma_stacked(config))
     # the weights' TMA descriptors (_tma_sources), else the packed bytes (unread)
     box = (f"i32[1, {config['BLOCK_N']}, {config['BLOCK_K'] // 8}]" if _swap_ab(config)
            else f"u8[1, {config['BLOCK_N']}, {config['BLOCK_K'] // 2}]")
     source = f"tensordesc<{box}>" if _tma(config) else "*u8"
+    # TMA_STACKED: the gate/up GEMM's one descriptor has boxes of 2 * BLOCK_N interleaved w13 rows (_tma_sources)
+    gate_up_source = (f"tensordesc<i32[1, {2 * config['BLOCK_N']}, {config['BLOCK_K'] // 8}]>" if _tma_stacked(config)
+                      else source)
     constexprs = {name: "constexpr" for name in tiles}
     schedule = dict(sorted_pairs_ptr="*i32", block_expert_ptr="*i32", block_row_start_ptr="*i32",
                     block_row_end_ptr="*i32", expert_slots_ptr="*i32", w_blocks_ptr="*u8", w_scales_ptr="*u8",
                     workspace_ptr=weights)
     gate_up = dict(x_ptr=operand, **schedule, bias_ptr=w13_bias, act_ptr=x, partial_ptr="*fp32",
                    x_scales_ptr="*fp32", w_block_scales_ptr="*fp32", alpha="fp32", limit="fp32", pairs="i32",
-                   gate_source=source, up_source=source, **constexprs)
+                   gate_source=gate_up_source, up_source=gate_up_source, **constexprs)
     down = dict(act_ptr=operand, **schedule, bias_ptr=w2_bias,
                 topk_weights_ptr="*" + _TRITON_TYPES[spec.weights_dtype], pair_out_ptr="*fp32",
                 act_scales_ptr="*fp32", w_block_scales_ptr="*fp32", pairs="i32", w_source=source, **constexprs)

@@ -137,7 +137,10 @@ def main_loop(instructions, labels) -> tuple[int, int] | None:
     def mmas(loop):
         return sum(re.match(SASS_CLASSES[0][1], op) is not None for op, _ in instructions[loop[0]:loop[1] + 1])
 
-    return max(loops, key=lambda loop: (mmas(loop), loop[1] - loop[0]), default=None)
+    # the shortest of those with the most MMAs: a spin loop placed after the kernel's exit (an mbarrier wait of a
+    # TMA load: `@!P BRA` back to itself, then `BRA` into the K loop's body) branches backward over the whole
+    # loop too, so the longest backward range would count the epilogue and prologue as part of a K step
+    return max(loops, key=lambda loop: (mmas(loop), loop[0] - loop[1]), default=None)
 
 
 def loop_profile(sass: str) -> dict:

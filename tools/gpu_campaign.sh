@@ -29,6 +29,7 @@
 #   call E (after wheels-1): bash tools/gpu_campaign.sh s37-w4a8-online
 #       issue 15: the online W4A8 path (weights to E4M3 inside the GEMMs; never run on a GPU): numerics, per-kernel
 #       times and the layer at gpt-oss T=8192 beside the W4A8 and W4A16 defaults
+#   call F (after wheels-1, carry .triton-kernels): bash tools/gpu_campaign.sh s37-moe-decode   # issue 15: TMA_STACKED
 #   then s34-sparse-row's numerics and decode parts, and s35-topk's WARP_VOTE parts.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
@@ -374,6 +375,24 @@ s25-busy)
   # Triton kernels only.
   TAIL=30 part bench_multimodal 420 env PYTHONPATH=/tmp/site-gpu1:$PWD python3 tools/bench_multimodal.py --quick \
     --compile-mode reduce-overhead --no-warm --out "$OUT/multimodal_quick_h200.md"
+  ;;
+s37-moe-decode)
+  # (after wheels-1; carry .triton-kernels) issue 15: the decode GEMMs beside triton_kernels' (static comparison:
+  # docs/mxfp4_moe_kernels.md, "Decode beside triton_kernels"). TMA_STACKED (gate/up rows as one TMA box and one MMA
+  # operand) never ran on a GPU: its numerics first (the DECODE=2 tiles' inline PTX too, which the interpreter does
+  # not run), then each kernel's time at gpt-oss-120b T=8 and 64 beside the untuned tile and triton_kernels, then
+  # the layer (CUDA graph) with the offered TMA_STACKED tiles beside the defaults.
+  TAIL=8 part gpu_tests_moe_decode_layout 300 python3 -m pytest -q -p no:logging -rf \
+    tests/test_mxfp4_moe_decode_layout.py
+  base="BLOCK_M=16,BLOCK_K=128,TMA=1,SWAP_AB=1,num_warps=4,num_stages=3"
+  tiles=("BLOCK_N=64,SPLIT_K=1,$base" "BLOCK_N=64,SPLIT_K=2,$base" "BLOCK_N=64,SPLIT_K=1,$base,DECODE=2"
+    "BLOCK_N=64,SPLIT_K=1,$base,TMA_STACKED=1" "BLOCK_N=64,SPLIT_K=1,$base,TMA_STACKED=1,DECODE=2"
+    "BLOCK_N=128,SPLIT_K=1,$base,TMA_STACKED=1" "BLOCK_N=128,SPLIT_K=1,$base,TMA_STACKED=1,DECODE=2"
+    "BLOCK_N=64,SPLIT_K=2,$base,TMA_STACKED=1,DECODE=2")
+  TAIL=120 part moe_decode_kernels 400 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8 64 --configs "${tiles[@]}"
+  TAIL=12 part bench_moe_decode 400 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 1 8 64 \
+    --routing uniform --codegens triton --memory-layers 0 --match "TMA_STACKED=1" \
+    --out "$OUT/mxfp4_moe_decode_stacked_h200.md"
   ;;
 esac
 # The device tool brings back only a few files per call: everything goes back as one archive.
