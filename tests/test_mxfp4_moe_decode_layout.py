@@ -183,3 +183,51 @@ def test_stacked_tma_tile_gives_the_unstacked_tiles_bits(block_n, seed, tmp_path
                                   SPLIT_K=1, SWAP_AB=1, TMA=1)
     expected = run_triton(args, unstacked, tmp_path).clone()
     assert torch.equal(run_triton(args, stacked(block_n), tmp_path), expected)
+
+
+_TRITON_KERNELS_SASS = """
+import json, os, sys
+sys.path.insert(0, os.path.join(os.environ["DZC_ROOT"], "tools"))
+import diagnose_mxfp4_moe_kernels as tool
+
+flags, profiles = tool.triton_kernels_static_profiles("gpt-oss-120b", 8)
+print("RESULTS " + json.dumps(dict(flags=flags, profiles=profiles)))
+"""
+
+
+def test_triton_kernels_decode_k_step_beside_dzc(tmp_path):
+    """triton_kernels' matmul_ogs at gpt-oss-120b T=8 compiled for sm_90 on this host (--sass-triton-kernels; skipped
+    without .triton-kernels or Triton's ptxas / nvdisasm): its opt flags pick 16 x 128 x 128 tiles on 4 warps, each
+    GEMM's K step is 16 HGMMA.64x16x16 with the weights decoded in registers (no shared-memory store of them) and no
+    spill; per packed weight byte it issues under 0.25 instructions, where dzc's untuned tile issues over 1.5x that
+    (gate/up) and TMA_STACKED + DECODE=2 at BLOCK_N 128 under 1.25x (docs/mxfp4_moe_kernels.md)."""
+    from conftest import run_ahead_of_time_script
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".triton-kernels" / "triton_kernels" / "__init__.py").is_file():
+        pytest.skip("no .triton-kernels (bash tools/fetch_triton_kernels.sh copies it)")
+    if not _sass_toolchain():
+        pytest.skip("Triton's ptxas / nvdisasm (its CUDA backend) are not installed")
+    result = run_ahead_of_time_script(_TRITON_KERNELS_SASS, tmp_path, DZC_ROOT=str(root))
+    assert all("block_m=16, block_n=128, block_k=128, num_warps=4" in f for f in result["flags"]), result["flags"]
+    assert sorted(result["profiles"]) == ["down _matmul_ogs", "gate/up _matmul_ogs"]
+    (tmp_path / "dzc").mkdir()
+    dzc = gpt_oss_gemm_sass(tmp_path / "dzc", default=DECODE_DEFAULT, best=DECODE_DEFAULT.replace(
+        "BLOCK_N=64", "BLOCK_N=128").replace("SWAP_AB=1", "SWAP_AB=1,TMA_STACKED=1,DECODE=2"))
+    if not SASS_TABLES_TRITON:
+        pytest.skip("the counts were read from Triton 3.9's SASS")
+    for name, profile in result["profiles"].items():
+        loop = profile["loop"]
+        assert loop["mma_shapes"] == {"HGMMA.64x16x16.F32.BF16": 16}, name
+        assert profile["spill_bytes"] == [0, 0] and "STS" not in loop["counts"], name
+        tk_per_byte = loop["instructions"] * 4 / (128 * 64)
+        assert tk_per_byte < 0.25, (name, tk_per_byte)
+        kernel = "moe_gate_up_kernel" if name.startswith("gate/up") else "moe_down_kernel"
+        rows = {"default": 64, "best": 128} if kernel == "moe_down_kernel" else {"default": 128, "best": 256}
+        per_byte = {label: dzc[label]["profiles"][kernel]["loop"]["instructions"] * 4 / (rows[label] * 64)
+                    for label in rows}
+        assert per_byte["default"] > 1.5 * tk_per_byte, (name, per_byte, tk_per_byte)
+        if kernel == "moe_gate_up_kernel":
+            assert per_byte["best"] < 1.25 * tk_per_byte, (name, per_byte, tk_per_byte)
+        else:
+            assert per_byte["best"] < 1.4 * tk_per_byte, (name, per_byte, tk_per_byte)

@@ -6,6 +6,7 @@ torch.profiler's CUDA activity (H200; the same random layers and routing as tool
         [--configs "BLOCK_M=16,BLOCK_N=64,BLOCK_K=128,SPLIT_K=1,TMA=1,num_stages=3" ...] [--once]
     python tools/diagnose_mxfp4_moe_kernels.py --dry-run   # CPU: the configs checked for legality, no launches
     python tools/diagnose_mxfp4_moe_kernels.py --sass --configs ...   # CPU: the GEMMs' sm_90 SASS, statically
+    python tools/diagnose_mxfp4_moe_kernels.py --sass-triton-kernels --tokens 8   # CPU: triton_kernels' SASS
 
 A config is KEY=VALUE pairs (num_warps and num_stages among them; WORKSPACE=0 unless given; FP8=1 configs are
 the W4A8 op's). Each config is checked against the op's reference first. Prints, per (model, tokens, variant), each
@@ -17,6 +18,13 @@ prints per kernel its registers, spill bytes, shared memory and, for its K loop 
 instructions), the instructions of one step: MMAs (HGMMA bf16, QGMMA FP8) and their shapes, the wgmma waits
 (`WARPGROUP.DEPBAR.LE gsb0, N`: N groups left in flight; 0 waits for every MMA issued), loads and stores by kind,
 local-memory (spill) accesses, and the ALU the weight decode and the FP8 scale promotion cost.
+
+--sass-triton-kernels (no GPU): the same for OpenAI's triton_kernels (.triton-kernels; bench_mxfp4_moe.py's
+baseline) at each token count: its own matmul_ogs host code runs on CPU tensors (random packed weights in its
+HOPPER_VALUE / HOPPER_SCALE layouts for 8 experts, the routing over all of the model's: its opt flags depend on the
+expert count, the compiled kernel not on how many experts the weights hold) under a stand-in driver that reports
+sm_90 and an H200's 132 SMs and 227 KB of shared memory, with Triton's launches turned into compiles
+(JITFunction.run's warmup); its opt flags, then each GEMM kernel's profile.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
-if "--sass" in sys.argv:  # compiling for a GPU needs Triton's interpreter off (dzc turns it on without a GPU)
+if any(a.startswith("--sass") for a in sys.argv):  # compiling for a GPU needs Triton's interpreter off (dzc turns
+    # it on without a GPU)
     os.environ.setdefault("TRITON_INTERPRET", "0")
 import dzc  # noqa: E402, F401  (first: it decides Triton's mode)
 import torch  # noqa: E402
@@ -207,6 +216,91 @@ def static_profiles(spec, config: KernelConfig, workdir: Path) -> dict[str, dict
     return profiles
 
 
+def triton_kernels_static_profiles(model: str, tokens: int, experts: int = 8) -> tuple[list[str], dict[str, dict]]:
+    """triton_kernels' gate/up (gather, fused SwiGLU) and down (scatter, gammas) matmul_ogs calls at the model's shape
+    and `tokens` compiled for sm_90 on this CPU host (module docstring): ([its opt flags per call], {kernel: its
+    compiled_profile}). Changes this process's Triton driver and torch.cuda queries for good: run it last."""
+    import types  # noqa: PLC0415
+
+    from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+    from triton.runtime import jit  # noqa: PLC0415
+
+    class CompileOnlyDriver:  # what matmul_ogs and JITFunction.run ask of the active driver
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    triton.runtime.driver.set_active(CompileOnlyDriver())
+    torch.cuda.get_device_capability = lambda *args: (9, 0)
+    torch.cuda.get_device_properties = lambda *args: types.SimpleNamespace(multi_processor_count=132,
+                                                                         shared_memory_per_block_optin=232448)
+    compiled = []
+    run = jit.JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    jit.JITFunction.run = compile_only
+    tk, origin = bench.load_triton_kernels(None)
+    if tk is None:
+        sys.exit(f"triton_kernels: {origin}")
+    from triton_kernels.matmul_ogs_details import opt_flags  # noqa: PLC0415
+    from triton_kernels.tensor_details.ragged_tensor import make_ragged_tensor_metadata_torch  # noqa: PLC0415
+
+    flags, make = [], opt_flags.make_opt_flags
+
+    def recorded(*args, **kwargs):
+        flags.append(make(*args, **kwargs))
+        return flags[-1]
+
+    sys.modules[tk.matmul_ogs.__module__].make_opt_flags = recorded
+    spec = bench.model_spec(model)
+    h, i, k = spec.hidden, spec.inter, spec.top_k
+    warps = bench.TritonKernelsMoE.num_warps(tokens)
+    generator = torch.Generator().manual_seed(0)
+
+    def weight(n, columns):  # [E, K/2, N] packed bytes (K contiguous) and [E, K/32, N] scales, in its layouts
+        values = torch.randint(0, 256, (experts, n, columns // 2), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(118, 130, (experts, n, columns // 32), dtype=torch.uint8, generator=generator)
+        return (tk.convert_layout(tk.wrap_torch_tensor(values.transpose(-2, -1), dtype=tk.FP4),
+                                  tk.layout.HopperMXValueLayout, mx_axis=1),
+                tk.PrecisionConfig(weight_scale=tk.convert_layout(tk.wrap_torch_tensor(scales.transpose(-2, -1)),
+                                                                  tk.layout.HopperMXScaleLayout, mx_axis=1,
+                                                                  num_warps=warps)))
+
+    ids = torch.stack([torch.randperm(spec.experts, generator=generator)[:k] for _ in range(tokens)]).flatten()
+    combine = torch.argsort(ids, stable=True)
+    dispatch = torch.empty_like(combine)
+    dispatch[combine] = torch.arange(ids.numel())
+    ragged = make_ragged_tensor_metadata_torch(torch.bincount(ids, minlength=spec.experts).int(), ids.numel())
+    routing = tk.RoutingData(None, ragged.slice_sizes, spec.experts, k, ragged)
+    combine, dispatch = combine.int(), dispatch.int()
+    activation = tk.FusedActivation(tk.FnSpecs("swiglu", tk.swiglu_fn, ("alpha", "limit"), reduction_n=2),
+                                    (1.702, 7.0))
+    profiles = {}
+    for name, (w, precision), x, extra in (
+            ("gate/up", weight(2 * i, h), torch.randn(tokens, h).bfloat16(),
+             dict(gather_indx=tk.GatherIndx(combine, dispatch), fused_activation=activation)),
+            ("down", weight(h, i), torch.randn(tokens * k, i).bfloat16(),
+             dict(scatter_indx=tk.ScatterIndx(dispatch, combine), gammas=torch.rand(tokens * k)))):
+        first = len(compiled)
+        tk.matmul_ogs(x, w, torch.zeros(experts, w.shape[-1]), routing, precision_config=precision, **extra)
+        for fn, kernel in compiled[first:]:
+            if "matmul_ogs" in fn:
+                profiles[f"{name} {fn}"] = compiled_profile(kernel)
+    return [str(f) for f in flags], profiles
+
+
 def print_static(label: str, profiles: dict[str, dict]) -> None:
     print(label)
     for name, p in profiles.items():
@@ -236,7 +330,19 @@ def main() -> None:
     parser.add_argument("--sass", action="store_true",
                         help="CPU: compile each config's two GEMMs for sm_90 at the models' shapes and print their "
                              "K loops' SASS (registers, spills, MMAs, wgmma waits, loads, decode ALU); no launches")
+    parser.add_argument("--sass-triton-kernels", action="store_true",
+                        help="CPU: compile triton_kernels' matmul_ogs GEMMs (.triton-kernels) for sm_90 at the models' "
+                             "shapes and each token count and print their K loops' SASS as --sass does; no launches")
     args = parser.parse_args()
+    if args.sass_triton_kernels:
+        if triton_codegen.interpreting():
+            sys.exit("--sass-triton-kernels compiles for sm_90: run it without TRITON_INTERPRET=1")
+        for model in args.models:
+            for tokens in args.tokens:
+                flags, profiles = triton_kernels_static_profiles(model, tokens)
+                print_static(f"{model} T={tokens} triton_kernels (sm_90 SASS, Triton {triton.__version__}, static: "
+                             f"no GPU run); opt flags: {'; '.join(flags)}", profiles)
+        return
     configs = [parse_config(text) for text in args.configs]
     if args.sass:
         if triton_codegen.interpreting():
