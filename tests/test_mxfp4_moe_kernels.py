@@ -761,7 +761,23 @@ def test_triton_kernels_compile_ahead_of_time_for_sm_90(tmp_path):
 SWAP_AB_PREFILL_PICK = "BLOCK_M=128,BLOCK_N=64,BLOCK_K=128,WORKSPACE=0,SPLIT_K=1,SWAP_AB=1,num_warps=4,num_stages=3"
 
 
-def test_swap_ab_prefill_tile_keeps_wgmma_in_flight_across_its_k_step(tmp_path):
+def _wide_swap_ab_tiles():
+    """The SWAP_AB tiles of 256 token rows that triton_configs offers gpt-oss-120b on sm_90."""
+    return [c for c in mxfp4_moe.triton_configs(SPECS["gptoss-120b"], SM_90) if c["BLOCK_M"] == 256]
+
+
+@pytest.fixture(scope="module")
+def swap_ab_sass(tmp_path_factory):
+    """gpt_oss_gemm_sass of the W4A16 prefill pick ("pick"), the pick with DECODE=2 ("decode2") and each 256-row
+    SWAP_AB tile ("wide0", ...), compiled in one process (a process and the pick's compile per test before, ~15 s);
+    label -> (config text, its result)."""
+    configs = dict(pick=SWAP_AB_PREFILL_PICK, decode2=SWAP_AB_PREFILL_PICK.replace("SWAP_AB=1", "SWAP_AB=1,DECODE=2"),
+                   **{f"wide{i}": str(c).replace(" ", ",") for i, c in enumerate(_wide_swap_ab_tiles())})
+    results = gpt_oss_gemm_sass(tmp_path_factory.mktemp("swap_ab_sass"), **configs)
+    return {label: (configs[label], results[label]) for label in configs}
+
+
+def test_swap_ab_prefill_tile_keeps_wgmma_in_flight_across_its_k_step(swap_ab_sass):
     """The W4A16 prefill pick at gpt-oss-120b T=8192 (SWAP_AB, 128 token rows, BLOCK_N 64, 4 warps, 3 stages),
     compiled for sm_90 and read by `tools/diagnose_mxfp4_moe_kernels.py --sass` (docs/mxfp4_moe_kernels.md, static
     diagnosis): each GEMM's K loop multiplies by wgmma (64 x 128 x 16 bf16: 16 a step for the stacked gate/up, 8 for
@@ -769,7 +785,7 @@ def test_swap_ab_prefill_tile_keeps_wgmma_in_flight_across_its_k_step(tmp_path):
     half-tile and across the step's end): a serialized pipeline (C7515) would show waits of depth 0 here. The waits
     and MMA counts are checked with Triton 3.9+ (what the doc's table was read from; Triton 3.6's SASS has not been
     read)."""
-    results = gpt_oss_gemm_sass(tmp_path, tile=SWAP_AB_PREFILL_PICK)["tile"]["profiles"]
+    results = swap_ab_sass["pick"][1]["profiles"]
     mmas = {"moe_gate_up_kernel": 16, "moe_down_kernel": 8}
     for name, profile in results.items():
         loop = profile["loop"]
@@ -781,14 +797,13 @@ def test_swap_ab_prefill_tile_keeps_wgmma_in_flight_across_its_k_step(tmp_path):
             assert not profile["wgmma_serialized"], name
 
 
-def test_swap_ab_decode_2_shortens_the_prefill_tiles_k_step(tmp_path):
+def test_swap_ab_decode_2_shortens_the_prefill_tiles_k_step(swap_ab_sass):
     """The W4A16 prefill pick (SWAP_AB 128 x 64, 4 warps, 3 stages, gpt-oss-120b) with DECODE=2 against DECODE=1,
     compiled for sm_90 and read by `tools/diagnose_mxfp4_moe_kernels.py --sass`: in both GEMMs' K step the decode's
     ALU work (PRMT + LOP3 + SHF + HFMA2; gate/up 393 = 3.1 a value with DECODE=1) shrinks by at least 10%, the step
     by at least 5%, with no more spill bytes or local accesses and the wgmma still in flight (waits of depth 1).
     Checked with Triton 3.9+ (docs/mxfp4_moe_kernels.md)."""
-    results = gpt_oss_gemm_sass(tmp_path, **{"1": SWAP_AB_PREFILL_PICK,
-                                             "2": SWAP_AB_PREFILL_PICK.replace("SWAP_AB=1", "SWAP_AB=1,DECODE=2")})
+    results = {"1": swap_ab_sass["pick"][1], "2": swap_ab_sass["decode2"][1]}
     if not SASS_TABLES_TRITON:
         pytest.skip("the counts were read from Triton 3.9's SASS")
     for name in ("moe_gate_up_kernel", "moe_down_kernel"):
@@ -806,7 +821,7 @@ def test_swap_ab_decode_2_shortens_the_prefill_tiles_k_step(tmp_path):
         assert min(new["loop"]["waits"]) >= 1 and not new["wgmma_serialized"], (name, new["loop"]["waits"])
 
 
-def test_swap_ab_256_row_tiles_cut_the_k_step_per_token_row_without_spilling_more(tmp_path):
+def test_swap_ab_256_row_tiles_cut_the_k_step_per_token_row_without_spilling_more(swap_ab_sass):
     """Every SWAP_AB tile of 256 token rows that triton_configs offers on sm_90 (8 warps, BLOCK_N 64, 3 stages,
     DECODE 1 and 2) against the 128-row prefill pick, compiled for gpt-oss-120b and read by
     `tools/diagnose_mxfp4_moe_kernels.py --sass` (docs/mxfp4_moe_kernels.md, session 34): each GEMM spills no more
@@ -816,10 +831,11 @@ def test_swap_ab_256_row_tiles_cut_the_k_step_per_token_row_without_spilling_mor
     groups decode the same 64 rows). Checked with Triton 3.9+."""
     if not SASS_TABLES_TRITON:
         pytest.skip("the counts were read from Triton 3.9's SASS")
-    wide = [c for c in mxfp4_moe.triton_configs(SPECS["gptoss-120b"], SM_90) if c["BLOCK_M"] == 256]
+    wide = _wide_swap_ab_tiles()
     assert len(wide) == 2 and all(c.num_warps == 8 and c["BLOCK_N"] == 64 for c in wide)
-    configs = dict(pick=SWAP_AB_PREFILL_PICK, **{f"wide{i}": str(c).replace(" ", ",") for i, c in enumerate(wide)})
-    results = gpt_oss_gemm_sass(tmp_path, **configs)
+    labels = ["pick", *(f"wide{i}" for i in range(len(wide)))]
+    configs = {label: swap_ab_sass[label][0] for label in labels}
+    results = {label: swap_ab_sass[label][1] for label in labels}
     # (warps, token rows) of each tile (all of BLOCK_N 64): the pick's 4 and 128
     shapes = dict(pick=(4, 128), **{f"wide{i}": (c.num_warps, c["BLOCK_M"]) for i, c in enumerate(wide)})
 

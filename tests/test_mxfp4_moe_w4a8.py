@@ -398,14 +398,17 @@ def test_w4a8_kernels_compile_for_sm_90_with_fp8_wgmma(tmp_path):
 W4A8_PREFILL_PICK = "BLOCK_M=64,BLOCK_N=64,BLOCK_K=128,WORKSPACE=1,SPLIT_K=1,FP8=1,num_warps=4,num_stages=3"
 
 
-def _w4a8_prefill_pick_sass(tmp_path, stacked: bool) -> tuple[dict, int]:
-    """(gpt_oss_gemm_sass's profiles of the pick, with FP8_STACKED where `stacked`; its shared-memory estimate)."""
-    result = gpt_oss_gemm_sass(tmp_path, tile=W4A8_PREFILL_PICK.replace("FP8=1", "FP8=1,FP8_STACKED=1") if stacked
-                               else W4A8_PREFILL_PICK)["tile"]
-    return result["profiles"], result["shared_estimate"]
+@pytest.fixture(scope="module")
+def w4a8_prefill_pick_sass(tmp_path_factory):
+    """stacked -> (gpt_oss_gemm_sass's profiles of the pick, with FP8_STACKED where `stacked`; its shared-memory
+    estimate): both tiles compiled in one process (one each per test before, ~5 s of start-up)."""
+    results = gpt_oss_gemm_sass(tmp_path_factory.mktemp("w4a8_sass"), plain=W4A8_PREFILL_PICK,
+                                stacked=W4A8_PREFILL_PICK.replace("FP8=1", "FP8=1,FP8_STACKED=1"))
+    return {stacked: (results[label]["profiles"], results[label]["shared_estimate"])
+            for stacked, label in ((False, "plain"), (True, "stacked"))}
 
 
-def test_w4a8_prefill_tile_k_loops_read_statically(tmp_path):
+def test_w4a8_prefill_tile_k_loops_read_statically(w4a8_prefill_pick_sass):
     """The W4A8 tile tuned at gpt-oss-120b T=8192 on the H200 (64 x 64, 4 warps, 3 stages), compiled for sm_90 and read
     by `tools/diagnose_mxfp4_moe_kernels.py --sass` (docs/mxfp4_moe_kernels.md, static diagnosis): each K loop is
     found, multiplies E4M3 by wgmma, does not touch local memory and uses at most the shared memory the family
@@ -413,7 +416,7 @@ def test_w4a8_prefill_tile_k_loops_read_statically(tmp_path):
     of depth 0, one per dot (gate and up, then down); a change that keeps MMAs in flight across that step changes
     this test on purpose. Shapes, spills and waits are checked with Triton 3.9+ (the doc's table); older ones may
     differ."""
-    profiles, estimate = _w4a8_prefill_pick_sass(tmp_path, stacked=False)
+    profiles, estimate = w4a8_prefill_pick_sass[False]
     waits = {"moe_gate_up_kernel": [0, 0], "moe_down_kernel": [0]}
     for name, profile in profiles.items():
         loop = profile["loop"]
@@ -427,7 +430,7 @@ def test_w4a8_prefill_tile_k_loops_read_statically(tmp_path):
             assert loop["waits"] == waits[name], (name, loop["waits"])
 
 
-def test_w4a8_stacked_gate_up_waits_once_a_step_statically(tmp_path):
+def test_w4a8_stacked_gate_up_waits_once_a_step_statically(w4a8_prefill_pick_sass):
     """The same tile with FP8_STACKED (gpt-oss-120b, 64 x 64, 4 warps, 3 stages), read the same way: its gate/up K
     step issues one wgmma group (gate and up rows as one 64 x 128 MMA) and waits for it once, where the unstacked
     step waits twice (test above); its scale loads, a step ahead, go through the pipeliner's asynchronous copies
@@ -435,7 +438,7 @@ def test_w4a8_stacked_gate_up_waits_once_a_step_statically(tmp_path):
     leaves no wgmma in flight: Triton issues a dot whose product is used in its own step synchronously (keeping
     the product a step longer, to scale it after the next step's MMAs, made it no less synchronous and stopped the
     loads' pipelining: docs/mxfp4_moe_kernels.md). Checked with Triton 3.9+."""
-    profiles, estimate = _w4a8_prefill_pick_sass(tmp_path, stacked=True)
+    profiles, estimate = w4a8_prefill_pick_sass[True]
     profile = profiles["moe_gate_up_kernel"]
     loop = profile["loop"]
     assert loop and all(s.startswith("QGMMA.") for s in loop["mma_shapes"]), profile
