@@ -23,6 +23,39 @@ import pytest  # noqa: E402
 import dzc  # noqa: E402
 
 
+# Seconds each of the heaviest test files takes on CI's 2 cores (--durations, tools/test.sh; 2026-12-05). Under
+# pytest-xdist (tools/test.sh: --dist loadfile, one file per worker at a time) the files are handed out heaviest
+# first, so that the last ones are short and neither worker idles long at the end; xdist's own order (most tests
+# first) left files of a few long tests (the fuzzer's, the multimodal model's, the selftest's) for the end. Files
+# not listed follow in their usual order. A scheduling hint only: which tests run is unchanged.
+FILE_SECONDS = {
+    "test_model_zoo.py": 410, "test_dsa_kernels.py": 340, "test_dsa_indexer_tilelang.py": 230,
+    "test_tools_smoke.py": 215, "test_regions.py": 170, "test_mxfp4_moe_w4a8.py": 135,
+    "test_mxfp4_moe_kernels.py": 115, "test_fuzz.py": 85, "test_varlen_attention_kernels.py": 80,
+    "test_reinplace_cache_writes.py": 80, "test_distributed.py": 70, "test_fuse_mxfp4_experts.py": 55,
+    "test_multimodal_model.py": 50, "test_dsa_models.py": 40, "test_fuse_windowed_attention.py": 40,
+    "test_fuse_vision_attention.py": 38, "test_autotune.py": 36, "test_selftest.py": 35, "test_models.py": 35,
+    "test_frame_cache.py": 35, "test_mxfp4_moe_w4a8_online.py": 32, "test_fuse_sparse_attention.py": 29,
+    "test_vision_models.py": 28, "test_all_reduce_kernel.py": 27, "test_sparse_attention_without_cache.py": 27,
+    "test_hf_attention_interface.py": 27, "test_packaging_and_dump.py": 21, "test_add_layer_norm_kernels.py": 19,
+    "test_warm_compile.py": 19, "test_tilelang_long_context.py": 17, "test_sparse_attention_ws_static.py": 16,
+    "test_tilelang_prebuild.py": 16, "test_faults.py": 14, "test_tilelang_add_rms_norm.py": 13,
+    "test_add_rms_norm_kernels.py": 13, "test_fuse_residual_norm.py": 13, "test_capture.py": 12,
+}
+
+
+def pytest_configure(config):
+    """Under xdist's file or scope distribution, its work queue keeps the collection's order of files (the order
+    pytest_collection_modifyitems gives them), not its own by test count."""
+    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
+        config.option.loadscopereorder = False
+
+
+def _heaviest_files_first(items):
+    """items stably sorted by their file's FILE_SECONDS, largest first (a file's tests stay together, in order)."""
+    items.sort(key=lambda item: -FILE_SECONDS.get(item.path.name, 0))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA; `anydevice` ones pick CUDA where present, else the CPU; the others are the CPU
     suite: they build CPU tensors for a GPU target, which run through Triton's interpreter, and Triton picks the
@@ -43,6 +76,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_tilelang)
         elif gpu and "gpu" not in item.keywords and "anydevice" not in item.keywords:
             item.add_marker(skip_cpu)
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection: the order xdist hands files out in
+        _heaviest_files_first(items)
 
 
 @pytest.fixture(autouse=True)
