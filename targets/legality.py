@@ -19,11 +19,12 @@ def _is_power_of_two(n: int) -> bool:
 
 def config_problems(
     profile: DeviceProfile, *, threads: int, num_warps: int | None, shared_memory_bytes: int,
-    dtypes: Iterable[torch.dtype],
+    dtypes: Iterable[torch.dtype], cluster_size: int = 1,
 ) -> list[str]:
     """Why a launch shape is illegal on `profile`; empty when it is legal.
 
     threads: threads per block. num_warps: Triton's warp count (None for TileLang, which states threads).
+    cluster_size: CTAs a thread block cluster (1: none).
     """
     problems = []
     if threads > profile.max_threads_per_block:
@@ -37,6 +38,8 @@ def config_problems(
             problems.append(f"num_warps={num_warps} > {profile.max_num_warps} ({profile.warp_size}-lane warps)")
     if shared_memory_bytes > profile.shared_memory_per_block:
         problems.append(f"{shared_memory_bytes} B shared memory > {profile.shared_memory_per_block} B")
+    if cluster_size > 1 and not profile.thread_block_clusters:
+        problems.append(f"thread block clusters of {cluster_size}: {profile.arch} has none")
     for dtype in dtypes:
         if not profile.supports_dtype(dtype):
             problems.append(f"{dtype} is not native on {profile.arch}")
@@ -45,7 +48,8 @@ def config_problems(
 
 def tilelang_config_legal(profile: DeviceProfile, config, shared_memory_bytes: int,
                           dtypes: Iterable[torch.dtype]) -> bool:
-    """Whether a TileLang config, which states its block's THREADS (no warp-count rule), is legal on `profile`: the
-    families' config spaces keep only these."""
+    """Whether a TileLang config, which states its block's THREADS (no warp-count rule) and its cluster's CTAs
+    (CLUSTER, 1 if absent), is legal on `profile`: the families' config spaces keep only these."""
     return not config_problems(profile, threads=config["THREADS"], num_warps=None,
-                               shared_memory_bytes=shared_memory_bytes, dtypes=dtypes)
+                               shared_memory_bytes=shared_memory_bytes, dtypes=dtypes,
+                               cluster_size=dict(config.params).get("CLUSTER", 1))

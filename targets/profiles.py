@@ -52,6 +52,9 @@ class DeviceProfile:
     # Tensor-descriptor loads are asynchronous bulk copies by a copy engine (Hopper's TMA); where False and
     # triton_tensor_descriptors is True, Triton emulates them with plain loads (sm_80).
     bulk_tensor_copies: bool = False
+    # Thread block clusters: CTAs launched together on neighbouring SMs that read and write each other's shared
+    # memory (DSMEM) and arrive on each other's mbarriers (Hopper+). False on MUSA: not known to exist there.
+    thread_block_clusters: bool = False
 
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return str(dtype).removeprefix("torch.") in self.native_dtypes
@@ -104,6 +107,7 @@ SM_90 = DeviceProfile(
     collective_backend="nccl",
     symmetric_memory=True,  # NVLink peers; multicast (NVLS) is never used
     bulk_tensor_copies=True,
+    thread_block_clusters=True,
 )
 
 SM_80 = DeviceProfile(

@@ -525,9 +525,14 @@ def _warp_specialized_configs(spec: SparseAttentionSpec, profile: DeviceProfile)
     # conflicts; the untuned choice) beside the plain order (a tuning candidate). bf16 cache: the producer's copies
     # addressed from one base a row (ROW_ADDRESS=1, a tuning candidate: 439 SASS instructions a stage pair in its
     # loop against 681, static, not timed on a GPU yet) beside the page/slot addressing.
+    # FP8 cache with 128+ heads on a target with clusters: CLUSTER=2 beside the interleaved order (FlashMLA's
+    # crossover: the two head blocks of a row dequantize half a tile each and copy it into each other's shared
+    # memory; a tuning candidate, never run on a GPU yet; fp8_cluster_problems says where it is not offered).
     if spec.fp8_cache:
         variants = ({}, {"FP8_INTERLEAVED": 1}) if spec.d_main % 64 == 0 and kv_cache.FP8_LATENT_TILE % 64 == 0 \
             else ({},)
+        if not fp8_cluster_problems(spec, profile):
+            variants += ({"FP8_INTERLEAVED": 1, "CLUSTER": _FP8_CLUSTER},)
     else:
         variants = ({}, {"ROW_ADDRESS": 1})
     for extra in variants:
@@ -538,6 +543,31 @@ def _warp_specialized_configs(spec: SparseAttentionSpec, profile: DeviceProfile)
             if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                 configs.append(config)
     return configs
+
+
+_FP8_CLUSTER = 2  # CTAs a cluster of the FP8 crossover: the two 64-head blocks of one query row
+
+
+def fp8_cluster_problems(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[str]:
+    """Why the warp-specialized kernel's CLUSTER=2 (the FP8 latent cache's two-CTA crossover; see the template) does
+    not apply to `spec` on `profile`; empty where it is offered."""
+    problems = []
+    if not spec.fp8_cache:
+        problems.append("CLUSTER=2 shares dequantized FP8 latent rows between head blocks: the cache is not FP8 "
+                        "(a bf16 cache's rows are copied as they are, nothing to share)")
+    elif not (_fp8_reader_fits(spec) and spec.d_main % 64 == 0 and kv_cache.FP8_LATENT_TILE % 64 == 0):
+        problems.append("CLUSTER=2 extends the interleaved FP8 reader (FP8_INTERLEAVED=1), which does not fit "
+                        f"{spec.describe()}")
+    if spec.heads % (_FP8_CLUSTER * _WS_BLOCK):
+        problems.append(f"CLUSTER=2 pairs the two {_WS_BLOCK}-head blocks of a query row: {spec.heads} heads is not a "
+                        f"multiple of {_FP8_CLUSTER * _WS_BLOCK}")
+    if not _warp_specialization_fits(spec, profile):
+        problems.append(f"CLUSTER=2 is a variant of the warp-specialized kernel, which does not fit {spec.describe()} "
+                        f"on {profile.name}")
+    if not profile.thread_block_clusters:
+        problems.append(f"CLUSTER=2 needs thread block clusters (DSMEM copies, remote mbarriers): {profile.name} "
+                        "has none")
+    return problems
 
 
 def _fp8_reader_fits(spec: SparseAttentionSpec) -> bool:
@@ -591,10 +621,12 @@ def tilelang_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -
     # candidate only (the tuner drops a candidate whose outputs disagree with the untuned default's), not the
     # untuned choice. The FP8 reader's interleaved order is the choice where it fits: on the H200 (64 x 2 rows,
     # 32K context, 1 split) 325 µs against 356 for the plain order (s25-ncu, 2026-12-04; numerics passed in s23-2).
-    # ROW_ADDRESS (the bf16 producer's row-based copy addresses) is a tuning candidate until a GPU has timed it.
+    # ROW_ADDRESS (the bf16 producer's row-based copy addresses) and CLUSTER (the FP8 reader's two-CTA crossover) are
+    # tuning candidates until a GPU has run and timed them.
     verified = spec.heads % _WS_BLOCK == 0
     return max(prefill, key=lambda c: (_warp_specialized(c) and verified, dict(c.params).get("FP8_INTERLEAVED", 0),
-                                       not dict(c.params).get("ROW_ADDRESS", 0), c["BLOCK_N"], c["NUM_STAGES"]))
+                                       not dict(c.params).get("ROW_ADDRESS", 0), not dict(c.params).get("CLUSTER", 0),
+                                       c["BLOCK_N"], c["NUM_STAGES"]))
 
 
 def tilelang_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) -> int:

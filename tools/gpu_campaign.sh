@@ -31,6 +31,7 @@
 #       times and the layer at gpt-oss T=8192 beside the W4A8 and W4A16 defaults
 #   call F (after wheels-1, carry .triton-kernels): bash tools/gpu_campaign.sh s37-moe-decode   # issue 15: TMA_STACKED
 #   then s34-sparse-row's numerics and decode parts, and s35-topk's WARP_VOTE parts.
+#   call G (after wheels-1 and wheels-2): bash tools/gpu_campaign.sh s37-fp8-cluster   # issue 14: FP8 decode CLUSTER=2
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -393,6 +394,20 @@ s37-moe-decode)
   TAIL=12 part bench_moe_decode 400 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 1 8 64 \
     --routing uniform --codegens triton --memory-layers 0 --match "TMA_STACKED=1" \
     --out "$OUT/mxfp4_moe_decode_stacked_h200.md"
+  ;;
+s37-fp8-cluster)
+  # (after wheels-1 and wheels-2) issue 14: CLUSTER=2, the FP8 latent cache's two-CTA crossover (the two head blocks
+  # of a query row as a cluster, each dequantizing half a tile into both CTAs' shared memory; static only:
+  # docs/results/sparse_attention_warp_specialized_h200.md, last section). Never ran on a GPU: numerics first
+  # (prefill, 1 split, 16 splits); only if all pass, the decode A/B at 64 x 2 rows, ctx 32K, 1 split, one process.
+  TAIL=8 part gpu_tests_fp8_cluster 300 python3 -m pytest -q -p no:logging -rf -m gpu \
+    tests/test_sparse_attention_fp8_cluster.py
+  if grep -q "3 passed" "$OUT/gpu_tests_fp8_cluster.log"; then
+    TAIL=12 part fp8_cluster_decode 240 python3 tools/diagnose_sparse_attention_configs.py --variants decode \
+      --fp8-cache --codegen tilelang --match CLUSTER=2 SPLITS=1
+  else
+    echo "    the numerics did not all pass: the timing part is skipped"
+  fi
   ;;
 esac
 # The device tool brings back only a few files per call: everything goes back as one archive.
