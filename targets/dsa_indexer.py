@@ -258,7 +258,64 @@ def tilelang_configs(spec: DsaIndexerSpec, profile: DeviceProfile) -> list[Kerne
                                        **({"MIN_BLOCKS": min_blocks} if min_blocks > 1 else {}))
             if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                 configs.append(config)
+    return configs + _warp_specialized_configs(spec, profile)
+
+
+# WARP_SPECIALIZED=1 (the template's _warp_specialized; a tuning candidate, never the untuned choice: it has not run
+# on a GPU): a producer warpgroup gathers 64-key tiles and their scales into a ring of WS_STAGES stages by cp.async,
+# completing an mbarrier a stage, and two consumer warpgroups take the tiles in turn (one wgmma of 64 keys × 2 rows'
+# heads each; while one waits for its MMA the other runs its ReLU × weight × head-sum epilogue), with setmaxnreg
+# moving registers from the producer to the consumers; no pipeline chunks (CHUNK only rounds the decode split).
+# For prefill, where the untuned kernel is latency-bound (docs/results/dsa_indexer_tilelang_h200.md). Its THREADS
+# are the two consumer warpgroups (the MMA shape, as the 256-thread configs'; the launch adds the producer's 128:
+# num_warps 12), its BLOCK_N the 128 keys of a tile pair (one 64-key tile a consumer; a ring stage holds one tile).
+WS_THREADS = 256
+WS_LAUNCH_THREADS = WS_THREADS + 128
+WS_BLOCK_N = 128
+WS_ROWS = 2
+WS_STAGES = (4,)
+WS_CHUNK = 1
+
+
+def warp_specialization_problems(spec: DsaIndexerSpec, profile: DeviceProfile) -> list[str]:
+    """Why WARP_SPECIALIZED=1 is not offered for `spec` on `profile`; empty where it is."""
+    problems = []
+    if not tilelang_supports(spec):
+        problems.append(f"no TileLang dsa_indexer kernel for {spec.describe()}")
+    elif not spec.fp8:
+        problems.append("WARP_SPECIALIZED=1 is written for the FP8 cache (e4m3 x e4m3 wgmma, one fp32 scale a key): "
+                        f"{spec.describe()}")
+    if WS_ROWS * spec.heads > 256:
+        problems.append(f"WARP_SPECIALIZED=1 puts {WS_ROWS} rows' heads on one wgmma's N (at most 256): "
+                        f"{spec.heads} heads")
+    if spec.head_dim % 128:
+        problems.append(f"WARP_SPECIALIZED=1's producer copies a key in 16-byte pieces by 8 threads: head_dim "
+                        f"{spec.head_dim} is not 128 (or a multiple)")
+    if profile.matrix_instruction != "wgmma":
+        problems.append(f"WARP_SPECIALIZED=1 needs warpgroup MMAs (wgmma): {profile.name} has "
+                        f"{profile.matrix_instruction}")
+    if not profile.bulk_tensor_copies:
+        problems.append(f"WARP_SPECIALIZED=1 needs Hopper's async proxy (mbarrier-completed copies, setmaxnreg, "
+                        f"fence.proxy.async): {profile.name} has no warp-specialized lowering")
+    return problems
+
+
+def _warp_specialized_configs(spec: DsaIndexerSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    if warp_specialization_problems(spec, profile):
+        return []
+    configs = []
+    for stages in WS_STAGES:
+        config = KernelConfig.make(num_warps=WS_LAUNCH_THREADS // profile.warp_size, num_stages=stages,
+                                   THREADS=WS_THREADS,
+                                   BLOCK_N=WS_BLOCK_N, ROWS=WS_ROWS, STAGES=stages, CHUNK=WS_CHUNK,
+                                   WARP_SPECIALIZED=1)
+        if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
+            configs.append(config)
     return configs
+
+
+def warp_specialized(config: KernelConfig) -> bool:
+    return bool(dict(config.params).get("WARP_SPECIALIZED", 0))
 
 
 def tilelang_default_config(spec: DsaIndexerSpec, profile: DeviceProfile) -> KernelConfig:
@@ -272,7 +329,7 @@ def tilelang_default_config(spec: DsaIndexerSpec, profile: DeviceProfile) -> Ker
 
 def _with_shape(configs: list[KernelConfig], shape: tuple) -> KernelConfig | None:
     """The config of `configs` with (threads, keys per tile, rows, chunk, stages) == shape and no MIN_BLOCKS ask."""
-    return next((c for c in configs if "MIN_BLOCKS" not in dict(c.params)
+    return next((c for c in configs if "MIN_BLOCKS" not in dict(c.params) and not warp_specialized(c)
                  and (c["THREADS"], c["BLOCK_N"], c["ROWS"], c["CHUNK"], c["STAGES"]) == shape), None)
 
 
@@ -301,6 +358,9 @@ def tilelang_shared_memory_bytes(spec: DsaIndexerSpec, config: KernelConfig) -> 
     m, block_n, stages = config["ROWS"] * spec.heads, config["BLOCK_N"], config["STAGES"]
     sizes = (m * spec.head_dim * spec.q_dtype.itemsize, stages * block_n * spec.head_dim * spec.key_dtype.itemsize,
              stages * block_n * 4, *(4 * config["ROWS"],) * 5, block_n * config["ROWS"] * 4)
+    if warp_specialized(config):  # a ring stage holds one consumer's tile (half of BLOCK_N); 2 · STAGES mbarriers
+        sizes = (m * spec.head_dim * spec.q_dtype.itemsize, stages * block_n // 2 * spec.head_dim,
+                 stages * block_n // 2 * 4, *(4 * config["ROWS"],) * 5, 2 * stages * 8)
     return sum(-(-size // 16) * 16 for size in sizes) + 1024
 
 

@@ -32,6 +32,7 @@
 #   call F (after wheels-1, carry .triton-kernels): bash tools/gpu_campaign.sh s37-moe-decode   # issue 15: TMA_STACKED
 #   then s34-sparse-row's numerics and decode parts, and s35-topk's WARP_VOTE parts.
 #   call G (after wheels-1 and wheels-2): bash tools/gpu_campaign.sh s37-fp8-cluster   # issue 14: FP8 decode CLUSTER=2
+#   call H (after wheels-1 and wheels-2): bash tools/gpu_campaign.sh s37-indexer-ws  # issue 14: indexer WS prefill
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -405,6 +406,21 @@ s37-fp8-cluster)
   if grep -q "3 passed" "$OUT/gpu_tests_fp8_cluster.log"; then
     TAIL=12 part fp8_cluster_decode 240 python3 tools/diagnose_sparse_attention_configs.py --variants decode \
       --fp8-cache --codegen tilelang --match CLUSTER=2 SPLITS=1
+  else
+    echo "    the numerics did not all pass: the timing part is skipped"
+  fi
+  ;;
+s37-indexer-ws)
+  # (after wheels-1 and wheels-2) issue 14: WARP_SPECIALIZED=1, the TileLang FP8 indexer's warp-specialized prefill
+  # form (a producer warpgroup filling a 4-stage ring by cp.async + mbarriers, two consumer warpgroups taking the key
+  # tiles in turn; static only: docs/results/dsa_indexer_tilelang_h200.md, last section). Never ran on a GPU: its
+  # numerics first (page sizes 16-128); only if all pass, its time beside the untuned choice on the 1024-row prefill
+  # chunk (8K) and at decode (64 sequences x 2 rows, 32K: the untuned choice must not get slower there), one process.
+  TAIL=8 part gpu_tests_indexer_ws 400 python3 -m pytest -q -p no:logging -rf -m gpu \
+    tests/test_dsa_indexer_warp_specialized.py
+  if grep -q "4 passed" "$OUT/gpu_tests_indexer_ws.log"; then
+    TAIL=8 part indexer_ws_timing 300 python3 tools/diagnose_dsa_indexer_configs.py --shapes prefill decode-64 \
+      --match WARP_SPECIALIZED=1
   else
     echo "    the numerics did not all pass: the timing part is skipped"
   fi
