@@ -272,7 +272,10 @@ def tilelang_configs(spec: DsaIndexerSpec, profile: DeviceProfile) -> list[Kerne
 WS_THREADS = 256
 WS_LAUNCH_THREADS = WS_THREADS + 128
 WS_BLOCK_N = 128
-WS_ROWS = 2
+# Query rows a program: 2 (the MMA's N 128) and 4 (N 256: a key tile serves twice the rows, so the producer's copies
+# and a tile's barrier, fence and MMA wait come half as often for the same FLOPs; ptxas fits both in the consumers'
+# 216 registers without spilling).
+WS_ROWS = (2, 4)
 WS_STAGES = (4,)
 WS_CHUNK = 1
 
@@ -285,9 +288,9 @@ def warp_specialization_problems(spec: DsaIndexerSpec, profile: DeviceProfile) -
     elif not spec.fp8:
         problems.append("WARP_SPECIALIZED=1 is written for the FP8 cache (e4m3 x e4m3 wgmma, one fp32 scale a key): "
                         f"{spec.describe()}")
-    if WS_ROWS * spec.heads > 256:
-        problems.append(f"WARP_SPECIALIZED=1 puts {WS_ROWS} rows' heads on one wgmma's N (at most 256): "
-                        f"{spec.heads} heads")
+    if min(WS_ROWS) * spec.heads > 256:
+        problems.append(f"WARP_SPECIALIZED=1 puts {min(WS_ROWS)} or more rows' heads on one wgmma's N (at most "
+                        f"256): {spec.heads} heads")
     if spec.head_dim % 128:
         problems.append(f"WARP_SPECIALIZED=1's producer copies a key in 16-byte pieces by 8 threads: head_dim "
                         f"{spec.head_dim} is not 128 (or a multiple)")
@@ -304,13 +307,15 @@ def _warp_specialized_configs(spec: DsaIndexerSpec, profile: DeviceProfile) -> l
     if warp_specialization_problems(spec, profile):
         return []
     configs = []
-    for stages in WS_STAGES:
-        config = KernelConfig.make(num_warps=WS_LAUNCH_THREADS // profile.warp_size, num_stages=stages,
-                                   THREADS=WS_THREADS,
-                                   BLOCK_N=WS_BLOCK_N, ROWS=WS_ROWS, STAGES=stages, CHUNK=WS_CHUNK,
-                                   WARP_SPECIALIZED=1)
-        if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
-            configs.append(config)
+    for rows in WS_ROWS:
+        for stages in WS_STAGES:
+            if rows * spec.heads > 256:
+                continue
+            config = KernelConfig.make(num_warps=WS_LAUNCH_THREADS // profile.warp_size, num_stages=stages,
+                                       THREADS=WS_THREADS, BLOCK_N=WS_BLOCK_N, ROWS=rows, STAGES=stages,
+                                       CHUNK=WS_CHUNK, WARP_SPECIALIZED=1)
+            if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
+                configs.append(config)
     return configs
 
 
