@@ -16,23 +16,25 @@
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Next session (session 35 ran wheels-1 + s35-moe, wheels-2 + s35-compile's first part, the SPECULATE top-k's
-# numerics and phases, and the warm compile again: docs/results, "Session 35"; session 36 was lent no machine and
-# ran none of these), in order (E right after A where A's machine is still warm: it needs only wheels-1):
-#   call A (carry .whl-gpu1, .triton-kernels): bash tools/gpu_campaign.sh wheels-1 && bash tools/gpu_campaign.sh s36-moe
-#       issue 15: the tuned bench at gpt-oss T=8192 with the new untuned choices, W4A16 and W4A8 (first full W4A8
-#       bench row since session 25)
-#   call B (carry .whl-gpu2): bash tools/gpu_campaign.sh wheels-2; bash tools/gpu_campaign.sh s36-topk
-#       issue 14: the SPECULATE top-k after its first sweep was pipelined (numerics, then phases and configs)
-#   call C: bash tools/gpu_campaign.sh s36-compile       # issue 18: full-depth cold + warm, output streamed
-#       (since ec55bb3 the attention is one region body: AOTAutograd traces it once, not once a layer)
-#   call D: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
-#   call E (after wheels-1): bash tools/gpu_campaign.sh s37-w4a8-online
-#       issue 15: the online W4A8 path (weights to E4M3 inside the GEMMs; never run on a GPU): numerics, per-kernel
-#       times and the layer at gpt-oss T=8192 beside the W4A8 and W4A16 defaults
-#   call F (after wheels-1, carry .triton-kernels): bash tools/gpu_campaign.sh s37-moe-decode   # issue 15: TMA_STACKED
+# numerics and phases, and the warm compile again: docs/results, "Session 35"; sessions 36 and 37 got no machine
+# and ran none of these). Steps marked new have never run on a GPU: their numerics come first in the step, and a
+# candidate stays out of the untuned choices until they pass. In order (a call's step needs the wheel folders of
+# the calls before it on the same warm machine):
+#   call 1 (carry .whl-gpu1, .triton-kernels):
+#       bash tools/gpu_campaign.sh wheels-1 && bash tools/gpu_campaign.sh s37-moe-decode
+#       issue 15, new: TMA_STACKED decode tiles (gate/up rows as one TMA box and one MMA operand; BLOCK_N 128),
+#       per kernel at gpt-oss T=8 and 64 beside the untuned tile and triton_kernels, then the layer
+#   call 2 (carry .whl-gpu2): bash tools/gpu_campaign.sh wheels-2; bash tools/gpu_campaign.sh s37-fp8-cluster
+#       issue 14, new: FP8-cache sparse decode CLUSTER=2 (FlashMLA's two-CTA crossover), numerics then timing
+#   call 3: bash tools/gpu_campaign.sh s36-compile       # issue 18: full-depth cold + warm, output streamed
+#       (since ec55bb3 the attention is one region body; TileLang kernels built ahead in parallel since 1b2de57)
+#   call 4: bash tools/gpu_campaign.sh s37-indexer-ws    # issue 14, new: the warp-specialized FP8 indexer prefill
+#   call 5: bash tools/gpu_campaign.sh s37-w4a8-online   # issue 15, new: W4A8 with the weights converted in the
+#       GEMMs: numerics, per-kernel times and the layer at gpt-oss T=8192 beside the W4A8 and W4A16 defaults
+#   call 6: bash tools/gpu_campaign.sh s36-topk          # issue 14: the SPECULATE top-k's lean first sweep
+#   call 7: bash tools/gpu_campaign.sh s36-moe           # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
+#   call 8: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
 #   then s34-sparse-row's numerics and decode parts, and s35-topk's WARP_VOTE parts.
-#   call G (after wheels-1 and wheels-2): bash tools/gpu_campaign.sh s37-fp8-cluster   # issue 14: FP8 decode CLUSTER=2
-#   call H (after wheels-1 and wheels-2): bash tools/gpu_campaign.sh s37-indexer-ws  # issue 14: indexer WS prefill
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
