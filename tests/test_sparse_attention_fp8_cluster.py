@@ -23,6 +23,8 @@ from dzc.targets.legality import config_problems, tilelang_config_legal
 from dzc.targets.profiles import MP_22, MP_31, SM_80, SM_90
 from dzc.targets.stale_shared_memory import poison_shared_memory
 
+import sass_tools
+
 DSA_V32 = dict(topk=2048, page_size=64)
 MLA = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, **DSA_V32)
 FP8 = dataclasses.replace(MLA, fp8_cache=True)
@@ -41,19 +43,6 @@ def _untuned_fp8(splits):
     """The untuned FP8 choice (interleaved order, no cluster) with `splits` splits."""
     default = sparse_attention.tilelang_default_config(FP8, SM_90)
     return KernelConfig.make(default.num_warps, default.num_stages, **{**dict(default.params), "SPLITS": splits})
-
-
-def _cuobjdump() -> str | None:
-    """cuobjdump from the CUDA toolkit, else the one Triton ships beside its ptxas."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-    except ImportError:
-        return None
-    candidate = Path(get_ptxas(90).path).with_name("cuobjdump")
-    return str(candidate) if candidate.is_file() else None
 
 
 def producer_loop_sass(cuobjdump: str, obj: Path) -> list[str]:
@@ -172,7 +161,7 @@ def test_cluster_kernel_compiles_without_spills(lowered, tmp_path):
         spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
         assert spills and all(stores == loads == "0" for stores, loads in spills), (name, report)
         objects[name] = obj
-    cuobjdump = _cuobjdump()
+    cuobjdump = sass_tools.cuobjdump()
     if cuobjdump is None:
         pytest.skip("no cuobjdump")
     cluster = producer_loop_sass(cuobjdump, objects["cluster"])

@@ -10,13 +10,14 @@ import dataclasses
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
 from dzc.targets import sparse_attention, tilelang_codegen
 from dzc.targets.profiles import SM_90
+
+import sass_tools
 
 DSA_V32 = dict(topk=2048, page_size=64)
 MLA = sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False, **DSA_V32)
@@ -30,19 +31,6 @@ def _ws_config(spec, splits, row_address):
     [config] = [c for c in sparse_attention.tilelang_configs(spec, SM_90)
                 if dict(c.params).get("WARP_SPECIALIZED") and c["SPLITS"] == splits and _row_address(c) == row_address]
     return config
-
-
-def _cuobjdump() -> str | None:
-    """cuobjdump from the CUDA toolkit, else the one Triton ships beside its ptxas."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-    except ImportError:
-        return None
-    candidate = Path(get_ptxas(90).path).with_name("cuobjdump")
-    return str(candidate) if candidate.is_file() else None
 
 
 def test_row_address_is_a_bf16_tuning_candidate_only():
@@ -78,7 +66,7 @@ def test_row_address_prefill_lowers_and_compiles_for_sm90a(tmp_path):
     report = tilelang_codegen.ptxas_report(source, SM_90, tmp_path / "nvcc", fast_math=True)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert spills and all(stores == loads == "0" for stores, loads in spills), report
-    cuobjdump = _cuobjdump()
+    cuobjdump = sass_tools.cuobjdump()
     if cuobjdump is None:
         pytest.skip("no cuobjdump (CUDA toolkit or Triton's)")
     [obj] = (tmp_path / "nvcc").glob("*.o")
