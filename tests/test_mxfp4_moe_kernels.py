@@ -213,6 +213,12 @@ def test_swap_ab_gate_up_nan_scale_reaches_its_tokens_only(config, interleaved, 
     """A NaN scale in one gate/up weight row of one expert: the stacked (non-TMA) and two-accumulator (TMA) gate/up
     GEMMs put NaN in that activation column, so every output column of the tokens routed to that expert is NaN
     (the reference's NaN weight does the same); the other tokens match the reference, over several K tiles."""
+    check_gate_up_nan_scale_reaches_its_tokens_only(config, seed, tmp_path, interleaved=interleaved)
+
+
+def check_gate_up_nan_scale_reaches_its_tokens_only(config, seed, tmp_path, interleaved=True):
+    """A NaN scale in gate/up weight row 161 of expert 2 (interleaved: column 80's up row; halves: column 1's),
+    columns 160..191: the tokens routed to expert 2 are NaN throughout, the others match the reference."""
     # 24 tokens over 4 experts, top-2: each token misses expert 2 with probability 1/2, so both kinds of token occur
     args = list(mxfp4_moe.random_moe_args(torch.device(DEVICE), torch.Generator().manual_seed(seed), tokens=24,
                                           hidden=288, inter=160, experts=4, top_k=2, interleaved=interleaved))
