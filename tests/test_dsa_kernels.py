@@ -1671,24 +1671,29 @@ def test_warp_specialized_prefill_compiles_without_spills(tmp_path):
                                                 (16, 16, False), (128, 0, "plain"), (128, 16, "plain"),
                                                 (128, 0, "interleaved"), (128, 16, "interleaved"),
                                                 (128, 0, "row-address"), (128, 16, "row-address"),
-                                                (16, 16, "row-address")],
+                                                (16, 16, "row-address"), (128, 0, "cluster"), (128, 1, "cluster"),
+                                                (128, 16, "cluster")],
                          ids=["128h-prefill", "128h-1-split", "128h-16-splits", "16h-prefill", "16h-16-splits",
                               "fp8-128h-prefill", "fp8-128h-16-splits", "fp8-interleaved-128h-prefill",
                               "fp8-interleaved-128h-16-splits", "row-address-128h-prefill",
-                              "row-address-128h-16-splits", "row-address-16h-16-splits"])
+                              "row-address-128h-16-splits", "row-address-16h-16-splits", "fp8-cluster-128h-prefill",
+                              "fp8-cluster-128h-1-split", "fp8-cluster-128h-16-splits"])
 def test_warp_specialized_sparse_attention_on_gpu(heads, splits, fp8, seed, tmp_path):
     """Sequences longer and shorter than top-k through a shuffled block table, rows with invalid indices (−1, past
     the sequence) and rows with none valid; unowned cache slots hold NaN (random bytes in the FP8 cache), the
     output is poisoned, and shared memory is left full of NaN before each launch. 16 heads: one padded head
     block; fp8: the FP8 latent cache, dequantized by the producer (each thread's columns in one scale group, or
-    interleaved as the bf16 gather's); row-address: the bf16 cache, the producer's copies addressed from a base a
-    row (ROW_ADDRESS)."""
+    interleaved as the bf16 gather's); cluster: the FP8 cache's two-CTA crossover (CLUSTER=2, interleaved, the two
+    head blocks of a query row as one cluster: tests/test_sparse_attention_fp8_cluster.py); row-address: the bf16
+    cache, the producer's copies addressed from a base a row (ROW_ADDRESS)."""
     row_address = fp8 == "row-address"
-    fp8 = False if row_address else fp8
+    cluster = fp8 == "cluster"
+    fp8 = "interleaved" if cluster else False if row_address else fp8
     spec = dataclasses.replace(MLA, heads=heads, fp8_cache=bool(fp8))
     [config] = [c for c in _warp_specialized_configs(spec, (splits,))
                 if bool(dict(c.params).get("FP8_INTERLEAVED")) == (fp8 == "interleaved")
-                and bool(dict(c.params).get("ROW_ADDRESS")) == row_address]
+                and bool(dict(c.params).get("ROW_ADDRESS")) == row_address
+                and bool(dict(c.params).get("CLUSTER")) == cluster]
     args = dsa_cases.sparse_attention_args([3000, 700, 2500, 40], [3, 2, 3, 1], heads, 1, 576, 512, False,
                                            device=DEVICE, generator=_generator(seed), fp8_cache=bool(fp8), **DSA_V32)
     path = tmp_path / "sparse_attention_tilelang.py"

@@ -402,10 +402,11 @@ s37-fp8-cluster)
   # (after wheels-1 and wheels-2) issue 14: CLUSTER=2, the FP8 latent cache's two-CTA crossover (the two head blocks
   # of a query row as a cluster, each dequantizing half a tile into both CTAs' shared memory; static only:
   # docs/results/sparse_attention_warp_specialized_h200.md, last section). Never ran on a GPU: numerics first
-  # (prefill, 1 split, 16 splits); only if all pass, the decode A/B at 64 x 2 rows, ctx 32K, 1 split, one process.
-  TAIL=8 part gpu_tests_fp8_cluster 300 python3 -m pytest -q -p no:logging -rf -m gpu \
-    tests/test_sparse_attention_fp8_cluster.py
-  if grep -q "3 passed" "$OUT/gpu_tests_fp8_cluster.log"; then
+  # (prefill, 1 split, 16 splits, beside the other FP8 warp-specialized cases); only if all 7 pass, the decode A/B at
+  # 64 x 2 rows, ctx 32K, 1 split, one process.
+  TAIL=8 part gpu_tests_fp8_cluster 300 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_dsa_kernels.py \
+    -k "warp_specialized_sparse_attention_on_gpu and fp8"
+  if grep -q "7 passed" "$OUT/gpu_tests_fp8_cluster.log"; then
     TAIL=12 part fp8_cluster_decode 240 python3 tools/diagnose_sparse_attention_configs.py --variants decode \
       --fp8-cache --codegen tilelang --match CLUSTER=2 SPLITS=1
   else
