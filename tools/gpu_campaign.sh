@@ -10,6 +10,8 @@
 #   call 3:                    bash tools/gpu_campaign.sh 3   # end-to-end multimodal benchmark (the whole call)
 #   call 4:                    bash tools/gpu_campaign.sh 4   # kernel benchmarks (MoE, DSA, vision attention)
 #   call 5:                    bash tools/gpu_campaign.sh 5   # MoE numerics (W4A8 and W4A16); W4A8 timings; MoE memory table
+# A fresh machine gets TileLang in one call instead of two: tools/pack_gpu_site.sh packs both wheel folders as
+# .gpu-site.tar.xz (45 MiB); carry it in a call that starts with `bash tools/gpu_campaign.sh site &&`.
 # With little device time left, one call without TileLang instead:
 #   bash tools/gpu_campaign.sh triton   # GPU tests of the Triton paths; end-to-end and norm benches
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
@@ -18,16 +20,17 @@
 # Next session (session 35 ran wheels-1 + s35-moe, wheels-2 + s35-compile's first part, the SPECULATE top-k's
 # numerics and phases, and the warm compile again: docs/results, "Session 35"; sessions 36 and 37 got no machine
 # and ran none of these). Steps marked new have never run on a GPU: their numerics come first in the step, and a
-# candidate stays out of the untuned choices until they pass. In order (a call's step needs the wheel folders of
-# the calls before it on the same warm machine):
-#   call 1 (carry .whl-gpu1, .triton-kernels):
-#       bash tools/gpu_campaign.sh wheels-1 && bash tools/gpu_campaign.sh s37-moe-decode
+# candidate stays out of the untuned choices until they pass. In order (a step marked "after wheels-1 and
+# wheels-2" needs TileLang, which `site` installs in the first call, on the same warm machine):
+#   call 1 (carry .gpu-site.tar.xz, .triton-kernels):
+#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s36-compile   # issue 18: full-depth cold +
+#       warm, output streamed (since ec55bb3 the attention is one region body; TileLang kernels built ahead in
+#       parallel since 1b2de57); the last measurement issue 18 needs
+#   call 2: bash tools/gpu_campaign.sh s37-moe-decode
 #       issue 15, new: TMA_STACKED decode tiles (gate/up rows as one TMA box and one MMA operand; BLOCK_N 128),
 #       per kernel at gpt-oss T=8 and 64 beside the untuned tile and triton_kernels, then the layer
-#   call 2 (carry .whl-gpu2): bash tools/gpu_campaign.sh wheels-2; bash tools/gpu_campaign.sh s37-fp8-cluster
+#   call 3: bash tools/gpu_campaign.sh s37-fp8-cluster
 #       issue 14, new: FP8-cache sparse decode CLUSTER=2 (FlashMLA's two-CTA crossover), numerics then timing
-#   call 3: bash tools/gpu_campaign.sh s36-compile       # issue 18: full-depth cold + warm, output streamed
-#       (since ec55bb3 the attention is one region body; TileLang kernels built ahead in parallel since 1b2de57)
 #   call 4: bash tools/gpu_campaign.sh s37-indexer-ws    # issue 14, new: the warp-specialized FP8 indexer prefill
 #   call 5: bash tools/gpu_campaign.sh s37-w4a8-online   # issue 15, new: W4A8 with the weights converted in the
 #       GEMMs: numerics, per-kernel times and the layer at gpt-oss T=8192 beside the W4A8 and W4A16 defaults
@@ -45,7 +48,9 @@ mkdir -p "$OUT"
 # folder (`--upgrade --target` on a shared folder); separate folders worked.
 export PYTHONPATH=/tmp/site-gpu1:/tmp/site-gpu2:$PWD PYTHONUNBUFFERED=1
 wheels=${step##*-}
-if [ "$wheels" = 1 ] || [ "$wheels" = 2 ]; then
+if [ "$step" = site ]; then  # the same packages in one carry (tools/pack_gpu_site.sh)
+  python3 -c "import tarfile; tarfile.open('.gpu-site.tar.xz').extractall('/tmp/site-gpu1', filter='tar')"
+elif [ "$wheels" = 1 ] || [ "$wheels" = 2 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-gpu$wheels .whl-gpu$wheels/*.whl 2>&1 \
     | grep -v WARNING
 fi
@@ -132,8 +137,9 @@ triton)
   TAIL=20 part bench_add_layer_norm 60 python3 tools/bench_add_rms_norm.py --op add_layer_norm --quick \
     --codegens triton --out "$OUT/add_layer_norm_h200.md"
   ;;
-wheels-1|wheels-2)
-  # (carry .whl-gpu1, then .whl-gpu2) TileLang for the steps below that use it, and dzc itself: installs only
+site|wheels-1|wheels-2)
+  # (carry .gpu-site.tar.xz; or .whl-gpu1, then .whl-gpu2, in two calls) TileLang for the steps below that use it,
+  # and dzc itself: installs only
   python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARNING | tail -2
   ;;
 s29-1)
