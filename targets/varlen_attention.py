@@ -511,7 +511,8 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
     Threads are whole warps of the profile and at most 2 per query row: T.gemm's FullRow policy gives each
     128-thread group (a Hopper warpgroup) 64 query rows. Then, where it fits, the warp-specialized kernel
     (WARP_SPECIALIZED=1: 128 query rows, 384 threads) with 64-, 128- and 176-key blocks, its two consumer
-    warpgroups issuing their MMAs together or taking turns (PINGPONG=1)."""
+    warpgroups issuing their MMAs together or taking turns (PINGPONG=1); last, each 128-key-block one with OVERLAP=1
+    (overlap_problem)."""
     if not tilelang_supports(spec):
         return []
     configs = []
@@ -537,7 +538,31 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
                                            **extra)
                 if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                     configs.append(config)
+        # Tuning candidates, never the untuned choice (not timed yet): the 128-key-block kernels with OVERLAP=1.
+        for config in [c for c in configs if _warp_specialized(c) and c["BLOCK_N"] == 128]:
+            overlapped = KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), OVERLAP=1)
+            if not overlap_problem(spec, profile, overlapped):
+                configs.append(overlapped)
     return configs
+
+
+def overlap_problem(spec: VarlenAttentionSpec, profile: DeviceProfile, config: KernelConfig) -> str | None:
+    """Why OVERLAP=1 does not apply to `config` (None where it does). OVERLAP=1 places the warp-specialized kernel's
+    work on key block j where ptxas keeps it under an MMA, as the schedule means it to be: the softmax (row max,
+    exp2s, row sums) inside the mask's two branches, before the wait for block j - 1's P V MMA; O's rescale after
+    S_{j+1}'s MMA is issued, before P V_j's (FlashAttention-3's rescale before the second GEMM). As written for
+    OVERLAP=0 (softmax after the branches' join, rescale after the wait) nvcc 13's ptxas puts the wait first: at
+    head dim 128 (session 38) the loop's 66 MUFU.EX2, 69 FMNMX, 134 FADD and the rescale's 64 FMUL all run after
+    `WARPGROUP.DEPBAR.LE gsb0, 0x0`, with none of the warpgroup's MMAs in flight (an empty asm on each result
+    register before the wait changed nothing). Static only (SASS); not timed yet, so never the untuned choice."""
+    if not tilelang_supports(spec):
+        return f"no TileLang kernel for {spec.describe()}"
+    if not _warp_specialization_fits(spec, profile):
+        return f"{profile.name} has no warp-specialized kernel (wgmma, TMA): the pipelined kernel's schedule is " \
+               f"TileLang's own"
+    if not _warp_specialized(config):
+        return "OVERLAP=1 is a knob of the warp-specialized kernel (WARP_SPECIALIZED=1)"
+    return None
 
 
 def _pipelines_copies(spec: VarlenAttentionSpec, profile: DeviceProfile) -> bool:

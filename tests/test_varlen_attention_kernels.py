@@ -473,8 +473,9 @@ def test_warp_specialized_configs_on_wgmma_targets_only():
     untuned choice (128-key blocks, no ping-pong, unsplit), with RoPE too, whose launch then runs the rotation kernel
     (PART=1) first, except at head dim 72 in 16-bit (144-byte rows, not whole 32-byte sectors), where it is split
     columns with ping-pong (measured faster there); never on targets without wgmma/TMA (sm_80, MUSA)."""
-    def specialized(spec, profile):
-        return [c for c in family.tilelang_configs(spec, profile) if dict(c.params).get("WARP_SPECIALIZED")]
+    def specialized(spec, profile):  # OVERLAP=1's configs: tests/test_varlen_attention_overlap.py
+        return [c for c in family.tilelang_configs(spec, profile) if dict(c.params).get("WARP_SPECIALIZED")
+                and not dict(c.params).get("OVERLAP")]
 
     for head_dim in (72, 80, 128):
         for rope in (None, FP32, BF16):
@@ -694,12 +695,13 @@ POISON_CHECKED_LENGTHS = (100, 1, 257, 7, 2304, 130)
 POISON_TOKENS = 200
 # (head_dim, dtype, rope, which TileLang configs): the warp-specialized kernel's default (128-key blocks), its
 # 176-key blocks (a v tile of more rows than its producer has threads) with RoPE (the rotation kernel first), and
-# the pipelined kernel's 128 x 64 tile with RoPE (its partial block rotated element-wise); 4 TileLang builds in all.
+# the pipelined kernel's 128 x 64 tile with RoPE (its partial block rotated element-wise); 5 TileLang builds in all.
 POISON_CASES = {
     "d80-bf16": (80, BF16, False, "default"),
     "d72-fp16-rope": (72, FP16, True, "warp-specialized-176"),
     "d128-bf16-rope": (128, BF16, True, "pipelined-128x64"),
     "d72-bf16-split": (72, BF16, False, "split-columns"),
+    "d128-bf16-overlap": (128, BF16, False, "overlap"),  # OVERLAP=1 (session 38), the untuned choice's twin
 }
 
 
@@ -738,6 +740,9 @@ def _poison_tilelang_config(spec, which):
         return family.tilelang_default_config(spec, SM_90)
     if which == "split-columns":  # its partial v tile's rows zeroed in both the low and the high tile
         return next(c for c in configs if dict(c.params).get("SPLIT_COLUMNS") and not dict(c.params).get("PINGPONG"))
+    if which == "overlap":
+        default = family.tilelang_default_config(spec, SM_90)
+        return next(c for c in configs if dict(c.params) == {**dict(default.params), "OVERLAP": 1})
     if which == "warp-specialized-176":
         return next(c for c in configs if dict(c.params).get("WARP_SPECIALIZED") and c["BLOCK_N"] == 176
                     and not dict(c.params).get("PINGPONG"))

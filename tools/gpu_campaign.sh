@@ -379,6 +379,22 @@ s35-vision-large)
     --codegens tilelang --no-compile-baseline --work-dir /tmp/dzc-vision-large \
     --out "$OUT/vision_attention_large_h200.md"
   ;;
+s38-vision-128)
+  # (after wheels-1 and wheels-2) issue 14: head dim 128's OVERLAP=1 configs (the softmax kept under the previous
+  # block's P V MMA, O's rescale under the next S MMA: static, docs/results/vision_attention_h200.md, "Head dim 128,
+  # static (session 38)"), never run on a GPU: their numerics first (poisoned neighbours; every warp-specialized
+  # config at 128), then, only if those pass, every shortlisted TileLang config at 128 beside cuDNN, mixed pack.
+  TAIL=8 part gpu_tests_varlen_overlap 420 python3 -m pytest -q -p no:logging -rf \
+    "tests/test_varlen_attention_kernels.py::test_kernels_ignore_nan_and_inf_in_other_segments[d128-bf16-overlap]" \
+    "tests/test_varlen_attention_kernels.py::test_tilelang_on_gpu[d128-bfloat16-rope0]"
+  if grep -qE "[0-9]+ passed" "$OUT/gpu_tests_varlen_overlap.log" \
+      && ! grep -qE "[0-9]+ (failed|errors?|skipped)\b" "$OUT/gpu_tests_varlen_overlap.log"; then
+    TAIL=40 part bench_vision_128 420 python3 tools/bench_vision_attention.py --head-dims 128 --packs mixed \
+      --codegens tilelang --no-compile-baseline --work-dir /tmp/dzc-vision-128 --out "$OUT/vision_attention_128_h200.md"
+  else
+    echo "    bench_vision_128 not run: the OVERLAP=1 numerics did not all pass (gpu_tests_varlen_overlap.log)"
+  fi
+  ;;
 s25-busy)
   # (after wheels-1: dzc installed) issues 18/14/15: bench_multimodal --quick again, its
   # torch.compile column falling back to mode "default" when reduce-overhead's capture fails (as in s24-busy);
