@@ -105,8 +105,14 @@ TILELANG_PREBUILD = Knob("DZC_TILELANG_PREBUILD", "1",
                          "which the first call then reads; 0: each is built when first called, one after another",
                          "0 or 1", _one_of("0", "1"))
 
+TUNE_UNVALIDATED = Knob("DZC_TUNE_UNVALIDATED", "0",
+                        "1: also time the tuning candidates whose kernels have not run on a GPU yet (each family's "
+                        "UNVALIDATED list; dzc's own GPU campaigns validate them); 0 (default): leave them out, so "
+                        "that a candidate that hangs or faults the device cannot take a user's process with it",
+                        "0 or 1", _one_of("0", "1"))
+
 KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB, CHECK_REWRITES, COMPILE_CACHE, FRAME_CACHE,
-         NESTED_REGIONS, COMPILE_GC, TILELANG_PREBUILD)
+         NESTED_REGIONS, COMPILE_GC, TILELANG_PREBUILD, TUNE_UNVALIDATED)
 
 
 def debug_level() -> int:

@@ -256,6 +256,9 @@ class CompileReport:
                              + (f"; runs external {tuned['external']}" if tuned.get("external") else ""))
                 for config, why in tuned.get("failures", {}).items():
                     lines.append(f"        skipped {config}: {why}")
+            for why, count in k.configs_unvalidated.items():
+                lines.append(f"      left out of tuning: {count} config(s) with {why} (DZC_TUNE_UNVALIDATED=1 "
+                             f"times them)")
             if k.external_candidates:
                 lines.append(f"      external candidates offered: {', '.join(k.external_candidates)}")
             for alternative in k.alternatives:  # the same op's kernel from another codegen, tuned on its own

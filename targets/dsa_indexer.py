@@ -36,6 +36,12 @@ from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
 
+# Tuning candidates whose kernels have not run on a GPU yet, as (params a config holds, why): users' tuning leaves
+# them out (launch.tuning_candidates; DZC_TUNE_UNVALIDATED=1 times them). An entry goes once its GPU numerics pass.
+UNVALIDATED = (
+    ({"WARP_SPECIALIZED": 1}, "the warp-specialized FP8 prefill: its producer/consumer barriers never ran on a GPU"),
+)
+
 _TL_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                      torch.float8_e4m3fn: "*fp8e4nv"}
 

@@ -18,6 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import dzc
+from dzc import config as dzc_config
 from dzc.autotune import ExternalCandidate, TuningDatabase, config_fingerprint, tune
 from dzc.targets import external_kernels
 from dzc.targets.kernel_config import KernelConfig
@@ -49,9 +50,48 @@ class KernelRecord:
     # The op's kernels from its other codegens (codegen "auto" with tuning), timed against this kernel's configs
     # as the candidates "dzc.<codegen>"; a bucket whose winner is one runs it ("external" names it).
     alternatives: list[KernelRecord] = field(default_factory=list)
+    # Legal configs left out of tuning because their kernels have not run on a GPU yet: {why: count}
+    # (tuning_candidates; DZC_TUNE_UNVALIDATED=1 times them too).
+    configs_unvalidated: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def unvalidated_reason(family: ModuleType, config: KernelConfig) -> str | None:
+    """Why `config` has not run on a GPU yet (None where it has): the first entry of the family's UNVALIDATED list,
+    (params, why) pairs, whose params all hold in `config`. A kernel that never ran may hang or fault the device,
+    which the tuner's agreement check cannot catch: a hung launch never returns, and a faulting one leaves the
+    process's CUDA context unusable for every candidate after it."""
+    params = dict(config.params)
+    for match, why in getattr(family, "UNVALIDATED", ()):
+        if all(params.get(name) == value for name, value in match.items()):
+            return f"{' '.join(f'{name}={value}' for name, value in match.items())}: {why}"
+    return None
+
+
+def check_default_validated(family: ModuleType, default: KernelConfig) -> None:
+    why = unvalidated_reason(family, default)
+    if why is not None:  # a family bug: the untuned choice must be a config that has run on a GPU
+        raise AssertionError(f"{family.__name__}: the untuned default {default} has not run on a GPU ({why})")
+
+
+def tuning_candidates(family: ModuleType, configs: Sequence[KernelConfig], default: KernelConfig,
+                      ) -> tuple[list[KernelConfig], dict[str, int]]:
+    """(the configs the tuner times, {why: count} of those left out): configs that have not run on a GPU yet are
+    left out unless DZC_TUNE_UNVALIDATED=1. The untuned default is never one (a family that made it one is an
+    error here, not a silent fallback)."""
+    check_default_validated(family, default)
+    if dzc_config.TUNE_UNVALIDATED.get() == "1":
+        return list(configs), {}
+    kept, left_out = [], {}
+    for candidate in configs:
+        why = unvalidated_reason(family, candidate)
+        if why is None:
+            kept.append(candidate)
+        else:
+            left_out[why] = left_out.get(why, 0) + 1
+    return kept, left_out
 
 
 def legal_configs(family: ModuleType, codegen: str, spec, profile: DeviceProfile) -> tuple[list[KernelConfig], int]:
@@ -131,8 +171,10 @@ class GeneratedKernel:
         self.autotune = autotune
         self.database = database
         self._launch = getattr(family, f"{codegen.NAME}_launch")
-        self._configs, _ = legal_configs(family, codegen.NAME, spec, profile)
         self._default = getattr(family, f"{codegen.NAME}_default_config")(spec, profile)
+        self._configs, left_out = tuning_candidates(family, legal_configs(family, codegen.NAME, spec, profile)[0],
+                                                    self._default)
+        record.configs_unvalidated = left_out
         self._config_by_bucket: dict[int, KernelConfig] = {}
         self._alternatives = list(alternatives)
         self._externals = external_kernels.candidates_for(record.op, spec, profile) + [
@@ -163,6 +205,7 @@ class GeneratedKernel:
         narrow = getattr(self.family, "configs_for_bucket", None)
         if narrow is not None:  # a family whose tiles (or path) depend on the token count times only those
             configs, default = narrow(self.spec, self.profile, bucket, configs, default)
+            check_default_validated(self.family, default)
         external = None
         if not self.autotune or (len(configs) <= 1 and not self._externals):
             config = default

@@ -49,6 +49,13 @@ from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
 
+# Tuning candidates whose kernels have not run on a GPU yet, as (params a config holds, why): users' tuning leaves
+# them out (launch.tuning_candidates; DZC_TUNE_UNVALIDATED=1 times them). An entry goes once its GPU numerics pass.
+UNVALIDATED = (
+    ({"TMA_STACKED": 1}, "gate and up rows as one TMA box and one MMA operand: never ran on a GPU"),
+    ({"FP8": 1, "WORKSPACE": 0}, "W4A8 with the weights converted inside the GEMMs: never ran on a GPU"),
+)
+
 # Cost model for the untuned choice of path: dequantizing an expert to the workspace costs ~2 extra bytes written
 # and read per weight (vs ~0.53 packed), while the online path decodes each weight tile once per row block. With
 # 128-row blocks, an expert with >= 128 rows on average decodes every tile at least twice online: from there on

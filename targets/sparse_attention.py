@@ -40,6 +40,12 @@ from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
 
+# Tuning candidates whose kernels have not run on a GPU yet, as (params a config holds, why): users' tuning leaves
+# them out (launch.tuning_candidates; DZC_TUNE_UNVALIDATED=1 times them). An entry goes once its GPU numerics pass.
+UNVALIDATED = (
+    ({"CLUSTER": 2}, "the FP8 cache's two-CTA crossover: its cluster barriers and SM-to-SM copies never ran on a GPU"),
+)
+
 # Query-row counts at or below this run the decode (split-K) kernels; above, the prefill kernel. 256 covers
 # batch 128 × 2 queries per step (multi-token prediction).
 DECODE_MAX_ROWS = 256
