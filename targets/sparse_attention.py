@@ -44,6 +44,8 @@ TEMPLATES = Path(__file__).parent / "templates"
 # them out (launch.tuning_candidates; DZC_TUNE_UNVALIDATED=1 times them). An entry goes once its GPU numerics pass.
 UNVALIDATED = (
     ({"CLUSTER": 2}, "the FP8 cache's two-CTA crossover: its cluster barriers and SM-to-SM copies never ran on a GPU"),
+    ({"BALANCED": 1}, "the consumers' split by tile (FlashMLA's): its max exchange, P in the RoPE columns and shared "
+                      "k_free never ran on a GPU"),
 )
 
 # Query-row counts at or below this run the decode (split-K) kernels; above, the prefill kernel. 256 covers
@@ -541,6 +543,10 @@ def _warp_specialized_configs(spec: SparseAttentionSpec, profile: DeviceProfile)
             variants += ({"FP8_INTERLEAVED": 1, "CLUSTER": _FP8_CLUSTER},)
     else:
         variants = ({}, {"ROW_ADDRESS": 1})
+        # BALANCED=1 (a tuning candidate, never run on a GPU): FlashMLA's consumer split, each consumer warpgroup the
+        # score GEMM and softmax of its own tile of a pair and half of both tiles' P V (balanced_problems: where not).
+        if not balanced_problems(spec, profile):
+            variants += ({"BALANCED": 1},)
     for extra in variants:
         for splits in (0, 1, 4, 16):
             config = KernelConfig.make(num_warps=_WS_THREADS // profile.warp_size, num_stages=2, SPLITS=splits,
@@ -573,6 +579,24 @@ def fp8_cluster_problems(spec: SparseAttentionSpec, profile: DeviceProfile) -> l
     if not profile.thread_block_clusters:
         problems.append(f"CLUSTER=2 needs thread block clusters (DSMEM copies, remote mbarriers): {profile.name} "
                         "has none")
+    return problems
+
+
+def balanced_problems(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[str]:
+    """Why the warp-specialized kernel's BALANCED=1 (FlashMLA's consumer split: consumer c computes S and the softmax
+    of stage c of every pair, both take half of both tiles' P V; see the template) does not apply to `spec` on
+    `profile`; empty where it is offered."""
+    problems = []
+    if spec.fp8_cache:
+        problems.append("BALANCED=1 is written for the bf16 cache: the FP8 reader's producer (its dequantization) is "
+                        "that kernel's limit (s25-ncu), not the consumers")
+    if spec.d_tail != _WS_BLOCK:
+        problems.append(f"BALANCED=1 keeps each tile's P [{_WS_BLOCK} heads, {_WS_BLOCK} rows] in the tile's own RoPE "
+                        f"columns (read by S, free after it): Dqk - Dv = {spec.d_tail} is not {_WS_BLOCK}, and a "
+                        "separate P pair (16 KiB) would not fit beside Q and the 2-stage ring")
+    if not _warp_specialization_fits(spec, profile):
+        problems.append(f"BALANCED=1 is a variant of the warp-specialized kernel, which does not fit {spec.describe()} "
+                        f"on {profile.name}")
     return problems
 
 
@@ -628,22 +652,26 @@ def tilelang_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -
     # untuned choice. The FP8 reader's interleaved order is the choice where it fits: on the H200 (64 x 2 rows,
     # 32K context, 1 split) 325 µs against 356 for the plain order (s25-ncu, 2026-12-04; numerics passed in s23-2).
     # ROW_ADDRESS (the bf16 producer's row-based copy addresses) and CLUSTER (the FP8 reader's two-CTA crossover) are
-    # tuning candidates until a GPU has run and timed them.
+    # tuning candidates until a GPU has run and timed them, as is BALANCED (FlashMLA's consumer split).
     verified = spec.heads % _WS_BLOCK == 0
     return max(prefill, key=lambda c: (_warp_specialized(c) and verified, dict(c.params).get("FP8_INTERLEAVED", 0),
                                        not dict(c.params).get("ROW_ADDRESS", 0), not dict(c.params).get("CLUSTER", 0),
-                                       c["BLOCK_N"], c["NUM_STAGES"]))
+                                       not dict(c.params).get("BALANCED", 0), c["BLOCK_N"], c["NUM_STAGES"]))
 
 
 def tilelang_shared_memory_bytes(spec: SparseAttentionSpec, config: KernelConfig) -> int:
     """The q tile, one gathered K (and V, unless V is K's main part) tile per pipeline stage, the probabilities;
-    the warp-specialized kernel adds its valid flags, two fp32 vectors (factor, row sums) and 8 mbarriers."""
+    the warp-specialized kernel adds its valid flags, two fp32 vectors (factor, row sums) and 8 mbarriers; BALANCED
+    has no P tile (each P in its tile's RoPE columns) but the two consumers' maxima of two pairs and partial sums
+    and 2 more mbarriers."""
     item = spec.dtype.itemsize
     block_h, block_n = config["BLOCK_H"], config["BLOCK_N"]
     gathered = block_n * (spec.d_qk + (0 if spec.v_is_k_main else spec.d_v)) * item
     tiles = block_h * spec.d_qk * item + config["NUM_STAGES"] * gathered + block_h * block_n * item
     if _warp_specialized(config):
         tiles += config["NUM_STAGES"] * block_n + 2 * 4 * block_h + 8 * 8
+        if dict(config.params).get("BALANCED"):
+            tiles += -block_h * block_n * item + (2 * 2 + 2) * 4 * block_h + 2 * 8
     return tiles
 
 

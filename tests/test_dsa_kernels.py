@@ -1592,7 +1592,8 @@ def test_warp_specialized_partial_head_block_lowers_for_sm90a(tmp_path):
     spec = dataclasses.replace(MLA, heads=16)
     path = tmp_path / "sparse_attention_tilelang.py"
     path.write_text(sparse_attention.tilelang_source(spec, SM_90))
-    [config] = [c for c in _warp_specialized_configs(spec, (0,)) if not dict(c.params).get("ROW_ADDRESS")]
+    [config] = [c for c in _warp_specialized_configs(spec, (0,))
+                if not dict(c.params).get("ROW_ADDRESS") and not dict(c.params).get("BALANCED")]
     source = tilelang_codegen.lower_to_device_source(path, sparse_attention.TILELANG_FACTORY_NAME, config, SM_90)
     assert "tma_load(q_desc" not in source and "wgmma" in source
     load_q = source.index("q_shared")
@@ -1672,12 +1673,14 @@ def test_warp_specialized_prefill_compiles_without_spills(tmp_path):
                                                 (128, 0, "interleaved"), (128, 16, "interleaved"),
                                                 (128, 0, "row-address"), (128, 16, "row-address"),
                                                 (16, 16, "row-address"), (128, 0, "cluster"), (128, 1, "cluster"),
-                                                (128, 16, "cluster")],
+                                                (128, 16, "cluster"), (128, 0, "balanced"), (128, 1, "balanced"),
+                                                (128, 16, "balanced"), (16, 16, "balanced")],
                          ids=["128h-prefill", "128h-1-split", "128h-16-splits", "16h-prefill", "16h-16-splits",
                               "fp8-128h-prefill", "fp8-128h-16-splits", "fp8-interleaved-128h-prefill",
                               "fp8-interleaved-128h-16-splits", "row-address-128h-prefill",
                               "row-address-128h-16-splits", "row-address-16h-16-splits", "fp8-cluster-128h-prefill",
-                              "fp8-cluster-128h-1-split", "fp8-cluster-128h-16-splits"])
+                              "fp8-cluster-128h-1-split", "fp8-cluster-128h-16-splits", "balanced-128h-prefill",
+                              "balanced-128h-1-split", "balanced-128h-16-splits", "balanced-16h-16-splits"])
 def test_warp_specialized_sparse_attention_on_gpu(heads, splits, fp8, seed, tmp_path):
     """Sequences longer and shorter than top-k through a shuffled block table, rows with invalid indices (−1, past
     the sequence) and rows with none valid; unowned cache slots hold NaN (random bytes in the FP8 cache), the
@@ -1685,15 +1688,18 @@ def test_warp_specialized_sparse_attention_on_gpu(heads, splits, fp8, seed, tmp_
     block; fp8: the FP8 latent cache, dequantized by the producer (each thread's columns in one scale group, or
     interleaved as the bf16 gather's); cluster: the FP8 cache's two-CTA crossover (CLUSTER=2, interleaved, the two
     head blocks of a query row as one cluster: tests/test_sparse_attention_fp8_cluster.py); row-address: the bf16
-    cache, the producer's copies addressed from a base a row (ROW_ADDRESS)."""
+    cache, the producer's copies addressed from a base a row (ROW_ADDRESS); balanced: the bf16 cache, FlashMLA's
+    consumer split (BALANCED=1: tests/test_sparse_attention_balanced.py)."""
     row_address = fp8 == "row-address"
     cluster = fp8 == "cluster"
-    fp8 = "interleaved" if cluster else False if row_address else fp8
+    balanced = fp8 == "balanced"
+    fp8 = "interleaved" if cluster else False if row_address or balanced else fp8
     spec = dataclasses.replace(MLA, heads=heads, fp8_cache=bool(fp8))
     [config] = [c for c in _warp_specialized_configs(spec, (splits,))
                 if bool(dict(c.params).get("FP8_INTERLEAVED")) == (fp8 == "interleaved")
                 and bool(dict(c.params).get("ROW_ADDRESS")) == row_address
-                and bool(dict(c.params).get("CLUSTER")) == cluster]
+                and bool(dict(c.params).get("CLUSTER")) == cluster
+                and bool(dict(c.params).get("BALANCED")) == balanced]
     args = dsa_cases.sparse_attention_args([3000, 700, 2500, 40], [3, 2, 3, 1], heads, 1, 576, 512, False,
                                            device=DEVICE, generator=_generator(seed), fp8_cache=bool(fp8), **DSA_V32)
     path = tmp_path / "sparse_attention_tilelang.py"

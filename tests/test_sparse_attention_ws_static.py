@@ -29,7 +29,8 @@ def _row_address(config) -> bool:
 
 def _ws_config(spec, splits, row_address):
     [config] = [c for c in sparse_attention.tilelang_configs(spec, SM_90)
-                if dict(c.params).get("WARP_SPECIALIZED") and c["SPLITS"] == splits and _row_address(c) == row_address]
+                if dict(c.params).get("WARP_SPECIALIZED") and c["SPLITS"] == splits and _row_address(c) == row_address
+                and not dict(c.params).get("BALANCED")]  # BALANCED: tests/test_sparse_attention_balanced.py
     return config
 
 
@@ -39,7 +40,8 @@ def test_row_address_is_a_bf16_tuning_candidate_only():
     choice until a GPU has timed it."""
     for heads in (16, 128):
         spec = dataclasses.replace(MLA, heads=heads)
-        configs = [c for c in sparse_attention.tilelang_configs(spec, SM_90) if dict(c.params).get("WARP_SPECIALIZED")]
+        configs = [c for c in sparse_attention.tilelang_configs(spec, SM_90)
+                   if dict(c.params).get("WARP_SPECIALIZED") and not dict(c.params).get("BALANCED")]
         assert {c["SPLITS"] for c in configs if _row_address(c)} == {0, 1, 4, 16}, heads
         assert len(configs) == 8, heads
         assert not _row_address(sparse_attention.tilelang_default_config(spec, SM_90)), heads

@@ -26,6 +26,8 @@ _MOE = mxfp4_moe.MXFP4MoESpec(2880, 2880, 128, 4, torch.bfloat16, torch.float32,
 FAMILIES = (
     (sparse_attention, "tilelang", sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False,
                                                                         topk=2048, page_size=64, fp8_cache=True)),
+    (sparse_attention, "tilelang", sparse_attention.SparseAttentionSpec(128, 1, 576, 512, torch.bfloat16, False,
+                                                                        topk=2048, page_size=64)),  # BALANCED
     (dsa_indexer, "tilelang", dsa_indexer.DsaIndexerSpec(64, 128, torch.float8_e4m3fn, True)),
     (mxfp4_moe, "triton", _MOE),
     (mxfp4_moe, "triton", dataclasses.replace(_MOE, fp8_activations=True)),

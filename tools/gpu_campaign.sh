@@ -397,6 +397,23 @@ s38-vision-128)
     echo "    bench_vision_128 not run: the OVERLAP=1 numerics did not all pass (gpu_tests_varlen_overlap.log)"
   fi
   ;;
+s38-sparse-prefill)
+  # (after wheels-1 and wheels-2) issue 14: BALANCED=1, the warp-specialized sparse MLA attention's consumers split
+  # as in FlashMLA's Hopper sparse prefill (each consumer warpgroup the score GEMM and softmax of its own tile of a
+  # pair, half of Dv of both tiles' P V; static only: docs/results/sparse_attention_warp_specialized_h200.md,
+  # "FlashMLA's sparse prefill beside dzc's, static (session 38)"). Never ran on a GPU: its numerics first (128 heads
+  # prefill, 1 and 16 splits, 16 heads 16 splits); only if all 4 pass, the prefill A/B (untuned, BALANCED=1, the
+  # public pipelined kernel) at 4096 queries, ctx 8K, one process.
+  TAIL=8 part gpu_tests_sparse_balanced 360 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_dsa_kernels.py \
+    -k "warp_specialized_sparse_attention_on_gpu and balanced"
+  if grep -q "4 passed" "$OUT/gpu_tests_sparse_balanced.log" \
+      && ! grep -qE "[0-9]+ (failed|errors?)\b" "$OUT/gpu_tests_sparse_balanced.log"; then
+    TAIL=12 part sparse_balanced_prefill 300 python3 tools/diagnose_sparse_attention_configs.py --variants prefill \
+      --codegen tilelang --match BALANCED=1 --public .public-kernels/deepseek_v32
+  else
+    echo "    the numerics did not all pass: the timing part is skipped"
+  fi
+  ;;
 s25-busy)
   # (after wheels-1: dzc installed) issues 18/14/15: bench_multimodal --quick again, its
   # torch.compile column falling back to mode "default" when reduce-overhead's capture fails (as in s24-busy);
