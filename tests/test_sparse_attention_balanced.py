@@ -89,7 +89,8 @@ def test_balanced_lowers_for_sm90a(lowered):
     """Both consumers at 216 registers (the producer at 80: 512 x 128 in all); each its own tile's S (its stage's
     valid flags and K), a max exchange and a P announcement a pair (bar_max, bar_p: 256 arrivals), P written over
     its stage's RoPE columns (bf16 elements 32768 + 36864 x stage: the ring's [stage, 64-column block, row, 64]) and
-    fenced for the async proxy before bar_p; no P tile and no factor in shared memory."""
+    fenced for the async proxy before bar_p, its own P V issued before the wait on bar_p and the other's after,
+    both asynchronous; no P tile and no factor in shared memory."""
     _, source, _ = lowered["balanced"]
     assert source.count("tl::warpgroup_reg_alloc<216>();") == 2 and "reg_alloc<248>" not in source
     assert "tl::warpgroup_reg_dealloc<80>();" in source
@@ -109,7 +110,10 @@ def test_balanced_lowers_for_sm90a(lowered):
         local = body.index(f"(char*)(&(((bfloat16_t*)kv_shared)[0])) + {65536 + 73728 * consumer})")
         remote = body.index(f"(char*)(&(((bfloat16_t*)kv_shared)[0])) + {65536 + 73728 * (1 - consumer)})")
         assert local < body.index("bar_p[0].wait(") < remote
-        assert body.count(f"bar_k_free[{consumer}].arrive();") == body.count(f"bar_k_free[{1 - consumer}].arrive();")
+        # Both P V asynchronous, back to back: its own stage freed when the first group retires, the other's after.
+        wait_one = body.index("tl::wait_wgmma<1>();")
+        assert remote < wait_one < body.index(f"bar_k_free[{consumer}].arrive();") < body.index(
+            "tl::wait_wgmma<0>();", wait_one) < body.index(f"bar_k_free[{1 - consumer}].arrive();")
     _, decode, _ = lowered["balanced-16h-16"]
     assert "tma_load(q_desc" not in decode and decode.count("reg_alloc<216>") == 2 and "lse[" in decode
 
@@ -165,8 +169,8 @@ def test_balanced_compiles_without_spills(compiled):
 def test_balanced_consumers_share_the_score_gemm_and_softmax(compiled):
     """A consumer loop (a stage pair) of the untuned kernel: consumer 0 72 HGMMA.64x64x16 (both tiles' S) + 8
     HGMMA.64x256x16 and 68 MUFU.EX2, consumer 1 only its 8 HGMMA.64x256x16. With BALANCED=1 each consumer has 36 + 8
-    and 34 MUFU.EX2 (its own tile's S and softmax, half of both tiles' P V), 3 wgmma waits (S, own P V, other's P V)
-    and about half the untuned consumer 0's instructions."""
+    and 34 MUFU.EX2 (its own tile's S and softmax, half of both tiles' P V), 3 wgmma waits (S; then, with both P V
+    issued, down to one group and to none) and about half the untuned consumer 0's instructions."""
     untuned = _consumer_loops(compiled["untuned"][1])
     balanced = _consumer_loops(compiled["balanced"][1])
     assert [(c["HGMMA.64x64x16.F32.BF16"], c["HGMMA.64x256x16.F32.BF16"], c["MUFU.EX2"]) for c in untuned] == [
@@ -174,6 +178,9 @@ def test_balanced_consumers_share_the_score_gemm_and_softmax(compiled):
     assert [(c["HGMMA.64x64x16.F32.BF16"], c["HGMMA.64x256x16.F32.BF16"], c["MUFU.EX2"]) for c in balanced] == [
         (36, 8, 34), (36, 8, 34)], balanced
     assert [c["WARPGROUP.DEPBAR.LE"] for c in balanced] == [3, 3], balanced
+    # The two P V groups in flight together: one wait down to 1 group a consumer (none in the untuned kernel).
+    assert compiled["balanced"][1].count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 2
+    assert compiled["untuned"][1].count("WARPGROUP.DEPBAR.LE gsb0, 0x1") == 0
     assert [c["WARPGROUP.DEPBAR.LE"] for c in untuned] == [2, 4], untuned
     busiest_untuned = sum(untuned[1].values())
     assert all(sum(c.values()) < 0.6 * busiest_untuned for c in balanced), (balanced, busiest_untuned)
