@@ -22,21 +22,24 @@
 # and ran none of these). Steps marked new have never run on a GPU: their numerics come first in the step, and a
 # candidate stays out of the untuned choices until they pass. In order (a step marked "after wheels-1 and
 # wheels-2" needs TileLang, which `site` installs in the first call, on the same warm machine):
-#   call 1 (carry .gpu-site.tar.xz, .triton-kernels):
+#   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s36-compile   # issue 18: full-depth cold +
 #       warm, output streamed (since ec55bb3 the attention is one region body; TileLang kernels built ahead in
 #       parallel since 1b2de57); the last measurement issue 18 needs
-#   call 2: bash tools/gpu_campaign.sh s37-moe-decode
+#   call 2: bash tools/gpu_campaign.sh s38-sparse-prefill   # issue 14, new: BALANCED=1 (FlashMLA's consumer split;
+#       untuned, consumer 0 runs all of S and the softmax while consumer 1 waits)
+#   call 3: bash tools/gpu_campaign.sh s38-vision-128       # issue 14, new: OVERLAP=1 at head dim 128
+#   call 4: bash tools/gpu_campaign.sh s37-moe-decode
 #       issue 15, new: TMA_STACKED decode tiles (gate/up rows as one TMA box and one MMA operand; BLOCK_N 128),
 #       per kernel at gpt-oss T=8 and 64 beside the untuned tile and triton_kernels, then the layer
-#   call 3: bash tools/gpu_campaign.sh s37-fp8-cluster
+#   call 5: bash tools/gpu_campaign.sh s37-fp8-cluster
 #       issue 14, new: FP8-cache sparse decode CLUSTER=2 (FlashMLA's two-CTA crossover), numerics then timing
-#   call 4: bash tools/gpu_campaign.sh s37-indexer-ws    # issue 14, new: the warp-specialized FP8 indexer prefill
-#   call 5: bash tools/gpu_campaign.sh s37-w4a8-online   # issue 15, new: W4A8 with the weights converted in the
+#   call 6: bash tools/gpu_campaign.sh s37-indexer-ws    # issue 14, new: the warp-specialized FP8 indexer prefill
+#   call 7: bash tools/gpu_campaign.sh s37-w4a8-online   # issue 15, new: W4A8 with the weights converted in the
 #       GEMMs: numerics, per-kernel times and the layer at gpt-oss T=8192 beside the W4A8 and W4A16 defaults
-#   call 6: bash tools/gpu_campaign.sh s36-topk          # issue 14: the SPECULATE top-k's lean first sweep
-#   call 7: bash tools/gpu_campaign.sh s36-moe           # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
-#   call 8: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
+#   call 8: bash tools/gpu_campaign.sh s36-topk          # issue 14: the SPECULATE top-k's lean first sweep
+#   call 9: bash tools/gpu_campaign.sh s36-moe           # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
+#   call 10: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
 #   then s34-sparse-row's numerics and decode parts, and s35-topk's WARP_VOTE parts.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
