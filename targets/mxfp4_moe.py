@@ -54,6 +54,8 @@ TEMPLATES = Path(__file__).parent / "templates"
 UNVALIDATED = (
     ({"TMA_STACKED": 1}, "gate and up rows as one TMA box and one MMA operand: never ran on a GPU"),
     ({"FP8": 1, "WORKSPACE": 0}, "W4A8 with the weights converted inside the GEMMs: never ran on a GPU"),
+    ({"WARP_SPECIALIZED": 1}, "TileLang's warp-specialized W4A16 prefill GEMMs (a decoding producer warpgroup, two "
+                              "wgmma consumers, mbarrier ring): never ran on a GPU"),
 )
 
 # Cost model for the untuned choice of path: dequantizing an expert to the workspace costs ~2 extra bytes written
@@ -359,7 +361,8 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         # measured fastest on the H200 (docs/results/mxfp4_moe_h200.md).
         threads = c.num_warps * profile.warp_size
         rows = abs(c["BLOCK_M"] - W4A8_BLOCK_M) if _fp8(c) else -c["BLOCK_M"]
-        return (_uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
+        return (warp_specialized(c),  # TileLang's WARP_SPECIALIZED=1: a tuning candidate only (UNVALIDATED)
+                _uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
                 _dot_scaled(c), _tma_stacked(c), _fp8_stacked(c) != want_stacked, _decode(c) != want_decode,
                 c["BLOCK_M"] >= SWAP_AB_WIDE_ROWS, _swap_ab(c) != want_swap, _tma(c) != want_tma, rows,
                 _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64), abs(c["BLOCK_K"] - 128),
@@ -425,6 +428,9 @@ def describe_config(config: KernelConfig) -> str:
         return f"W4A8 workspace (activated experts converted once to E4M3, then grouped FP8 GEMM{stacked})"
     if _uses_workspace(config):
         return "workspace (dequantize activated experts once, then grouped bf16 GEMM)"
+    if warp_specialized(config):
+        return ("online dequant, warp-specialized (a producer warpgroup decodes MXFP4 into shared memory, two "
+                "consumer warpgroups run wgmma)")
     split = f", split-K {_split_k(config)}" if _split_k(config) > 1 else ""
     tma = ", weights by TMA" if _tma(config) else ""
     if _dot_scaled(config):
@@ -1134,7 +1140,61 @@ def tilelang_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelC
                                    BLOCK_N=block_n, BLOCK_K=block_k, THREADS=threads, NUM_STAGES=stages)
         if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
             configs.append(config)
+    return configs + _warp_specialized_configs(spec, profile)
+
+
+# WARP_SPECIALIZED=1 (the template's _warp_specialized; issue 15; a tuning candidate, never the untuned choice: it has
+# not run on a GPU): a block is 128 rows of one expert's row block x BLOCK_N decoded weight rows (gate/up: BLOCK_N / 2
+# outputs, their gate and their up rows; down: BLOCK_N outputs). A producer warpgroup loads each 64-wide K step's
+# packed E2M1 bytes (16-byte loads) and E8M0 scales, decodes them in registers (whole words: a byte permute, a
+# multiply-and-mask, two bf16x2 multiplies a pair of values) and stores them to a ring stage as 16-byte vectors, with
+# the block's activation rows gathered into the same stage by 16-byte cp.async; two consumer warpgroups (64 rows each)
+# run wgmma from shared memory over the ring (full / empty mbarriers); the epilogue is the untuned kernel's. Its
+# THREADS are the block's three warpgroups (num_warps 12).
+WS_BLOCK_M = 128
+WS_BLOCK_K = 64
+WS_THREADS = 384
+WS_BLOCK_NS = (128, 256)
+WS_STAGES = (2, 4)
+
+
+def warp_specialization_problems(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[str]:
+    """Why WARP_SPECIALIZED=1 is not offered for `spec` on `profile`; empty where it is."""
+    problems = []
+    if not tilelang_supports(spec):
+        problems.append(f"no TileLang mxfp4_moe kernel for {spec.describe()}")
+    elif spec.hidden_dtype != torch.bfloat16:
+        problems.append("WARP_SPECIALIZED=1 multiplies bf16 activations as they are (one wgmma operand, copied by "
+                        f"cp.async): {str(spec.hidden_dtype).removeprefix('torch.')} activations are not bf16")
+    for name, k in (("H", spec.hidden), ("I", spec.inter)):
+        if k % WS_BLOCK_K:
+            problems.append(f"WARP_SPECIALIZED=1 has no K tail: {name}={k} is not a multiple of its K step "
+                            f"{WS_BLOCK_K}")
+    if profile.matrix_instruction != "wgmma":
+        problems.append(f"WARP_SPECIALIZED=1 needs warpgroup MMAs (wgmma): {profile.name} has "
+                        f"{profile.matrix_instruction}")
+    if not profile.bulk_tensor_copies:
+        problems.append(f"WARP_SPECIALIZED=1 needs Hopper's async proxy (mbarrier-completed copies, setmaxnreg, "
+                        f"fence.proxy.async): {profile.name} has no warp-specialized lowering")
+    return problems
+
+
+def _warp_specialized_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelConfig]:
+    if warp_specialization_problems(spec, profile):
+        return []
+    configs = []
+    for block_n in WS_BLOCK_NS:
+        for stages in WS_STAGES:
+            config = KernelConfig.make(num_warps=WS_THREADS // profile.warp_size, num_stages=stages,
+                                       BLOCK_M=WS_BLOCK_M, BLOCK_N=block_n, BLOCK_K=WS_BLOCK_K, THREADS=WS_THREADS,
+                                       NUM_STAGES=stages, WARP_SPECIALIZED=1)
+            if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
+                configs.append(config)
     return configs
+
+
+def warp_specialized(config: KernelConfig) -> bool:
+    return bool(dict(config.params).get("WARP_SPECIALIZED", 0))
 
 
 def tilelang_default_config(spec: MXFP4MoESpec, profile: DeviceProfile) -> KernelConfig:
@@ -1146,7 +1206,10 @@ def tilelang_default_config(spec: MXFP4MoESpec, profile: DeviceProfile) -> Kerne
 
 def tilelang_shared_memory_bytes(spec: MXFP4MoESpec, config: KernelConfig) -> int:
     """Per stage the activation tile (its bf16 terms stacked) and the two decoded weight tiles (gate and up), bf16;
-    then the two fp32 accumulators staged for the epilogue, and the row -> token table."""
+    then the two fp32 accumulators staged for the epilogue, and the row -> token table. WARP_SPECIALIZED=1: per stage
+    the 128 activation rows and BLOCK_N decoded weight rows (bf16), and 2 mbarriers, plus 1 KiB for alignment."""
+    if warp_specialized(config):
+        return config["NUM_STAGES"] * ((WS_BLOCK_M + config["BLOCK_N"]) * WS_BLOCK_K * 2 + 16) + 1024
     rows = _ACTIVATION_TERMS[spec.hidden_dtype] * config["BLOCK_M"]
     tiles = (rows + 2 * config["BLOCK_N"]) * config["BLOCK_K"] * 2
     return max(config["NUM_STAGES"], 1) * tiles + 2 * rows * config["BLOCK_N"] * 4 + 4 * config["BLOCK_M"]

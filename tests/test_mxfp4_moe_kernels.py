@@ -960,21 +960,42 @@ def test_default_configs_cover_both_paths_on_gpu(seed, tmp_path):
         check_against_reference(args, run_triton(args, config, tmp_path))
 
 
+# WARP_SPECIALIZED=1 takes K multiples of 64 (of the selftest cases only the 128-row prefill one): these add rows past
+# one 128-row block an expert (skewed), N tails of both GEMMs' 128 and 256 weight rows, silu_glu with gate and up
+# concatenated and no bias.
+WS_GPU_CASES = {
+    "ws-T300-skewed": dict(tokens=300, hidden=192, inter=320, experts=3, top_k=2, skew=3.0),
+    "ws-silu-concat-nobias-T200": dict(tokens=200, hidden=128, inter=192, experts=4, top_k=2, activation="silu_glu",
+                                       interleaved=False, bias=False),
+}
+
+
 @pytest.mark.gpu
-def test_tilelang_on_gpu_every_selftest_case(seed, tmp_path):
-    """The default config on every case; the 64-row config on the first (each TileLang config compiles ~30 s)."""
+@pytest.mark.parametrize("form", ["untuned", "warp_specialized"])
+def test_tilelang_on_gpu_every_selftest_case(form, seed, tmp_path):
+    """untuned: the default config on every case; the 64-row config on the first (each TileLang config compiles
+    ~30 s). warp_specialized: every WARP_SPECIALIZED=1 config on the cases it takes (and WS_GPU_CASES)."""
     profile = gpu_profile()
-    for index, (name, build) in enumerate(mxfp4_moe.selftest_cases(profile)):
+    cases = mxfp4_moe.selftest_cases(profile)
+    if form == "warp_specialized":
+        cases += [(name, lambda device, generator, kw=kw: mxfp4_moe.random_moe_args(device, generator, **kw))
+                  for name, kw in WS_GPU_CASES.items()]
+    for index, (name, build) in enumerate(cases):
         args = build(torch.device("cuda"), torch.Generator(device="cuda").manual_seed(seed))
         spec = mxfp4_moe.spec_from_args(*args[:11])
         if not mxfp4_moe.tilelang_supports(spec):  # fp32 activations: Triton only (see tilelang_supports)
+            continue
+        if form == "warp_specialized" and mxfp4_moe.warp_specialization_problems(spec, profile):
             continue
         path = tmp_path / f"mxfp4_moe_tl_{abs(hash(spec))}.py"
         path.write_text(mxfp4_moe.tilelang_source(spec, profile))
         kernels = tilelang_codegen.load(mxfp4_moe, path, spec, profile)
         inputs, (out,), _, _ = mxfp4_moe.prepare(spec, *args)
         configs = [mxfp4_moe.tilelang_default_config(spec, profile)]
-        if index == 0:
+        if form == "warp_specialized":
+            configs = [c for c in mxfp4_moe.tilelang_configs(spec, profile) if mxfp4_moe.warp_specialized(c)]
+            assert configs, name
+        elif index == 0:
             configs.append(next(c for c in mxfp4_moe.tilelang_configs(spec, profile) if c["BLOCK_M"] == 64))
         for config in configs:
             out.fill_(float("nan"))

@@ -31,6 +31,7 @@ FAMILIES = (
     (dsa_indexer, "tilelang", dsa_indexer.DsaIndexerSpec(64, 128, torch.float8_e4m3fn, True)),
     (mxfp4_moe, "triton", _MOE),
     (mxfp4_moe, "triton", dataclasses.replace(_MOE, fp8_activations=True)),
+    (mxfp4_moe, "tilelang", _MOE),  # WARP_SPECIALIZED
     (varlen_attention, "tilelang", varlen_attention.make_spec(128, torch.bfloat16, None)),
     (dsa_topk, "tilelang", dsa_topk.DsaTopkSpec()),
 )

@@ -442,6 +442,43 @@ s37-moe-decode)
     --routing uniform --codegens triton --memory-layers 0 --match "TMA_STACKED=1" \
     --out "$OUT/mxfp4_moe_decode_stacked_h200.md"
   ;;
+s38-moe-ws)
+  # (after wheels-1 and wheels-2) issue 15: WARP_SPECIALIZED=1, the TileLang W4A16 prefill GEMMs' warp-specialized
+  # form (a producer warpgroup decoding MXFP4 into a shared-memory ring as 16-byte vectors beside cp.async-gathered
+  # activation rows, two consumer warpgroups running wgmma, full/empty mbarriers; static only:
+  # docs/mxfp4_moe_kernels.md, "TileLang warp-specialized prefill"). Never ran on a GPU: its numerics first (every
+  # WARP_SPECIALIZED config on the selftest case it takes and two larger ones with N tails and skew); only if they
+  # pass, the layer at gpt-oss-120b T=8192 (CUDA graph, uniform routing; bench_mxfp4_moe's own helpers, as its table
+  # times TileLang only up to 64 tokens): Triton's untuned choice (SWAP_AB, 311 TFLOP/s in session 35), TileLang's
+  # untuned choice and the four WARP_SPECIALIZED configs, each checked against the reference first.
+  TAIL=8 part gpu_tests_moe_ws 480 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_mxfp4_moe_kernels.py \
+    -k "tilelang_on_gpu_every_selftest_case and warp_specialized"
+  if grep -q "1 passed" "$OUT/gpu_tests_moe_ws.log"; then
+    TAIL=14 part bench_moe_ws 540 python3 - <<'EOF'
+import sys, tempfile
+from pathlib import Path
+import torch
+sys.path.insert(0, "tools")
+import bench_mxfp4_moe as bench
+device, tokens = torch.device("cuda"), 8192
+generator = torch.Generator(device=device).manual_seed(0)
+layer = bench.random_layer("gpt-oss-120b", device, generator)
+spec = layer.spec
+op_args = layer.args(*bench.random_routing(spec, tokens, False, device, generator))
+expected = bench.mxfp4_moe_reference(*op_args)
+print(f"gpt-oss-120b T={tokens}: {bench.family.flops(spec, tokens) / 1e12:.4f} TFLOP a layer (TFLOP/s = that / s)")
+workdir = Path(tempfile.mkdtemp(prefix="dzc-moe-ws-"))
+for codegen in ("triton", "tilelang"):
+    kernels = bench.DzcKernels(spec, codegen, workdir, ["WARP_SPECIALIZED=1"])
+    errors = []
+    default_s, best_s, best = bench.time_configs(kernels, bench.family.token_bucket(tokens), False, 0, op_args,
+                                                 lambda config: (expected, bench.W4A16_TOLERANCE), errors, codegen)
+    print(f"{codegen}: default {default_s * 1e6:.1f} us, best {best_s * 1e6:.1f} us ({best}); errors {errors}")
+EOF
+  else
+    echo "    the numerics did not pass: the timing part is skipped"
+  fi
+  ;;
 s37-fp8-cluster)
   # (after wheels-1 and wheels-2) issue 14: CLUSTER=2, the FP8 latent cache's two-CTA crossover (the two head blocks
   # of a query row as a cluster, each dequantizing half a tile into both CTAs' shared memory; static only:

@@ -1,0 +1,224 @@
+"""The warp-specialized TileLang W4A16 prefill form of dzc's MXFP4 MoE GEMMs (WARP_SPECIALIZED=1; issue 15), read
+statically, no GPU.
+
+A tuning candidate, never the untuned choice (UNVALIDATED: it has not run on a GPU): offered on sm_90 for bf16
+activations with K multiples of its 64-wide step, refused with reasons elsewhere. Its decoder's bit arithmetic,
+emulated here, is exact against dzc.mxfp4.dequantize for every byte and scale. Lowered for sm_90a at gpt-oss-120b's
+shape, both GEMMs have the three roles (setmaxnreg), the ring's mbarriers and wgmma from shared memory; nvcc
+compiles them with no spills, and in the SASS the producer stores decoded weights as STS.128 only (no 16-bit
+stores) while the consumers issue HGMMA. The untuned kernel's CUDA is what the template gives without this form.
+GPU numerics: tests/test_mxfp4_moe_kernels.py::test_tilelang_on_gpu_every_selftest_case[warp_specialized].
+"""
+
+import collections
+import dataclasses
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from dzc import mxfp4
+from dzc.targets import mxfp4_moe, tilelang_codegen
+from dzc.targets.launch import legal_configs, unvalidated_reason
+from dzc.targets.profiles import MP_22, MP_31, SM_80, SM_90
+
+import sass_tools
+
+GPT_OSS = mxfp4_moe.MXFP4MoESpec(2880, 2880, 128, 4, torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16,
+                                 "clamped_swiglu", True)
+requires_tilelang = pytest.mark.skipif(not tilelang_codegen.installed_target_kinds(), reason="no TileLang")
+WS_MARKER = "# --- the warp-specialized prefill kernels"
+
+
+def _ws_configs(spec=GPT_OSS, profile=SM_90):
+    return [c for c in mxfp4_moe.tilelang_configs(spec, profile) if mxfp4_moe.warp_specialized(c)]
+
+
+def _ws_config(block_n, stages):
+    [config] = [c for c in _ws_configs() if (c["BLOCK_N"], c["NUM_STAGES"]) == (block_n, stages)]
+    return config
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Where the knob applies (no lowering)
+
+
+def test_offered_on_hopper_for_bf16_and_never_the_untuned_choice():
+    legal, _ = legal_configs(mxfp4_moe, "tilelang", GPT_OSS, SM_90)
+    configs = _ws_configs()
+    assert sorted((c["BLOCK_N"], c["NUM_STAGES"]) for c in configs) == [(128, 2), (128, 4), (256, 2), (256, 4)]
+    for config in configs:
+        assert config in legal
+        assert (config["BLOCK_M"], config["BLOCK_K"], config["THREADS"], config.num_warps) == (128, 64, 384, 12)
+        assert mxfp4_moe.tilelang_shared_memory_bytes(GPT_OSS, config) <= SM_90.shared_memory_per_block
+        assert unvalidated_reason(mxfp4_moe, config) is not None
+        assert "warp-specialized" in mxfp4_moe.describe_config(config)
+    default = mxfp4_moe.tilelang_default_config(GPT_OSS, SM_90)
+    assert not mxfp4_moe.warp_specialized(default)
+    for bucket in (1, 64, 4096, 8192, 1 << 16):
+        _, chosen = mxfp4_moe.configs_for_bucket(GPT_OSS, SM_90, bucket, legal, default)
+        assert not mxfp4_moe.warp_specialized(chosen), bucket
+    assert not mxfp4_moe.warp_specialization_problems(GPT_OSS, SM_90)
+    # Triton's configs never carry the knob.
+    assert not any(mxfp4_moe.warp_specialized(c) for c in mxfp4_moe.triton_configs(GPT_OSS, SM_90))
+
+
+@pytest.mark.parametrize("profile", [SM_80, MP_22, MP_31], ids=lambda p: p.name)
+def test_refused_without_wgmma_or_warp_specialization(profile):
+    problems = mxfp4_moe.warp_specialization_problems(GPT_OSS, profile)
+    assert any("wgmma" in p for p in problems), problems
+    assert any("warp-specialized lowering" in p for p in problems), problems
+    assert not _ws_configs(profile=profile)
+
+
+def test_refused_for_specs_it_does_not_take():
+    fp16 = dataclasses.replace(GPT_OSS, hidden_dtype=torch.float16)
+    assert any("not bf16" in p for p in mxfp4_moe.warp_specialization_problems(fp16, SM_90))
+    assert not _ws_configs(fp16)
+    fp32 = dataclasses.replace(GPT_OSS, hidden_dtype=torch.float32)
+    assert any("no TileLang" in p for p in mxfp4_moe.warp_specialization_problems(fp32, SM_90))
+    w4a8 = dataclasses.replace(GPT_OSS, fp8_activations=True)
+    assert mxfp4_moe.warp_specialization_problems(w4a8, SM_90) and not _ws_configs(w4a8)
+    for field in ("hidden", "inter"):
+        tail = dataclasses.replace(GPT_OSS, **{field: 2880 + 32})
+        assert any("no K tail" in p for p in mxfp4_moe.warp_specialization_problems(tail, SM_90)), field
+        assert not _ws_configs(tail), field
+    # N tails are taken: weight rows past N decode as zeros, their outputs are not stored.
+    assert _ws_configs(dataclasses.replace(GPT_OSS, inter=2880 + 64))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The decoder's arithmetic, emulated bit for bit against the reference (every packed byte x every scale)
+
+
+def _bf16(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).to(torch.int16).view(torch.bfloat16)
+
+
+def _emulated_decode(codes_even: torch.Tensor, codes_odd: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """dzc_mxfp4_decode32 on one byte's pair of codes: t = [even, 0, odd, 0] (the byte permute), bits =
+    (t * 0x1040) & 0x81C081C0, then x 2^126 and x the scale's bf16 pair, each a bf16 multiply."""
+    t = codes_even + (codes_odd << 16)
+    bits = (t * 0x1040) & 0x81C081C0
+    s = torch.where(scale == 0, 0x0040, scale << 7)
+    s = torch.where(scale == 255, 0x7FC0, s)
+    up = _bf16(torch.tensor(0x7E80))
+    values = []
+    for half in (bits & 0xFFFF, bits >> 16):
+        values.append(((_bf16(half) * up) * _bf16(s)).to(torch.float32))
+    return torch.stack(values, dim=-1)
+
+
+def test_decoder_bits_match_the_reference_for_every_byte_and_scale():
+    source = mxfp4_moe.tilelang_source(GPT_OSS, SM_90)
+    for constant in ("0x1040u", "0x81C081C0u", "0x7E807E80u", "0x0040u", "0x7FC0u", "0x8080u | j | ((4 + j) << 8)"):
+        assert constant in source, constant  # the emulation's constants are the kernel's
+    byte = torch.arange(256, dtype=torch.int64).repeat_interleave(256)
+    scale = torch.arange(256, dtype=torch.int64).repeat(256)
+    got = _emulated_decode(byte & 0xF, byte >> 4, scale)
+    blocks = byte.to(torch.uint8).reshape(-1, 1).expand(-1, 16).reshape(-1, 1, 16)
+    expected = mxfp4.dequantize(blocks, scale.to(torch.uint8).reshape(-1, 1), torch.bfloat16).float()
+    expected = expected.reshape(-1, 32)[:, :2]
+    assert torch.equal(got.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(got[finite], expected[finite])
+    assert torch.equal(got[finite].signbit(), expected[finite].signbit())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lowered to CUDA for sm_90a at gpt-oss-120b's shape, compiled by nvcc
+
+
+@pytest.fixture(scope="module")
+def lowered(tmp_path_factory):
+    """gemm -> the WARP_SPECIALIZED=1 BLOCK_N=256, 4-stage kernel's CUDA source, and the work directory."""
+    directory = tmp_path_factory.mktemp("mxfp4_moe_ws")
+    path = directory / "mxfp4_moe_tilelang.py"
+    path.write_text(mxfp4_moe.tilelang_source(GPT_OSS, SM_90))
+    configs = mxfp4_moe.tilelang_kernel_configs(GPT_OSS, _ws_config(256, 4))
+    return {gemm: tilelang_codegen.lower_to_device_source(path, mxfp4_moe.TILELANG_FACTORY_NAME, config, SM_90)
+            for gemm, config in enumerate(configs.values())}, directory
+
+
+@requires_tilelang
+def test_lowered_kernels_have_the_roles_the_ring_and_wgmma(lowered):
+    sources, _ = lowered
+    for gemm, source in sources.items():
+        assert "__launch_bounds__(384, 1)" in source, gemm
+        # Two consumer warpgroups raise their registers, the producer lowers its own (2 * 208 + 88 = 3 * 168).
+        assert source.count("tl::warpgroup_reg_alloc<208>()") == 2, gemm
+        assert source.count("tl::warpgroup_reg_dealloc<88>()") == 1, gemm
+        assert "w_full[3].init(256)" in source and "w_empty[3].init(256)" in source, gemm
+        assert source.count("tl::mbarrier_cp_async_arrive_noinc(w_full[") == 1, gemm
+        assert source.count("cp_async_gs_conditional<16>") == 1, gemm  # one 16-byte copy a row and 8 columns
+        assert "cp_async_commit" not in source and "cp_async_wait" not in source, gemm
+        assert source.count("dzc_mxfp4_decode32((") == 1, gemm
+        assert len(re.findall(r"w_full\[[^\]]+\]\.arrive\(\)", source)) == 1, gemm
+        assert len(re.findall(r"w_empty\[[^\]]+\]\.arrive\(\)", source)) == 4, gemm  # in and after each K loop
+        assert source.count("tl::fence_proxy_async()") == 3, gemm
+        assert source.count("__syncthreads()") == 1, gemm  # after the barriers' init only: none in a role
+    # gate/up: two 64 x 128 wgmma a step a consumer (gate rows, then up rows); down: one 64 x 256.
+    shape = r"wgmma_ss<tl::DataType::kBFloat16, tl::DataType::kBFloat16, tl::DataType::kFloat32, 64, {}, 16,"
+    assert len(re.findall(shape.format(128), sources[0])) == 4 and "tl::wait_wgmma<2>()" in sources[0]
+    assert len(re.findall(shape.format(256), sources[1])) == 2 and "tl::wait_wgmma<1>()" in sources[1]
+
+
+def _producer_step(sass: str) -> collections.Counter:
+    """Opcodes of the producer's K step from its cp.async arrival to its w_full arrival (decode and stores)."""
+    ops = [line.split(";")[0].split()[1:] for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    ops = [op[1] if op[0].startswith("@") else op[0] for op in ops]
+    start = next(i for i, op in enumerate(ops) if op.startswith("ARRIVES.LDGSTSBAR"))
+    end = next(i for i in range(start, len(ops)) if ops[i].startswith("SYNCS.ARRIVE"))
+    return collections.Counter(ops[start:end + 1])
+
+
+@requires_tilelang
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_compiles_for_sm90a_without_spills_with_vector_stores_and_hgmma(lowered):
+    sources, directory = lowered
+    cuobjdump = sass_tools.cuobjdump()
+    for gemm, source in sources.items():
+        report = tilelang_codegen.ptxas_report(source, SM_90, directory / f"nvcc{gemm}")
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+        assert spills and all(stores == loads == "0" for stores, loads in spills), report
+        [registers] = map(int, re.findall(r"Used (\d+) registers", report))
+        assert registers * 384 <= 65536, report
+        if cuobjdump is None:
+            continue
+        [obj] = (directory / f"nvcc{gemm}").glob("*.o")
+        sass = subprocess.run([cuobjdump, "-sass", str(obj)], capture_output=True, text=True, check=True).stdout
+        producer = sass.split("USETMAXREG.DEALLOC", 1)[1].split("USETMAXREG.TRY_ALLOC", 1)[0]
+        consumers = sass.split("USETMAXREG.TRY_ALLOC", 1)[1]
+        # The producer: 4 groups of 32 values a K step, each stored as four 16-byte vectors; no 16-bit (or other
+        # narrow) shared stores anywhere; 2 bf16x2 multiplies a pair of values, all of them in the producer.
+        assert len(re.findall(r"\bSTS\.128\b", producer)) == 16, gemm
+        assert not re.findall(r"\bSTS(\.U16|\.16|\.U8|\.S16|\.64)?\s", sass), gemm
+        assert len(re.findall(r"\bHMUL2\.BF16", producer)) == 128 == len(re.findall(r"\bHMUL2\.BF16", sass)), gemm
+        assert "LDGSTS.E.BYPASS.128" in producer and "HGMMA" not in producer, gemm
+        step = _producer_step(sass)
+        decode = sum(n for op, n in step.items() if op.split(".")[0] in ("PRMT", "IMAD", "LOP3", "HMUL2", "SHF"))
+        assert step["STS.128"] == 16 and decode <= 4 * 128, (gemm, step)  # 128 values a thread a step
+        # The consumers: wgmma (HGMMA) from shared memory, 64 x 128 (gate/up) or 64 x 256 (down).
+        hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16", consumers)
+        assert hgmma and set(hgmma) == {"128" if gemm == 0 else "256"}, (gemm, hgmma)
+        # One step's wgmma group (two for gate/up) left in flight when the previous stage is freed.
+        assert f"WARPGROUP.DEPBAR.LE gsb0, 0x{2 - gemm}" in consumers, gemm
+
+
+@requires_tilelang
+def test_untuned_kernel_source_is_the_template_without_this_form(tmp_path):
+    """The untuned default's two kernels lower to the same CUDA from the template as from the template cut before
+    the warp-specialized section (what it was before this form: build's new argument defaults to 0)."""
+    source = mxfp4_moe.tilelang_source(GPT_OSS, SM_90)
+    assert WS_MARKER in source
+    full, cut = tmp_path / "full.py", tmp_path / "cut.py"
+    full.write_text(source)
+    cut.write_text(source.split(WS_MARKER, 1)[0])
+    default = mxfp4_moe.tilelang_default_config(GPT_OSS, SM_90)
+    for name, config in mxfp4_moe.tilelang_kernel_configs(GPT_OSS, default).items():
+        lowered_full = tilelang_codegen.lower_to_device_source(full, mxfp4_moe.TILELANG_FACTORY_NAME, config, SM_90)
+        lowered_cut = tilelang_codegen.lower_to_device_source(cut, mxfp4_moe.TILELANG_FACTORY_NAME, config, SM_90)
+        assert lowered_full == lowered_cut, name
+        assert "dzc_mxfp4_decode32" not in lowered_full and "warpgroup_reg" not in lowered_full, name
