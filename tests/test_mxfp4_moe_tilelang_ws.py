@@ -99,21 +99,24 @@ def _bf16(bits: torch.Tensor) -> torch.Tensor:
 
 def _emulated_decode(codes_even: torch.Tensor, codes_odd: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """dzc_mxfp4_decode32 on one byte's pair of codes: t = [even, 0, odd, 0] (the byte permute), bits =
-    (t * 0x1040) & 0x81C081C0, then x 2^126 and x the scale's bf16 pair, each a bf16 multiply."""
+    (t * 0x1040) & 0x81C081C0, then (s <= 128 or 0xFF) one bf16 multiply by 2^(s - 1) (NaN for 0xFF), else two, by
+    2^126 and by 2^(s - 127)."""
     t = codes_even + (codes_odd << 16)
     bits = (t * 0x1040) & 0x81C081C0
-    s = torch.where(scale == 0, 0x0040, scale << 7)
-    s = torch.where(scale == 255, 0x7FC0, s)
-    up = _bf16(torch.tensor(0x7E80))
+    one = (scale <= 128) | (scale == 255)
+    first = torch.where(scale == 255, 0x7FC0, (scale + 126) << 7)
     values = []
     for half in (bits & 0xFFFF, bits >> 16):
-        values.append(((_bf16(half) * up) * _bf16(s)).to(torch.float32))
+        single = _bf16(half) * _bf16(first)
+        double = (_bf16(half) * _bf16(torch.tensor(0x7E80))) * _bf16(scale << 7)
+        values.append(torch.where(one, single, double).to(torch.float32))
     return torch.stack(values, dim=-1)
 
 
 def test_decoder_bits_match_the_reference_for_every_byte_and_scale():
     source = mxfp4_moe.tilelang_source(GPT_OSS, SM_90)
-    for constant in ("0x1040u", "0x81C081C0u", "0x7E807E80u", "0x0040u", "0x7FC0u", "0x8080u | j | ((4 + j) << 8)"):
+    for constant in ("0x1040u", "0x81C081C0u", "0x7E807E80u", "(scale + 126u) << 7", "scale <= 128u || scale == 255u",
+                     "0x7FC0u", "scale << 7", "0x8080u | j | ((4 + j) << 8)"):
         assert constant in source, constant  # the emulation's constants are the kernel's
     byte = torch.arange(256, dtype=torch.int64).repeat_interleave(256)
     scale = torch.arange(256, dtype=torch.int64).repeat(256)
@@ -147,9 +150,9 @@ def test_lowered_kernels_have_the_roles_the_ring_and_wgmma(lowered):
     sources, _ = lowered
     for gemm, source in sources.items():
         assert "__launch_bounds__(384, 1)" in source, gemm
-        # Two consumer warpgroups raise their registers, the producer lowers its own (2 * 208 + 88 = 3 * 168).
-        assert source.count("tl::warpgroup_reg_alloc<208>()") == 2, gemm
-        assert source.count("tl::warpgroup_reg_dealloc<88>()") == 1, gemm
+        # Two consumer warpgroups raise their registers, the producer lowers its own (2 * 200 + 96 <= 3 * 168).
+        assert source.count("tl::warpgroup_reg_alloc<200>()") == 2, gemm
+        assert source.count("tl::warpgroup_reg_dealloc<96>()") == 1, gemm
         assert "w_full[3].init(256)" in source and "w_empty[3].init(256)" in source, gemm
         assert source.count("tl::mbarrier_cp_async_arrive_noinc(w_full[") == 1, gemm
         assert source.count("cp_async_gs_conditional<16>") == 1, gemm  # one 16-byte copy a row and 8 columns
@@ -166,12 +169,26 @@ def test_lowered_kernels_have_the_roles_the_ring_and_wgmma(lowered):
 
 
 def _producer_step(sass: str) -> collections.Counter:
-    """Opcodes of the producer's K step from its cp.async arrival to its w_full arrival (decode and stores)."""
-    ops = [line.split(";")[0].split()[1:] for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
-    ops = [op[1] if op[0].startswith("@") else op[0] for op in ops]
-    start = next(i for i, op in enumerate(ops) if op.startswith("ARRIVES.LDGSTSBAR"))
-    end = next(i for i in range(start, len(ops)) if ops[i].startswith("SYNCS.ARRIVE"))
-    return collections.Counter(ops[start:end + 1])
+    """Opcodes the producer's K step executes from its cp.async arrival to its w_full arrival (decode and stores)
+    where every scale is at most 2 (s <= 128): each group's conditional branch to its one-multiply decode skips the
+    two-multiply one."""
+    rows = []
+    for line in sass.splitlines():
+        found = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if found:
+            words = found.group(2).split()
+            rows.append((int(found.group(1), 16), words[1] if words[0].startswith("@") else words[0], words))
+    start = next(i for i, (_, op, _) in enumerate(rows) if op.startswith("ARRIVES.LDGSTSBAR"))
+    end = next(i for i in range(start, len(rows)) if rows[i][1].startswith("SYNCS.ARRIVE"))
+    executed, skip_to = [], None
+    for address, op, words in rows[start:end + 1]:
+        if skip_to is not None and address < skip_to:
+            continue
+        skip_to = None
+        executed.append(op)
+        if op == "BRA" and words[0].startswith("@") and words[0] != "@!PT":
+            skip_to = int(words[-1], 16)
+    return collections.Counter(executed)
 
 
 @requires_tilelang
@@ -192,14 +209,17 @@ def test_compiles_for_sm90a_without_spills_with_vector_stores_and_hgmma(lowered)
         producer = sass.split("USETMAXREG.DEALLOC", 1)[1].split("USETMAXREG.TRY_ALLOC", 1)[0]
         consumers = sass.split("USETMAXREG.TRY_ALLOC", 1)[1]
         # The producer: 4 groups of 32 values a K step, each stored as four 16-byte vectors; no 16-bit (or other
-        # narrow) shared stores anywhere; 2 bf16x2 multiplies a pair of values, all of them in the producer.
+        # narrow) shared stores anywhere; bf16x2 multiplies only in the producer: one a pair of values, two where
+        # the scale is past 2 (each group's decode is there twice: 64 + 128).
         assert len(re.findall(r"\bSTS\.128\b", producer)) == 16, gemm
         assert not re.findall(r"\bSTS(\.U16|\.16|\.U8|\.S16|\.64)?\s", sass), gemm
-        assert len(re.findall(r"\bHMUL2\.BF16", producer)) == 128 == len(re.findall(r"\bHMUL2\.BF16", sass)), gemm
+        assert len(re.findall(r"\bHMUL2\.BF16", producer)) == 192 == len(re.findall(r"\bHMUL2\.BF16", sass)), gemm
         assert "LDGSTS.E.BYPASS.128" in producer and "HGMMA" not in producer, gemm
         step = _producer_step(sass)
         decode = sum(n for op, n in step.items() if op.split(".")[0] in ("PRMT", "IMAD", "LOP3", "HMUL2", "SHF"))
-        assert step["STS.128"] == 16 and decode <= 4 * 128, (gemm, step)  # 128 values a thread a step
+        hmul2 = sum(n for op, n in step.items() if op.startswith("HMUL2.BF16"))
+        # 128 values a thread a step: 64 HMUL2, about 2.5 ALU instructions a value, 3.2 with the stores.
+        assert step["STS.128"] == 16 and hmul2 == 64 and decode <= 3 * 128, (gemm, step)
         # The consumers: wgmma (HGMMA) from shared memory, 64 x 128 (gate/up) or 64 x 256 (down).
         hgmma = re.findall(r"HGMMA\.64x(\d+)x16\.F32\.BF16", consumers)
         assert hgmma and set(hgmma) == {"128" if gemm == 0 else "256"}, (gemm, hgmma)
