@@ -1147,10 +1147,10 @@ def tilelang_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelC
 # not run on a GPU): a block is 128 rows of one expert's row block x BLOCK_N decoded weight rows (gate/up: BLOCK_N / 2
 # outputs, their gate and their up rows; down: BLOCK_N outputs). A producer warpgroup loads each 64-wide K step's
 # packed E2M1 bytes (16-byte loads) and E8M0 scales, decodes them in registers (whole words: a byte permute, a
-# multiply-and-mask, two bf16x2 multiplies a pair of values) and stores them to a ring stage as 16-byte vectors, with
-# the block's activation rows gathered into the same stage by 16-byte cp.async; two consumer warpgroups (64 rows each)
-# run wgmma from shared memory over the ring (full / empty mbarriers); the epilogue is the untuned kernel's. Its
-# THREADS are the block's three warpgroups (num_warps 12).
+# multiply-and-mask, one bf16x2 multiply a pair of values, two for scales past 2) and stores them to a ring stage as
+# 16-byte vectors, with the block's activation rows gathered into the same stage by 16-byte cp.async; two consumer
+# warpgroups (64 rows each) run wgmma from shared memory over the ring (full / empty mbarriers); the epilogue is the
+# untuned kernel's. Its THREADS are the block's three warpgroups (num_warps 12).
 WS_BLOCK_M = 128
 WS_BLOCK_K = 64
 WS_THREADS = 384
