@@ -876,7 +876,8 @@ def test_tilelang_source_renders_both_gemms():
         source = mxfp4_moe.tilelang_source(spec, SM_90)
         assert "$" not in source and "do not edit" in source
         compile(source, "mxfp4_moe.tilelang.py", "exec")
-        assert "def build(block_m: int, block_n: int, block_k: int, threads: int, num_stages: int, gemm: int)" in source
+        assert "def build(block_m: int, block_n: int, block_k: int, threads: int, num_stages: int, gemm: int,\n" \
+               "          warp_specialized: int = 0):" in source
 
 
 @pytest.mark.slow
