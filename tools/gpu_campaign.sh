@@ -29,6 +29,8 @@
 #   call 2: bash tools/gpu_campaign.sh s38-sparse-prefill   # issue 14, new: BALANCED=1 (FlashMLA's consumer split;
 #       untuned, consumer 0 runs all of S and the softmax while consumer 1 waits)
 #   call 3: bash tools/gpu_campaign.sh s38-vision-128       # issue 14, new: OVERLAP=1 at head dim 128
+#   call 3b: bash tools/gpu_campaign.sh s38-moe-ws          # issue 15, new: the TileLang warp-specialized W4A16
+#       prefill GEMMs (producer decoding into shared memory, two wgmma consumers) at gpt-oss T=8192
 #   call 4: bash tools/gpu_campaign.sh s37-moe-decode
 #       issue 15, new: TMA_STACKED decode tiles (gate/up rows as one TMA box and one MMA operand; BLOCK_N 128),
 #       per kernel at gpt-oss T=8 and 64 beside the untuned tile and triton_kernels, then the layer
