@@ -29,7 +29,6 @@ import sass_tools
 GPT_OSS = mxfp4_moe.MXFP4MoESpec(2880, 2880, 128, 4, torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16,
                                  "clamped_swiglu", True)
 requires_tilelang = pytest.mark.skipif(not tilelang_codegen.installed_target_kinds(), reason="no TileLang")
-WS_MARKER = "# --- the warp-specialized prefill kernels"
 
 
 def _ws_configs(spec=GPT_OSS, profile=SM_90):
@@ -225,20 +224,3 @@ def test_compiles_for_sm90a_without_spills_with_vector_stores_and_hgmma(lowered)
         assert hgmma and set(hgmma) == {"128" if gemm == 0 else "256"}, (gemm, hgmma)
         # One step's wgmma group (two for gate/up) left in flight when the previous stage is freed.
         assert f"WARPGROUP.DEPBAR.LE gsb0, 0x{2 - gemm}" in consumers, gemm
-
-
-@requires_tilelang
-def test_untuned_kernel_source_is_the_template_without_this_form(tmp_path):
-    """The untuned default's two kernels lower to the same CUDA from the template as from the template cut before
-    the warp-specialized section (what it was before this form: build's new argument defaults to 0)."""
-    source = mxfp4_moe.tilelang_source(GPT_OSS, SM_90)
-    assert WS_MARKER in source
-    full, cut = tmp_path / "full.py", tmp_path / "cut.py"
-    full.write_text(source)
-    cut.write_text(source.split(WS_MARKER, 1)[0])
-    default = mxfp4_moe.tilelang_default_config(GPT_OSS, SM_90)
-    for name, config in mxfp4_moe.tilelang_kernel_configs(GPT_OSS, default).items():
-        lowered_full = tilelang_codegen.lower_to_device_source(full, mxfp4_moe.TILELANG_FACTORY_NAME, config, SM_90)
-        lowered_cut = tilelang_codegen.lower_to_device_source(cut, mxfp4_moe.TILELANG_FACTORY_NAME, config, SM_90)
-        assert lowered_full == lowered_cut, name
-        assert "dzc_mxfp4_decode32" not in lowered_full and "warpgroup_reg" not in lowered_full, name
