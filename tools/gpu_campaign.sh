@@ -18,14 +18,17 @@
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Next session (session 35 ran wheels-1 + s35-moe, wheels-2 + s35-compile's first part, the SPECULATE top-k's
-# numerics and phases, and the warm compile again: docs/results, "Session 35"; sessions 36 and 37 got no machine
+# numerics and phases, and the warm compile again: docs/results, "Session 35"; sessions 36, 37 and 38 got no machine
 # and ran none of these). Steps marked new have never run on a GPU: their numerics come first in the step, and a
-# candidate stays out of the untuned choices until they pass. In order (a step marked "after wheels-1 and
-# wheels-2" needs TileLang, which `site` installs in the first call, on the same warm machine):
+# candidate stays out of users' tuning (its UNVALIDATED entry) and the untuned choices until they pass. In order
+# (a step marked "after wheels-1 and wheels-2" needs TileLang, which `site` installs in the first call, on the same
+# warm machine):
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s36-compile   # issue 18: full-depth cold +
 #       warm, output streamed (since ec55bb3 the attention is one region body; TileLang kernels built ahead in
 #       parallel since 1b2de57); the last measurement issue 18 needs
+#   (session 38 ran call 1 on an H100 host: the compile's stages did not finish in 560 s; docs/results/
+#   compile_time_h200.md, "Session 38". Run s38-compile-scaling after call 1's `site` instead of s36-compile.)
 #   call 2: bash tools/gpu_campaign.sh s38-sparse-prefill   # issue 14, new: BALANCED=1 (FlashMLA's consumer split;
 #       untuned, consumer 0 runs all of S and the softmax while consumer 1 waits)
 #   call 3: bash tools/gpu_campaign.sh s38-vision-128       # issue 14, new: OVERLAP=1 at head dim 128
@@ -353,6 +356,32 @@ s36-compile)
   TAIL=12 part bench_compile_full_depth 560 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
     --no-torch --layers 61 --vision-layers 32 --child-logs "$OUT/compile_logs" \
     --out "$OUT/compile_full_depth_h200.md"
+  ;;
+s38-compile-scaling)
+  # (after site) issue 18: the full-depth cold compile ran past 560 s on an H100 host (session 38; 51.5-56.6 s on the
+  # 2-core CPU host): the cold compile at 8 + 4 and 16 + 8 layers, each child's stage breakdown (the per-layer cost
+  # on this host), then the full depth for 400 s with the compiling thread's whole stack sampled every 30 s.
+  for depth in "8 4" "16 8"; do
+    set -- $depth
+    TAIL=14 part "compile_depth_$1" 280 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
+      --no-torch --cold-only --layers "$1" --vision-layers "$2" --child-logs "$OUT/compile_logs_$1" \
+      --out "$OUT/compile_depth_$1_h200.md"
+  done
+  TAIL=4 part compile_full_depth_stacks 400 env DZC_DEBUG=1 DZC_CACHE_DIR=/tmp/c38s/dzc \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/c38s/inductor TRITON_CACHE_DIR=/tmp/c38s/triton TILELANG_CACHE_DIR=/tmp/c38s/tl \
+    python3 -c "
+import runpy, sys, threading, time, traceback
+main = threading.main_thread().ident
+def sample(start=time.time()):
+    while True:
+        time.sleep(30)
+        stack = traceback.format_stack(sys._current_frames()[main])
+        with open('$OUT/compile_stacks.txt', 'a') as f:
+            f.write(f'=== {time.time() - start:.0f} s\n' + ''.join(stack))
+threading.Thread(target=sample, daemon=True).start()
+sys.argv = ['tools/bench_compile.py', '--child', 'dzc', '--model', 'multimodal', '--cache-dir', '/tmp/c38s/dzc',
+            '--regions', 'on', '--layers', '61', '--vision-layers', '32']
+runpy.run_path('tools/bench_compile.py', run_name='__main__')"
   ;;
 s35-topk)
   # (after wheels-1 and wheels-2) issue 14: session 34's WARP_VOTE=1 top-k (the second sweep by warp ballots; static
