@@ -31,7 +31,7 @@ from dzc import kv_cache
 from dzc.ops import dsa as dsa_ops
 from dzc.targets import dsa_cases, tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
-from dzc.targets.legality import tilelang_config_legal
+from dzc.targets.legality import tilelang_config_legal, warp_specialization_problems as profile_ws_problems
 from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -300,13 +300,7 @@ def warp_specialization_problems(spec: DsaIndexerSpec, profile: DeviceProfile) -
     if spec.head_dim % 128:
         problems.append(f"WARP_SPECIALIZED=1's producer copies a key in 16-byte pieces by 8 threads: head_dim "
                         f"{spec.head_dim} is not 128 (or a multiple)")
-    if profile.matrix_instruction != "wgmma":
-        problems.append(f"WARP_SPECIALIZED=1 needs warpgroup MMAs (wgmma): {profile.name} has "
-                        f"{profile.matrix_instruction}")
-    if not profile.bulk_tensor_copies:
-        problems.append(f"WARP_SPECIALIZED=1 needs Hopper's async proxy (mbarrier-completed copies, setmaxnreg, "
-                        f"fence.proxy.async): {profile.name} has no warp-specialized lowering")
-    return problems
+    return problems + profile_ws_problems(profile, "WARP_SPECIALIZED=1")
 
 
 def _warp_specialized_configs(spec: DsaIndexerSpec, profile: DeviceProfile) -> list[KernelConfig]:

@@ -53,3 +53,15 @@ def tilelang_config_legal(profile: DeviceProfile, config, shared_memory_bytes: i
     return not config_problems(profile, threads=config["THREADS"], num_warps=None,
                                shared_memory_bytes=shared_memory_bytes, dtypes=dtypes,
                                cluster_size=dict(config.params).get("CLUSTER", 1))
+
+
+def warp_specialization_problems(profile: DeviceProfile, knob: str) -> list[str]:
+    """Why `profile` has no warp-specialized TileLang kernel (a producer warpgroup feeding wgmma consumers through
+    mbarrier-completed copies) for the config knob `knob`; empty where it has one."""
+    problems = []
+    if profile.matrix_instruction != "wgmma":
+        problems.append(f"{knob} needs warpgroup MMAs (wgmma): {profile.name} has {profile.matrix_instruction}")
+    if not profile.bulk_tensor_copies:
+        problems.append(f"{knob} needs Hopper's async proxy (mbarrier-completed copies, setmaxnreg, "
+                        f"fence.proxy.async): {profile.name} has no warp-specialized lowering")
+    return problems

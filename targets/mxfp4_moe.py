@@ -44,7 +44,7 @@ from dzc.ops.mxfp4_moe import ACTIVATIONS, FP8_GROUP, check_mxfp4_moe_args, fp8_
 from dzc.targets import mxfp4_moe_routing as routing
 from dzc.targets import tilelang_codegen, triton_codegen
 from dzc.targets.kernel_config import KernelConfig
-from dzc.targets.legality import tilelang_config_legal
+from dzc.targets.legality import tilelang_config_legal, warp_specialization_problems as profile_ws_problems
 from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -1170,13 +1170,7 @@ def warp_specialization_problems(spec: MXFP4MoESpec, profile: DeviceProfile) -> 
         if k % WS_BLOCK_K:
             problems.append(f"WARP_SPECIALIZED=1 has no K tail: {name}={k} is not a multiple of its K step "
                             f"{WS_BLOCK_K}")
-    if profile.matrix_instruction != "wgmma":
-        problems.append(f"WARP_SPECIALIZED=1 needs warpgroup MMAs (wgmma): {profile.name} has "
-                        f"{profile.matrix_instruction}")
-    if not profile.bulk_tensor_copies:
-        problems.append(f"WARP_SPECIALIZED=1 needs Hopper's async proxy (mbarrier-completed copies, setmaxnreg, "
-                        f"fence.proxy.async): {profile.name} has no warp-specialized lowering")
-    return problems
+    return problems + profile_ws_problems(profile, "WARP_SPECIALIZED=1")
 
 
 def _warp_specialized_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelConfig]:
