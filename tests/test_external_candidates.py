@@ -129,6 +129,8 @@ def test_a_failing_external_candidate_is_skipped_and_logged(tmp_path, seed, monk
     _provide(monkeypatch, "test.unavailable", unavailable)
     logger, log = logging.getLogger("dzc.autotune"), _Messages()
     monkeypatch.setattr(logger, "level", logging.INFO)
+    # A logging.config call elsewhere in the worker process may have disabled existing loggers (seen once on CI).
+    monkeypatch.setattr(logger, "disabled", False)
     logger.addHandler(log)
     try:
         compiled, _, _ = _compile_and_run(tmp_path / "cache")  # outputs checked: the generated kernel ran
