@@ -128,14 +128,16 @@ def test_a_failing_external_candidate_is_skipped_and_logged(tmp_path, seed, monk
 
     _provide(monkeypatch, "test.unavailable", unavailable)
     logger, log = logging.getLogger("dzc.autotune"), _Messages()
-    monkeypatch.setattr(logger, "level", logging.INFO)
-    # A logging.config call elsewhere in the worker process may have disabled existing loggers (seen once on CI).
-    monkeypatch.setattr(logger, "disabled", False)
+    # setLevel, not the attribute: it also clears the logger's cached isEnabledFor(INFO), which an earlier test's
+    # tuning in the same worker process may have left False (CI, loadfile order).
+    previous = logger.level
+    logger.setLevel(logging.INFO)
     logger.addHandler(log)
     try:
         compiled, _, _ = _compile_and_run(tmp_path / "cache")  # outputs checked: the generated kernel ran
     finally:
         logger.removeHandler(log)
+        logger.setLevel(previous)
     [kernel] = compiled.report.kernels
     for entry in kernel.tuned.values():
         assert entry["external"] is None
