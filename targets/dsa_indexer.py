@@ -36,8 +36,7 @@ from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
 
-# Tuning candidates whose kernels have not run on a GPU yet, as (params a config holds, why): users' tuning leaves
-# them out (launch.tuning_candidates; DZC_TUNE_UNVALIDATED=1 times them). An entry goes once its GPU numerics pass.
+# Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
 UNVALIDATED = (
     ({"WARP_SPECIALIZED": 1}, "the warp-specialized FP8 prefill: its producer/consumer barriers never ran on a GPU"),
 )

@@ -41,8 +41,7 @@ from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
 
-# Tuning candidates whose kernels have not run on a GPU yet, as (params a config holds, why): users' tuning leaves
-# them out (launch.tuning_candidates; DZC_TUNE_UNVALIDATED=1 times them). An entry goes once its GPU numerics pass.
+# Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
 UNVALIDATED = (
     ({"WARP_VOTE": 1}, "the second sweep by warp votes: never ran on a GPU"),
     ({"SPECULATE": 1}, "its first sweep was rewritten after its one GPU run: this form never ran on a GPU"),

@@ -49,8 +49,7 @@ from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
 
-# Tuning candidates whose kernels have not run on a GPU yet, as (params a config holds, why): users' tuning leaves
-# them out (launch.tuning_candidates; DZC_TUNE_UNVALIDATED=1 times them). An entry goes once its GPU numerics pass.
+# Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
 UNVALIDATED = (
     ({"TMA_STACKED": 1}, "gate and up rows as one TMA box and one MMA operand: never ran on a GPU"),
     ({"FP8": 1, "WORKSPACE": 0}, "W4A8 with the weights converted inside the GEMMs: never ran on a GPU"),

@@ -40,8 +40,7 @@ from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
 
-# Tuning candidates whose kernels have not run on a GPU yet, as (params a config holds, why): users' tuning leaves
-# them out (launch.tuning_candidates; DZC_TUNE_UNVALIDATED=1 times them). An entry goes once its GPU numerics pass.
+# Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
 UNVALIDATED = (
     ({"CLUSTER": 2}, "the FP8 cache's two-CTA crossover: its cluster barriers and SM-to-SM copies never ran on a GPU"),
     ({"BALANCED": 1}, "the consumers' split by tile (FlashMLA's): its max exchange, P in the RoPE columns and shared "
