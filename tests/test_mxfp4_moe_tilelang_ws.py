@@ -129,6 +129,74 @@ def test_decoder_bits_match_the_reference_for_every_byte_and_scale():
     assert torch.equal(got[finite].signbit(), expected[finite].signbit())
 
 
+def _permute(x: torch.Tensor, y: torch.Tensor, selector: int, ptx: bool) -> torch.Tensor:
+    """Byte n of the result: byte (nibble n of `selector`) & 7 of y:x. PTX's prmt.b32 (default mode) replicates
+    that byte's sign where the nibble's msb is set; CUDA's __byte_perm uses only each nibble's low 3 bits (nvcc
+    compiles __byte_perm(a, b, 0x8584) to prmt with 0x0504)."""
+    source = torch.stack([(x >> (8 * i)) & 0xFF for i in range(4)] + [(y >> (8 * i)) & 0xFF for i in range(4)])
+    result = torch.zeros_like(x)
+    for n in range(4):
+        nibble = (selector >> (4 * n)) & 0xF
+        byte = source[nibble & 7]
+        if ptx and nibble & 8:
+            byte = torch.where(byte >= 0x80, 0xFF, 0)
+        result |= byte << (8 * n)
+    return result
+
+
+def _emulated_group(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """dzc_mxfp4_decode32 as its source reads, on groups [G, 16] (bytes) x scales [G]: 32 values a group in the
+    order of its four 16-byte stores; the byte permute as the primitive the source calls computes it."""
+    source = mxfp4_moe.tilelang_source(GPT_OSS, SM_90)
+    [(name, selector)] = re.findall(r"const unsigned int t = (\w+)\(even, odd, ([^;]*)\);", source)
+    if name == "__byte_perm":
+        ptx = False
+    else:
+        body = re.search(name + r"\([^)]*\) \{(.*?)\n\}", source, re.S)
+        assert body and 'asm("prmt.b32 %0, %1, %2, %3;"' in body.group(1), name
+        ptx = True
+    words = packed.to(torch.int64).reshape(-1, 4, 4)
+    words = sum(words[..., i] << (8 * i) for i in range(4))  # [G, 4] little-endian 32-bit words
+    one = (scale <= 128) | (scale == 255)
+    first = torch.where(scale == 255, 0x7FC0, (scale + 126) << 7)[:, None]
+    values = torch.empty(packed.shape[0], 4, 4, 2)
+    even, odd = words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F
+    for j in range(4):
+        t = _permute(even, odd, eval(selector.replace("u", ""), {"j": j}), ptx)
+        bits = (t * 0x1040) & 0x81C081C0
+        for h, half in enumerate((bits & 0xFFFF, (bits >> 16) & 0xFFFF)):
+            single = _bf16(half) * _bf16(first)
+            double = (_bf16(half) * _bf16(torch.tensor(0x7E80))) * _bf16(scale[:, None] << 7)
+            values[:, :, j, h] = torch.where(one[:, None], single, double).to(torch.float32)
+    return values.reshape(-1, 32)  # word w, pair j, half h: value 8 w + 2 j + h
+
+
+def test_decoded_groups_match_the_reference_with_the_permute_the_source_calls():
+    """Whole 16-byte groups (random bytes, every scale), through the byte permute as compiled: with CUDA's
+    __byte_perm (before session 39) the "zero" bytes of [even, 0, odd, 0] were even's byte 0 (88.9% of the first
+    GPU run's outputs mismatched); PTX prmt's sign-replicating selectors give zeros."""
+    generator = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (1024, 16), generator=generator, dtype=torch.int64)
+    scale = torch.arange(256, dtype=torch.int64).repeat(4)
+    got = _emulated_group(packed, scale)
+    expected = mxfp4.dequantize(packed.to(torch.uint8)[:, None], scale.to(torch.uint8)[:, None],
+                                torch.bfloat16).float().reshape(-1, 32)
+    assert torch.equal(got.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(got[finite], expected[finite])
+    assert torch.equal(got[finite].signbit(), expected[finite].signbit())
+
+
+def test_permute_emulation_matches_nvcc():
+    """The two semantics _permute models: __byte_perm drops each selector nibble's msb, prmt.b32 keeps it."""
+    x, y = torch.tensor([0x8F0E8D0C]), torch.tensor([0x0B0A0908])
+    assert _permute(x, y, 0x9584, ptx=False).item() == 0x8D090C08  # as selector 0x1504
+    assert _permute(x, y, 0x9584, ptx=True).item() == 0xFF090008  # x's bytes 0 (0x0C) and 1 (0x8D): their signs
+    # The decoder's j = 0 selector: [x byte 0, 0, y byte 0, 0] from prmt; __byte_perm repeats x's byte 0.
+    assert _permute(x, y, 0x8480, ptx=True).item() == 0x0008000C
+    assert _permute(x, y, 0x8480, ptx=False).item() == 0x0C080C0C
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Lowered to CUDA for sm_90a at gpt-oss-120b's shape, compiled by nvcc
 
@@ -214,6 +282,11 @@ def test_compiles_for_sm90a_without_spills_with_vector_stores_and_hgmma(lowered)
         assert not re.findall(r"\bSTS(\.U16|\.16|\.U8|\.S16|\.64)?\s", sass), gemm
         assert len(re.findall(r"\bHMUL2\.BF16", producer)) == 192 == len(re.findall(r"\bHMUL2\.BF16", sass)), gemm
         assert "LDGSTS.E.BYPASS.128" in producer and "HGMMA" not in producer, gemm
+        # The byte permutes keep their sign-replicating (zero) selectors: 0x8480 | 0x101 j ([even j, 0, odd j, 0]);
+        # __byte_perm had compiled to 0x0400 | 0x101 j (bytes 1 and 3 even's byte 0: the first GPU run's error).
+        selectors = re.findall(r"\bPRMT R\d+, R\d+, (0x[0-9a-f]+), R\d+", producer)
+        assert {f"0x{0x8480 + 0x101 * j:x}" for j in range(4)} <= set(selectors), (gemm, collections.Counter(selectors))
+        assert not {f"0x{0x400 + 0x101 * j:x}" for j in range(4)} & set(selectors), gemm
         step = _producer_step(sass)
         decode = sum(n for op, n in step.items() if op.split(".")[0] in ("PRMT", "IMAD", "LOP3", "HMUL2", "SHF"))
         hmul2 = sum(n for op, n in step.items() if op.startswith("HMUL2.BF16"))
