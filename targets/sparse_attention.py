@@ -43,8 +43,10 @@ TEMPLATES = Path(__file__).parent / "templates"
 # Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
 UNVALIDATED = (
     ({"CLUSTER": 2}, "the FP8 cache's two-CTA crossover: its cluster barriers and SM-to-SM copies never ran on a GPU"),
-    ({"BALANCED": 1}, "the consumers' split by tile (FlashMLA's): its max exchange, P in the RoPE columns and shared "
-                      "k_free never ran on a GPU"),
+    ({"BALANCED": 1}, "the consumers' split by tile (FlashMLA's): hung on its first GPU run (session 39, H100), its "
+                      "setmaxnreg 216 / 216 / 80 past the 384-thread block's 3 x 168 registers (now 216 / 216 / 72, "
+                      "as FlashMLA's); its max exchange, P in the RoPE columns and shared k_free have yet to pass on "
+                      "a GPU"),
 )
 
 # Query-row counts at or below this run the decode (split-K) kernels; above, the prefill kernel. 256 covers
