@@ -42,10 +42,8 @@ from dzc.targets.profiles import DeviceProfile
 TEMPLATES = Path(__file__).parent / "templates"
 
 # Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
-UNVALIDATED = (
-    ({"WARP_VOTE": 1}, "the second sweep by warp votes: never ran on a GPU"),
-    ({"SPECULATE": 1}, "its first sweep was rewritten after its one GPU run: this form never ran on a GPU"),
-)
+# (WARP_VOTE=1's and SPECULATE=1's numerics passed on an H100 in session 39.)
+UNVALIDATED = ()
 
 
 @dataclass(frozen=True)
@@ -206,7 +204,9 @@ TILELANG_VOTE_SWEEP = 8192
 # whose threshold bin lies below the estimate, takes the second sweep as before. Why: H200, 128 rows of 128K (past
 # the cached keys), that sweep re-read the logits: 18.8 of the block's 44 µs. Only where a warp is 32 lanes; a
 # tuning candidate beside each span's untuned choice (6144 entries: 16 KiB more shared memory, what the 128K span
-# leaves on the H200), not yet timed.
+# leaves on the H200). The untuned choice of spans wider than the cached keys (_preference): H100, session 39, 128
+# rows, k 2048, 128K span: 18.5, 23.1, 32.8, 40.1 µs at 40K, 64K, 96K, 128K positions against 19.1, 25.5, 38.0,
+# 52.5 without it (docs/results/dsa_topk_speculate_h200.md); within the cache the second sweep reads shared memory.
 TILELANG_SPECULATE_BUFFER = 6144
 
 
@@ -272,11 +272,13 @@ def tilelang_default_config(spec: DsaTopkSpec, profile: DeviceProfile) -> Kernel
 
 
 def _preference(config: KernelConfig) -> tuple:
-    """Within a span: the most threads, cached keys, 10-bit rounds, the fewest positions in flight, no warp votes,
-    no speculative buffer (WARP_VOTE, SPECULATE: not yet timed)."""
+    """Within a span: the most threads, cached keys, 10-bit rounds, the fewest positions in flight, no warp votes
+    (not yet timed), the speculative buffer where the span is wider than the cached keys (measured faster there:
+    TILELANG_SPECULATE_BUFFER; not timed within the cache)."""
     params = dict(config.params)
+    speculate = params.get("SPECULATE", 0) * (1 if config["WIDTH"] > params.get("CACHE", 0) else -1)
     return (config["THREADS"], "CACHE" in params, params.get("RADIX_BITS") == TILELANG_WIDE_RADIX_BITS,
-            -config["SWEEP"], -params.get("WARP_VOTE", 0), -params.get("SPECULATE", 0))
+            -config["SWEEP"], -params.get("WARP_VOTE", 0), speculate)
 
 
 def tilelang_configs_for_bucket(bucket: int, configs: list[KernelConfig],

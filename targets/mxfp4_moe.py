@@ -51,7 +51,6 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 # Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
 UNVALIDATED = (
-    ({"TMA_STACKED": 1}, "gate and up rows as one TMA box and one MMA operand: never ran on a GPU"),
     ({"FP8": 1, "WORKSPACE": 0}, "W4A8 with the weights converted inside the GEMMs: never ran on a GPU"),
     ({"WARP_SPECIALIZED": 1}, "TileLang's warp-specialized W4A16 prefill GEMMs (a decoding producer warpgroup, two "
                               "wgmma consumers, mbarrier ring): wrong results on its first GPU run (session 39, "
@@ -347,14 +346,19 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
     # tokens on gpt-oss-120b and DeepSeek-style shapes on the H200 (docs/results/mxfp4_moe_tma_h200.md); at
     # T=8192 the 128-row SWAP_AB tiles were 1.06-1.6x slower with TMA (session 26). DOT_SCALED tiles were slower
     # everywhere: tuning only; so are SWAP_AB's 256-row tiles (1.14-1.19x slower than 128 rows at gpt-oss T=8192,
-    # session 35), and TMA_STACKED's decode tiles (not yet timed).
+    # session 35).
     decode = rows_per_expert(spec, bucket) <= DECODE_MAX_ROWS_PER_EXPERT
     want_tma = profile.bulk_tensor_copies and decode
+    # TMA_STACKED's decode tiles with DECODE=2 where the bucket's split has one: at gpt-oss-120b T=8 and 64 (split 1)
+    # the layer's kernels took 199.7 and 670.1 µs against 235.3 and 801.6 for the TMA tile (1.18x, 1.20x; H100,
+    # session 39, docs/results/mxfp4_moe_decode_stacked_h200.md); at T=1 (split 4) the TMA tile stays (67.5 µs,
+    # stacked tiles 68.0-76.5).
+    want_stacked = want_tma and any(_tma_stacked(x) and _split_k(x) == _default_split_k(spec, bucket) for x in tier)
     # SWAP_AB's DECODE=2 (signs merged four values a PRMT): 1.04x faster on the 128-row prefill tile at gpt-oss
     # T=8192 in sessions 34 and 35, its GPU numerics passed (session 35). W4A8's FP8_STACKED (gate and up in one MMA
     # a step) on 64 x 64 tiles: 1.05x the same tile unstacked and 1.15x the 128 x 64 one (session 35).
     want_decode = 2 if want_swap and any(_decode(x) == 2 for x in tier) else 1
-    want_stacked = any(_fp8_stacked(x) for x in tier)
+    want_fp8_stacked = any(_fp8_stacked(x) for x in tier)
 
     def preference(c: KernelConfig):
         # The cost model's path, the tier's largest row block (W4A8: 64 rows), then mid-size tiles (64 x 128) with
@@ -364,7 +368,8 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         rows = abs(c["BLOCK_M"] - W4A8_BLOCK_M) if _fp8(c) else -c["BLOCK_M"]
         return (warp_specialized(c),  # TileLang's WARP_SPECIALIZED=1: a tuning candidate only (UNVALIDATED)
                 _uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
-                _dot_scaled(c), _tma_stacked(c), _fp8_stacked(c) != want_stacked, _decode(c) != want_decode,
+                _dot_scaled(c), _tma_stacked(c) != want_stacked, _fp8_stacked(c) != want_fp8_stacked,
+                _decode(c) != want_decode,
                 c["BLOCK_M"] >= SWAP_AB_WIDE_ROWS, _swap_ab(c) != want_swap, _tma(c) != want_tma, rows,
                 _split_k(c) != _default_split_k(spec, bucket), abs(c["BLOCK_N"] - 64), abs(c["BLOCK_K"] - 128),
                 abs(threads - 128), c.num_stages != 3)
@@ -693,20 +698,18 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
                                           BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, DECODE=2)
                         for block_n, warps in ((64, 4), (128, 8))]
         if profile.triton_tensor_descriptors and spec.interleaved:
-            # TMA_STACKED (decode, interleaved gate/up rows; tuning candidates, not yet timed on a GPU): the gate/up
-            # GEMM's gate and up rows come as one TMA box of 2 * BLOCK_N interleaved w13 rows, decoded into one MMA
-            # operand with one accumulator (the plain-load tile's stacked form), its scales a step ahead. Compiled
-            # for sm_90 (gpt-oss-120b, Triton 3.9; docs/mxfp4_moe_kernels.md, "Decode beside triton_kernels"): the
-            # T=8 tile's gate/up K step 711 -> 636 SASS instructions (triton_kernels: 450 for the same weight
-            # bytes), wgmma waits 3, 3, 3, 3 -> 1, 1, no spill; at BLOCK_N 128 both GEMMs stream 128 weight rows a
-            # program, as triton_kernels does (255 and 191 registers, no spill). With DECODE=2 (580 at BLOCK_N 64)
-            # they are timed by name first (tools/gpu_campaign.sh s37-moe-decode): a DECODE=2 tile in the decode
-            # tier would make DECODE=2 the decode buckets' untuned decoder (configs_for_bucket: DECODE=2 wherever a
-            # tile of the untuned choice's BLOCK_M has it).
+            # TMA_STACKED (decode, interleaved gate/up rows): the gate/up GEMM's gate and up rows come as one TMA
+            # box of 2 * BLOCK_N interleaved w13 rows, decoded into one MMA operand with one accumulator (the
+            # plain-load tile's stacked form), its scales a step ahead. Compiled for sm_90 (gpt-oss-120b, Triton
+            # 3.9; docs/mxfp4_moe_kernels.md, "Decode beside triton_kernels"): the T=8 tile's gate/up K step 711 ->
+            # 636 SASS instructions (580 with DECODE=2; triton_kernels: 450 for the same weight bytes), wgmma waits
+            # 3, 3, 3, 3 -> 1, 1, no spill. GPU numerics passed and timed on an H100 (session 39): with DECODE=2
+            # the decode buckets' untuned choice (configs_for_bucket).
+            decoders = [{}, {"DECODE": 2}] if profile.triton_inline_asm else [{}]
             configs += [KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N=block_n,
                                           BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=split_k, SWAP_AB=1, TMA=1,
-                                          TMA_STACKED=1)
-                        for block_n in (64, 128) for split_k in (1, 2)]
+                                          TMA_STACKED=1, **decoder)
+                        for block_n in (64, 128) for split_k in (1, 2) for decoder in decoders]
         if profile.matrix_instruction == "wgmma":
             # 256 token rows a tile (wgmma's largest N): each decoded weight feeds twice a 128-row tile's MMA work.
             # 64 weight rows on 8 warps: each warp group holds 64 of the 128 stacked gate/up rows x 256 tokens

@@ -42,7 +42,6 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 # Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
 UNVALIDATED = (
-    ({"CLUSTER": 2}, "the FP8 cache's two-CTA crossover: its cluster barriers and SM-to-SM copies never ran on a GPU"),
     ({"BALANCED": 1}, "the consumers' split by tile (FlashMLA's): hung on its first GPU run (session 39, H100), its "
                       "setmaxnreg 216 / 216 / 80 past the 384-thread block's 3 x 168 registers (now 216 / 216 / 72, "
                       "as FlashMLA's); its max exchange, P in the RoPE columns and shared k_free have yet to pass on "
@@ -204,12 +203,17 @@ def describe_config(config: KernelConfig) -> str:
 def configs_for_bucket(spec: SparseAttentionSpec, profile: DeviceProfile, bucket: int, configs: list[KernelConfig],
                        default: KernelConfig) -> tuple[list[KernelConfig], KernelConfig]:
     """The configs of the variant that serves `bucket` (see targets/launch.py) and that variant's default: the
-    family default (a prefill config) with 4 splits for decode."""
+    family default (a prefill config) with _decode_splits for decode; there, at one split, the FP8 reader's CLUSTER=2
+    twin where it is legal (H100, session 39, 64 x 2 rows, 32K context: 298 µs against 320; numerics passed)."""
     variant = variant_for_bucket(bucket)
     chosen = [c for c in configs if config_variant(c) == variant]
     if config_variant(default) != variant:
         splits = _decode_splits(spec, default, bucket) if variant == "decode" else 0
         default = KernelConfig.make(default.num_warps, default.num_stages, **{**dict(default.params), "SPLITS": splits})
+        cluster = KernelConfig.make(default.num_warps, default.num_stages,
+                                    **{**dict(default.params), "CLUSTER": _FP8_CLUSTER})
+        if splits == 1 and dict(default.params).get("FP8_INTERLEAVED") and cluster in chosen:
+            default = cluster
     return chosen, default
 
 
@@ -536,7 +540,8 @@ def _warp_specialized_configs(spec: SparseAttentionSpec, profile: DeviceProfile)
     # loop against 681, static, not timed on a GPU yet) beside the page/slot addressing.
     # FP8 cache with 128+ heads on a target with clusters: CLUSTER=2 beside the interleaved order (FlashMLA's
     # crossover: the two head blocks of a row dequantize half a tile each and copy it into each other's shared
-    # memory; a tuning candidate, never run on a GPU yet; fp8_cluster_problems says where it is not offered).
+    # memory; numerics passed on an H100 in session 39, the untuned decode choice at one split: configs_for_bucket;
+    # fp8_cluster_problems says where it is not offered).
     if spec.fp8_cache:
         variants = ({}, {"FP8_INTERLEAVED": 1}) if spec.d_main % 64 == 0 and kv_cache.FP8_LATENT_TILE % 64 == 0 \
             else ({},)
@@ -652,8 +657,9 @@ def tilelang_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -
     # candidate only (the tuner drops a candidate whose outputs disagree with the untuned default's), not the
     # untuned choice. The FP8 reader's interleaved order is the choice where it fits: on the H200 (64 x 2 rows,
     # 32K context, 1 split) 325 µs against 356 for the plain order (s25-ncu, 2026-12-04; numerics passed in s23-2).
-    # ROW_ADDRESS (the bf16 producer's row-based copy addresses) and CLUSTER (the FP8 reader's two-CTA crossover) are
-    # tuning candidates until a GPU has run and timed them, as is BALANCED (FlashMLA's consumer split).
+    # ROW_ADDRESS (the bf16 producer's row-based copy addresses) and BALANCED (FlashMLA's consumer split) are tuning
+    # candidates until a GPU has run and timed them; CLUSTER (the FP8 reader's two-CTA crossover) was timed at decode
+    # only (configs_for_bucket).
     verified = spec.heads % _WS_BLOCK == 0
     return max(prefill, key=lambda c: (_warp_specialized(c) and verified, dict(c.params).get("FP8_INTERLEAVED", 0),
                                        not dict(c.params).get("ROW_ADDRESS", 0), not dict(c.params).get("CLUSTER", 0),

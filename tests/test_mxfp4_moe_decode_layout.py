@@ -90,26 +90,35 @@ def test_stacked_tma_tile_on_weights_off_16_byte_alignment_runs_by_plain_loads(s
 
 
 @pytest.mark.parametrize("case", ["gptoss-bfloat16-T5", "silu-concat-nobias-T37-skewed", "gptoss-float32-T5"])
-def test_stacked_tma_tiles_offered_where_they_apply_and_never_untuned(case):
-    """Offered (SWAP_AB, TMA, DECODE=1, 16 token rows) where the profile's Triton has tensor descriptors and the
-    gate/up rows are interleaved, with bf16 activations; legal there; never a bucket's untuned choice."""
+def test_stacked_tma_tiles_offered_where_they_apply_and_untuned_for_decode(case):
+    """Offered (SWAP_AB, TMA, 16 token rows; DECODE=2 too where Triton has inline assembly) where the profile's
+    Triton has tensor descriptors and the gate/up rows are interleaved, with bf16 activations; legal there; a
+    decode bucket's untuned choice exactly where one has the bucket's split (with DECODE=2 where offered), never a
+    prefill bucket's."""
     spec = mxfp4_moe.spec_from_args(*case_args(case, 0)[:11])
     for profile in PROFILES.values():
         configs = mxfp4_moe.triton_configs(spec, profile)
         offered = [c for c in configs if dict(c.params).get("TMA_STACKED")]
         applies = profile.triton_tensor_descriptors and spec.interleaved and spec.hidden_dtype == torch.bfloat16
         assert bool(offered) == applies, (profile.name, case)
-        assert all(c["BLOCK_M"] == 16 and dict(c.params).get("DECODE", 1) == 1 and dict(c.params)["SWAP_AB"]
-                   and dict(c.params)["TMA"] for c in offered), profile.name
+        assert all(c["BLOCK_M"] == 16 and dict(c.params)["SWAP_AB"] and dict(c.params)["TMA"] for c in offered)
         if not offered:
             continue
+        decoders = {dict(c.params).get("DECODE", 1) for c in offered}
+        assert decoders == ({1, 2} if profile.triton_inline_asm else {1}), profile.name
         legal, _ = legal_configs(mxfp4_moe, "triton", spec, profile)
         if profile is SM_90:
             assert all(c in legal for c in offered)
         for bucket in (1, 8, 64, 4096):
             tier, default = mxfp4_moe.configs_for_bucket(spec, profile, bucket, legal, legal[0])
-            assert "TMA_STACKED" not in dict(default.params), (profile.name, bucket)
-            if mxfp4_moe.rows_per_expert(spec, bucket) <= mxfp4_moe.DECODE_MAX_ROWS_PER_EXPERT:
+            decode = mxfp4_moe.rows_per_expert(spec, bucket) <= mxfp4_moe.DECODE_MAX_ROWS_PER_EXPERT
+            fits = any(dict(c.params).get("TMA_STACKED") and c["SPLIT_K"] == mxfp4_moe._default_split_k(spec, bucket)
+                       for c in tier)
+            stacked = dict(default.params).get("TMA_STACKED", 0)
+            assert bool(stacked) == (decode and profile.bulk_tensor_copies and fits), (profile.name, bucket)
+            if stacked:
+                assert dict(default.params).get("DECODE", 1) == max(decoders), (profile.name, bucket)
+            if decode:
                 assert any(dict(c.params).get("TMA_STACKED") for c in tier), (profile.name, bucket)
 
 

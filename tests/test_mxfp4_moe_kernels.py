@@ -421,8 +421,10 @@ def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
     TMA tile exactly where descriptor loads are bulk copies (measured faster there, slower at prefill size), and
     that of every bucket a SWAP_AB one exactly where the MMA is wgmma and the activations are bf16 (measured
     faster at every size); DOT_SCALED tiles (measured slower) never are, nor SWAP_AB tiles of 256 token rows (where
-    the MMA is wgmma; measured slower than 128). DECODE=2 (SWAP_AB prefill tiles where Triton has inline assembly;
-    measured 1.04x faster) is the untuned choice's decoder exactly where such a tile is."""
+    the MMA is wgmma; measured slower than 128). A decode bucket's TMA choice is a TMA_STACKED tile (interleaved
+    gate/up rows; measured 1.18-1.20x faster at 8 and 64 tokens) exactly where one has the bucket's split. DECODE=2
+    (SWAP_AB tiles where Triton has inline assembly; measured faster) is the untuned choice's decoder exactly where
+    such a tile of its BLOCK_M and stacking is."""
     spec = mxfp4_moe.spec_from_args(*case_args(case, 0)[:11])
     bf16 = spec.hidden_dtype == torch.bfloat16
     for profile in PROFILES.values():
@@ -448,8 +450,11 @@ def test_tma_dot_scaled_and_swap_ab_configs_only_where_they_apply(case):
             assert bool(options.get("SWAP_AB")) == (profile.matrix_instruction == "wgmma" and bf16), \
                 (profile.name, bucket)
             assert "DOT_SCALED" not in options, (profile.name, bucket)
+            stacked = options.get("TMA_STACKED", 0)
+            assert bool(stacked) == any(dict(c.params).get("TMA_STACKED") and c["SPLIT_K"] == default["SPLIT_K"]
+                                        for c in configs if options.get("TMA")), (profile.name, bucket)
             has_decode_2 = any(dict(c.params).get("DECODE") == 2 and c["BLOCK_M"] == default["BLOCK_M"]
-                               for c in decode_2)
+                               and dict(c.params).get("TMA_STACKED", 0) == stacked for c in decode_2)
             assert options.get("DECODE", 1) == (2 if options.get("SWAP_AB") and has_decode_2 else 1), \
                 (profile.name, bucket)
             assert default["BLOCK_M"] <= 128, (profile.name, bucket)

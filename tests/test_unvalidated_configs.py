@@ -57,8 +57,11 @@ def test_each_entry_names_offered_candidates_and_never_a_default():
         assert len(matched[family.__name__]) == len(family.UNVALIDATED), (family.__name__, matched)
 
 
-def test_left_out_unless_asked_for():
+def test_left_out_unless_asked_for(monkeypatch):
     family, codegen, spec = FAMILIES[0]
+    # An entry of the test's own (the FP8 cache's CLUSTER=2 passed its GPU numerics in session 39): the gate, not
+    # the list of the day, is under test here.
+    monkeypatch.setattr(family, "UNVALIDATED", (({"CLUSTER": 2}, "declared by this test"),))
     legal, _ = legal_configs(family, codegen, spec, SM_90)
     default = family.tilelang_default_config(spec, SM_90)
     cluster = [c for c in legal if dict(c.params).get("CLUSTER") == 2]
