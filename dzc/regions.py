@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib
 import operator
 import sys
 import types
@@ -209,6 +210,43 @@ def _cache_region_calls_fake_outputs() -> None:
     FakeTensorMode._dispatch_impl = _dispatch_impl
 
 
+def _cache_region_calls_schemas() -> None:
+    """torch 2.13's cache of a region call's schema under functionalization, for the torch versions without it
+    (2.11 on the H200 machine). AOTAutograd functionalizes every region call, and torch before 2.13 worked out the
+    call's schema (what it mutates and aliases) each time by tracing the body again (invoke_subgraph.gen_schema ->
+    materialize_as_graph -> make_fx): at 4 + 2 multimodal layers on the CPU host 36 re-traces, 33 of its 58 s of
+    AOTAutograd under cProfile, and the full-depth cold compile ran past 560 s on the H100 host (session 38). torch
+    2.13 keys the schema by the body (its id), the call's identifier and the operands' types, for the tracing
+    context's life, which keeps the bodies alive (torch/_higher_order_ops/invoke_subgraph.py's functionalize impl);
+    so does this. Installed once per process, by the first marking; where torch has its own cache, nothing."""
+    from torch._guards import InvokeSubgraphCache
+
+    # (the module: torch._higher_order_ops exports the operator under the module's name)
+    region_ops = importlib.import_module("torch._higher_order_ops.invoke_subgraph")
+    if hasattr(InvokeSubgraphCache, "get_functionalize_schema_entry"):
+        return
+    hop_instance = getattr(region_ops, "HopInstance", None)
+    if hop_instance is None or getattr(hop_instance, "dzc_caches_schemas", False):
+        return  # torch's internals moved: each call's schema is worked out as torch does
+
+    class CachedSchemas(hop_instance):
+        dzc_caches_schemas = True
+
+        @staticmethod
+        def create(hop, *args, **kwargs):
+            cache = region_ops.get_invoke_subgraph_cache()
+            if hop is not INVOKE_SUBGRAPH or cache is None or kwargs:
+                return hop_instance.create(hop, *args, **kwargs)
+            subgraph, identifier, *operands = args
+            schemas = vars(cache).setdefault("dzc_functionalize_schemas", {})
+            key = (id(subgraph), identifier, tuple(type(operand) for operand in operands))
+            if key not in schemas:
+                schemas[key] = hop_instance.create(hop, *args)._schema
+            return hop_instance(hop, schemas[key])
+
+    region_ops.HopInstance = CachedSchemas
+
+
 def _lifts_a_specialized_symbol(tx, cached_entry, bound_symbol: type) -> bool:
     """Whether the reuse entry `cached_entry` passes its body a size symbol the graph binds under no name it kept.
     torch 2.13 records a size symbol lifted into a body (LiftedBoundSymbol) as its expression after the trace, and
@@ -342,6 +380,7 @@ def _mark_group(marking: Marking, path: str, instances: list[torch.nn.Module]) -
         return False
     _reuse_only_calls_of_the_same_sizes()
     _cache_region_calls_fake_outputs()
+    _cache_region_calls_schemas()
     region = _region_class(cls)
     try:
         for instance in instances:

@@ -568,3 +568,24 @@ def test_where_the_reuse_check_relates_sizes_the_window_blocks_stay_marked(optio
     assert report.nested_regions.startswith("blocks: 4 x Qwen2_5_VLVisionBlock (narrowed"), report.nested_regions
     assert report.graphs[0].regions[0].startswith("body repeated_subgraph0 called 4 times"), report.graphs[0].regions
     assert ["_dzc_region_of" in vars(type(block)) for block in model.blocks] == [True, True, False, True, True, False]
+
+
+def test_a_bodys_schema_is_worked_out_once_not_per_call(options, monkeypatch):
+    """AOTAutograd functionalizes every region call; the call's schema (what it mutates and aliases) comes from
+    tracing the body again (invoke_subgraph.gen_schema). torch 2.13 caches it per body; before that torch worked it
+    out per call (6 layers: 6 re-traces a pass), which regions._cache_region_calls_schemas backports: the full-depth
+    multimodal compile ran past 560 s on the GPU host's torch 2.11 with it missing."""
+    hop_type = type(regions.INVOKE_SUBGRAPH)
+    worked_out = []
+    gen_schema = hop_type.gen_schema
+
+    def counting(self, subgraph, identifier, *operands):
+        worked_out.append(identifier)
+        return gen_schema(self, subgraph, identifier, *operands)
+
+    monkeypatch.setattr(hop_type, "gen_schema", counting)
+    torch._dynamo.reset()
+    model, tokens, compiled = _compile_llama(options, True, layers=6)
+    torch.testing.assert_close(compiled(tokens).float(), model(tokens).float(), atol=_BF16_LOGITS, rtol=_BF16_LOGITS)
+    assert compiled.report.graphs[0].regions == ["body repeated_subgraph0 called 6 times: fuse_residual_norm 1 site"]
+    assert 0 < len(worked_out) < 6, worked_out
