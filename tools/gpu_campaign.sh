@@ -17,35 +17,29 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session (session 35 ran wheels-1 + s35-moe, wheels-2 + s35-compile's first part, the SPECULATE top-k's
-# numerics and phases, and the warm compile again: docs/results, "Session 35"; sessions 36, 37 and 38 got no machine
-# and ran none of these). Steps marked new have never run on a GPU: their numerics come first in the step, and a
-# candidate stays out of users' tuning (its UNVALIDATED entry) and the untuned choices until they pass. In order
-# (a step marked "after wheels-1 and wheels-2" needs TileLang, which `site` installs in the first call, on the same
-# warm machine):
+# Next session (session 39 ran, on an H100: s38-sparse-prefill (BALANCED=1 hung: fixed since, 8635a69),
+# s38-vision-128, s38-moe-ws (wrong results: fixed since, 6590247), s37-moe-decode, s37-fp8-cluster, s37-indexer-ws,
+# s36-topk; docs/results/README.md, "Session 39"). Steps marked new have never run on a GPU in their present form:
+# their numerics come first in the step, and a candidate stays out of users' tuning (its UNVALIDATED entry) and the
+# untuned choices until they pass. In order (a step marked "after wheels-1 and wheels-2" needs TileLang, which
+# `site` installs in the first call, on the same warm machine):
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s36-compile   # issue 18: full-depth cold +
-#       warm, output streamed (since ec55bb3 the attention is one region body; TileLang kernels built ahead in
-#       parallel since 1b2de57); the last measurement issue 18 needs
-#   (session 38 ran call 1 on an H100 host: the compile's stages did not finish in 560 s; docs/results/
-#   compile_time_h200.md, "Session 38". Run s38-compile-scaling after call 1's `site` instead of s36-compile.)
-#   call 2: bash tools/gpu_campaign.sh s38-sparse-prefill   # issue 14, new: BALANCED=1 (FlashMLA's consumer split;
-#       untuned, consumer 0 runs all of S and the softmax while consumer 1 waits)
-#   call 3: bash tools/gpu_campaign.sh s38-vision-128       # issue 14, new: OVERLAP=1 at head dim 128
-#   call 3b: bash tools/gpu_campaign.sh s38-moe-ws          # issue 15, new: the TileLang warp-specialized W4A16
-#       prefill GEMMs (producer decoding into shared memory, two wgmma consumers) at gpt-oss T=8192
-#   call 4: bash tools/gpu_campaign.sh s37-moe-decode
-#       issue 15, new: TMA_STACKED decode tiles (gate/up rows as one TMA box and one MMA operand; BLOCK_N 128),
-#       per kernel at gpt-oss T=8 and 64 beside the untuned tile and triton_kernels, then the layer
-#   call 5: bash tools/gpu_campaign.sh s37-fp8-cluster
-#       issue 14, new: FP8-cache sparse decode CLUSTER=2 (FlashMLA's two-CTA crossover), numerics then timing
-#   call 6: bash tools/gpu_campaign.sh s37-indexer-ws    # issue 14, new: the warp-specialized FP8 indexer prefill
-#   call 7: bash tools/gpu_campaign.sh s37-w4a8-online   # issue 15, new: W4A8 with the weights converted in the
+#       warm, since 85324f4 without torch 2.11's per-call re-trace of each region body (a CPU host with torch 2.11:
+#       docs/results/compile_time_h200.md, "Session 39"). If the cold compile still runs past its limit, run
+#       s38-compile-scaling for where the time goes.
+#   call 2: bash tools/gpu_campaign.sh s38-sparse-prefill   # issue 14, new: BALANCED=1 after its setmaxnreg fix
+#       (216 / 216 / 72; it hung at 80), numerics then the prefill A/B
+#   call 3: bash tools/gpu_campaign.sh s38-moe-ws          # issue 15, new: the TileLang warp-specialized W4A16
+#       prefill after its byte-permute fix (PTX prmt; __byte_perm had dropped the selectors' sign bit)
+#   call 4: bash tools/gpu_campaign.sh s37-w4a8-online   # issue 15, new: W4A8 with the weights converted in the
 #       GEMMs: numerics, per-kernel times and the layer at gpt-oss T=8192 beside the W4A8 and W4A16 defaults
-#   call 8: bash tools/gpu_campaign.sh s36-topk          # issue 14: the SPECULATE top-k's lean first sweep
-#   call 9: bash tools/gpu_campaign.sh s36-moe           # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
-#   call 10: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
-#   then s34-sparse-row's numerics and decode parts, and s35-topk's WARP_VOTE parts.
+#   call 5: bash tools/gpu_campaign.sh s39-moe-decode    # issue 15: the layer (CUDA graph) at T=1, 8, 64 with the
+#       new untuned decode tile (TMA_STACKED + DECODE=2, timed per kernel only) beside triton_kernels
+#   call 6: bash tools/gpu_campaign.sh s36-moe           # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
+#   call 7: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
+#   then s35-topk's WARP_VOTE timing parts, and s34-sparse-row's numerics and decode parts.
+# Every card so far was an H200 except sessions 38 and 39's (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -454,6 +448,15 @@ s25-busy)
   # Triton kernels only.
   TAIL=30 part bench_multimodal 420 env PYTHONPATH=/tmp/site-gpu1:$PWD python3 tools/bench_multimodal.py --quick \
     --compile-mode reduce-overhead --no-warm --out "$OUT/multimodal_quick_h200.md"
+  ;;
+s39-moe-decode)
+  # (after site; carry .triton-kernels) issue 15: the layer (CUDA graph) at gpt-oss-120b T=1, 8 and 64 with the decode
+  # buckets' untuned tile since session 39 (TMA_STACKED=1 DECODE=2 BLOCK_N 64: per kernel 1.18x and 1.20x the TMA
+  # tile at 8 and 64 tokens; the layer bench had not offered DECODE=2 with TMA_STACKED) beside triton_kernels, the
+  # TMA_STACKED tiles tuned.
+  TAIL=12 part bench_moe_decode 400 python3 tools/bench_mxfp4_moe.py --models gpt-oss-120b --tokens 1 8 64 \
+    --routing uniform --codegens triton --memory-layers 0 --match "TMA_STACKED=1" \
+    --out "$OUT/mxfp4_moe_decode_h200.md"
   ;;
 s37-moe-decode)
   # (after wheels-1; carry .triton-kernels) issue 15: the decode GEMMs beside triton_kernels' (static comparison:
