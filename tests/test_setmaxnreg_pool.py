@@ -9,12 +9,13 @@ tests/test_sparse_attention_balanced.py checks that kernel's SASS too).
 
 For the warp-specialized configs of each family (sparse attention's bf16 and FP8 caches with ROW_ADDRESS, BALANCED,
 FP8_INTERLEAVED and CLUSTER; varlen attention's PINGPONG, OVERLAP, SPLIT_COLUMNS; the FP8 indexer; both MXFP4 MoE
-GEMMs), at the specs their own tests use, the kernel is lowered for sm_90a and compiled to a cubin (nvcc -Xptxas -v):
-each warpgroup (threads / 128, by the source's threadIdx.x branches) reaches exactly one setmaxnreg, not under a
-loop or another branch on threadIdx.x; increases start from at most, decreases from at least, the launch count; and the
-counts add up to at most warpgroups x the launch count. Lowering takes ~10 s a kernel, so the default run covers one
-config of each distinct role layout (REPRESENTATIVE, ~2-3 minutes); test_every_offered_config_has_a_representative
-ties every offered config to one, and DZC_SETMAXNREG_ALL=1 lowers them all (test_every_offered_config, ~10 minutes).
+GEMMs), at the specs their own tests use, the kernel is lowered for sm_90a and compiled to a cubin (nvcc -Xptxas
+-v): each warpgroup (threads / 128, by the source's threadIdx.x branches) reaches exactly one setmaxnreg, not under
+a loop or another branch on threadIdx.x; an increase asks for at least the launch count, a decrease for at most it;
+and the counts add up to at most warpgroups x the launch count. Lowering takes ~10 s a kernel, so the default run
+covers one config of each distinct role layout (REPRESENTATIVE, ~2-3 minutes);
+test_every_offered_config_has_a_representative ties every offered config to one, and DZC_SETMAXNREG_ALL=1 lowers
+them all (test_every_offered_config, ~10 minutes).
 """
 
 from __future__ import annotations
