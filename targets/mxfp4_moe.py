@@ -680,6 +680,8 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
                                       BLOCK_K=128, WORKSPACE=0, SPLIT_K=1, DOT_SCALED=1, **tma)
                     for block_m in (64, 128) for warps in (4, 8) for stages in (3, 4) for tma in tmas]
     if not spec.dot_fp32:
+        # The SWAP_AB tiles' decoders: DECODE=2 (inline PTX) where Triton has inline assembly.
+        decoders = [{}, {"DECODE": 2}] if profile.triton_inline_asm else [{}]
         # The weights as the MMA's A operand, decoded into its registers (generated module docstring): BLOCK_N is
         # the MMA's M (64 or 128 rows: one warp group, twice), the token rows its N; BLOCK_K four MX groups.
         configs += [KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -705,7 +707,6 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
             # 636 SASS instructions (580 with DECODE=2; triton_kernels: 450 for the same weight bytes), wgmma waits
             # 3, 3, 3, 3 -> 1, 1, no spill. GPU numerics passed and timed on an H100 (session 39): with DECODE=2
             # the decode buckets' untuned choice (configs_for_bucket).
-            decoders = [{}, {"DECODE": 2}] if profile.triton_inline_asm else [{}]
             configs += [KernelConfig.make(num_warps=4, num_stages=3, BLOCK_M=16, BLOCK_N=block_n,
                                           BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=split_k, SWAP_AB=1, TMA=1,
                                           TMA_STACKED=1, **decoder)
@@ -721,7 +722,6 @@ def triton_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelCon
             # groups decode the same 64 rows), no spill; DECODE=2 spills no more. On 4 warps (6064 B, 570 local
             # accesses a step) or with BLOCK_N 128 (3728 B, 539; wgmma serialized) the gate/up loop spills: not
             # offered. 2 stages: about the same spills (172 B) and no more blocks an SM (the registers allow one).
-            decoders = [{}, {"DECODE": 2}] if profile.triton_inline_asm else [{}]
             configs += [KernelConfig.make(num_warps=8, num_stages=3, BLOCK_M=SWAP_AB_WIDE_ROWS, BLOCK_N=64,
                                           BLOCK_K=SWAP_TILE, WORKSPACE=0, SPLIT_K=1, SWAP_AB=1, **decoder)
                         for decoder in decoders]
