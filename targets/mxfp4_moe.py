@@ -49,14 +49,9 @@ from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
 
-# Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
-UNVALIDATED = (
-    ({"FP8": 1, "WORKSPACE": 0}, "W4A8 with the weights converted inside the GEMMs: never ran on a GPU"),
-    ({"WARP_SPECIALIZED": 1}, "TileLang's warp-specialized W4A16 prefill GEMMs (a decoding producer warpgroup, two "
-                              "wgmma consumers, mbarrier ring): wrong results on its first GPU run (session 39, "
-                              "H100: 88.9% of outputs mismatched): its decoder's __byte_perm lost the zero-byte "
-                              "selectors (nvcc keeps a nibble's low 3 bits), now PTX prmt; not rerun since"),
-)
+# Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates). None since
+# session 40 (H100): W4A8 online and TileLang's WARP_SPECIALIZED=1 passed their GPU numerics there.
+UNVALIDATED = ()
 
 # Cost model for the untuned choice of path: dequantizing an expert to the workspace costs ~2 extra bytes written
 # and read per weight (vs ~0.53 packed), while the online path decodes each weight tile once per row block. With
@@ -152,6 +147,15 @@ def flops(spec: MXFP4MoESpec, tokens: int) -> int:
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}
 
 
+def _device_key(device) -> torch.device:
+    """`device` with its index: "cuda" and a tensor's "cuda:0" name the same workspace."""
+    device = torch.device(device)
+    module = getattr(torch, device.type, None)  # torch.cuda; torch.musa where torch_musa is imported
+    if device.type != "cpu" and device.index is None and hasattr(module, "current_device"):
+        device = torch.device(device.type, module.current_device())
+    return device
+
+
 def workspace_elements(spec, tokens: int) -> int:
     """Elements the workspace path needs: the activated experts (at most min(E, tokens * top_k)) of the larger of
     the two weights, which take turns in the same buffer."""
@@ -164,7 +168,7 @@ def workspace(device: torch.device, dtype: torch.dtype, elements: int) -> torch.
 
     While a CUDA graph is being captured, a buffer of the graph's own instead (from its memory pool): the graph
     keeps the address it captured for as long as it lives, and the shared buffer may be replaced when it grows."""
-    device = torch.device(device)
+    device = _device_key(device)
     nbytes = elements * dtype.itemsize
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return torch.empty(nbytes, dtype=torch.uint8, device=device).view(dtype)
@@ -176,7 +180,7 @@ def workspace(device: torch.device, dtype: torch.dtype, elements: int) -> torch.
 
 
 def workspace_bytes(device: torch.device) -> int:
-    buffer = _WORKSPACES.get(torch.device(device))
+    buffer = _WORKSPACES.get(_device_key(device))
     return 0 if buffer is None else buffer.numel()
 
 
@@ -341,7 +345,11 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
     # 1.6x and 1.46x faster than the best plain online and workspace tiles (docs/results/mxfp4_moe_h200.md,
     # session 26). Elsewhere the workspace path from WORKSPACE_MIN_ROWS_PER_EXPERT rows an expert.
     want_swap = profile.matrix_instruction == "wgmma" and any(_swap_ab(c) for c in tier)
-    want_workspace = rows_per_expert(spec, bucket) >= WORKSPACE_MIN_ROWS_PER_EXPERT and not want_swap
+    # W4A8 converts online (E4M3 words by byte permutes inside the GEMMs) wherever it runs: at gpt-oss-120b T=8192
+    # its 64 x 64 stacked tile's kernels took 7528 µs against the workspace tile's 15102, of which the conversion
+    # kernel 9212 (H100, session 40, docs/results/mxfp4_moe_w4a8_online_h200.md).
+    want_workspace = (rows_per_expert(spec, bucket) >= WORKSPACE_MIN_ROWS_PER_EXPERT and not want_swap
+                      and FP8_PATH not in paths)
     # Where descriptor loads are bulk copies (Hopper's TMA), a decode tile's TMA twin: 1.07-1.19x faster at 1-64
     # tokens on gpt-oss-120b and DeepSeek-style shapes on the H200 (docs/results/mxfp4_moe_tma_h200.md); at
     # T=8192 the 128-row SWAP_AB tiles were 1.06-1.6x slower with TMA (session 26). DOT_SCALED tiles were slower
@@ -366,7 +374,9 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         # measured fastest on the H200 (docs/results/mxfp4_moe_h200.md).
         threads = c.num_warps * profile.warp_size
         rows = abs(c["BLOCK_M"] - W4A8_BLOCK_M) if _fp8(c) else -c["BLOCK_M"]
-        return (warp_specialized(c),  # TileLang's WARP_SPECIALIZED=1: a tuning candidate only (UNVALIDATED)
+        # TileLang's WARP_SPECIALIZED=1: a tuning candidate only (its best tile took 8730 µs at gpt-oss T=8192, the
+        # Triton default 5287; H100, session 40, docs/results/mxfp4_moe_h200.md).
+        return (warp_specialized(c),
                 _uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
                 _dot_scaled(c), _tma_stacked(c) != want_stacked, _fp8_stacked(c) != want_fp8_stacked,
                 _decode(c) != want_decode,

@@ -3,7 +3,8 @@ process, with dzc's compile-time breakdown.
 
     python tools/bench_compile.py [--quick] [--models llama_decoder multimodal ...] [--no-torch] [--out table.md]
                                   [--layers N] [--vision-layers N] [--regions on|off|both] [--cold-only]
-                                  [--profile-warm DIR] [--child-logs DIR] [--no-bytecode-cache]
+                                  [--profile-warm DIR] [--profile-cold DIR] [--child-logs DIR]
+                                  [--no-bytecode-cache]
 
 Times are the compile call (dzc.compile / torch.compile) plus the first call: torch.compile() imports Inductor
 before it returns, dzc.compile() at the first call (before session 22 only the first call was timed, which left
@@ -22,11 +23,12 @@ the models with N layers (llama_decoder: decoder layers; multimodal: decoder and
 dzc with CompileOptions.nested_regions on (the bench's default and dzc's), off, or both (a row each). --cold-only:
 skip the warm run. --profile-warm DIR: run each warm compile and first call under cProfile and write its 60
 costliest calls (cumulative) and what the fallback compile spends to DIR/<model>-<compiler>-warm.txt (where a
-warm compile's seconds go). Every child shares one Python bytecode cache (PYTHONPYCACHEPREFIX), filled before the
-first timed run by a process that imports torch, Inductor and dzc: an installed torch has its .pyc files, but the
-H200 machine's has none, and there each process compiled ~260 modules from source (1.9 s, session 22), which is not
-what a user waits for. --no-bytecode-cache: each process reads bytecode where its installation keeps it (before
-session 35 the only way).
+warm compile's seconds go), with the whole profile beside it (.pstats, for pstats or snakeviz); --profile-cold DIR:
+the same for each cold compile (<model>-<compiler>-cold.txt). Every child shares one Python bytecode cache
+(PYTHONPYCACHEPREFIX), filled before the first timed run by a process that imports torch, Inductor and dzc: an
+installed torch has its .pyc files, but the H200 machine's has none, and there each process compiled ~260 modules
+from source (1.9 s, session 22), which is not what a user waits for. --no-bytecode-cache: each process reads
+bytecode where its installation keeps it (before session 35 the only way).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def child(args) -> None:
             stats = pstats.Stats(profile, stream=f).sort_stats("cumulative")
             stats.print_stats(60)
             stats.print_callees("compile_fx_inner|_fallback")
+        profile.dump_stats(str(Path(args.profile).with_suffix(".pstats")))
     if args.child == "dzc":
         report = runnable.report
         result.update(breakdown=format_seconds(report.compile_seconds()), frame=report.frame_cache,
@@ -147,6 +150,7 @@ def main() -> None:
                         help="dzc's nested compile regions (CompileOptions.nested_regions)")
     parser.add_argument("--cold-only", action="store_true", help="skip the warm run")
     parser.add_argument("--profile-warm", metavar="DIR", help="cProfile each warm first call into DIR")
+    parser.add_argument("--profile-cold", metavar="DIR", help="cProfile each cold first call into DIR")
     parser.add_argument("--child-logs", metavar="DIR", help="write each child's output to DIR/<model>-<compiler>-"
                         "<cold|warm>.log as it runs (with DZC_DEBUG=1: dzc's report when its compile ends)")
     parser.add_argument("--no-bytecode-cache", action="store_true",
@@ -159,7 +163,7 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    for folder in (args.profile_warm, args.child_logs):
+    for folder in (args.profile_warm, args.profile_cold, args.child_logs):
         if folder:
             os.makedirs(folder, exist_ok=True)
     models = ["llama_decoder"] if args.quick else args.models
@@ -202,12 +206,12 @@ def measure(args, models: list[str], kinds: list[str], settings: list[str], labe
             with tempfile.TemporaryDirectory(prefix="dzc-bench-compile-") as cache_dir:
                 logs = {when: os.path.join(args.child_logs, f"{model}-{kind}-{when}.log") if args.child_logs
                         else None for when in ("cold", "warm")}
-                cold = run(kind, model, cache_dir, args.layers, regions, vision_layers=args.vision_layers,
-                           bytecode=bytecode, log=logs["cold"])
-                profile = (os.path.join(args.profile_warm, f"{model}-{kind}-warm.txt") if args.profile_warm
-                           else None)
-                warm = cold if args.cold_only else run(kind, model, cache_dir, args.layers, regions, profile,
-                                                       args.vision_layers, bytecode, logs["warm"])
+                profiles = {when: os.path.join(folder, f"{model}-{kind}-{when}.txt") if folder else None
+                            for when, folder in (("cold", args.profile_cold), ("warm", args.profile_warm))}
+                cold = run(kind, model, cache_dir, args.layers, regions, profiles["cold"], args.vision_layers,
+                           bytecode, logs["cold"])
+                warm = cold if args.cold_only else run(kind, model, cache_dir, args.layers, regions,
+                                                       profiles["warm"], args.vision_layers, bytecode, logs["warm"])
             print(TAG + json.dumps({"model": model, "layers": args.layers, "vision_layers": args.vision_layers,
                                     "kind": kind, "regions": regions,
                                     "cold": cold, "warm": None if args.cold_only else warm}), flush=True)
