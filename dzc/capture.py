@@ -31,6 +31,7 @@ from dzc.coverage import GraphCoverage, graph_coverage
 from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph
 from dzc.ops import LOWERED_AS_PARTS
 from dzc.options import CompileOptions
+from dzc.outline_regions import outline_repeated_calls
 from dzc.passes.graph_pass import PassResult, copy_graph, written_inputs
 from dzc.pipeline import Stage, build_pipeline, pass_results, run_pipeline
 from dzc.report import CompileReport, CompileTimer, GraphRecord
@@ -161,6 +162,7 @@ class _Build:
     host_syncs: list[str]  # _host_syncs of the graph the fallback runs
     compile_cache: str = ""  # the warm-compile cache: "hit", "miss", "off", or what went wrong
     cache_key: str | None = None  # of the compile cache entry holding this build's rewritten graph, if any
+    inductor_outlined: str = ""  # outline_repeated_calls' outcome where Inductor compiled the fallback
 
     def fired(self) -> list[str]:
         return [result.name for result in self.results if result.rewrites]
@@ -450,21 +452,26 @@ class DzcBackend:
                 entry.values()  # Inductor and the rewrite check read every value
                 if found is not None:  # the capture hit's inputs, left unbuilt (_CaptureHit.root_and_inputs)
                     example_inputs = [node.meta["val"] for node in graph.nodes if node.op == "placeholder"]
-            compiled, checked = self._fallback(gm, graph, example_inputs, fallback, checkable, inductor_context)
+            compiled, checked, outlined = self._fallback(gm, graph, example_inputs, fallback, checkable,
+                                                         inductor_context)
         host_syncs = stored.host_syncs if stored is not None else _host_syncs(graph)
         if cached.state != "off":
             with timer.stage("compile cache"):
                 cached.store(fallback == "inductor", specs, compile_cache.Analyses(outcome, coverage, host_syncs))
         return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, host_syncs,
-                      cached.state, cached.key if cached.state in ("hit", "miss") else None)
+                      cached.state, cached.key if cached.state in ("hit", "miss") else None, outlined)
 
     def _fallback(self, gm, graph, example_inputs, fallback: str, checkable: bool, inductor_context):
-        """(what the lowered graph runs per call, the op-by-op module the rewrite check runs or None)."""
+        """(what the lowered graph runs per call, the op-by-op module the rewrite check runs or None, what
+        outline_repeated_calls did for Inductor or "")."""
         checked = torch.fx.GraphModule(gm, copy_graph(graph)) if checkable else None
         if fallback == "inductor":
             from torch._inductor.compile_fx import compile_fx_inner  # noqa: PLC0415 (heavy; only when used)
 
-            lowered = torch.fx.GraphModule(gm, graph)
+            lowered = torch.fx.GraphModule(gm, copy_graph(graph))
+            # Each repeated layer's leftover ops lowered by Inductor once, not once a layer (dzc/outline_regions.py).
+            outlined = (outline_repeated_calls(lowered).describe() if config.OUTLINE_FOR_INDUCTOR.get() == "1"
+                        else "off (DZC_OUTLINE_FOR_INDUCTOR=0)")
 
             # MUSA Triton builds fail when Inductor compiles in several processes (torch_musa sets one thread).
             serial = {} if self.target.profile.compile_in_parallel else {"compile_threads": 1}
@@ -476,11 +483,12 @@ class DzcBackend:
             def compiled(*args):
                 return boxed(list(args))  # Inductor's callable takes its arguments as one list
         else:
+            outlined = ""
             _direct_launches(graph)  # before the module's code is generated (once: it grows with the graph)
             # the generated function (no nn.Module call per call), its bytecode kept in the cache directory
             compiled = compile_cache.graph_function(
                 gm, graph, self.options.resolved_cache_dir() if compile_cache.enabled() else None)
-        return compiled, checked
+        return compiled, checked, outlined
 
     def _commit(self, build: _Build) -> None:
         """Put the kernels `build` runs into the report (those not there yet)."""
@@ -704,6 +712,7 @@ def _describe(record: GraphRecord, build: _Build) -> None:
     """Fill in what the graph record says about the build that runs."""
     record.nodes = len(build.graph.nodes)
     record.fallback = build.fallback
+    record.inductor_outlined = build.inductor_outlined
     record.unfused_ops = _unfused_ops(build.graph)
     record.host_syncs = build.host_syncs
     record.stages = [(s.name, s.text) for s in build.stages]

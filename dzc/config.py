@@ -93,6 +93,11 @@ NESTED_REGIONS = Knob("DZC_NESTED_REGIONS", "1",
                       "1 (default): capture the repeated layers of an nn.ModuleList once, as nested compile "
                       "regions; 0: off (CompileOptions.nested_regions wins)", "0 or 1", _one_of("0", "1"))
 
+OUTLINE_FOR_INDUCTOR = Knob("DZC_OUTLINE_FOR_INDUCTOR", "1",
+                            "1 (default): hand the repeated layers' calls to Inductor's fallback compile as "
+                            "invoke_subgraph, each distinct body lowered once (dzc/outline_regions.py); 0: the flat "
+                            "graph, every layer's copy lowered", "0 or 1", _one_of("0", "1"))
+
 COMPILE_GC = Knob("DZC_COMPILE_GC", "paused",
                   "paused (default): Python's cyclic garbage collector waits while Dynamo compiles a frame (its "
                   "full collections rescan every fake tensor and graph node built so far); on: it runs as usual "
@@ -112,7 +117,7 @@ TUNE_UNVALIDATED = Knob("DZC_TUNE_UNVALIDATED", "0",
                         "0 or 1", _one_of("0", "1"))
 
 KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB, CHECK_REWRITES, COMPILE_CACHE, FRAME_CACHE,
-         NESTED_REGIONS, COMPILE_GC, TILELANG_PREBUILD, TUNE_UNVALIDATED)
+         NESTED_REGIONS, OUTLINE_FOR_INDUCTOR, COMPILE_GC, TILELANG_PREBUILD, TUNE_UNVALIDATED)
 
 
 def debug_level() -> int:

@@ -82,6 +82,7 @@ import torch
 import torch.fx
 
 from dzc import ir
+from dzc.outline_regions import CALL
 from dzc.passes.graph_pass import copy_graph
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
@@ -683,13 +684,13 @@ def flatten(graph: torch.fx.Graph, root: torch.nn.Module,
             body_graph = rewritten.get(attribute) or flatten(body.graph, body)
             if node.target is INVOKE_SUBGRAPH:
                 env[node] = _inline(new, body_graph, [torch.fx.map_arg(a, env.__getitem__) for a in node.args[2:]],
-                                    attribute)
+                                    attribute, call=node.name)
                 continue
             functionalized = _functionalized(node, body_graph)
             if isinstance(functionalized, str):
                 raise ValueError(f"the region call {node.name} cannot be inlined: {functionalized}")
             env[node] = _inline(new, body_graph, [torch.fx.map_arg(a, env.__getitem__) for a in functionalized.inputs],
-                                attribute, functionalized.copies)
+                                attribute, functionalized.copies, node.name)
         elif (node.op == "call_function" and node.target is operator.getitem
               and isinstance(node.args[0], torch.fx.Node) and _region_call(node.args[0]) is not None):
             env[node] = env[node.args[0]][node.args[1]]
@@ -709,9 +710,10 @@ def inlined(gm: torch.fx.GraphModule) -> torch.fx.Graph:
 
 
 def _inline(new: torch.fx.Graph, body: torch.fx.Graph, arguments: list, attribute: str,
-            copies: tuple[torch.fx.Node, ...] | list[torch.fx.Node] = ()) -> tuple:
+            copies: tuple[torch.fx.Node, ...] | list[torch.fx.Node] = (), call: str = "") -> tuple:
     """Copy `body`'s nodes into `new`, its placeholders bound to `arguments`; returns its outputs, then the values
-    that `copies` (copy_ nodes of `body`, left out) would copy."""
+    that `copies` (copy_ nodes of `body`, left out) would copy. Each copy is tagged with (attribute, call) in its
+    meta (outline_regions.CALL: which call it came from, for outlining the calls again before Inductor)."""
     env: dict[torch.fx.Node, object] = {}
     left_out = set(copies)
     placeholders = [node for node in body.nodes if node.op == "placeholder"]
@@ -726,6 +728,7 @@ def _inline(new: torch.fx.Graph, body: torch.fx.Graph, arguments: list, attribut
         if node in left_out:
             continue
         copied = new.node_copy(node, env.__getitem__)
+        copied.meta[CALL] = (attribute, call)
         if node.op == "get_attr":
             copied.target = f"{attribute}.{node.target}"
         env[node] = copied

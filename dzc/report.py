@@ -83,6 +83,9 @@ class GraphRecord:
     # The graph's nested compile region bodies (dzc/regions.py), one line each: its calls and the sites the passes
     # rewrote in it ("body repeated_subgraph0 called 8 times: fuse_residual_norm 1 site").
     regions: list[str] = field(default_factory=list)
+    # Inductor fallback: the repeated layers' calls handed to it as invoke_subgraph, each body compiled once
+    # (dzc/outline_regions.py): "3 bodies for 150 calls (...); left inlined: ..."; "" where it did not run.
+    inductor_outlined: str = ""
 
 
 @dataclass
@@ -225,6 +228,8 @@ class CompileReport:
             if graph.unfused_ops:
                 ops = ", ".join(f"{op} x{n}" for op, n in sorted(graph.unfused_ops.items()))
                 lines.append(f"    left to {graph.fallback}: {ops}")
+            if graph.inductor_outlined:
+                lines.append(f"    repeated layers outlined for Inductor: {graph.inductor_outlined}")
             if graph.host_syncs:
                 lines.append(f"    host syncs (calls run without CUDA graphs): {', '.join(graph.host_syncs)}")
             if graph.rewrite_check:

@@ -343,14 +343,26 @@ s36-topk)
   TAIL=12 part topk_speculate_configs 150 python3 tools/diagnose_dsa_topk_configs.py --width 131072 \
     --lengths 40000 65536 98304 131072 --match SPECULATE=1
   ;;
+s40-outline)
+  # (after site) issue 18: the repeated layers' calls outlined for Inductor's fallback compile (dzc/outline_regions.py:
+  # Inductor lowers each distinct body once). First the multimodal model end to end on the GPU (Inductor fallback,
+  # paged caches written in place, CUDA-graph replays) against eager and its fp32 oracle, then the cold compile at
+  # 32 + 16 layers with the outlining on and off, same machine.
+  TAIL=4 part gpu_tests_outline 200 python3 -m pytest -q -p no:logging -rf tests/test_multimodal_model.py -m gpu
+  for knob in 1 0; do
+    TAIL=2 part compile_outline_$knob 200 env DZC_OUTLINE_FOR_INDUCTOR=$knob DZC_DEBUG=1 python3 tools/bench_compile.py \
+      --models multimodal --no-torch --cold-only --layers 32 --vision-layers 16 \
+      --child-logs "$OUT/compile_logs_$knob" --out "$OUT/compile_outline_$knob.md"
+  done
+  ;;
 s40-compile-profile)
   # (after site) issue 18: the W4A8 online layer against the workspace path bit for bit (its first GPU run stopped at
   # the test's own workspace check, which looked "cuda" up where the buffer was kept as "cuda:0"), then the cold
   # compile at half depth (32 + 16 layers) under cProfile (full depth, session 40: 226 s, of which Inductor's compile
   # of the leftover ops 133 s): where the fallback compile's seconds go, the whole profile brought back as .pstats.
-  TAIL=4 part gpu_tests_w4a8_bits 100 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_w4a8_online.py \
+  TAIL=4 part gpu_tests_w4a8_bits 90 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_w4a8_online.py \
     -k "workspace_paths_bits"
-  TAIL=3 part bench_compile_profile 440 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
+  TAIL=3 part bench_compile_profile 360 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
     --no-torch --cold-only --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs" \
     --profile-cold "$OUT/compile_profile"
   ;;

@@ -1,0 +1,294 @@
+"""Repeated layers handed to Inductor once: the inlined copies of a region body, outlined again as invoke_subgraph.
+
+dzc's passes run over the flat graph, where each nested compile region's calls are copies of its rewritten body
+(regions.flatten), so that they find the sites that cross a layer's boundary. Inductor, which compiles the ops no
+pass fused (the fallback), then lowers, schedules and generates code for every layer's copy of them: at the
+multimodal model's full depth (61 decoder + 32 vision layers) 133 of a 226 s cold compile on an H100 host
+(docs/results/compile_time_h200.md, session 40). Inductor lowers an invoke_subgraph body once for all its calls
+(ir.InvokeSubgraph.create lowers a Subgraph on its first call) and emits it as one function.
+
+    %a = ...                                         %a = ...
+    %1 = aten.mul(%a, %w0)    # call L0 of body B    %b = get_attr[dzc_outlined_0]
+    %2 = aten.add(%1, %a)     # call L0 of body B    %c0 = invoke_subgraph(%b, "dzc_outlined_0", %a, %w0)
+    %3 = aten.mul(%2, %w1)    # call L1 of body B  ⇒ %2 = getitem(%c0, 0)
+    %4 = aten.add(%3, %2)     # call L1 of body B    %c1 = invoke_subgraph(%b, "dzc_outlined_0", %2, %w1)
+    output(%4)                                       %4 = getitem(%c1, 0); output(%4)
+
+The nodes of one call are those regions.flatten tagged with it (`CALL`) that the passes and the lowering kept; the
+graph around them is left as it is. A call is outlined only where that equals the flat graph:
+- its nodes are pure (no side effects, no mutated input, no data-dependent size: Inductor's subgraphs are
+  functional and lowered once for the sizes of its first call);
+- it can be put in one place: after the last value it reads from outside, before the first use of a value it
+  gives (its nodes' span holds no side effect or write, so moving them within it changes no value read);
+- no value it gives is a view of a value the graph writes in place (a body's outputs are its own buffers, which
+  would not see the write);
+- another call has the same nodes in the same order, reading its inputs in the same places, with the same
+  constants and the same dtypes, sizes and strides everywhere (the body is built from the first such call and
+  lowered once for all of them).
+Calls a pass rewrote across their boundary (a fused residual norm) lose tagged nodes or gain new ones and no longer
+match their siblings; they stay inlined. Nothing here runs for the eager fallback, which has no per-node cost to
+save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+# node.meta key regions.flatten sets on each node it copies from a body: (body attribute, call node's name).
+CALL = "dzc_region_call"
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+
+
+@dataclasses.dataclass
+class Outlined:
+    """What outline_repeated_calls did: bodies made and calls outlined, and why other calls were not."""
+
+    bodies: int = 0
+    calls: int = 0
+    nodes: int = 0  # flat-graph nodes now inside bodies (each body's nodes counted once per call)
+    refused: dict[str, int] = dataclasses.field(default_factory=dict)  # why -> calls (or parts of calls)
+    cuts: dict[str, int] = dataclasses.field(default_factory=dict)  # why -> nodes that cut a call in two
+
+    def describe(self) -> str:
+        text = f"{self.bodies} bodies for {self.calls} calls ({self.nodes} nodes)"
+        if self.refused:
+            text += "; left inlined: " + ", ".join(f"{n} ({why})" for why, n in sorted(self.refused.items()))
+        if self.cuts:
+            text += "; calls cut at: " + ", ".join(f"{n} x {why}" for why, n in sorted(self.cuts.items()))
+        return text
+
+
+def _value_key(value) -> object:
+    """A hashable description of a node's value: dtype, sizes, strides (symbolic sizes by expression)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(str(s) for s in value.shape), tuple(str(s) for s in value.stride()),
+                str(value.device))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(_value_key(v) for v in value))
+    return ("value", type(value).__name__, str(value))
+
+
+def _constant_key(value) -> object:
+    if isinstance(value, (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
+                          torch.memory_format)):
+        return (type(value).__name__, value if not isinstance(value, float) else repr(value))
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, *(_constant_key(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", *((k, _constant_key(v)) for k, v in sorted(value.items())))
+    return ("object", id(value))  # anything else matches only itself
+
+
+class _Call:
+    """One call's nodes in the flat graph, its inputs (values read from outside, in first-use order), its
+    outputs (its values read outside), and the key two calls share where one body serves both."""
+
+    def __init__(self, nodes: list[torch.fx.Node], position: dict[torch.fx.Node, int], written: set[torch.fx.Node]):
+        # An item of an outside op's results stays outside: the body reads the item, not the op's tuple.
+        nodes = [node for node in nodes if not (node.target is operator.getitem and node.args[0] not in nodes)]
+        self.nodes = nodes
+        members = set(nodes)
+        index = {node: i for i, node in enumerate(nodes)}
+        self.inputs: list[torch.fx.Node] = []
+        inputs: dict[torch.fx.Node, int] = {}
+        self.why = ""
+        shape = []
+        for node in nodes:
+            def local(arg):
+                if isinstance(arg, torch.fx.Node):
+                    if arg in members:
+                        return ("node", index[arg])
+                    if arg not in inputs:
+                        inputs[arg] = len(self.inputs)
+                        self.inputs.append(arg)
+                    return ("input", inputs[arg])
+                return _constant_key(arg)
+
+            args = torch.fx.node.map_aggregate(node.args, local)
+            kwargs = {k: torch.fx.node.map_aggregate(v, local) for k, v in node.kwargs.items()}
+            target = node.target if callable(node.target) else str(node.target)
+            shape.append((node.op, target, _freeze(args), _freeze(kwargs), _value_key(node.meta.get("val"))))
+        self.outputs = [node for node in nodes if any(user not in members for user in node.users)]
+        # The call goes where its last input is ready: before its first node, or later where an input comes after
+        # that (a value the caller computes in the call's span), if no value the call gives is used before there.
+        ready = max((position[node] for node in self.inputs), default=-1)
+        self.before = next((node for node in nodes if position[node] > ready), None)
+        if self.before is None or any(position[user] < position[self.before] for node in self.outputs
+                                      for user in node.users if user not in members):
+            self.why = "a value it reads is computed after a value it gives is used"
+        if not self.why and any(not isinstance(node.meta.get("val"), (torch.Tensor, torch.SymInt, int))
+                                for node in self.inputs):
+            self.why = "a value it reads is not a tensor or a size"
+        if not self.why and not self.outputs:
+            self.why = "no value of it is used"
+        if not self.why and any(_base(_aliased_input(node, members)) in written for node in self.outputs):
+            # A body's outputs are its own buffers: a view of an input would no longer see the input's writes
+            self.why = "a value it returns is a view of a value the graph writes"
+        self.key = (tuple(shape), tuple(_value_key(node.meta.get("val")) for node in self.inputs),
+                    tuple(index[node] for node in self.outputs))
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _aliased_input(node: torch.fx.Node, members: set[torch.fx.Node]) -> torch.fx.Node | None:
+    """The value from outside `members` that `node` is a view of (through views and items of views), if any."""
+    while node in members and (_is_view(node) or node.target is operator.getitem):
+        source = node.args[0]
+        if not isinstance(source, torch.fx.Node):
+            return None
+        if node.target is operator.getitem and not (source not in members or _is_view(source)):
+            return None  # an item of a multi-output op's results: its own buffer
+        node = source
+    return None if node in members else node
+
+
+def _base(node: torch.fx.Node | None) -> torch.fx.Node | None:
+    """The value `node` views, through every view (None stays None)."""
+    while node is not None and node.op == "call_function" and (
+            _is_view(node) or (node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
+                               and _is_view(node.args[0]))):
+        node = node.args[0]
+    return node
+
+
+def _written(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The values (bases of views) that some node of `graph` writes in place."""
+    written = set()
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None or not schema.is_mutable:
+            continue
+        for i, argument in enumerate(schema.arguments):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                for item in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(item, torch.fx.Node):
+                        written.add(_base(item))
+    return written
+
+
+def _freeze(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _impure(node: torch.fx.Node) -> str:
+    """Why `node` cannot be part of an Inductor subgraph ("" where it can)."""
+    if node.op not in ("call_function", "call_method"):
+        return f"a {node.op} node"
+    if node.target is operator.getitem:
+        return ""
+    if node.is_impure():
+        return f"a node with side effects ({node.target})"
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return f"an op writing its inputs ({node.target})"
+    value = node.meta.get("val")
+    if value is None:
+        return f"a node without a traced value ({node.target})"
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    for v in values:
+        if isinstance(v, (torch.Tensor, torch.SymInt)) and free_unbacked_symbols(v):
+            return f"a data-dependent size ({node.target})"
+    return ""
+
+
+def outline_repeated_calls(gm: torch.fx.GraphModule) -> Outlined:
+    """Outline, in place, the calls of `gm`'s graph that another call matches (module docstring); each distinct
+    body becomes a submodule `dzc_outlined_<n>` of `gm`. Returns what it did."""
+    graph = gm.graph
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    result = Outlined()
+    matching: dict[tuple, list[_Call]] = {}
+    renamed: dict[torch.fx.Node, torch.fx.Node] = {}  # an outlined call's output -> its getitem of the call
+    written = _written(graph)
+    for nodes in _segments(graph, result):
+        call = _Call(nodes, position, written)
+        if call.why:
+            result.refused[call.why] = result.refused.get(call.why, 0) + 1
+        else:
+            matching.setdefault(call.key, []).append(call)
+    for siblings in matching.values():
+        if len(siblings) < 2:
+            result.refused["no other call like it"] = result.refused.get("no other call like it", 0) + 1
+            continue
+        name = f"dzc_outlined_{result.bodies}"
+        body = None
+        for call in sorted(siblings, key=lambda c: position[c.before]):
+            call.inputs = [renamed.get(node, node) for node in call.inputs]  # outputs of calls outlined before
+            if body is None:
+                gm.add_submodule(name, _body(gm, call))
+                with graph.inserting_before(call.before):
+                    body = graph.get_attr(name)
+            renamed.update(_replace(graph, call, body, name))
+        result.bodies += 1
+        result.calls += len(siblings)
+        result.nodes += sum(len(c.nodes) for c in siblings)
+    graph.lint()
+    gm.recompile()
+    return result
+
+
+def _segments(graph: torch.fx.Graph, result: Outlined) -> list[list[torch.fx.Node]]:
+    """Each call's nodes, cut where the graph has a node that cannot move into a body (a side effect, a write,
+    a data-dependent size; `_impure`): a call's nodes on either side of its cache write become two segments,
+    and no segment spans a node whose order against its nodes matters."""
+    open_segments: dict[tuple, list[torch.fx.Node]] = {}
+    segments = []
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        why = _impure(node)
+        if why:
+            if CALL in node.meta:
+                result.cuts[why] = result.cuts.get(why, 0) + 1
+            segments += open_segments.values()
+            open_segments = {}
+        elif CALL in node.meta:
+            open_segments.setdefault(node.meta[CALL], []).append(node)
+    return segments + list(open_segments.values())
+
+
+def _body(gm: torch.fx.GraphModule, call: _Call) -> torch.fx.GraphModule:
+    """The call's nodes as a graph of their own: a placeholder per input, its outputs returned as a tuple."""
+    body = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for i, node in enumerate(call.inputs):
+        placeholder = body.placeholder(f"arg{i}")
+        placeholder.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta")}
+        env[node] = placeholder
+    for node in call.nodes:
+        env[node] = body.node_copy(node, env.__getitem__)
+        env[node].meta.pop(CALL, None)
+    body.output(tuple(env[node] for node in call.outputs))
+    return torch.fx.GraphModule(gm, body)
+
+
+def _replace(graph: torch.fx.Graph, call: _Call, body: torch.fx.Node, identifier: str,
+             ) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Put the call in place of its nodes; returns {output node: its getitem of the call}."""
+    with graph.inserting_before(call.before):
+        invoke = graph.call_function(INVOKE_SUBGRAPH, (body, identifier, *call.inputs))
+        invoke.meta["val"] = tuple(node.meta["val"] for node in call.outputs)
+        results = []
+        for i, node in enumerate(call.outputs):
+            result = graph.call_function(operator.getitem, (invoke, i))
+            result.meta = {k: v for k, v in node.meta.items() if k != CALL}
+            results.append(result)
+    members = set(call.nodes)
+    for node, result in zip(call.outputs, results):
+        node.replace_all_uses_with(result, delete_user_cb=lambda user: user not in members)
+    for node in reversed(call.nodes):
+        graph.erase_node(node)
+    return dict(zip(call.outputs, results))

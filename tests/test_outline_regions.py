@@ -1,0 +1,213 @@
+"""dzc/outline_regions.py: the inlined copies of a region body outlined again as invoke_subgraph calls before
+Inductor's fallback compile, where that equals the flat graph, and refused with a reason where it would not.
+
+Graphs are traced from small torch functions (ATen ops, traced values by fake tensor propagation) and tagged the
+way regions.flatten tags a body's copies; the outlined module runs eagerly (invoke_subgraph runs its body) against
+the flat one on seeded random inputs, bit for bit (the same ops in the same order). The end-to-end case compiles
+a model with nested regions through Inductor and checks the report and the numerics.
+"""
+
+import operator
+import re
+
+import pytest
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from dzc import config, ir
+from dzc.outline_regions import CALL, INVOKE_SUBGRAPH, outline_repeated_calls
+
+
+def _layer(x, w):
+    return torch.relu(x @ w) + x
+
+
+def _traced(fn, *inputs) -> torch.fx.GraphModule:
+    gm = make_fx(fn)(*inputs)
+    FakeTensorProp(gm).propagate(*inputs)
+    return gm
+
+
+def _tag(gm: torch.fx.GraphModule, calls: int | list[int]) -> None:
+    """Tag the call_function nodes as runs, in order, as regions.flatten does: `calls` equal runs, or runs of the
+    given lengths (nodes after them are the caller's)."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    lengths = [len(nodes) // calls] * calls if isinstance(calls, int) else calls
+    start = 0
+    for i, length in enumerate(lengths):
+        for node in nodes[start:start + length]:
+            node.meta[CALL] = ("body", f"call{i}")
+        start += length
+
+
+def _inputs(seed, *shapes):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=generator) for shape in shapes]
+
+
+def test_three_equal_calls_become_one_body(seed):
+    def model(x, w0, w1, w2):
+        return (_layer(_layer(_layer(x, w0), w1), w2),)
+
+    inputs = _inputs(seed, (8, 16), (16, 16), (16, 16), (16, 16))
+    gm = _traced(model, *inputs)
+    _tag(gm, 3)
+    before = ir.print_graph(gm.graph, "flat")
+    expected = gm(*inputs)
+    outlined = outline_repeated_calls(gm)
+    assert (outlined.bodies, outlined.calls, outlined.nodes) == (1, 3, 9), outlined.describe()
+    assert outlined.describe() == "1 bodies for 3 calls (9 nodes)"
+    after = ir.print_graph(gm.graph, "outlined")
+    assert before.count("aten.mm.default") == 3 and after.count("aten.mm.default") == 0, after
+    calls = [n for n in gm.graph.nodes if n.target is INVOKE_SUBGRAPH]
+    assert len(calls) == 3 and len({c.args[0] for c in calls}) == 1, "one body attribute for every call"
+    assert gm.graph.find_nodes(op="get_attr")[0].target == "dzc_outlined_0"
+    body = gm.dzc_outlined_0.graph
+    assert [n.target for n in body.nodes if n.op == "call_function"] == [
+        torch.ops.aten.mm.default, torch.ops.aten.relu.default, torch.ops.aten.add.Tensor]
+    torch.testing.assert_close(gm(*inputs), expected, atol=0, rtol=0)
+
+
+def test_a_call_unlike_the_others_stays_inlined(seed):
+    """The third layer scales by 2 (another constant): calls 0 and 1 share a body, call 2 is left as it was."""
+    def model(x, w0, w1, w2):
+        y = _layer(_layer(x, w0), w1)
+        return (torch.relu(y @ w2) * 2 + y,)
+
+    inputs = _inputs(seed, (8, 16), (16, 16), (16, 16), (16, 16))
+    gm = _traced(model, *inputs)
+    _tag(gm, [3, 3, 4])
+    expected = gm(*inputs)
+    outlined = outline_repeated_calls(gm)
+    assert (outlined.bodies, outlined.calls) == (1, 2) and outlined.refused == {"no other call like it": 1}
+    assert len(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.mul.Tensor)) == 1
+    torch.testing.assert_close(gm(*inputs), expected, atol=0, rtol=0)
+
+
+def test_calls_of_other_sizes_do_not_share_a_body(seed):
+    def model(x, w0, w1):
+        return _layer(x, w0), _layer(x[:, :8], w1)
+
+    inputs = _inputs(seed, (8, 16), (16, 16), (8, 8))
+    gm = _traced(model, *inputs)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for node in nodes[:3]:
+        node.meta[CALL] = ("body", "call0")
+    for node in nodes[4:]:  # after the slice, which is the caller's
+        node.meta[CALL] = ("body", "call1")
+    outlined = outline_repeated_calls(gm)
+    assert outlined.bodies == 0 and outlined.refused == {"no other call like it": 2}, outlined.describe()
+
+
+def test_a_write_cuts_a_call_and_the_parts_after_it_match(seed):
+    """Each call writes a cache row in place (index_put_) between its two halves: the write stays in the graph
+    where it was, and each half is outlined with its siblings; a half reading the cache after the write still
+    sees the written row."""
+    def model(x, w0, w1, cache0, cache1, rows):
+        out = x
+        for w, cache in ((w0, cache0), (w1, cache1)):
+            h = torch.tanh(out @ w)
+            cache.index_put_((rows,), h[:2])
+            out = (cache.sum(0) * h) + out
+        return (out,)
+
+    x, w0, w1, c0, c1 = _inputs(seed, (8, 16), (16, 16), (16, 16), (4, 16), (4, 16))
+    rows = torch.tensor([1, 3])
+    gm = _traced(model, x, w0, w1, c0.clone(), c1.clone(), rows)
+    _tag(gm, 2)
+    expected = gm(x, w0, w1, c0.clone(), c1.clone(), rows)
+    outlined = outline_repeated_calls(gm)
+    assert outlined.calls == 4 and outlined.bodies == 2, outlined.describe()
+    assert outlined.cuts == {"a node with side effects (aten.index_put_.default)": 2}
+    torch.testing.assert_close(gm(x, w0, w1, c0.clone(), c1.clone(), rows), expected, atol=0, rtol=0)
+
+
+def test_a_call_reading_a_value_computed_inside_its_span_is_refused(seed):
+    """Call 0 reads a value the caller computes from call 0's own first result: there is no one place for the
+    call (after that value, before its use of call 0's result)."""
+    def model(x, w0, w1):
+        h0 = x @ w0
+        mid = h0.sum()  # the caller's node, between call 0's nodes
+        y0 = torch.relu(h0) * mid
+        h1 = y0 @ w1
+        y1 = torch.relu(h1) * mid
+        return (y1,)
+
+    inputs = _inputs(seed, (8, 16), (16, 16), (16, 16))
+    gm = _traced(model, *inputs)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    caller = [n for n in nodes if n.target is torch.ops.aten.sum.default]
+    for node in nodes:
+        if node not in caller:
+            node.meta[CALL] = ("body", "call0" if nodes.index(node) < nodes.index(caller[0]) + 3 else "call1")
+    outlined = outline_repeated_calls(gm)
+    assert outlined.calls == 0 and "a value it reads is computed after a value it gives is used" in outlined.refused, \
+        outlined.describe()
+
+
+@pytest.mark.parametrize("write", [True, False], ids=["written-later", "never-written"])
+def test_a_call_returning_a_view_of_a_value_written_later_is_refused(seed, write):
+    """Each call returns its input transposed (a view) beside its result. A body's output is a buffer of its own,
+    which would no longer see what the caller writes into that input afterwards: where x is written, call 0 stays
+    inlined (and call 1, its view of call 0's result, has no sibling); where nothing is written both share a body."""
+    def model(x, w0, w1):
+        h0, v0 = torch.relu(x @ w0), x.t()
+        h1, v1 = torch.relu(h0 @ w1), h0.t()
+        if write:
+            x.mul_(2)
+        return (v0 + v1 + h1,)
+
+    inputs = _inputs(seed, (16, 16), (16, 16), (16, 16))
+    gm = _traced(model, *[i.clone() for i in inputs])
+    _tag(gm, [3, 3])
+    expected = gm(*[i.clone() for i in inputs])
+    result = outline_repeated_calls(gm)
+    if write:
+        assert result.calls == 0 and result.refused == {"a value it returns is a view of a value the graph writes": 1,
+                                                        "no other call like it": 1}, result.describe()
+    else:
+        assert result.calls == 2 and not result.refused, result.describe()
+    torch.testing.assert_close(gm(*[i.clone() for i in inputs]), expected, atol=0, rtol=0)
+
+
+def test_getitem_of_a_multi_output_op_is_its_own_buffer():
+    from dzc.outline_regions import _aliased_input
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    pair = graph.call_function(torch.ops.aten.var_mean.correction, (x,))
+    first = graph.call_function(operator.getitem, (pair, 0))
+    split = graph.call_function(torch.ops.aten.split.Tensor, (x, 2))
+    piece = graph.call_function(operator.getitem, (split, 0))
+    assert _aliased_input(first, {pair, first}) is None
+    assert _aliased_input(piece, {split, piece}) is x
+
+
+@pytest.mark.parametrize("knob", ["1", "0"])
+def test_inductor_fallback_compiles_the_outlined_layers(seed, knob, tmp_path):
+    """A llama-style decoder with nested regions through dzc with Inductor as the fallback (on the CPU, its C++
+    backend): the report says which calls were outlined, and the outputs match the eager model's."""
+    import dzc
+    from dzc.models import build_model
+
+    torch.manual_seed(seed)
+    model, inputs = build_model("llama_decoder", layers=3)
+    model = model.float()
+    inputs = [i.float() if isinstance(i, torch.Tensor) and i.is_floating_point() else i for i in inputs]
+    with torch.no_grad():
+        expected = model(*inputs)
+    with config.scope(DZC_OUTLINE_FOR_INDUCTOR=knob):
+        compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False,
+                                                                 fallback="inductor"))
+        with torch.no_grad():
+            out = compiled(*inputs)
+    outlined = compiled.report.graphs[0].inductor_outlined
+    if knob == "1":
+        bodies, calls = map(int, re.match(r"(\d+) bodies for (\d+) calls", outlined).groups())
+        assert bodies >= 1 and calls >= 3, outlined  # each of the 3 layers' calls in a body
+        assert "repeated layers outlined for Inductor" in str(compiled.report)
+    else:
+        assert outlined == "off (DZC_OUTLINE_FOR_INDUCTOR=0)"
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
