@@ -20,8 +20,8 @@ graph around them is left as it is. A call is outlined only where that equals th
   functional and lowered once for the sizes of its first call);
 - it can be put in one place: after the last value it reads from outside, before the first use of a value it
   gives (its nodes' span holds no side effect or write, so moving them within it changes no value read);
-- no value it gives is a view of a value the graph writes in place (a body's outputs are its own buffers, which
-  would not see the write);
+- views of a value the graph writes in place stay outside, where they are (a body's outputs are its own buffers,
+  which would not see the write);
 - another call has the same nodes in the same order, reading its inputs in the same places, with the same
   constants and the same dtypes, sizes and strides everywhere (the body is built from the first such call and
   lowered once for all of them).
@@ -89,7 +89,9 @@ class _Call:
     outputs (its values read outside), and the key two calls share where one body serves both."""
 
     def __init__(self, nodes: list[torch.fx.Node], position: dict[torch.fx.Node, int], written: set[torch.fx.Node]):
-        # An item of an outside op's results stays outside: the body reads the item, not the op's tuple.
+        # Views of a value the graph writes stay outside, where they are (a cache slot's view that the cache write
+        # then fills), and so does an item of an outside op's results: the body reads the item, not the op's tuple.
+        nodes = [node for node in nodes if not (_base(node) is not node and _base(node) in written)]
         nodes = [node for node in nodes if not (node.target is operator.getitem and node.args[0] not in nodes)]
         self.nodes = nodes
         members = set(nodes)
@@ -126,9 +128,6 @@ class _Call:
             self.why = "a value it reads is not a tensor or a size"
         if not self.why and not self.outputs:
             self.why = "no value of it is used"
-        if not self.why and any(_base(_aliased_input(node, members)) in written for node in self.outputs):
-            # A body's outputs are its own buffers: a view of an input would no longer see the input's writes
-            self.why = "a value it returns is a view of a value the graph writes"
         self.key = (tuple(shape), tuple(_value_key(node.meta.get("val")) for node in self.inputs),
                     tuple(index[node] for node in self.outputs))
 
@@ -138,21 +137,9 @@ def _is_view(node: torch.fx.Node) -> bool:
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
 
-def _aliased_input(node: torch.fx.Node, members: set[torch.fx.Node]) -> torch.fx.Node | None:
-    """The value from outside `members` that `node` is a view of (through views and items of views), if any."""
-    while node in members and (_is_view(node) or node.target is operator.getitem):
-        source = node.args[0]
-        if not isinstance(source, torch.fx.Node):
-            return None
-        if node.target is operator.getitem and not (source not in members or _is_view(source)):
-            return None  # an item of a multi-output op's results: its own buffer
-        node = source
-    return None if node in members else node
-
-
-def _base(node: torch.fx.Node | None) -> torch.fx.Node | None:
-    """The value `node` views, through every view (None stays None)."""
-    while node is not None and node.op == "call_function" and (
+def _base(node: torch.fx.Node) -> torch.fx.Node:
+    """The value `node` views, through every view (itself where it is no view)."""
+    while node.op == "call_function" and (
             _is_view(node) or (node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
                                and _is_view(node.args[0]))):
         node = node.args[0]
