@@ -17,29 +17,26 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session (session 39 ran, on an H100: s38-sparse-prefill (BALANCED=1 hung: fixed since, 8635a69),
-# s38-vision-128, s38-moe-ws (wrong results: fixed since, 6590247), s37-moe-decode, s37-fp8-cluster, s37-indexer-ws,
-# s36-topk; docs/results/README.md, "Session 39"). Steps marked new have never run on a GPU in their present form:
-# their numerics come first in the step, and a candidate stays out of users' tuning (its UNVALIDATED entry) and the
-# untuned choices until they pass. In order (a step marked "after wheels-1 and wheels-2" needs TileLang, which
-# `site` installs in the first call, on the same warm machine):
+# Next session (session 40 ran, on an H100: s36-compile (full depth 226 s cold, 12.3 s warm), s38-sparse-prefill,
+# s38-moe-ws, s37-w4a8-online, s39-moe-decode; docs/results/README.md, "Session 40"; then no machine was lent for
+# s40-outline). Steps marked new have never run on a GPU in their present form: their numerics come first in the
+# step, and a candidate stays out of users' tuning (its UNVALIDATED entry) and the untuned choices until they pass.
+# In order (a step marked "after wheels-1 and wheels-2" needs TileLang, which `site` installs in the first call, on
+# the same warm machine):
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s36-compile   # issue 18: full-depth cold +
-#       warm, since 85324f4 without torch 2.11's per-call re-trace of each region body (a CPU host with torch 2.11:
-#       docs/results/compile_time_h200.md, "Session 39"). If the cold compile still runs past its limit, run
-#       s38-compile-scaling for where the time goes.
-#   call 2: bash tools/gpu_campaign.sh s38-sparse-prefill   # issue 14, new: BALANCED=1 after its setmaxnreg fix
-#       (216 / 216 / 72; it hung at 80), numerics then the prefill A/B
-#   call 3: bash tools/gpu_campaign.sh s38-moe-ws          # issue 15, new: the TileLang warp-specialized W4A16
-#       prefill after its byte-permute fix (PTX prmt; __byte_perm had dropped the selectors' sign bit)
-#   call 4: bash tools/gpu_campaign.sh s37-w4a8-online   # issue 15, new: W4A8 with the weights converted in the
-#       GEMMs: numerics, per-kernel times and the layer at gpt-oss T=8192 beside the W4A8 and W4A16 defaults
-#   call 5: bash tools/gpu_campaign.sh s39-moe-decode    # issue 15: the layer (CUDA graph) at T=1, 8, 64 with the
-#       new untuned decode tile (TMA_STACKED + DECODE=2, timed per kernel only) beside triton_kernels
-#   call 6: bash tools/gpu_campaign.sh s36-moe           # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
-#   call 7: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
+#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s40-outline   # issue 18, new: the repeated
+#       layers' calls outlined for Inductor's fallback compile (dzc/outline_regions.py): the multimodal model end to
+#       end on the GPU (numerics, CUDA graphs), then the cold compile at 32 + 16 layers with it on and off
+#   call 2: bash tools/gpu_campaign.sh s36-compile          # issue 18: full depth, cold + warm, outlining on (the
+#       warm start loads Inductor's compiled outlined graph from its caches: not yet run on a GPU)
+#   call 3: bash tools/gpu_campaign.sh s40-compile-profile  # issue 18: the W4A8 online layer bit for bit against
+#       the workspace path (its test stopped at a lookup bug, fixed in 29c7fdc), then where a cold compile's
+#       seconds go at 32 + 16 layers (cProfile, .pstats brought back)
+#   call 4: bash tools/gpu_campaign.sh s36-moe           # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
+#       (W4A8's untuned prefill tile now converts online)
+#   call 5: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
 #   then s35-topk's WARP_VOTE timing parts, and s34-sparse-row's numerics and decode parts.
-# Every card so far was an H200 except sessions 38 and 39's (H100): compare timings within one run only.
+# Every card so far was an H200 except sessions 38, 39 and 40's (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -350,8 +347,8 @@ s40-outline)
   # 32 + 16 layers with the outlining on and off, same machine.
   TAIL=4 part gpu_tests_outline 200 python3 -m pytest -q -p no:logging -rf tests/test_multimodal_model.py -m gpu
   for knob in 1 0; do
-    TAIL=2 part compile_outline_$knob 200 env DZC_OUTLINE_FOR_INDUCTOR=$knob DZC_DEBUG=1 python3 tools/bench_compile.py \
-      --models multimodal --no-torch --cold-only --layers 32 --vision-layers 16 \
+    TAIL=2 part compile_outline_$knob 200 env DZC_OUTLINE_FOR_INDUCTOR=$knob DZC_DEBUG=1 \
+      python3 tools/bench_compile.py --models multimodal --no-torch --cold-only --layers 32 --vision-layers 16 \
       --child-logs "$OUT/compile_logs_$knob" --out "$OUT/compile_outline_$knob.md"
   done
   ;;
