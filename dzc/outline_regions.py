@@ -230,20 +230,28 @@ def outline_repeated_calls(gm: torch.fx.GraphModule) -> Outlined:
 def _segments(graph: torch.fx.Graph, result: Outlined) -> list[list[torch.fx.Node]]:
     """Each call's nodes, cut where the graph has a node that cannot move into a body (a side effect, a write,
     a data-dependent size; `_impure`): a call's nodes on either side of its cache write become two segments,
-    and no segment spans a node whose order against its nodes matters."""
+    and no segment spans a node whose order against its nodes matters. A node a pass made (untagged) between a
+    call's nodes, reading one of them, joins that call's segment: the same pass made the same node in every layer."""
+    nodes = [node for node in graph.nodes if node.op == "call_function"]
+    last = {node.meta[CALL]: i for i, node in enumerate(nodes) if CALL in node.meta}
     open_segments: dict[tuple, list[torch.fx.Node]] = {}
+    members: dict[torch.fx.Node, tuple] = {}  # node -> the call whose open segment holds it
     segments = []
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
+    for i, node in enumerate(nodes):
         why = _impure(node)
+        tag = node.meta.get(CALL)
+        if tag is None and not why:  # a pass's node: in a call's segment where it reads that call only, in its span
+            calls = {members[arg] for arg in node.all_input_nodes if arg in members}
+            if len(calls) == 1 and last[next(iter(calls))] > i:
+                tag = next(iter(calls))
         if why:
             if CALL in node.meta:
                 result.cuts[why] = result.cuts.get(why, 0) + 1
             segments += open_segments.values()
-            open_segments = {}
-        elif CALL in node.meta:
-            open_segments.setdefault(node.meta[CALL], []).append(node)
+            open_segments, members = {}, {}
+        elif tag is not None:
+            open_segments.setdefault(tag, []).append(node)
+            members[node] = tag
     return segments + list(open_segments.values())
 
 

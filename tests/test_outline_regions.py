@@ -138,27 +138,46 @@ def test_a_write_cuts_a_call_and_the_parts_after_it_match(seed):
     torch.testing.assert_close(gm(x, w0, w1, c0.clone(), c1.clone(), rows), expected, atol=0, rtol=0)
 
 
-def test_a_call_reading_a_value_computed_inside_its_span_is_refused(seed):
-    """Call 0 reads a value the caller computes from call 0's own first result: there is no one place for the
-    call (after that value, before its use of call 0's result)."""
+def test_a_node_a_pass_made_inside_a_call_joins_it(seed):
+    """The caller's node between call 0's nodes (a pass made it: untagged), reading only call 0, is outlined with
+    call 0; call 1 has no such node, so the two no longer match, and both stay as they were."""
     def model(x, w0, w1):
         h0 = x @ w0
-        mid = h0.sum()  # the caller's node, between call 0's nodes
+        mid = h0.sum()  # untagged, between call 0's nodes
         y0 = torch.relu(h0) * mid
         h1 = y0 @ w1
-        y1 = torch.relu(h1) * mid
-        return (y1,)
+        return (torch.relu(h1) * 2,)
 
     inputs = _inputs(seed, (8, 16), (16, 16), (16, 16))
     gm = _traced(model, *inputs)
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
-    caller = [n for n in nodes if n.target is torch.ops.aten.sum.default]
-    for node in nodes:
-        if node not in caller:
-            node.meta[CALL] = ("body", "call0" if nodes.index(node) < nodes.index(caller[0]) + 3 else "call1")
+    for node in nodes[:1] + nodes[2:4]:
+        node.meta[CALL] = ("body", "call0")
+    for node in nodes[4:]:
+        node.meta[CALL] = ("body", "call1")
     outlined = outline_repeated_calls(gm)
-    assert outlined.calls == 0 and "a value it reads is computed after a value it gives is used" in outlined.refused, \
-        outlined.describe()
+    assert outlined.calls == 0 and outlined.refused == {"no other call like it": 2}, outlined.describe()
+
+
+def test_a_call_with_no_place_in_the_graph_is_refused(seed):
+    """Calls 0 and 1 interleave, and the caller adds their first results (a node of neither call) before each
+    goes on with that sum: no one place for either call comes after the sum and before the use of its result."""
+    def model(x, w0, w1):
+        a0, a1 = x @ w0, x @ w1
+        both = a0 + a1
+        return (torch.relu(a0) * both, torch.relu(a1) * both)
+
+    inputs = _inputs(seed, (8, 16), (16, 16), (16, 16))
+    gm = _traced(model, *inputs)
+    expected = gm(*inputs)
+    mm0, mm1, both, relu0, mul0, relu1, mul1 = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for call, members in (("call0", (mm0, relu0, mul0)), ("call1", (mm1, relu1, mul1))):
+        for node in members:
+            node.meta[CALL] = ("body", call)
+    outlined = outline_repeated_calls(gm)
+    assert outlined.calls == 0 and outlined.refused == {
+        "a value it reads is computed after a value it gives is used": 2}, outlined.describe()
+    torch.testing.assert_close(gm(*inputs), expected, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("write", [True, False], ids=["written-later", "never-written"])
