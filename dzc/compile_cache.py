@@ -73,8 +73,10 @@ from torch.fx._graph_pickler import (GraphPickler, Options, _GraphModulePickleDa
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from dzc import config
+from dzc.outline_regions import CALL
 
-FORMAT_VERSION = 3  # 2: the value types and the build's analyses stored beside the graph; 3: lowering's specs
+FORMAT_VERSION = 4  # 2: the value types and the build's analyses stored beside the graph; 3: lowering's specs;
+# 4: the region call each inlined node came from (outline_regions.CALL)
 # Options that do not change what the passes and lowering make of a graph: where the cache lives (a copied
 # directory must still hit) and the shipped tuning database (read by tuning, at the first call).
 # nested_regions changes what the captured graph is made of (region calls or not), which the key hashes itself.
@@ -281,9 +283,11 @@ def _deferred_in(value, found: list) -> bool:
     return False
 
 
-# The node metadata lowering, coverage and Inductor read; the rest (where a node came from, module stacks) holds
-# objects that do not pickle and nothing a later stage needs.
-_KEPT_METADATA = frozenset({"val", "tensor_meta", "stack_trace", "unbacked_bindings", "original_aten"})
+# The node metadata lowering, coverage and Inductor read, and the region call a node was inlined from (the
+# fallback outlines the calls again: a warm start must hand Inductor the graph the cold one did, or its cache
+# misses); the rest (where a node came from, module stacks) holds objects that do not pickle and nothing a later
+# stage needs.
+_KEPT_METADATA = frozenset({"val", "tensor_meta", "stack_trace", "unbacked_bindings", "original_aten", CALL})
 
 
 def _no_mode() -> None:

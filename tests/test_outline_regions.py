@@ -231,3 +231,32 @@ def test_inductor_fallback_compiles_the_outlined_layers(seed, knob, tmp_path):
     else:
         assert outlined == "off (DZC_OUTLINE_FOR_INDUCTOR=0)"
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_warm_start_loads_the_outlined_compile(seed, tmp_path, monkeypatch):
+    """The same compile in a second dzc.compile over the same cache directory (a frame entry: Dynamo and
+    AOTAutograd skipped): the graph Inductor gets is outlined the same way, and the outputs are the cold ones bit
+    for bit."""
+    import gc
+
+    import dzc
+    from dzc.models import build_model
+
+    monkeypatch.setenv("DZC_COMPILE_CACHE", "1")
+    monkeypatch.setenv("DZC_FRAME_CACHE", "1")
+    torch.manual_seed(seed)
+    model, inputs = build_model("llama_decoder", layers=3)
+    options = dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False, fallback="inductor")
+    runs = []
+    for _ in range(2):
+        compiled = dzc.compile(model, "cuda", options)
+        with torch.no_grad():
+            outputs = [compiled(*inputs) for _ in range(2)]  # the cold first call runs the rewrite check
+        runs.append((compiled.report, outputs[-1]))
+        del compiled
+        gc.collect()
+    (cold, cold_out), (warm, warm_out) = runs
+    assert warm.frame_cache.startswith("hit (1 graph"), warm.frame_cache
+    assert warm.graphs[0].inductor_outlined == cold.graphs[0].inductor_outlined, warm.graphs[0].inductor_outlined
+    assert "bodies for" in warm.graphs[0].inductor_outlined and not warm.graphs[0].inductor_outlined.startswith("0 ")
+    torch.testing.assert_close(warm_out, cold_out, atol=0, rtol=0)
