@@ -367,6 +367,11 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
     # a step) on 64 x 64 tiles: 1.05x the same tile unstacked and 1.15x the 128 x 64 one (session 35).
     want_decode = 2 if want_swap and any(_decode(x) == 2 for x in tier) else 1
     want_fp8_stacked = any(_fp8_stacked(x) for x in tier)
+    # TileLang's WARP_SPECIALIZED=1 at prefill sizes, its widest, deepest tile: at gpt-oss-120b T=8192 (256 rows an
+    # expert) 128 x 256 with 4 stages took 8730 µs, TileLang's plain tile 125316 (14.4x; H100, session 40,
+    # docs/results/mxfp4_moe_h200.md). The Triton default took 5287 there: where the codegen is chosen, Triton.
+    want_ws = not decode and rows_per_expert(spec, bucket) >= WORKSPACE_MIN_ROWS_PER_EXPERT and any(
+        warp_specialized(x) for x in tier)
 
     def preference(c: KernelConfig):
         # The cost model's path, the tier's largest row block (W4A8: 64 rows), then mid-size tiles (64 x 128) with
@@ -374,9 +379,8 @@ def configs_for_bucket(spec: MXFP4MoESpec, profile: DeviceProfile, bucket: int, 
         # measured fastest on the H200 (docs/results/mxfp4_moe_h200.md).
         threads = c.num_warps * profile.warp_size
         rows = abs(c["BLOCK_M"] - W4A8_BLOCK_M) if _fp8(c) else -c["BLOCK_M"]
-        # TileLang's WARP_SPECIALIZED=1: a tuning candidate only (its best tile took 8730 µs at gpt-oss T=8192, the
-        # Triton default 5287; H100, session 40, docs/results/mxfp4_moe_h200.md).
-        return (warp_specialized(c),
+        widest_ws = (-c["BLOCK_N"], -c["NUM_STAGES"]) if warp_specialized(c) else (0, 0)
+        return (warp_specialized(c) != want_ws, widest_ws,
                 _uses_workspace(c) != want_workspace and any(_uses_workspace(x) == want_workspace for x in tier),
                 _dot_scaled(c), _tma_stacked(c) != want_stacked, _fp8_stacked(c) != want_fp8_stacked,
                 _decode(c) != want_decode,

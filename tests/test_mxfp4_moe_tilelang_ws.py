@@ -1,9 +1,10 @@
 """The warp-specialized TileLang W4A16 prefill form of dzc's MXFP4 MoE GEMMs (WARP_SPECIALIZED=1; issue 15), read
 statically, no GPU.
 
-A tuning candidate, never the untuned choice (its GPU numerics passed in session 40, but it was slower than the
-Triton default on an H100: 8730 against 5287 µs at gpt-oss-120b T=8192): offered on sm_90 for bf16
-activations with K multiples of its 64-wide step, refused with reasons elsewhere. Its decoder's bit arithmetic,
+TileLang's untuned choice at prefill sizes (from 128 rows an expert): its GPU numerics passed in session 40, and on an
+H100 at gpt-oss-120b T=8192 its 128 x 256 4-stage tile took 8730 µs against TileLang's plain tile's 125316 (the
+Triton default: 5287). Offered on sm_90 for bf16 activations with K multiples of its 64-wide step, refused with
+reasons elsewhere. Its decoder's bit arithmetic,
 emulated here, is exact against dzc.mxfp4.dequantize for every byte and scale. Lowered for sm_90a at gpt-oss-120b's
 shape, both GEMMs have the three roles (setmaxnreg), the ring's mbarriers and wgmma from shared memory; nvcc
 compiles them with no spills, and in the SASS the producer stores decoded weights as STS.128 only (no 16-bit
@@ -45,7 +46,7 @@ def _ws_config(block_n, stages):
 # Where the knob applies (no lowering)
 
 
-def test_offered_on_hopper_for_bf16_and_never_the_untuned_choice():
+def test_offered_on_hopper_for_bf16_and_the_untuned_choice_at_prefill_sizes():
     legal, _ = legal_configs(mxfp4_moe, "tilelang", GPT_OSS, SM_90)
     configs = _ws_configs()
     assert sorted((c["BLOCK_N"], c["NUM_STAGES"]) for c in configs) == [(128, 2), (128, 4), (256, 2), (256, 4)]
@@ -56,9 +57,12 @@ def test_offered_on_hopper_for_bf16_and_never_the_untuned_choice():
         assert "warp-specialized" in mxfp4_moe.describe_config(config)
     default = mxfp4_moe.tilelang_default_config(GPT_OSS, SM_90)
     assert not mxfp4_moe.warp_specialized(default)
-    for bucket in (1, 64, 4096, 8192, 1 << 16):
+    for bucket in (1, 64, 1024):  # up to 32 rows an expert: not measured, the plain tiles
         _, chosen = mxfp4_moe.configs_for_bucket(GPT_OSS, SM_90, bucket, legal, default)
         assert not mxfp4_moe.warp_specialized(chosen), bucket
+    for bucket in (4096, 8192, 1 << 16):  # from 128 rows an expert: the widest, deepest warp-specialized tile
+        _, chosen = mxfp4_moe.configs_for_bucket(GPT_OSS, SM_90, bucket, legal, default)
+        assert chosen == _ws_config(256, 4), (bucket, chosen)
     assert not mxfp4_moe.warp_specialization_problems(GPT_OSS, SM_90)
     # Triton's configs never carry the knob.
     assert not any(mxfp4_moe.warp_specialized(c) for c in mxfp4_moe.triton_configs(GPT_OSS, SM_90))
