@@ -468,17 +468,25 @@ class DzcBackend:
         if fallback == "inductor":
             from torch._inductor.compile_fx import compile_fx_inner  # noqa: PLC0415 (heavy; only when used)
 
-            lowered = torch.fx.GraphModule(gm, copy_graph(graph))
-            # Each repeated layer's leftover ops lowered by Inductor once, not once a layer (dzc/outline_regions.py).
-            outlined = (outline_repeated_calls(lowered).describe() if config.OUTLINE_FOR_INDUCTOR.get() == "1"
-                        else "off (DZC_OUTLINE_FOR_INDUCTOR=0)")
-
             # MUSA Triton builds fail when Inductor compiles in several processes (torch_musa sets one thread).
             serial = {} if self.target.profile.compile_in_parallel else {"compile_threads": 1}
             tracing = (torch._guards.tracing(inductor_context) if inductor_context is not None
                        else contextlib.nullcontext())
+            outlined = "off (DZC_OUTLINE_FOR_INDUCTOR=0)"
             with torch._inductor.config.patch(serial), tracing:
-                boxed = compile_fx_inner(lowered, example_inputs)
+                if config.OUTLINE_FOR_INDUCTOR.get() == "1":
+                    try:
+                        # Each repeated layer's leftover ops lowered by Inductor once, not once a layer.
+                        lowered = torch.fx.GraphModule(gm, copy_graph(graph))
+                        outlined = outline_repeated_calls(lowered).describe()
+                        boxed = compile_fx_inner(lowered, example_inputs)
+                    except Exception as error:  # a slower compile, not a failed one: the flat graph as before
+                        outlined = (f"failed ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}); "
+                                    "Inductor compiled the flat graph instead")
+                        warnings.warn(f"dzc: outlining the repeated layers for Inductor {outlined}", RuntimeWarning,
+                                      stacklevel=2)
+                if outlined.startswith(("off", "failed")):
+                    boxed = compile_fx_inner(torch.fx.GraphModule(gm, graph), example_inputs)
 
             def compiled(*args):
                 return boxed(list(args))  # Inductor's callable takes its arguments as one list

@@ -260,3 +260,35 @@ def test_a_warm_start_loads_the_outlined_compile(seed, tmp_path, monkeypatch):
     assert warm.graphs[0].inductor_outlined == cold.graphs[0].inductor_outlined, warm.graphs[0].inductor_outlined
     assert "bodies for" in warm.graphs[0].inductor_outlined and not warm.graphs[0].inductor_outlined.startswith("0 ")
     torch.testing.assert_close(warm_out, cold_out, atol=0, rtol=0)
+
+
+def test_an_outlined_graph_inductor_refuses_is_compiled_flat(seed, tmp_path, monkeypatch):
+    """Where Inductor fails on the outlined graph, the compile goes on with the flat graph (a slower compile, not a
+    failed one); the warning and the report say so, and the outputs are right."""
+    import torch._inductor.compile_fx as compile_fx
+
+    import dzc
+    from dzc.models import build_model
+
+    real = compile_fx.compile_fx_inner
+
+    def refusing(gm, *args, **kwargs):
+        if gm.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH):
+            raise NotImplementedError("this Inductor takes no invoke_subgraph")
+        return real(gm, *args, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", refusing)
+    torch.manual_seed(seed)
+    model, inputs = build_model("llama_decoder", layers=2)
+    model = model.float()
+    inputs = [i.float() if isinstance(i, torch.Tensor) and i.is_floating_point() else i for i in inputs]
+    with torch.no_grad():
+        expected = model(*inputs)
+    compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False,
+                                                             fallback="inductor"))
+    with pytest.warns(RuntimeWarning, match="outlining the repeated layers for Inductor failed"), torch.no_grad():
+        out = compiled(*inputs)
+    assert compiled.report.graphs[0].inductor_outlined == (
+        "failed (NotImplementedError: this Inductor takes no invoke_subgraph); Inductor compiled the flat graph "
+        "instead")
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
