@@ -205,19 +205,26 @@ def test_a_call_returning_a_view_of_a_value_written_later_is_refused(seed, write
     torch.testing.assert_close(gm(*[i.clone() for i in inputs]), expected, atol=0, rtol=0)
 
 
+def _fp32_decoder(seed, layers: int):
+    """The llama-style decoder in fp32 (Inductor's C++ kernels against eager at fp32 tolerances), its inputs, and
+    its eager outputs."""
+    from dzc.models import build_model
+
+    torch.manual_seed(seed)
+    model, inputs = build_model("llama_decoder", layers=layers)
+    inputs = [i.float() if isinstance(i, torch.Tensor) and i.is_floating_point() else i for i in inputs]
+    model = model.float()
+    with torch.no_grad():
+        return model, inputs, model(*inputs)
+
+
 @pytest.mark.parametrize("knob", ["1", "0"])
 def test_inductor_fallback_compiles_the_outlined_layers(seed, knob, tmp_path):
     """A llama-style decoder with nested regions through dzc with Inductor as the fallback (on the CPU, its C++
     backend): the report says which calls were outlined, and the outputs match the eager model's."""
     import dzc
-    from dzc.models import build_model
 
-    torch.manual_seed(seed)
-    model, inputs = build_model("llama_decoder", layers=3)
-    model = model.float()
-    inputs = [i.float() if isinstance(i, torch.Tensor) and i.is_floating_point() else i for i in inputs]
-    with torch.no_grad():
-        expected = model(*inputs)
+    model, inputs, expected = _fp32_decoder(seed, layers=3)
     with config.scope(DZC_OUTLINE_FOR_INDUCTOR=knob):
         compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False,
                                                                  fallback="inductor"))
@@ -268,7 +275,6 @@ def test_an_outlined_graph_inductor_refuses_is_compiled_flat(seed, tmp_path, mon
     import torch._inductor.compile_fx as compile_fx
 
     import dzc
-    from dzc.models import build_model
 
     real = compile_fx.compile_fx_inner
 
@@ -278,12 +284,7 @@ def test_an_outlined_graph_inductor_refuses_is_compiled_flat(seed, tmp_path, mon
         return real(gm, *args, **kwargs)
 
     monkeypatch.setattr(compile_fx, "compile_fx_inner", refusing)
-    torch.manual_seed(seed)
-    model, inputs = build_model("llama_decoder", layers=2)
-    model = model.float()
-    inputs = [i.float() if isinstance(i, torch.Tensor) and i.is_floating_point() else i for i in inputs]
-    with torch.no_grad():
-        expected = model(*inputs)
+    model, inputs, expected = _fp32_decoder(seed, layers=2)
     compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False,
                                                              fallback="inductor"))
     with pytest.warns(RuntimeWarning, match="outlining the repeated layers for Inductor failed"), torch.no_grad():
