@@ -94,7 +94,7 @@ class _Call:
         nodes = [node for node in nodes if not (_base(node) is not node and _base(node) in written)]
         nodes = [node for node in nodes if not (node.target is operator.getitem and node.args[0] not in nodes)]
         self.nodes = nodes
-        members = set(nodes)
+        self.members = members = set(nodes)
         index = {node: i for i, node in enumerate(nodes)}
         self.inputs: list[torch.fx.Node] = []
         inputs: dict[torch.fx.Node, int] = {}
@@ -120,7 +120,9 @@ class _Call:
         # that (a value the caller computes in the call's span), if no value the call gives is used before there.
         ready = max((position[node] for node in self.inputs), default=-1)
         self.before = next((node for node in nodes if position[node] > ready), None)
-        if self.before is None or any(position[user] < position[self.before] for node in self.outputs
+        if not nodes:
+            self.why = "only views of values the graph writes"
+        elif self.before is None or any(position[user] < position[self.before] for node in self.outputs
                                       for user in node.users if user not in members):
             self.why = "a value it reads is computed after a value it gives is used"
         if not self.why and any(not isinstance(node.meta.get("val"), (torch.Tensor, torch.SymInt, int))
@@ -206,22 +208,36 @@ def outline_repeated_calls(gm: torch.fx.GraphModule) -> Outlined:
             result.refused[call.why] = result.refused.get(call.why, 0) + 1
         else:
             matching.setdefault(call.key, []).append(call)
+    classes = []
     for siblings in matching.values():
         if len(siblings) < 2:
             result.refused["no other call like it"] = result.refused.get("no other call like it", 0) + 1
+        else:
+            classes += [(call, len(classes)) for call in siblings]
+    # In graph order, so that an input one call gives another is in place (at the giver's call) before the
+    # reader's call: a reader whose call would come first (calls interleaved) reads the giver's output node, which
+    # the giver's call then replaces by its item, after the reader.
+    bodies: dict[int, torch.fx.Node] = {}
+    placed: dict[torch.fx.Node, int] = {}  # an invoke_subgraph node -> the position it took
+    for call, kind in sorted(classes, key=lambda item: position[item[0].before]):
+        here = position[call.before]
+        if any(placed.get(user, position.get(user, -1)) < here for node in call.outputs for user in node.users
+               if user not in call.members):
+            why = "a value it gives is read by a call placed before it"
+            result.refused[why] = result.refused.get(why, 0) + 1
             continue
-        name = f"dzc_outlined_{result.bodies}"
-        body = None
-        for call in sorted(siblings, key=lambda c: position[c.before]):
-            call.inputs = [renamed.get(node, node) for node in call.inputs]  # outputs of calls outlined before
-            if body is None:
-                gm.add_submodule(name, _body(gm, call))
-                with graph.inserting_before(call.before):
-                    body = graph.get_attr(name)
-            renamed.update(_replace(graph, call, body, name))
-        result.bodies += 1
-        result.calls += len(siblings)
-        result.nodes += sum(len(c.nodes) for c in siblings)
+        call.inputs = [renamed.get(node, node) for node in call.inputs]  # outputs of calls outlined before
+        if kind not in bodies:
+            name = f"dzc_outlined_{len(bodies)}"
+            gm.add_submodule(name, _body(gm, call))
+            with graph.inserting_before(call.before):
+                bodies[kind] = graph.get_attr(name)
+        invoke, outputs = _replace(graph, call, bodies[kind], bodies[kind].target)
+        placed[invoke] = here
+        renamed.update(outputs)
+        result.calls += 1
+        result.nodes += len(call.nodes)
+    result.bodies = len(bodies)
     graph.lint()
     gm.recompile()
     return result
@@ -271,8 +287,8 @@ def _body(gm: torch.fx.GraphModule, call: _Call) -> torch.fx.GraphModule:
 
 
 def _replace(graph: torch.fx.Graph, call: _Call, body: torch.fx.Node, identifier: str,
-             ) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Put the call in place of its nodes; returns {output node: its getitem of the call}."""
+             ) -> tuple[torch.fx.Node, dict[torch.fx.Node, torch.fx.Node]]:
+    """Put the call in place of its nodes; returns it and {output node: its getitem of the call}."""
     with graph.inserting_before(call.before):
         invoke = graph.call_function(INVOKE_SUBGRAPH, (body, identifier, *call.inputs))
         invoke.meta["val"] = tuple(node.meta["val"] for node in call.outputs)
@@ -281,9 +297,8 @@ def _replace(graph: torch.fx.Graph, call: _Call, body: torch.fx.Node, identifier
             result = graph.call_function(operator.getitem, (invoke, i))
             result.meta = {k: v for k, v in node.meta.items() if k != CALL}
             results.append(result)
-    members = set(call.nodes)
     for node, result in zip(call.outputs, results):
-        node.replace_all_uses_with(result, delete_user_cb=lambda user: user not in members)
+        node.replace_all_uses_with(result, delete_user_cb=lambda user: user not in call.members)
     for node in reversed(call.nodes):
         graph.erase_node(node)
-    return dict(zip(call.outputs, results))
+    return invoke, dict(zip(call.outputs, results))

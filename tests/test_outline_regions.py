@@ -180,6 +180,33 @@ def test_a_call_with_no_place_in_the_graph_is_refused(seed):
     torch.testing.assert_close(gm(*inputs), expected, atol=0, rtol=0)
 
 
+def test_interleaved_calls_reading_each_other_are_outlined_only_where_in_order(seed):
+    """Each layer runs two calls whose nodes interleave, each reading the other's first value (A: relu, then its
+    product with B's tanh; B: tanh, then its sum with A's relu). B's call goes first (at its tanh), so it reads
+    A's relu where A's own call would come only later: B's calls are outlined, A's stay as they were."""
+    def model(x):
+        for _ in range(2):
+            o = torch.relu(x)      # A
+            t = torch.tanh(x)      # B
+            p = o * t              # A
+            m = t + o              # B
+            x = p + m              # the caller's (reads both calls)
+        return (x,)
+
+    (x,) = _inputs(seed, (8, 16))
+    gm = _traced(model, x)
+    expected = gm(x)
+    relu0, tanh0, mul0, add0, _, relu1, tanh1, mul1, add1, _ = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for call, members in (("a0", (relu0, mul0)), ("b0", (tanh0, add0)), ("a1", (relu1, mul1)), ("b1", (tanh1, add1))):
+        for node in members:
+            node.meta[CALL] = ("body", call)
+    result = outline_repeated_calls(gm)
+    assert (result.bodies, result.calls) == (1, 2), result.describe()
+    assert result.refused == {"a value it gives is read by a call placed before it": 2}, result.describe()
+    assert len(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.relu.default)) == 2
+    torch.testing.assert_close(gm(x), expected, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("write", [True, False], ids=["written-later", "never-written"])
 def test_a_call_returning_a_view_of_a_value_written_later_is_refused(seed, write):
     """Each call returns its input transposed (a view) beside its result. A body's output is a buffer of its own,
