@@ -24,10 +24,12 @@ graph around them is left as it is. A call is outlined only where that equals th
   which would not see the write);
 - another call has the same nodes in the same order, reading its inputs in the same places, with the same
   constants and the same dtypes, sizes and strides everywhere (the body is built from the first such call and
-  lowered once for all of them).
+  lowered once for all of them);
+- calls are placed in graph order, and a call whose output a call placed before it reads stays inlined (where
+  two calls' nodes interleave).
 Calls a pass rewrote across their boundary (a fused residual norm) lose tagged nodes or gain new ones and no longer
 match their siblings; they stay inlined. Nothing here runs for the eager fallback, which has no per-node cost to
-save.
+save; where Inductor fails on the outlined graph, dzc/capture.py compiles the flat one.
 """
 
 from __future__ import annotations
