@@ -472,7 +472,7 @@ class DzcBackend:
             serial = {} if self.target.profile.compile_in_parallel else {"compile_threads": 1}
             tracing = (torch._guards.tracing(inductor_context) if inductor_context is not None
                        else contextlib.nullcontext())
-            outlined = "off (DZC_OUTLINE_FOR_INDUCTOR=0)"
+            boxed, outlined = None, "off (DZC_OUTLINE_FOR_INDUCTOR=0)"
             with torch._inductor.config.patch(serial), tracing:
                 if config.OUTLINE_FOR_INDUCTOR.get() == "1":
                     try:
@@ -485,7 +485,7 @@ class DzcBackend:
                                     "Inductor compiled the flat graph instead")
                         warnings.warn(f"dzc: outlining the repeated layers for Inductor {outlined}", RuntimeWarning,
                                       stacklevel=2)
-                if outlined.startswith(("off", "failed")):
+                if boxed is None:
                     boxed = compile_fx_inner(torch.fx.GraphModule(gm, graph), example_inputs)
 
             def compiled(*args):

@@ -234,7 +234,7 @@ def outline_repeated_calls(gm: torch.fx.GraphModule) -> Outlined:
             gm.add_submodule(name, _body(gm, call))
             with graph.inserting_before(call.before):
                 bodies[kind] = graph.get_attr(name)
-        invoke, outputs = _replace(graph, call, bodies[kind], bodies[kind].target)
+        invoke, outputs = _replace(graph, call, bodies[kind])
         placed[invoke] = here
         renamed.update(outputs)
         result.calls += 1
@@ -288,11 +288,12 @@ def _body(gm: torch.fx.GraphModule, call: _Call) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, body)
 
 
-def _replace(graph: torch.fx.Graph, call: _Call, body: torch.fx.Node, identifier: str,
+def _replace(graph: torch.fx.Graph, call: _Call, body: torch.fx.Node,
              ) -> tuple[torch.fx.Node, dict[torch.fx.Node, torch.fx.Node]]:
-    """Put the call in place of its nodes; returns it and {output node: its getitem of the call}."""
+    """Put the call in place of its nodes (its identifier: the body's attribute name); returns it and {output
+    node: its getitem of the call}."""
     with graph.inserting_before(call.before):
-        invoke = graph.call_function(INVOKE_SUBGRAPH, (body, identifier, *call.inputs))
+        invoke = graph.call_function(INVOKE_SUBGRAPH, (body, body.target, *call.inputs))
         invoke.meta["val"] = tuple(node.meta["val"] for node in call.outputs)
         results = []
         for i, node in enumerate(call.outputs):
