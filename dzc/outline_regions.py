@@ -41,6 +41,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from dzc.passes.graph_pass import view_base, written_values
+
 # node.meta key regions.flatten sets on each node it copies from a body: (body attribute, call node's name).
 CALL = "dzc_region_call"
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
@@ -93,7 +95,7 @@ class _Call:
     def __init__(self, nodes: list[torch.fx.Node], position: dict[torch.fx.Node, int], written: set[torch.fx.Node]):
         # Views of a value the graph writes stay outside, where they are (a cache slot's view that the cache write
         # then fills), and so does an item of an outside op's results: the body reads the item, not the op's tuple.
-        nodes = [node for node in nodes if not (_base(node) is not node and _base(node) in written)]
+        nodes = [node for node in nodes if not (view_base(node) is not node and view_base(node) in written)]
         nodes = [node for node in nodes if not (node.target is operator.getitem and node.args[0] not in nodes)]
         self.nodes = nodes
         self.members = members = set(nodes)
@@ -136,36 +138,6 @@ class _Call:
                     tuple(index[node] for node in self.outputs))
 
 
-def _is_view(node: torch.fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None for r in schema.returns)
-
-
-def _base(node: torch.fx.Node) -> torch.fx.Node:
-    """The value `node` views, through every view (itself where it is no view)."""
-    while node.op == "call_function" and (
-            _is_view(node) or (node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
-                               and _is_view(node.args[0]))):
-        node = node.args[0]
-    return node
-
-
-def _written(graph: torch.fx.Graph) -> set[torch.fx.Node]:
-    """The values (bases of views) that some node of `graph` writes in place."""
-    written = set()
-    for node in graph.nodes:
-        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
-        if schema is None or not schema.is_mutable:
-            continue
-        for i, argument in enumerate(schema.arguments):
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            if argument.alias_info is not None and argument.alias_info.is_write:
-                for item in value if isinstance(value, (list, tuple)) else (value,):
-                    if isinstance(item, torch.fx.Node):
-                        written.add(_base(item))
-    return written
-
-
 def _freeze(value):
     if isinstance(value, dict):
         return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
@@ -203,7 +175,7 @@ def outline_repeated_calls(gm: torch.fx.GraphModule) -> Outlined:
     result = Outlined()
     matching: dict[tuple, list[_Call]] = {}
     renamed: dict[torch.fx.Node, torch.fx.Node] = {}  # an outlined call's output -> its getitem of the call
-    written = _written(graph)
+    written = written_values(graph)
     for nodes in _segments(graph, result):
         call = _Call(nodes, position, written)
         if call.why:

@@ -9,6 +9,7 @@ fired where and what was left to the fallback.
 from __future__ import annotations
 
 import copy
+import operator
 import os
 from dataclasses import dataclass, field
 
@@ -117,25 +118,40 @@ def is_call(node, *targets) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
-def written_inputs(graph: torch.fx.Graph) -> set[int]:
-    """Positions of the graph's inputs that it writes in place (through views too): a KV cache, say."""
-    placeholders = {node: i for i, node in enumerate(n for n in graph.nodes if n.op == "placeholder")}
+def _aliases_an_input(node: torch.fx.Node) -> bool:
+    """Whether `node`'s result is (part of) one of its arguments: a view, or an in-place op's result."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
-    def base(value):
-        while (isinstance(value, torch.fx.Node) and isinstance(value.target, torch._ops.OpOverload)
-               and value.target.is_view):
-            value = value.args[0]
-        return value
 
+def view_base(node: torch.fx.Node) -> torch.fx.Node:
+    """The value `node` aliases, through views, in-place results and the items of list-returning views (split);
+    `node` itself where it aliases nothing."""
+    while node.op == "call_function" and (
+            _aliases_an_input(node) or (node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
+                                        and _aliases_an_input(node.args[0]))):
+        node = node.args[0]
+    return node
+
+
+def written_values(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The values (bases of views: view_base) that some node of `graph` writes in place."""
     written = set()
     for node in graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+        if schema is None or not schema.is_mutable:
             continue
-        for position, argument in enumerate(node.target._schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = node.args[position] if position < len(node.args) else node.kwargs.get(argument.name)
-            for item in value if isinstance(value, (list, tuple)) else [value]:
-                if base(item) in placeholders:
-                    written.add(placeholders[base(item)])
+        for i, argument in enumerate(schema.arguments):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                for item in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(item, torch.fx.Node):
+                        written.add(view_base(item))
     return written
+
+
+def written_inputs(graph: torch.fx.Graph) -> set[int]:
+    """Positions of the graph's inputs that it writes in place (through views too): a KV cache, say."""
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    written = written_values(graph)
+    return {i for i, node in enumerate(placeholders) if node in written}

@@ -1,12 +1,13 @@
-"""passes.graph_pass.copy_graph: the graph Graph.graph_copy makes (the same nodes, names, arguments, users, meta
-and code), though each node is given its arguments by assignment."""
+"""passes.graph_pass: copy_graph makes the graph Graph.graph_copy makes (the same nodes, names, arguments, users,
+meta and code), though each node is given its arguments by assignment; written_inputs finds the inputs a graph
+writes, through every kind of alias."""
 
 import operator
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dzc.passes.graph_pass import copy_graph
+from dzc.passes.graph_pass import copy_graph, written_inputs
 
 
 def _described(graph):
@@ -35,3 +36,16 @@ def test_copy_graph_makes_what_graph_copy_makes():
         with g.inserting_before(g.output_node()):
             g.call_function(torch.ops.aten.mul.Tensor, (next(iter(g.nodes)), 2))
     assert [n.name for n in copied.nodes] == [n.name for n in expected.nodes]
+
+
+def test_written_inputs_follow_views_split_items_and_in_place_results():
+    def f(cache, rows, other, unused):
+        first, second = cache.split(2, dim=0)        # an item of a list-returning view
+        second[0].copy_(rows[0])
+        rows.view(-1).add_(1.0).mul_(2.0)             # an in-place op's result, written again
+        return other.transpose(0, 1)[0] * 2 + unused  # read only, through a view
+
+    graph = make_fx(f)(torch.randn(4, 3), torch.randn(2, 3), torch.randn(3, 3), torch.randn(3)).graph
+    assert written_inputs(graph) == {0, 1}
+    # A graph that writes nothing.
+    assert written_inputs(make_fx(lambda x: x.split(1)[0] * 2)(torch.randn(2, 3)).graph) == set()
