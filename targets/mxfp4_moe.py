@@ -474,6 +474,8 @@ REORDER_BLOCK = 1024
 DEQUANT_BLOCK_N = 32
 DEQUANT_BLOCK_K = 256
 DEQUANT_NUM_WARPS = 4
+# Rows per program of W4A8's activation quantization (bandwidth bound: 32 rows x one 128-column group, 4 warps).
+QUANTIZE_ROWS = 32
 
 _TRITON_ACTIVATIONS = {
     "silu_glu": ["act = gate / (1.0 + tl.exp(-gate)) * up"],
@@ -958,8 +960,8 @@ def _launch_w4a8(kernels, plan: Routing, options: dict, hidden, topk_weights, w1
     e4m3 = torch.float8_e4m3fn
     x8 = torch.empty(tokens, spec.hidden, dtype=torch.uint8, device=device)
     x_scales = torch.empty(tokens, _groups(spec.hidden), dtype=torch.float32, device=device)
-    kernels["moe_quantize_e4m3_kernel"][(tokens, _groups(spec.hidden))](
-        hidden, x8, x_scales, hidden.stride(0), K=spec.hidden, REORDER=True, num_warps=4)
+    kernels["moe_quantize_e4m3_kernel"][(-(-tokens // QUANTIZE_ROWS), _groups(spec.hidden))](
+        hidden, x8, x_scales, hidden.stride(0), tokens, K=spec.hidden, ROWS=QUANTIZE_ROWS, REORDER=True, num_warps=4)
     if options["WORKSPACE"]:
         weight_bytes = workspace_elements(spec, tokens)  # one byte per E4M3 element
         # Block scales after the E4M3 bytes, 16-byte aligned.
@@ -979,8 +981,8 @@ def _launch_w4a8(kernels, plan: Routing, options: dict, hidden, topk_weights, w1
         alpha, limit, pairs, w13_blocks, w13_blocks, **options)
     act8 = torch.empty(pairs, spec.inter, dtype=torch.uint8, device=device)
     act_scales = torch.empty(pairs, _groups(spec.inter), dtype=torch.float32, device=device)
-    kernels["moe_quantize_e4m3_kernel"][(pairs, _groups(spec.inter))](
-        act, act8, act_scales, act.stride(0), K=spec.inter, REORDER=False, num_warps=4)
+    kernels["moe_quantize_e4m3_kernel"][(-(-pairs // QUANTIZE_ROWS), _groups(spec.inter))](
+        act, act8, act_scales, act.stride(0), pairs, K=spec.inter, ROWS=QUANTIZE_ROWS, REORDER=False, num_warps=4)
     if options["WORKSPACE"]:
         _convert_experts(kernels, w2_blocks, w2_scales, plan, ws_values, ws_scales, spec.hidden, spec.inter, spec)
     kernels["moe_down_kernel"][(_tiles(plan, spec.hidden, options["BLOCK_N"]), 1)](
@@ -1076,12 +1078,12 @@ def triton_signatures(spec: MXFP4MoESpec, config: KernelConfig) -> dict[str, tup
                    workspace_ptr=ws, N="constexpr", K="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr")
     dequant_constexprs = dict(N=2 * spec.inter, K=spec.hidden, BLOCK_N=DEQUANT_BLOCK_N, BLOCK_K=DEQUANT_BLOCK_K)
     if fp8:  # the W4A8 path's kernels instead of the W4A16 workspace's and split-K's
-        quantize = dict(x_ptr=x, out_ptr="*u8", scales_ptr="*fp32", stride_x="i32", K="constexpr",
-                        REORDER="constexpr")
+        quantize = dict(x_ptr=x, out_ptr="*u8", scales_ptr="*fp32", stride_x="i32", rows_total="i32", K="constexpr",
+                        ROWS="constexpr", REORDER="constexpr")
         convert = dict(w_blocks_ptr="*u8", w_scales_ptr="*u8", expert_counts_ptr="*i32", expert_slots_ptr="*i32",
                        workspace_ptr="*u8", block_scales_ptr="*fp32", N="constexpr", K="constexpr",
                        BLOCK_N="constexpr")
-        return {"moe_quantize_e4m3_kernel": (quantize, dict(K=spec.hidden, REORDER=True), 4),
+        return {"moe_quantize_e4m3_kernel": (quantize, dict(K=spec.hidden, ROWS=QUANTIZE_ROWS, REORDER=True), 4),
                 "moe_gate_up_kernel": (gate_up, tiles), "moe_down_kernel": (down, tiles),
                 "mxfp4_to_e4m3_experts_kernel": (convert, dict(N=2 * spec.inter, K=spec.hidden,
                                                                BLOCK_N=DEQUANT_BLOCK_N), DEQUANT_NUM_WARPS)}

@@ -151,9 +151,14 @@ def test_quantize_kernel_matches_reference_bits(reorder, seed, tmp_path):
     x[3, 5] = float("nan")
     x[4, 140] = float("inf")
     x[5] = torch.randint(-64, 64, (k,)).float() * 0.25  # many values exactly on E4M3 rounding ties after scaling
-    out = torch.full((rows, k), 0x7F, dtype=torch.uint8, device=DEVICE)
-    scales = torch.full((rows, 2), float("nan"), device=DEVICE)
-    kernels["moe_quantize_e4m3_kernel"][(rows, 2)](x, out, scales, x.stride(0), K=k, REORDER=reorder)
+    # Row blocks of 4, the second one partial; one row more in every buffer, which the kernel is not given: it
+    # must stay as it is.
+    x = torch.cat([x, torch.randn(1, k, device=DEVICE)])
+    out = torch.full((rows + 1, k), 0x7F, dtype=torch.uint8, device=DEVICE)
+    scales = torch.full((rows + 1, 2), -1.0, device=DEVICE)
+    kernels["moe_quantize_e4m3_kernel"][(2, 2)](x, out, scales, x.stride(0), rows, K=k, ROWS=4, REORDER=reorder)
+    assert (out[rows] == 0x7F).all() and (scales[rows] == -1.0).all(), "a row past the last was written"
+    x, out, scales = x[:rows], out[:rows], scales[:rows]
     columns = torch.arange(k)
     order = columns // 32 * 32 + columns % 16 * 2 + columns % 32 // 16 if reorder else columns
     values, expected_scales = quantize_e4m3_groups(x[:, order.to(DEVICE)].cpu())
