@@ -27,14 +27,16 @@
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s40-outline   # issue 18, new: the repeated
 #       layers' calls outlined for Inductor's fallback compile (dzc/outline_regions.py): the multimodal model end to
 #       end on the GPU (numerics, CUDA graphs), then the cold compile at 32 + 16 layers with it on and off
-#   call 2: bash tools/gpu_campaign.sh s36-compile          # issue 18: full depth, cold + warm, outlining on (the
+#   call 2: bash tools/gpu_campaign.sh s41-w4a8             # issue 15: W4A8 GPU numerics in full (new quantize
+#       kernel: 32 rows a program), then its per-kernel times at gpt-oss T=8192
+#   call 3: bash tools/gpu_campaign.sh s36-compile          # issue 18: full depth, cold + warm, outlining on (the
 #       warm start loads Inductor's compiled outlined graph from its caches: not yet run on a GPU)
-#   call 3: bash tools/gpu_campaign.sh s40-compile-profile  # issue 18: the W4A8 online layer bit for bit against
+#   call 4: bash tools/gpu_campaign.sh s40-compile-profile  # issue 18: the W4A8 online layer bit for bit against
 #       the workspace path (its test stopped at a lookup bug, fixed in 29c7fdc), then where a cold compile's
 #       seconds go at 32 + 16 layers (cProfile, .pstats brought back)
-#   call 4: bash tools/gpu_campaign.sh s36-moe           # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
+#   call 5: bash tools/gpu_campaign.sh s36-moe           # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
 #       (W4A8's untuned prefill tile now converts online)
-#   call 5: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
+#   call 6: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
 #   then s35-topk's WARP_VOTE timing parts, and s34-sparse-row's numerics and decode parts.
 # Every card so far was an H200 except sessions 38, 39 and 40's (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
@@ -362,6 +364,17 @@ s40-compile-profile)
   TAIL=3 part bench_compile_profile 360 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
     --no-torch --cold-only --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs" \
     --profile-cold "$OUT/compile_profile"
+  ;;
+s41-w4a8)
+  # (after site) issue 15: W4A8's GPU numerics in full (the activation quantization now takes 32 rows a program; the
+  # online layer against the workspace path bit for bit, never reached on a GPU), then each kernel's time at
+  # gpt-oss-120b T=8192: the untuned online tile (its quantize kernels took 603 us of 7528 in session 40) and the
+  # workspace 128 x 128 tile (how fast the grouped FP8 GEMM itself runs at a larger tile).
+  TAIL=8 part gpu_tests_w4a8 240 python3 -m pytest -q -p no:logging -rf tests/test_mxfp4_moe_w4a8.py \
+    tests/test_mxfp4_moe_w4a8_online.py
+  fp8="BLOCK_K=128,SPLIT_K=1,FP8=1,FP8_STACKED=1,num_stages=3"
+  TAIL=40 part w4a8_kernels 200 python3 tools/diagnose_mxfp4_moe_kernels.py --tokens 8192 --configs \
+    "BLOCK_M=64,BLOCK_N=64,$fp8,WORKSPACE=0,num_warps=4" "BLOCK_M=128,BLOCK_N=128,$fp8,WORKSPACE=1,num_warps=8"
   ;;
 s36-compile)
   # (after wheels-1 and wheels-2) issue 18: the multimodal model at full depth (61 decoder + 32 vision layers, no
