@@ -380,7 +380,7 @@ _AOT_SCRIPT = textwrap.dedent("""
         return dict(label=f"{config}/{name}", shared=kernel.metadata.shared,
                     estimate=family.triton_shared_memory_bytes(spec, config),
                     fp8_wgmma=bool(re.search(r"wgmma[.a-z_]*[.]m64n[0-9]+k32[.]f32[.]e4m3[.]e4m3", ptx)),
-                    rounding_adds="sub.f32" in ptx)
+                    rounding_adds="sub.f32" in ptx, lookups="prmt.b32" in ptx)
 
     # Compiled by two processes forked from this one (the kernels live in its memory): the CI machine's two cores.
     import multiprocessing
@@ -397,6 +397,8 @@ def test_w4a8_kernels_compile_for_sm_90_with_fp8_wgmma(tmp_path):
         if r["label"].endswith(("gate_up_kernel", "down_kernel")):
             assert r["fp8_wgmma"], f"{r['label']}: the GEMM does not multiply E4M3 on the tensor cores"
             assert r["shared"] <= r["estimate"], r
+        elif r["label"].endswith("mxfp4_to_e4m3_experts_kernel"):  # the online GEMMs' byte-permute lookup, no
+            assert r["lookups"] and not r["rounding_adds"], r         # value rounded one at a time
         else:  # the E4M3 rounding's add-and-subtract survived compilation (nothing reassociated it away)
             assert r["rounding_adds"], r
 
