@@ -172,12 +172,11 @@ def test_registered_model_takes_a_decoder_and_a_vision_depth():
 def test_multimodal_model_on_gpu_replays_decode_steps_from_cuda_graphs(seed, tmp_path):
     """Real kernels, and decode steps replayed from CUDA graphs that write the paged cache in place: later steps
     read what the replays wrote, so a replay writing anywhere else would show in their logits. Inductor compiles
-    the ops no pass fused with the repeated layers' calls outlined (dzc/outline_regions.py)."""
+    the ops no pass fused, the flat graph (outlining is off by default: with it on, session 41's H100 runs gave
+    wrong decode steps; tools/diagnose_multimodal_decode.py)."""
     options = dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False)
     fused = _run_requests(seed, options, "cuda")
     runner = fused.decoder._cuda_graphs
     assert runner.graphs, f"no decode step was captured:\n{runner.describe()}"
     assert fused.decoder.report.compiles == 2 and fused.vision.report.compiles == 1
-    outlined = [g.inductor_outlined for g in fused.decoder.report.graphs]
-    assert all(g.fallback == "inductor" for g in fused.decoder.report.graphs), outlined
-    assert all(not o.startswith("0 bodies") and "bodies for" in o for o in outlined), outlined
+    assert all(g.fallback == "inductor" for g in fused.decoder.report.graphs)

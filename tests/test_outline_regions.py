@@ -278,6 +278,7 @@ def test_a_warm_start_loads_the_outlined_compile(seed, tmp_path, monkeypatch):
 
     monkeypatch.setenv("DZC_COMPILE_CACHE", "1")
     monkeypatch.setenv("DZC_FRAME_CACHE", "1")
+    monkeypatch.setenv("DZC_OUTLINE_FOR_INDUCTOR", "1")
     torch.manual_seed(seed)
     model, inputs = build_model("llama_decoder", layers=3)
     options = dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False, fallback="inductor")
@@ -311,6 +312,7 @@ def test_an_outlined_graph_inductor_refuses_is_compiled_flat(seed, tmp_path, mon
         return real(gm, *args, **kwargs)
 
     monkeypatch.setattr(compile_fx, "compile_fx_inner", refusing)
+    monkeypatch.setenv("DZC_OUTLINE_FOR_INDUCTOR", "1")
     model, inputs, expected = _fp32_decoder(seed, layers=2)
     compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False,
                                                              fallback="inductor"))

@@ -172,13 +172,19 @@ def loop_profile(sass: str) -> dict:
 
 
 def triton_tool(name: str) -> str:
+    """The path of a CUDA tool as Triton finds it: ptxas through Triton (TRITON_PTXAS_PATH first), the others
+    from Triton's own bin/ where it has them, else beside that ptxas. Inductor points TRITON_PTXAS_PATH at torch's
+    bundled ptxas, whose folder has no nvdisasm (the H100 host, session 41)."""
     from triton.backends.nvidia.compiler import get_ptxas  # noqa: PLC0415 (CUDA Tritons only)
 
     try:
         ptxas = get_ptxas(90).path
     except TypeError:  # Tritons whose get_ptxas takes no architecture
         ptxas = get_ptxas().path
-    return ptxas if name == "ptxas" else str(Path(ptxas).with_name(name))
+    if name == "ptxas":
+        return ptxas
+    own = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    return str(own) if os.access(own, os.X_OK) else str(Path(ptxas).with_name(name))
 
 
 def compiled_profile(kernel) -> dict:
