@@ -2,7 +2,7 @@
 oracle (the same bf16-rounded weights computing in fp32), for dzc as it compiles by default and with one pass
 left out at a time. A row whose decode errors fall back to eager's size names the pass at fault.
 
-    python tools/diagnose_multimodal_decode.py [--seed N] [--passes fuse_mxfp4_experts ...]
+    python tools/diagnose_multimodal_decode.py [--seed N] [--passes fuse_mxfp4_experts ...] [--dry-run]
 
 Session 41 (H100): tests/test_multimodal_model.py's GPU test found every decode step 30-70% off the oracle while
 every prefill matched (eager: 1-8%), in 3 runs of 3 with the repeated layers outlined for Inductor
@@ -76,8 +76,15 @@ def main() -> None:
     parser.add_argument("--passes", nargs="*", default=list(PASSES), help="leave out each of these in turn")
     parser.add_argument("--fallback", default="auto", choices=("auto", "inductor", "eager"),
                         help="what runs the ops no pass fused (CompileOptions.fallback; auto: Inductor on a GPU)")
+    parser.add_argument("--dry-run", action="store_true", help="build the model and print the plan; run nothing")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dry_run:
+        build_multimodal(CFG, torch.bfloat16, seed=args.seed)  # tiny: the model builds on the CPU in a second
+        calls = [f"{n}:{step}" for n, steps in enumerate(DECODE_STEPS) for step in ["prefill"] + ["decode"] * steps]
+        runs = ["eager", "dzc", *(f"dzc without {name}" for name in args.passes)]
+        print(f"dry run: {len(calls)} calls ({', '.join(calls)}) x {len(runs)} runs ({', '.join(runs)}) on {device}")
+        return
     rows = [("eager", errors(args.seed, None, device))]
     for name in ["", *args.passes]:
         options = dzc.CompileOptions(autotune=False, cache_dir=tempfile.mkdtemp(prefix="dzc-decode-"),
