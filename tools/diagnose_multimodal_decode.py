@@ -20,6 +20,7 @@ import tempfile
 import torch
 
 import dzc
+from dzc import runtime
 from dzc.models.moe import MoEExperts
 from dzc.models.multimodal import CONFIGS, MultimodalSession, build_multimodal, new_cache, request_ids
 from dzc.models.vision import ImagePack, pack_images
@@ -41,8 +42,36 @@ def oracle_of(model):
     return oracle
 
 
-def errors(seed: int, options: dzc.CompileOptions | None, device: str) -> list[tuple[str, float]]:
-    """(call, relative error against the oracle) of each prefill and decode step; eager where options is None."""
+class KeyLog:
+    """Stands in for a compiled decoder's CUDA-graph runner and logs, per call, its graph key (a short hash), the
+    frames Dynamo compiled before and after it, and the key's state after it."""
+
+    def __init__(self, runner: runtime.CudaGraphRunner):
+        self.runner = runner
+        self.lines: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def __call__(self, *args, **kwargs):
+        padded, padded_kwargs = self.runner._pad_block_table(args, kwargs)
+        key = runtime.graph_key(runtime.flatten_call(padded, padded_kwargs))
+        before = runtime._compiles()
+        result = self.runner(*args, **kwargs)
+        signature = self.runner.signatures.get(key)
+        state = "no key" if signature is None else (
+            f"warm {signature.warm} (at {signature.warm_at} frames), {signature.graphs} graphs"
+            + (f", refused: {signature.refused}" if signature.refused else ""))
+        shapes = " ".join(str(tuple(a.shape)) for a in padded if isinstance(a, torch.Tensor))
+        self.lines.append(f"key {hash(str(key)) % 10**6:06d} {shapes}: Dynamo frames {before} -> "
+                          f"{runtime._compiles()}; {state}; runner holds {len(self.runner.graphs)} graphs")
+        return result
+
+
+def errors(seed: int, options: dzc.CompileOptions | None, device: str,
+           keys: list[str] | None = None) -> list[tuple[str, float]]:
+    """(call, relative error against the oracle) of each prefill and decode step; eager where options is None.
+    With `keys` (a list), the compiled decoder's CUDA-graph runner is logged into it (KeyLog)."""
     torch._dynamo.reset()
     model = build_multimodal(CFG, torch.bfloat16, seed=seed, device=device)
     cache = new_cache(CFG, max_pages=3, batch=len(REQUESTS), fp8_index=False, dtype=torch.bfloat16, device=device)
@@ -52,6 +81,9 @@ def errors(seed: int, options: dzc.CompileOptions | None, device: str) -> list[t
     session = MultimodalSession(model, cache) if options is None else \
         MultimodalSession.compiled(model, cache, "cuda", options)
     oracle = MultimodalSession(oracle_of(model), oracle_cache)
+    log = None
+    if keys is not None and options is not None and session.decoder._cuda_graphs is not None:
+        log = session.decoder._cuda_graphs = KeyLog(session.decoder._cuda_graphs)
     out = []
     with torch.no_grad():
         for sequence, ((grids, text), steps) in enumerate(zip(REQUESTS, DECODE_STEPS)):
@@ -67,6 +99,8 @@ def errors(seed: int, options: dzc.CompileOptions | None, device: str) -> list[t
                 error = ((actual.float() - exact).abs().max() / exact.abs().max()).item()
                 out.append((f"{sequence}:{step}", error))
                 calls.append(("decode", (logits.argmax(-1, keepdim=True), [sequence])))
+    if log is not None:
+        keys += log.lines + [log.runner.describe()]
     return out
 
 
@@ -76,28 +110,37 @@ def main() -> None:
     parser.add_argument("--passes", nargs="*", default=list(PASSES), help="leave out each of these in turn")
     parser.add_argument("--fallback", default="auto", choices=("auto", "inductor", "eager"),
                         help="what runs the ops no pass fused (CompileOptions.fallback; auto: Inductor on a GPU)")
+    parser.add_argument("--graph-keys", action="store_true",
+                        help="only dzc as it compiles: its decoder's CUDA-graph keys, call by call (a GPU)")
     parser.add_argument("--dry-run", action="store_true", help="build the model and print the plan; run nothing")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    calls = [f"{n}:{step}" for n, steps in enumerate(DECODE_STEPS) for step in ["prefill"] + ["decode"] * steps]
     if args.dry_run:
         build_multimodal(CFG, torch.bfloat16, seed=args.seed)  # tiny: the model builds on the CPU in a second
-        calls = [f"{n}:{step}" for n, steps in enumerate(DECODE_STEPS) for step in ["prefill"] + ["decode"] * steps]
         runs = ["eager", "dzc", *(f"dzc without {name}" for name in args.passes)]
         print(f"dry run: {len(calls)} calls ({', '.join(calls)}) x {len(runs)} runs ({', '.join(runs)}) on {device}")
         return
-    rows = [("eager", errors(args.seed, None, device))]
-    for name in ["", *args.passes]:
+    if args.graph_keys:
+        keys: list[str] = []
         options = dzc.CompileOptions(autotune=False, cache_dir=tempfile.mkdtemp(prefix="dzc-decode-"),
-                                     disable_passes=(name,) if name else (), fallback=args.fallback)
-        rows.append((f"dzc without {name}" if name else "dzc", errors(args.seed, options, device)))
-    calls = [call for call, _ in rows[0][1]]
+                                     fallback=args.fallback)
+        values = errors(args.seed, options, device, keys)
+        print("\n".join(keys))
+        print("errors:", " ".join(f"{call} {e:.4f}" for call, e in values))
+        return
     print(f"seed {args.seed}, {device}, fallback {args.fallback}, DZC_OUTLINE_FOR_INDUCTOR="
           f"{dzc.config.OUTLINE_FOR_INDUCTOR.get()}; relative error of each call's logits against the fp32 oracle\n")
     print("| run | " + " | ".join(calls) + " |")
     print("|---|" + "---|" * len(calls))
-    for name, values in rows:
-        print(f"| {name} | " + " | ".join(f"{e:.4f}" for _, e in values) + " |")
-
+    # Each row as soon as it is measured: a run cut off by a time limit keeps the rows it finished.
+    for name in [None, "", *args.passes]:
+        options = None if name is None else dzc.CompileOptions(
+            autotune=False, cache_dir=tempfile.mkdtemp(prefix="dzc-decode-"), disable_passes=(name,) if name else (),
+            fallback=args.fallback)
+        values = errors(args.seed, options, device)
+        label = "eager" if name is None else f"dzc without {name}" if name else "dzc"
+        print(f"| {label} | " + " | ".join(f"{e:.4f}" for _, e in values) + " |", flush=True)
 
 if __name__ == "__main__":
     main()

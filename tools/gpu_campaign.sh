@@ -368,8 +368,25 @@ s41-decode-bisect)
   # First the GPU test as dzc now compiles, then each call's error with outlining on (dzc as it compiles, and with
   # one pass left out at a time) and off.
   TAIL=4 part gpu_tests_multimodal 150 python3 -m pytest -q -p no:logging -rf tests/test_multimodal_model.py -m gpu
-  TAIL=14 part decode_bisect_outlined 360 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 tools/diagnose_multimodal_decode.py
+  TAIL=12 part decoder_keys 120 python3 tools/diagnose_multimodal_decode.py --graph-keys
   TAIL=6 part decode_flat 60 env DZC_OUTLINE_FOR_INDUCTOR=0 python3 tools/diagnose_multimodal_decode.py --passes
+  TAIL=14 part decode_bisect_outlined 360 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 tools/diagnose_multimodal_decode.py
+  ;;
+s42-decode)
+  # (after site) s41-decode-bisect in less device time: the test's requests as dzc now compiles (outlining off)
+  # with the decoder's CUDA-graph keys and Dynamo's frame count around each call (why no decode step was
+  # captured), then each call's error with outlining on, with one pass left out at a time.
+  TAIL=12 part decoder_keys 120 python3 tools/diagnose_multimodal_decode.py --graph-keys
+  TAIL=14 part decode_bisect_outlined 300 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 tools/diagnose_multimodal_decode.py \
+    --passes reinplace_cache_writes fuse_sparse_attention fuse_mxfp4_experts fuse_residual_norm canonicalize_graph
+  ;;
+s42-compile-profile)
+  # (after site) issue 18: the multimodal model at 32 + 16 layers, flat (outlining off, the default since session
+  # 41), cold then warm, each first call under cProfile (.pstats brought back): where the fallback compile's (63.7 s
+  # in session 41) and the first run's (17.9 s) seconds go cold, and the warm start's outside the report's stages.
+  TAIL=6 part bench_compile_profile 560 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
+    --no-torch --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs" \
+    --profile-cold "$OUT/compile_profile" --profile-warm "$OUT/compile_profile" --out "$OUT/compile_profile_h200.md"
   ;;
 s41-w4a8)
   # (after site) issue 15: W4A8's GPU numerics in full (the activation quantization now takes 32 rows a program; the
