@@ -28,7 +28,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from dzc import compile_cache, config, distributed, ir, regions, runtime
 from dzc.coverage import GraphCoverage, graph_coverage
-from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph
+from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph, precompile_triton_kernels
 from dzc.ops import LOWERED_AS_PARTS
 from dzc.options import CompileOptions
 from dzc.outline_regions import outline_repeated_calls
@@ -163,6 +163,7 @@ class _Build:
     compile_cache: str = ""  # the warm-compile cache: "hit", "miss", "off", or what went wrong
     cache_key: str | None = None  # of the compile cache entry holding this build's rewritten graph, if any
     inductor_outlined: str = ""  # outline_repeated_calls' outcome where Inductor compiled the fallback
+    triton_precompile: triton_codegen.Precompile | None = None  # its Triton kernels compiling ahead, if any
 
     def fired(self) -> list[str]:
         return [result.name for result in self.results if result.rewrites]
@@ -421,6 +422,8 @@ class DzcBackend:
                 entry.values(_lowering_reads(graph, specs))
         created = lower_graph(graph, self.target, self.options, execution, device, self.kernels, timer=timer,
                               specs=specs)
+        # Started before Inductor's compile of the rest, which it then overlaps.
+        precompile = precompile_triton_kernels(graph, execution, device)
         uses = kernel_uses(graph)
         results = pass_results(stages)
         references = [record for record in created if record.codegen == "reference"]
@@ -459,7 +462,7 @@ class DzcBackend:
             with timer.stage("compile cache"):
                 cached.store(fallback == "inductor", specs, compile_cache.Analyses(outcome, coverage, host_syncs))
         return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, host_syncs,
-                      cached.state, cached.key if cached.state in ("hit", "miss") else None, outlined)
+                      cached.state, cached.key if cached.state in ("hit", "miss") else None, outlined, precompile)
 
     def _fallback(self, gm, graph, example_inputs, fallback: str, checkable: bool, inductor_context):
         """(what the lowered graph runs per call, the op-by-op module the rewrite check runs or None, what
@@ -721,6 +724,9 @@ def _describe(record: GraphRecord, build: _Build) -> None:
     record.nodes = len(build.graph.nodes)
     record.fallback = build.fallback
     record.inductor_outlined = build.inductor_outlined
+    record.triton_precompile = "running" if build.triton_precompile is not None else ""
+    if build.triton_precompile is not None:
+        build.triton_precompile.when_done(lambda outcome: setattr(record, "triton_precompile", outcome))
     record.unfused_ops = _unfused_ops(build.graph)
     record.host_syncs = build.host_syncs
     record.stages = [(s.name, s.text) for s in build.stages]

@@ -114,6 +114,12 @@ TILELANG_PREBUILD = Knob("DZC_TILELANG_PREBUILD", "1",
                          "which the first call then reads; 0: each is built when first called, one after another",
                          "0 or 1", _one_of("0", "1"))
 
+TRITON_PRECOMPILE = Knob("DZC_TRITON_PRECOMPILE", "0",
+                          "1: once a graph is lowered for a GPU, compile the Triton kernels its first call will launch "
+                          "(untuned configs) in a thread pool while Inductor compiles the rest; 0 (default until it "
+                          "has run on a GPU): each compiles at its first launch, one after another",
+                          "0 or 1", _one_of("0", "1"))
+
 TUNE_UNVALIDATED = Knob("DZC_TUNE_UNVALIDATED", "0",
                         "1: also time the tuning candidates whose kernels have not run on a GPU yet (each family's "
                         "UNVALIDATED list; dzc's own GPU campaigns validate them); 0 (default): leave them out, so "
@@ -121,7 +127,8 @@ TUNE_UNVALIDATED = Knob("DZC_TUNE_UNVALIDATED", "0",
                         "0 or 1", _one_of("0", "1"))
 
 KNOBS = (CACHE_DIR, DEBUG, DUMP_DIR, AUTOTUNE_LOG, TUNING_DB, CHECK_REWRITES, COMPILE_CACHE, FRAME_CACHE,
-         NESTED_REGIONS, OUTLINE_FOR_INDUCTOR, COMPILE_GC, TILELANG_PREBUILD, TUNE_UNVALIDATED)
+         NESTED_REGIONS, OUTLINE_FOR_INDUCTOR, COMPILE_GC, TILELANG_PREBUILD, TRITON_PRECOMPILE,
+         TUNE_UNVALIDATED)
 
 
 def debug_level() -> int:

@@ -14,19 +14,20 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.fx
 
+from dzc import config as dzc_config
 from dzc import runtime
 from dzc.autotune import open_database
 from dzc.ops import LOWERED_AS_PARTS
 from dzc.options import CompileOptions
 from dzc.report import CompileTimer
-from dzc.targets import KERNEL_FAMILIES, Target, tilelang_codegen
+from dzc.targets import KERNEL_FAMILIES, Target, tilelang_codegen, triton_codegen
 from dzc.targets.device_runtime import DeviceRuntime
 from dzc.targets.launch import GeneratedKernel, KernelRecord, legal_configs
 
@@ -315,6 +316,82 @@ def _lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions,
         table.records[(name, where)] = record
         added[kernel_id] = record
     return list(added.values())
+
+
+def precompile_triton_kernels(graph: torch.fx.Graph, execution: Execution,
+                              device: torch.device | None) -> triton_codegen.Precompile | None:
+    """Start compiling the Triton kernels the lowered `graph`'s first call launches (triton_codegen.Precompile).
+    None where nothing is compiled ahead: DZC_TRITON_PRECOMPILE=0, no device or Triton's interpreter, a Triton
+    without asynchronous compiles, or no Triton kernel in the graph."""
+    if (dzc_config.TRITON_PRECOMPILE.get() != "1" or device is None or execution.runtime is None
+            or execution.runtime.interpreted or not triton_codegen.Precompile.available()):
+        return None
+    jobs = precompile_jobs(graph)
+    if not jobs:
+        return None
+    module = getattr(torch, device.type)  # torch.cuda / torch.musa: their device(...) makes it current
+    return triton_codegen.Precompile(jobs, lambda: module.device(device), max(1, min(8, (os.cpu_count() or 2) - 1)))
+
+
+def precompile_jobs(graph: torch.fx.Graph) -> list[tuple[str, Callable[[], object]]]:
+    """(kernel id, job) per distinct Triton kernel and argument layout of the lowered `graph`: the op's own function
+    (which launches the kernel) called on meta tensors in the sizes, strides and storage offsets the graph was
+    traced with (the first call's); sizes without a value until the call (data-dependent) leave the node out."""
+    from torch._library.custom_ops import OPDEFS
+
+    jobs, seen = [], set()
+    for node in graph.nodes:
+        kernel_id = node.kwargs.get("kernel_id") if dzc_op_name(node) is not None else None
+        kernel = runtime._KERNELS.get(kernel_id) if kernel_id else None
+        if not isinstance(kernel, GeneratedKernel) or kernel.codegen is not triton_codegen:
+            continue
+        try:
+            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _meta_argument)
+        except LookupError:
+            continue
+        layout = (kernel_id, repr(torch.fx.node.map_aggregate((node.args, node.kwargs), _layout)))
+        if layout in seen:
+            continue
+        seen.add(layout)
+        function = OPDEFS[node.target._schema.name]._init_fn  # the op's Python body: it calls runtime.launch
+        jobs.append((kernel_id, lambda function=function, args=args, kwargs=kwargs: function(*args, **kwargs)))
+    return jobs
+
+
+def _hint(value) -> int | float | bool:
+    """A size's value in the call the graph was traced for."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        hint = value.node.hint
+        if hint is None:
+            raise LookupError(f"no hint for {value}")
+        return hint
+    return value
+
+
+def _meta_argument(value):
+    """A node argument as a precompile job passes it: tensors as meta tensors of their sizes, strides and storage
+    offset (so the same alignment), sizes as their values."""
+    if isinstance(value, torch.fx.Node):
+        value = value.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            sizes = [_hint(n) for n in value.shape]
+            strides = [_hint(n) for n in value.stride()]
+            offset = _hint(value.storage_offset())
+            extent = 1 + sum((n - 1) * s for n, s in zip(sizes, strides)) if all(sizes) else 0
+            base = torch.empty(offset + extent, dtype=value.dtype, device="meta")
+            return base.as_strided(sizes, strides, offset)
+        return torch.fx.node.map_aggregate(value, _hint)
+    return value
+
+
+def _layout(value):
+    if isinstance(value, torch.fx.Node):
+        value = value.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return (value.dtype, tuple(map(str, value.shape)), tuple(map(str, value.stride())),
+                    str(value.storage_offset()))
+        return str(value)
+    return value
 
 
 def _kernel_source(op: str, spec, codegen_name: str, profile, timer: CompileTimer) -> tuple[str, str, str]:

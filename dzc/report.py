@@ -86,6 +86,9 @@ class GraphRecord:
     # Inductor fallback: the repeated layers' calls handed to it as invoke_subgraph, each body compiled once
     # (dzc/outline_regions.py): "3 bodies for 150 calls (...); left inlined: ..."; "" where it did not run.
     inductor_outlined: str = ""
+    # Its Triton kernels compiled ahead of the first call (DZC_TRITON_PRECOMPILE, triton_codegen.Precompile):
+    # "running", then how many were compiled in how long and what was skipped; "" where it did not run.
+    triton_precompile: str = ""
 
 
 @dataclass
@@ -230,6 +233,8 @@ class CompileReport:
                 lines.append(f"    left to {graph.fallback}: {ops}")
             if graph.inductor_outlined:
                 lines.append(f"    repeated layers outlined for Inductor: {graph.inductor_outlined}")
+            if graph.triton_precompile:
+                lines.append(f"    Triton kernels compiled ahead: {graph.triton_precompile}")
             if graph.host_syncs:
                 lines.append(f"    host syncs (calls run without CUDA graphs): {', '.join(graph.host_syncs)}")
             if graph.rewrite_check:

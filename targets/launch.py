@@ -7,6 +7,7 @@ and launches through the codegen's launch function.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -24,6 +25,11 @@ from dzc.targets import external_kernels
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.legality import config_problems
 from dzc.targets.profiles import DeviceProfile
+
+
+# Set on a precompile's thread (triton_codegen.Precompile): a GeneratedKernel call there only compiles what the
+# call would launch (GeneratedKernel.precompile), and the codegen's launches compile without running anything.
+COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("dzc_compile_only", default=False)
 
 
 @dataclass
@@ -201,13 +207,9 @@ class GeneratedKernel:
         if config is not None:
             return config
         start = time.perf_counter()
-        configs, default = self._configs, self._default
-        narrow = getattr(self.family, "configs_for_bucket", None)
-        if narrow is not None:  # a family whose tiles (or path) depend on the token count times only those
-            configs, default = narrow(self.spec, self.profile, bucket, configs, default)
-            check_default_validated(self.family, default)
+        configs, default = self._candidates(bucket)
         external = None
-        if not self.autotune or (len(configs) <= 1 and not self._externals):
+        if not self._tuned(configs):
             config = default
             entry = {"config": str(config), "from_cache": False, "tuning_seconds": 0.0, "failed_configs": 0,
                      "how": "untuned default"}
@@ -244,6 +246,30 @@ class GeneratedKernel:
         self._external_by_bucket[bucket] = external
         return config
 
+    def _candidates(self, bucket: int) -> tuple[list[KernelConfig], KernelConfig]:
+        """(the configs tuning times for `bucket`, the untuned default among them)."""
+        configs, default = self._configs, self._default
+        narrow = getattr(self.family, "configs_for_bucket", None)
+        if narrow is not None:  # a family whose tiles (or path) depend on the token count times only those
+            configs, default = narrow(self.spec, self.profile, bucket, configs, default)
+            check_default_validated(self.family, default)
+        return configs, default
+
+    def _tuned(self, configs: list[KernelConfig]) -> bool:
+        return self.autotune and (len(configs) > 1 or bool(self._externals))
+
+    def precompile(self, *op_args) -> None:
+        """Launch, with the codegen's compile-only mode on (triton_codegen.Precompile's jobs), what a call with
+        `op_args` launches: its kernels compile and nothing runs. Raises where the call's config is not known
+        before the call (it is tuned then)."""
+        inputs, outputs, tokens, _ = self.family.prepare(self.spec, *op_args)
+        if not tokens:
+            return
+        configs, default = self._candidates(self.family.token_bucket(tokens))
+        if self._tuned(configs):
+            raise LookupError("its config is tuned at the first call")
+        self._launch(self.compiled, default, *inputs, *outputs)
+
     def _prepare_alternatives(self, op_args: tuple) -> None:
         """Each alternative picks its config for the call's bucket (tuning it, or from the database) outside the
         timing of the candidates."""
@@ -254,6 +280,8 @@ class GeneratedKernel:
                 pass
 
     def __call__(self, *op_args):
+        if COMPILE_ONLY.get():
+            return self.precompile(*op_args)
         inputs, outputs, tokens, results = self.family.prepare(self.spec, *op_args)
         if tokens:
             # (config, external) per token count, so that a repeated count costs one lookup

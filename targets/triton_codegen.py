@@ -7,13 +7,19 @@ imported (dzc/__init__.py chooses the interpreter when no GPU is present).
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import triton
 
 from dzc.targets import musa_triton
+from dzc.targets.launch import COMPILE_ONLY
 from dzc.targets.generated_module import import_generated
 from dzc.targets.profiles import DeviceProfile
 
@@ -111,6 +117,9 @@ class CachedLaunchKernel:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid: tuple, args: tuple, kwargs: dict):
+        if COMPILE_ONLY.get():  # a Precompile job: compile into the JIT's cache, launch nothing
+            self.fn.warmup(*args, grid=grid, **kwargs)
+            return None
         hooks = triton.knobs.runtime
         if callable(grid) or _has_calls(hooks.launch_enter_hook) or _has_calls(hooks.launch_exit_hook):
             return self.fn[grid](*args, **kwargs)
@@ -129,6 +138,7 @@ class CachedLaunchKernel:
     def _first_launch(self, key, device, grid, args, kwargs):
         """Launch through the JIT (it compiles or loads the kernel) and keep its launcher for `key`'s later calls,
         where the fast key stands for Triton's specialization here."""
+        Precompile.wait_all()  # a kernel being compiled ahead is in the JIT's cache once its batch is done
         kernel = self.fn[grid](*args, **kwargs)
         binder = self.fn.device_caches[device][-1]
         plain, descriptors = _fast_keys_exact(binder)
@@ -210,3 +220,105 @@ def _fast_keys_exact(binder) -> tuple[bool, bool]:
 def _has_calls(hook) -> bool:
     """Whether a Triton launch hook would do anything: None, or (Triton >= 3.5) an empty HookChain, does not."""
     return hook is not None and len(getattr(hook, "calls", (hook,))) > 0
+
+
+
+class Precompile:
+    """A graph's Triton kernels compiled ahead of its first call, in parallel, while the rest of the compile goes on.
+
+    At a graph's first call each kernel's first launch compiles it through Triton's JIT, one after another on the
+    calling thread (a second or more each: the first run took 16-25 s of a cold compile on an H100,
+    docs/results/compile_time_h200.md). Each job here is a launch of one kernel as the call would make it, with
+    meta tensors standing in for the call's (their sizes the first call's, their storage offsets its alignment):
+    on this batch's thread, CachedLaunchKernel launches only compile (JITFunction.warmup), and under Triton's
+    AsyncCompileMode those compiles run in a thread pool (Triton's compiler leaves the GIL for most of its work).
+    They land in the JIT's own cache under the key a launch with the same specialization computes, so the first
+    call finds them; a launch that specialises otherwise compiles as before. A kernel's first launch waits for the
+    batches still running (wait_all), so nothing is compiled twice. A job that cannot run on meta tensors (a
+    launcher that reads values on the host) is skipped: its kernels compile at the first call, as before."""
+
+    _running: list[Precompile] = []
+    _lock = threading.Lock()
+
+    def __init__(self, jobs: list[tuple[str, Callable[[], object]]], device_context: Callable[[], object],
+                 workers: int):
+        self.jobs = jobs
+        self.workers = workers
+        self.compiled = 0  # kernel specializations compiled (or found in Triton's cache on disk)
+        self.failed = 0  # compiles that raised (the first call compiles those itself and reports the error)
+        self.skipped: collections.Counter[str] = collections.Counter()  # why -> jobs
+        self.seconds = 0.0
+        self._device_context = device_context
+        self._listeners: list[Callable[[str], object]] = []
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="dzc-triton-precompile", daemon=True)
+        with self._lock:
+            self._running.append(self)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from triton.runtime._async_compile import AsyncCompileMode  # Triton >= 3.5 (available() checks)
+
+        start = time.perf_counter()
+        COMPILE_ONLY.set(True)  # this thread's own context: other threads launch as usual
+        try:
+            with self._device_context(), ThreadPoolExecutor(self.workers, "dzc-triton-compile") as pool, \
+                    AsyncCompileMode(pool, ignore_errors=True) as mode:
+                for name, job in self.jobs:
+                    try:
+                        job()
+                    except Exception as err:  # noqa: BLE001  (the first call launches it as usual)
+                        self.skipped[f"{name}: {type(err).__name__}: {str(err).splitlines()[0][:120]}"] += 1
+                futures = list(mode.raw_futures)  # (the mode forgets them once it has waited for them)
+            for future in futures:
+                if future.exception() is None:
+                    self.compiled += 1
+                else:
+                    self.failed += 1
+        except Exception as err:  # noqa: BLE001  (a driver without a device here: nothing compiled ahead)
+            self.skipped[f"the batch: {type(err).__name__}: {str(err).splitlines()[0][:120]}"] += len(self.jobs)
+        finally:
+            self.seconds = time.perf_counter() - start
+            with self._lock:
+                self._done = True
+                listeners, self._listeners = self._listeners, []
+            for listener in listeners:
+                listener(self.describe())
+
+    def when_done(self, listener: Callable[[str], object]) -> None:
+        """Call listener(describe()) once the batch is done (now, if it is)."""
+        with self._lock:
+            if not self._done:
+                self._listeners.append(listener)
+                return
+        listener(self.describe())
+
+    def wait(self) -> None:
+        self._thread.join()
+        with self._lock:
+            if self in self._running:
+                self._running.remove(self)
+
+    @classmethod
+    def wait_all(cls) -> None:
+        if cls._running:
+            for batch in list(cls._running):
+                batch.wait()
+
+    def describe(self) -> str:
+        text = (f"{self.compiled} kernel specializations compiled ahead in {self.seconds:.2f} s "
+                f"({len(self.jobs)} launches, {self.workers} threads)")
+        if self.failed:
+            text += f"; {self.failed} failed (compiled again at the first call)"
+        if self.skipped:
+            text += "; skipped: " + "; ".join(f"{n} x {why}" for why, n in self.skipped.items())
+        return text
+
+    @staticmethod
+    def available() -> bool:
+        """Whether this Triton compiles asynchronously (triton.runtime._async_compile: Triton >= 3.5)."""
+        try:
+            from triton.runtime._async_compile import AsyncCompileMode  # noqa: F401
+        except ImportError:
+            return False
+        return not interpreting()

@@ -380,6 +380,14 @@ s42-decode)
   TAIL=14 part decode_bisect_outlined 300 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 tools/diagnose_multimodal_decode.py \
     --passes reinplace_cache_writes fuse_sparse_attention fuse_mxfp4_experts fuse_residual_norm canonicalize_graph
   ;;
+s42-precompile-decode)
+  # (after site) the new DZC_TRITON_PRECOMPILE path's GPU test (the MoE block's kernels compiled ahead, then served
+  # the first call, bit for bit), the decoder's CUDA-graph keys, then s42-decode's bisect for what time is left.
+  TAIL=4 part gpu_tests_precompile 120 python3 -m pytest -q -p no:logging -rf tests/test_triton_precompile.py -m gpu
+  TAIL=12 part decoder_keys 100 python3 tools/diagnose_multimodal_decode.py --graph-keys
+  TAIL=14 part decode_bisect_outlined "${BISECT_S:-240}" env DZC_OUTLINE_FOR_INDUCTOR=1 \
+    python3 tools/diagnose_multimodal_decode.py --passes reinplace_cache_writes fuse_sparse_attention fuse_mxfp4_experts
+  ;;
 s42-compile-profile)
   # (after site) issue 18: the multimodal model at 32 + 16 layers, flat (outlining off, the default since session
   # 41), cold then warm, each first call under cProfile (.pstats brought back): where the fallback compile's (63.7 s
