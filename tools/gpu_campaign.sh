@@ -388,6 +388,17 @@ s42-precompile-decode)
   TAIL=14 part decode_bisect_outlined "${BISECT_S:-240}" env DZC_OUTLINE_FOR_INDUCTOR=1 \
     python3 tools/diagnose_multimodal_decode.py --passes reinplace_cache_writes fuse_sparse_attention fuse_mxfp4_experts
   ;;
+s42-precompile-compile)
+  # (after site) issue 18: the cold compile at 32 + 16 layers (flat, no tuning) without and with
+  # DZC_TRITON_PRECOMPILE=1 (the Triton kernels compiled ahead of the first call, in parallel with Inductor's compile):
+  # the first run's share (session 41: 17.9 s of 129.3) is what it should cut. Run after s42-precompile-decode's
+  # GPU test has passed.
+  for knob in 0 1; do
+    TAIL=8 part "compile_precompile_$knob" 280 env DZC_DEBUG=1 DZC_TRITON_PRECOMPILE=$knob python3 \
+      tools/bench_compile.py --models multimodal --no-torch --cold-only --layers 32 --vision-layers 16 \
+      --child-logs "$OUT/compile_logs_$knob" --out "$OUT/compile_precompile_${knob}_h200.md"
+  done
+  ;;
 s42-compile-profile)
   # (after site) issue 18: the multimodal model at 32 + 16 layers, flat (outlining off, the default since session
   # 41), cold then warm, each first call under cProfile (.pstats brought back): where the fallback compile's (63.7 s
