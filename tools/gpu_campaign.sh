@@ -17,23 +17,24 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session. Session 41 (an H100, docs/results/README.md "Session 41") ran s40-outline (outlining: the fallback
-# compile 63.7 -> 20.1 s at 32 + 16 layers, the full depth cold 226.2 -> 132.3 s) and s41-w4a8, and found the
-# multimodal model's decode steps wrong on the GPU (tests/test_multimodal_model.py's GPU test; not caused by session
-# 41's changes). Steps marked new have never run on a GPU in their present form: their numerics come first in the
-# step, and a candidate stays out of users' tuning (its UNVALIDATED entry) and the untuned choices until they pass.
-# In order (a step marked "after wheels-1 and wheels-2" needs TileLang, which `site` installs in the first call, on
-# the same warm machine):
+# Next session. Session 42 got no GPU (every start refused; docs/results/README.md "Session 42"), so session 41's
+# plan stands, with three new steps first. Steps marked new have never run on a GPU in their present form: their
+# numerics come first in the step, and a candidate stays out of users' tuning (its UNVALIDATED entry) and the
+# untuned choices until they pass. In order (a step marked "after wheels-1 and wheels-2" needs TileLang, which
+# `site` installs in the first call, on the same warm machine):
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s41-decode-bisect   # the wrong decode steps
-#       with outlining on: the GPU test with it off (the new default), then each call's error with it on, with one
-#       pass left out at a time
-#   call 2: bash tools/gpu_campaign.sh s36-compile          # issue 18: full depth, cold + warm, the default (flat)
-#   call 3: bash tools/gpu_campaign.sh s40-compile-profile  # issue 18: where a cold compile's seconds go at
-#       32 + 16 layers (cProfile, .pstats brought back)
-#   call 4: bash tools/gpu_campaign.sh s36-moe           # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
-#   call 5: bash tools/gpu_campaign.sh s35-vision-large  # issue 14: the large pack at head dims 72, 80, 128
-#   then s35-topk's WARP_VOTE timing parts, and s34-sparse-row's numerics and decode parts.
+#       bash tools/gpu_campaign.sh site && BISECT_S=360 bash tools/gpu_campaign.sh s42-precompile-decode   # new:
+#       DZC_TRITON_PRECOMPILE's GPU test; the decoder's CUDA-graph keys call by call (session 41's GPU test saw 3
+#       decode steps and no capture); the multimodal decode steps with outlining on, with one pass left out at a
+#       time (session 41: 30-70% off the fp32 oracle with outlining on, on an H100)
+#   call 2: bash tools/gpu_campaign.sh s41-decode-bisect   # the GPU test with the new 3 + 2 decode steps, and the
+#       rest of the bisect
+#   call 3: bash tools/gpu_campaign.sh s42-precompile-compile  # new (after call 1's precompile test passed): issue
+#       18, cold compile at 32 + 16 layers with DZC_TRITON_PRECOMPILE 0 and 1
+#   call 4: bash tools/gpu_campaign.sh s42-compile-profile  # issue 18: cold and warm at 32 + 16 under cProfile
+#   call 5: bash tools/gpu_campaign.sh s36-moe           # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
+#   then s36-compile (full depth), s35-vision-large (issue 14), s35-topk's WARP_VOTE timing parts, and
+#   s34-sparse-row's numerics and decode parts.
 # Every card so far was an H200 except sessions 38-41 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
