@@ -343,17 +343,18 @@ def precompile_jobs(graph: torch.fx.Graph) -> list[tuple[str, Callable[[], objec
     for node in graph.nodes:
         kernel_id = node.kwargs.get("kernel_id") if dzc_op_name(node) is not None else None
         kernel = runtime._KERNELS.get(kernel_id) if kernel_id else None
-        if not isinstance(kernel, GeneratedKernel) or kernel.codegen is not triton_codegen:
-            continue
-        try:
-            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _meta_argument)
-        except LookupError:
+        opdef = OPDEFS.get(node.target._schema.name) if kernel is not None else None
+        if not isinstance(kernel, GeneratedKernel) or kernel.codegen is not triton_codegen or opdef is None:
             continue
         layout = (kernel_id, repr(torch.fx.node.map_aggregate((node.args, node.kwargs), _layout)))
         if layout in seen:
             continue
         seen.add(layout)
-        function = OPDEFS[node.target._schema.name]._init_fn  # the op's Python body: it calls runtime.launch
+        try:
+            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _meta_argument)
+        except (LookupError, RuntimeError):  # a size known at the call only; a value meta tensors cannot stand for
+            continue
+        function = opdef._init_fn  # the op's Python body: it calls runtime.launch
         jobs.append((kernel_id, lambda function=function, args=args, kwargs=kwargs: function(*args, **kwargs)))
     return jobs
 

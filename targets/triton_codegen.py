@@ -19,8 +19,8 @@ import torch
 import triton
 
 from dzc.targets import musa_triton
-from dzc.targets.launch import COMPILE_ONLY
 from dzc.targets.generated_module import import_generated
+from dzc.targets.launch import COMPILE_ONLY
 from dzc.targets.profiles import DeviceProfile
 
 NAME = "triton"
@@ -220,7 +220,6 @@ def _fast_keys_exact(binder) -> tuple[bool, bool]:
 def _has_calls(hook) -> bool:
     """Whether a Triton launch hook would do anything: None, or (Triton >= 3.5) an empty HookChain, does not."""
     return hook is not None and len(getattr(hook, "calls", (hook,))) > 0
-
 
 
 class Precompile:
