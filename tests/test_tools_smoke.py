@@ -72,8 +72,8 @@ SMOKE = {
     "diagnose_mxfp4_moe_kernels.py": (["--dry-run"], "dry run: gpt-oss-120b T=[1, 8, 64] BLOCK_K=128"),
     "diagnose_multimodal_decode.py": (["--dry-run", "--passes", "fuse_mxfp4_experts"],
                                       "dry run: 8 calls (0:prefill, 0:decode, 0:decode, 0:decode, 1:prefill, "
-                                      "1:decode, 1:decode, 2:prefill) x 3 runs (eager, dzc, dzc without "
-                                      "fuse_mxfp4_experts)"),
+                                      "1:decode, 1:decode, 2:prefill) x 4 runs (eager, dzc, dzc without CUDA "
+                                      "graphs, dzc without fuse_mxfp4_experts)"),
     # Run by their own tests (tests/test_model_zoo.py, the fuzzer's test): here they must at least import and parse
     # their arguments.
     "zoo.py": (["--help"], "usage:"),

@@ -32,6 +32,7 @@ REQUESTS = (([(2, 2), (2, 4), (4, 2)], [2, 1, 2, 3]),
 DECODE_STEPS = (3, 2, 0)  # tests/test_multimodal_model.py's
 PASSES = ("fuse_mxfp4_experts", "fuse_sparse_attention", "fuse_residual_norm", "reinplace_cache_writes",
           "canonicalize_graph")
+NO_CUDA_GRAPHS = "cuda graphs"  # a row: dzc with CompileOptions(cuda_graph_max_tokens=0)
 
 
 def oracle_of(model):
@@ -118,7 +119,7 @@ def main() -> None:
     calls = [f"{n}:{step}" for n, steps in enumerate(DECODE_STEPS) for step in ["prefill"] + ["decode"] * steps]
     if args.dry_run:
         build_multimodal(CFG, torch.bfloat16, seed=args.seed)  # tiny: the model builds on the CPU in a second
-        runs = ["eager", "dzc", *(f"dzc without {name}" for name in args.passes)]
+        runs = ["eager", "dzc", "dzc without CUDA graphs", *(f"dzc without {name}" for name in args.passes)]
         print(f"dry run: {len(calls)} calls ({', '.join(calls)}) x {len(runs)} runs ({', '.join(runs)}) on {device}")
         return
     if args.graph_keys:
@@ -133,13 +134,17 @@ def main() -> None:
           f"{dzc.config.OUTLINE_FOR_INDUCTOR.get()}; relative error of each call's logits against the fp32 oracle\n")
     print("| run | " + " | ".join(calls) + " |")
     print("|---|" + "---|" * len(calls))
-    # Each row as soon as it is measured: a run cut off by a time limit keeps the rows it finished.
-    for name in [None, "", *args.passes]:
+    # Each row as soon as it is measured: a run cut off by a time limit keeps the rows it finished. The second row
+    # runs every decode step without CUDA graphs: a wrong step there is the compiled code's, not the replay's.
+    for name in [None, "", NO_CUDA_GRAPHS, *args.passes]:
         options = None if name is None else dzc.CompileOptions(
-            autotune=False, cache_dir=tempfile.mkdtemp(prefix="dzc-decode-"), disable_passes=(name,) if name else (),
+            autotune=False, cache_dir=tempfile.mkdtemp(prefix="dzc-decode-"),
+            disable_passes=(name,) if name not in ("", NO_CUDA_GRAPHS) else (),
+            cuda_graph_max_tokens=0 if name == NO_CUDA_GRAPHS else dzc.CompileOptions.cuda_graph_max_tokens,
             fallback=args.fallback)
         values = errors(args.seed, options, device)
-        label = "eager" if name is None else f"dzc without {name}" if name else "dzc"
+        label = "eager" if name is None else "dzc" if name == "" else \
+            "dzc without CUDA graphs" if name == NO_CUDA_GRAPHS else f"dzc without {name}"
         print(f"| {label} | " + " | ".join(f"{e:.4f}" for _, e in values) + " |", flush=True)
 
 if __name__ == "__main__":
