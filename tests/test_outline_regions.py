@@ -117,8 +117,8 @@ def test_calls_of_other_sizes_do_not_share_a_body(seed):
 
 def test_a_write_cuts_a_call_and_the_parts_after_it_match(seed):
     """Each call writes a cache row in place (index_put_) between its two halves: the write stays in the graph
-    where it was, and each half is outlined with its siblings; a half reading the cache after the write still
-    sees the written row."""
+    where it was, and so does the read of the cache after it (Inductor orders a subgraph's reads against the
+    caller's writes wrongly on the GPU); each half around them is outlined with its siblings."""
     def model(x, w0, w1, cache0, cache1, rows):
         out = x
         for w, cache in ((w0, cache0), (w1, cache1)):
@@ -134,7 +134,11 @@ def test_a_write_cuts_a_call_and_the_parts_after_it_match(seed):
     expected = gm(x, w0, w1, c0.clone(), c1.clone(), rows)
     outlined = outline_repeated_calls(gm)
     assert outlined.calls == 4 and outlined.bodies == 2, outlined.describe()
-    assert outlined.cuts == {"a node with side effects (aten.index_put_.default)": 2}
+    assert outlined.cuts == {"a node with side effects (aten.index_put_.default)": 2,
+                             "a read of memory the graph writes in place (aten.sum.dim_IntList)": 2}
+    order = [n.target for n in gm.graph.nodes if n.target in (torch.ops.aten.index_put_.default,
+                                                              torch.ops.aten.sum.dim_IntList)]
+    assert order == [torch.ops.aten.index_put_.default, torch.ops.aten.sum.dim_IntList] * 2, order
     torch.testing.assert_close(gm(x, w0, w1, c0.clone(), c1.clone(), rows), expected, atol=0, rtol=0)
 
 
