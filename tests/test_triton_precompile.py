@@ -124,7 +124,8 @@ def test_the_first_call_on_a_gpu_launches_the_kernels_compiled_ahead(tmp_path, m
     [graph] = reports["1"].graphs
     assert "mxfp4_moe" in {k.op for k in reports["1"].kernels}
     ahead = int(graph.triton_precompile.split(" kernel specializations compiled ahead")[0])
-    assert ahead >= 2 and "skipped" not in graph.triton_precompile and "failed" not in graph.triton_precompile
+    assert ahead >= 2 and "skipped" not in graph.triton_precompile and "failed" not in graph.triton_precompile, \
+        graph.triton_precompile  # (session 43, H100: 0 compiled ahead; the message was not kept)
     assert compiled_with_it == ahead, graph.triton_precompile  # nothing compiled at the call itself
     assert reports["0"].graphs[0].triton_precompile == ""
     assert torch.equal(outputs["1"], outputs["0"])
