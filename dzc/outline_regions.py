@@ -22,6 +22,8 @@ graph around them is left as it is. A call is outlined only where that equals th
   like a write. Inductor orders an invoke_subgraph call against the writes into its operands' memory wrongly on
   the GPU (session 43, H100: every outlined decode step 35-58% off its fp32 oracle, with or without CUDA graphs,
   and within eager's error where the cache writes stay functional, reinplace_cache_writes left out);
+- it reads a tensor (Inductor places an invoke_subgraph call on its operands' device: a body of sizes only fails
+  to lower);
 - it can be put in one place: after the last value it reads from outside, before the first use of a value it
   gives (its nodes' span holds no side effect or write, so moving them within it changes no value read);
 - views of a value the graph writes in place stay outside, where they are (a body's outputs are its own buffers,
@@ -136,6 +138,8 @@ class _Call:
         if not self.why and any(not isinstance(node.meta.get("val"), (torch.Tensor, torch.SymInt, int))
                                 for node in self.inputs):
             self.why = "a value it reads is not a tensor or a size"
+        if not self.why and not any(isinstance(node.meta.get("val"), torch.Tensor) for node in self.inputs):
+            self.why = "it reads no tensor (Inductor's invoke_subgraph takes its device from one)"
         if not self.why and not self.outputs:
             self.why = "no value of it is used"
         self.key = (tuple(shape), tuple(_value_key(node.meta.get("val")) for node in self.inputs),

@@ -115,6 +115,26 @@ def test_calls_of_other_sizes_do_not_share_a_body(seed):
     assert outlined.bodies == 0 and outlined.refused == {"no other call like it": 2}, outlined.describe()
 
 
+def test_calls_reading_sizes_only_stay_inlined():
+    """Two equal calls that read only a size (a SymInt) and make tensors from it: Inductor places an
+    invoke_subgraph on its operands' device and fails on such a body, so both stay inlined."""
+    def model(x):
+        n = x.shape[0]
+        return ((torch.arange(n * 2, dtype=torch.float32) + 1) * (torch.arange(n * 2, dtype=torch.float32) + 1),)
+
+    x = torch.randn(8, 4)
+    gm = make_fx(model, tracing_mode="symbolic")(x)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert len(nodes) == 8, gm.graph
+    for i, node in enumerate(nodes[1:7]):  # after the caller's sym_size, before its final product
+        node.meta[CALL] = ("body", f"call{i // 3}")
+    expected = gm(x)
+    result = outline_repeated_calls(gm)
+    assert result.calls == 0 and result.refused == {
+        "it reads no tensor (Inductor's invoke_subgraph takes its device from one)": 2}, result.describe()
+    torch.testing.assert_close(gm(x), expected, atol=0, rtol=0)
+
+
 def test_a_write_cuts_a_call_and_the_parts_after_it_match(seed):
     """Each call writes a cache row in place (index_put_) between its two halves: the write stays in the graph
     where it was, and so does the read of the cache after it (Inductor orders a subgraph's reads against the
