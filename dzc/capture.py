@@ -340,6 +340,8 @@ class DzcBackend:
             raise regions.WritingRegions(functionalized)
         try:
             return self._compile_captured(gm, example_inputs)
+        except regions.RegionRefusal:  # (inlining the bodies found them unsound) dzc.compile captures again
+            raise
         except Exception as error:
             self.failure = error
             raise

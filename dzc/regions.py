@@ -41,6 +41,9 @@ GraphModule attribute). Two halves here:
   find the sites that cross a layer boundary (layer i's last residual add feeding layer i+1's first norm) and
   nothing else to do inside the bodies. Inlining loses nothing at run time: the fallback would run each body as
   a graph anyway, and the flat graph is what lowering, coverage, the dumps and the compile cache already take.
+  Each copy after a body's first binds its data-dependent sizes (a MoE loop's rows per expert) to symbols of
+  its own, as a plain capture's layers do (`_fresh_unbacked_symbols`); a body giving such a size to its caller
+  is refused.
 
 Regions are on by default (CompileOptions.nested_regions, DZC_NESTED_REGIONS=0 turns them off), and must never
 cost a graph or a recompile a plain capture does not (torch 2.13):
@@ -78,8 +81,13 @@ import sys
 import types
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.utils._sympy.symbol import SymT, symbol_is_type
 
 from dzc import ir
 from dzc.outline_regions import CALL
@@ -670,10 +678,12 @@ def flatten(graph: torch.fx.Graph, root: torch.nn.Module,
             rewritten: dict[str, torch.fx.Graph] | None = None) -> torch.fx.Graph:
     """A copy of `graph` with every region call replaced by the nodes of its body: `rewritten[attribute]` where
     given, else the body as captured (its own calls flattened first); a functionalized call's writes as a plain
-    capture's (`_Functionalized`). A body's get_attr reads its own attribute, through the body's path on `root`."""
+    capture's (`_Functionalized`). A body's get_attr reads its own attribute, through the body's path on `root`.
+    Raises RegionRefusal where a body's copies cannot be given data-dependent sizes of their own."""
     rewritten = rewritten or {}
     new = torch.fx.Graph()
     env: dict[torch.fx.Node, object] = {}
+    inlined_once: set[str] = set()
     for node in graph.nodes:
         call = _region_call(node)
         if node.op == "output":
@@ -682,15 +692,20 @@ def flatten(graph: torch.fx.Graph, root: torch.nn.Module,
             attribute = call[0]
             body = getattr(root, attribute)
             body_graph = rewritten.get(attribute) or flatten(body.graph, body)
+            copied: list[torch.fx.Node] = []
             if node.target is INVOKE_SUBGRAPH:
                 env[node] = _inline(new, body_graph, [torch.fx.map_arg(a, env.__getitem__) for a in node.args[2:]],
-                                    attribute, call=node.name)
-                continue
-            functionalized = _functionalized(node, body_graph)
-            if isinstance(functionalized, str):
-                raise ValueError(f"the region call {node.name} cannot be inlined: {functionalized}")
-            env[node] = _inline(new, body_graph, [torch.fx.map_arg(a, env.__getitem__) for a in functionalized.inputs],
-                                attribute, functionalized.copies, node.name)
+                                    attribute, call=node.name, copied=copied)
+            else:
+                functionalized = _functionalized(node, body_graph)
+                if isinstance(functionalized, str):
+                    raise ValueError(f"the region call {node.name} cannot be inlined: {functionalized}")
+                env[node] = _inline(new, body_graph,
+                                    [torch.fx.map_arg(a, env.__getitem__) for a in functionalized.inputs],
+                                    attribute, functionalized.copies, node.name, copied)
+            if attribute in inlined_once:
+                _fresh_unbacked_symbols(copied, env[node], attribute)
+            inlined_once.add(attribute)
         elif (node.op == "call_function" and node.target is operator.getitem
               and isinstance(node.args[0], torch.fx.Node) and _region_call(node.args[0]) is not None):
             env[node] = env[node.args[0]][node.args[1]]
@@ -710,10 +725,12 @@ def inlined(gm: torch.fx.GraphModule) -> torch.fx.Graph:
 
 
 def _inline(new: torch.fx.Graph, body: torch.fx.Graph, arguments: list, attribute: str,
-            copies: tuple[torch.fx.Node, ...] | list[torch.fx.Node] = (), call: str = "") -> tuple:
+            copies: tuple[torch.fx.Node, ...] | list[torch.fx.Node] = (), call: str = "",
+            copied: list[torch.fx.Node] | None = None) -> tuple:
     """Copy `body`'s nodes into `new`, its placeholders bound to `arguments`; returns its outputs, then the values
     that `copies` (copy_ nodes of `body`, left out) would copy. Each copy is tagged with (attribute, call) in its
-    meta (outline_regions.CALL: which call it came from, for outlining the calls again before Inductor)."""
+    meta (outline_regions.CALL: which call it came from, for outlining the calls again before Inductor) and
+    appended to `copied` where given."""
     env: dict[torch.fx.Node, object] = {}
     left_out = set(copies)
     placeholders = [node for node in body.nodes if node.op == "placeholder"]
@@ -727,12 +744,105 @@ def _inline(new: torch.fx.Graph, body: torch.fx.Graph, arguments: list, attribut
             return (*torch.fx.map_arg(node.args[0], env.__getitem__), *(env[copy.args[1]] for copy in copies))
         if node in left_out:
             continue
-        copied = new.node_copy(node, env.__getitem__)
-        copied.meta[CALL] = (attribute, call)
+        copy = new.node_copy(node, env.__getitem__)
+        copy.meta[CALL] = (attribute, call)
         if node.op == "get_attr":
-            copied.target = f"{attribute}.{node.target}"
-        env[node] = copied
+            copy.target = f"{attribute}.{node.target}"
+        env[node] = copy
+        if copied is not None:
+            copied.append(copy)
     raise ValueError(f"body {attribute} has no output")
+
+
+def _fresh_unbacked_symbols(nodes: list[torch.fx.Node], outputs: tuple, attribute: str) -> None:
+    """Give the data-dependent sizes and values (unbacked symbols) that a body's copy `nodes` bind symbols of their
+    own, in place. Every copy of a body carries the body's traced values, so each layer's rows per expert (say)
+    would be one symbol, and Inductor, taking them for one size, gave a later layer the buffers of an earlier
+    layer's rows (session 43: a heap overflow on the CPU, index_add_ given more indices than rows on the GPU).
+    Each fresh symbol keeps its original's value range and size-likeness, and a replacement that stays within the
+    copy. Where a copy's outputs carry such a symbol to the caller, the graph after the call would still read the
+    original's: the capture is refused (RegionRefusal: dzc.compile captures again without regions)."""
+    bound = [node for node in nodes if node.meta.get("unbacked_bindings")]
+    if not bound:
+        return
+    shape_env = _shape_env_of(bound)
+    mapping: dict[sympy.Symbol, sympy.Symbol] = {}
+    with shape_env.ignore_fresh_unbacked_symbols():
+        for node in bound:
+            for symbol in node.meta["unbacked_bindings"]:
+                if symbol_is_type(symbol, SymT.UNBACKED_INT):
+                    mapping[symbol] = shape_env.create_unbacked_symint().node.expr
+                elif symbol_is_type(symbol, SymT.UNBACKED_FLOAT):
+                    mapping[symbol] = shape_env.create_unbacked_symfloat().node.expr
+                else:
+                    raise RegionRefusal(f"region body {attribute} binds a data-dependent {symbol} of a kind dzc "
+                                        "cannot copy per call")
+    for old, fresh in mapping.items():
+        shape_env.var_to_range[fresh] = shape_env.var_to_range[old]
+        if old in shape_env.size_like:
+            shape_env.size_like.add(fresh)
+        target = shape_env.replacements.get(old)
+        # (A replacement by another call's symbol, such as the one Dynamo's trace bound, would make the copies one
+        # value again: only one in the copy's own symbols and backed sizes carries over.)
+        if target is not None and not any(symbol_is_type(symbol, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))
+                                          and symbol not in mapping for symbol in target.free_symbols):
+            shape_env.replacements[fresh] = target.xreplace(mapping)
+    escaping = {symbol for value in outputs if isinstance(value, torch.fx.Node)
+                for symbol in free_unbacked_symbols(value.meta.get("val"))} & set(mapping)
+    if escaping:
+        raise RegionRefusal(f"region body {attribute} gives values of data-dependent sizes "
+                            f"({', '.join(sorted(map(str, escaping)))}) to its caller; each call's copy would need "
+                            "symbols of its own after the call too")
+    for node in nodes:
+        bindings = node.meta.get("unbacked_bindings")
+        if bindings:
+            node.meta["unbacked_bindings"] = {mapping[symbol]: path for symbol, path in bindings.items()}
+        if "val" in node.meta:
+            node.meta["val"] = _renamed(node.meta["val"], mapping, shape_env)
+            if "tensor_meta" in node.meta and isinstance(node.meta["val"], torch.Tensor):
+                node.meta["tensor_meta"] = _extract_tensor_metadata(node.meta["val"])
+
+
+def _shape_env_of(nodes: list[torch.fx.Node]):
+    for node in nodes:
+        for value in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                return value.node.shape_env
+            if isinstance(value, torch.Tensor):
+                for size in (*value.shape, *value.stride()):
+                    if isinstance(size, torch.SymInt):
+                        return size.node.shape_env
+    raise RegionRefusal("a region body binds data-dependent symbols that no traced value shows")
+
+
+def _renamed(value, mapping: dict, shape_env):
+    """`value` (a node's traced value) with the unbacked symbols of `mapping` replaced; itself where it has none."""
+    if isinstance(value, (list, tuple)):
+        items = [_renamed(item, mapping, shape_env) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        expr = value.node.expr
+        renamed = expr.xreplace(mapping)
+        if renamed == expr:
+            return value
+        if isinstance(value, torch.SymInt):
+            return shape_env.create_symintnode(renamed, hint=None)
+        if isinstance(value, torch.SymFloat):
+            return shape_env.create_symfloatnode(renamed, hint=None)
+        return shape_env.create_symboolnode(renamed)
+    if isinstance(value, torch.Tensor) and not free_unbacked_symbols(value) & set(mapping):
+        return value
+    if isinstance(value, torch.Tensor):
+        def size(v):
+            return _renamed(v, mapping, shape_env)
+
+        sizes, strides = [size(v) for v in value.shape], [size(v) for v in value.stride()]
+        offset = size(value.storage_offset())
+        with value.fake_mode:
+            fresh = torch.empty_strided(sizes, strides, dtype=value.dtype, device=value.device)
+            return fresh.as_strided(sizes, strides, offset) if not (isinstance(offset, int) and offset == 0) \
+                else fresh
+    return value
 
 
 def captured_text(gm: torch.fx.GraphModule, title: str) -> str:

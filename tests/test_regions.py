@@ -589,3 +589,84 @@ def test_a_bodys_schema_is_worked_out_once_not_per_call(options, monkeypatch):
     torch.testing.assert_close(compiled(tokens).float(), model(tokens).float(), atol=_BF16_LOGITS, rtol=_BF16_LOGITS)
     assert compiled.report.graphs[0].regions == ["body repeated_subgraph0 called 6 times: fuse_residual_norm 1 site"]
     assert 0 < len(worked_out) < 6, worked_out
+
+
+class _RoutedLayer(nn.Module):
+    """A top-2 MoE layer written as a loop over experts (torch.where per expert, index_add_ of the rows): each
+    call's rows per expert are data-dependent sizes (unbacked symbols), different from one layer to the next."""
+
+    def __init__(self, experts: int = 4):
+        super().__init__()
+        self.router = nn.Parameter(torch.randn(experts, 16))
+        self.up = nn.Parameter(torch.randn(experts, 32, 16) / 4)
+        self.down = nn.Parameter(torch.randn(experts, 16, 32) / 4)
+
+    def forward(self, x):
+        weights, ids = torch.topk(torch.nn.functional.linear(x, self.router).softmax(-1), 2, dim=-1)
+        out = torch.zeros_like(x)
+        for e in range(self.router.shape[0]):
+            tokens, slots = torch.where(ids == e)
+            y = torch.nn.functional.silu(x[tokens] @ self.up[e].t()) @ self.down[e].t()
+            out.index_add_(0, tokens, y * weights[tokens, slots, None])
+        return x + out
+
+
+class _Routed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_RoutedLayer() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_each_inlined_call_binds_data_dependent_sizes_of_its_own(options, seed, tmp_path, monkeypatch):
+    """The three layers share one body; inlined at each call, each copy's rows per expert get symbols of their own
+    (regions.flatten). With the body's symbols in every copy, Inductor took the layers' counts for one size and
+    gave layer 2 the buffers of layer 1's rows (a heap overflow on the CPU, index_add_ given more indices than rows
+    on the GPU: session 43). Inductor compiles it here (its C++ backend), with an empty cache of its own."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model = _Routed()
+    compiled = dzc.compile(model, "cuda", dataclasses.replace(options, fallback="inductor", nested_regions=True))
+    with torch.no_grad():
+        for tokens in (37, 21, 50):
+            x = torch.randn(tokens, 16)
+            torch.testing.assert_close(compiled(x), model(x), atol=1e-4, rtol=1e-4)
+    assert compiled.report.nested_regions == "layers: 3 x _RoutedLayer", compiled.report.nested_regions
+    [graph] = compiled.report.graphs
+    flat = dict(graph.stages)["inline_regions"]
+    counts = re.findall(r"aten\.nonzero\.default\(.*\)  # i64\[(s\d+), 2\]", flat)  # (ir names each symbol sN)
+    assert len(counts) == 12 and len(set(counts)) == 12, counts  # 3 layers x 4 experts, each its own symbol
+
+
+class _Sieve(nn.Module):
+    def forward(self, x):
+        rows = x[x[:, 0] > 0]
+        return x * 2, rows
+
+
+class _Sieves(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_Sieve() for _ in range(3))
+
+    def forward(self, x):
+        total = x.new_zeros(())
+        for layer in self.layers:
+            x, rows = layer(x)
+            total = total + rows.sum()
+        return x, total
+
+
+def test_a_body_giving_its_caller_a_data_dependent_size_refuses_regions(options, seed):
+    """Each call gives its caller rows of a data-dependent count: the graph after the call would read the body's
+    symbol for every call's count, so the capture is refused and made again without regions."""
+    model = _Sieves()
+    compiled = dzc.compile(model, "cuda", dataclasses.replace(options, nested_regions=True))
+    x = torch.randn(12, 4)
+    with pytest.warns(RuntimeWarning, match="nested compile regions refused"), torch.no_grad():
+        actual = compiled(x)
+    torch.testing.assert_close(actual, model(x))
+    assert "gives values of data-dependent sizes" in compiled.report.nested_regions, compiled.report.nested_regions
