@@ -98,8 +98,9 @@ NESTED_REGIONS = Knob("DZC_NESTED_REGIONS", "1",
 # ways); until a GPU run finds why (campaign step s41-decode-bisect), a cold compile 1.56x faster is not worth it.
 OUTLINE_FOR_INDUCTOR = Knob("DZC_OUTLINE_FOR_INDUCTOR", "0",
                             "1: hand the repeated layers' calls to Inductor's fallback compile as invoke_subgraph, "
-                            "each distinct body lowered once (dzc/outline_regions.py; experimental: wrong decode "
-                            "steps on a GPU, session 41); 0 (default): the flat graph, every layer's copy lowered",
+                            "each distinct body lowered once (dzc/outline_regions.py; experimental until its GPU "
+                            "test passes with session 43's fixes); 0 (default): the flat graph, every layer's copy "
+                            "lowered",
                             "0 or 1", _one_of("0", "1"))
 
 COMPILE_GC = Knob("DZC_COMPILE_GC", "paused",

@@ -176,8 +176,8 @@ def test_registered_model_takes_a_decoder_and_a_vision_depth():
 def test_multimodal_model_on_gpu_replays_decode_steps_from_cuda_graphs(seed, tmp_path):
     """Real kernels, and decode steps replayed from CUDA graphs that write the paged cache in place: later steps
     read what the replays wrote, so a replay writing anywhere else would show in their logits. Inductor compiles
-    the ops no pass fused, the flat graph (outlining is off by default: with it on, session 41's H100 runs gave
-    wrong decode steps; tools/diagnose_multimodal_decode.py)."""
+    the ops no pass fused, the flat graph unless DZC_OUTLINE_FOR_INDUCTOR=1 (off by default: with it on, session
+    41's H100 runs gave wrong decode steps, fixed in session 43; tools/diagnose_multimodal_decode.py)."""
     options = dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False)
     fused = _run_requests(seed, options, "cuda")
     runner = fused.decoder._cuda_graphs

@@ -17,25 +17,21 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session. Session 42 got no GPU (every start refused; docs/results/README.md "Session 42"), so session 41's
-# plan stands, with three new steps first. Steps marked new have never run on a GPU in their present form: their
-# numerics come first in the step, and a candidate stays out of users' tuning (its UNVALIDATED entry) and the
-# untuned choices until they pass. In order (a step marked "after wheels-1 and wheels-2" needs TileLang, which
-# `site` installs in the first call, on the same warm machine):
+# Next session. Session 43 (an H100) found why outlining broke the decode steps on the GPU (Inductor ordered an
+# outlined body's read of the KV cache against reinplace_cache_writes' in-place write wrongly: fixed by keeping such
+# reads in the graph, and checked on the GPU) and a wrong compile of repeated layers with data-dependent sizes
+# (fixed on the CPU host; docs/results/README.md "Session 43"). In order:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && BISECT_S=360 bash tools/gpu_campaign.sh s42-precompile-decode   # new:
-#       DZC_TRITON_PRECOMPILE's GPU test; the decoder's CUDA-graph keys call by call (session 41's GPU test saw 3
-#       decode steps and no capture); the multimodal decode steps with outlining on, with one pass left out at a
-#       time (session 41: 30-70% off the fp32 oracle with outlining on, on an H100)
-#   call 2: bash tools/gpu_campaign.sh s41-decode-bisect   # the GPU test with the new 3 + 2 decode steps, and the
-#       rest of the bisect
-#   call 3: bash tools/gpu_campaign.sh s42-precompile-compile  # new (after call 1's precompile test passed): issue
-#       18, cold compile at 32 + 16 layers with DZC_TRITON_PRECOMPILE 0 and 1
-#   call 4: bash tools/gpu_campaign.sh s42-compile-profile  # issue 18: cold and warm at 32 + 16 under cProfile
-#   call 5: bash tools/gpu_campaign.sh s36-moe           # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
-#   then s36-compile (full depth), s35-vision-large (issue 14), s35-topk's WARP_VOTE timing parts, and
-#   s34-sparse-row's numerics and decode parts.
-# Every card so far was an H200 except sessions 38-41 (H100): compare timings within one run only.
+#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s43-outline   # the outlining's GPU test and
+#       decode steps with the fixes, the precompile GPU test again
+#   call 2: bash tools/gpu_campaign.sh s43-outline-compile   # 32 + 16 layers cold, outlining on and off; the
+#       unfused-MoE decode row; if calls 1 and 2 pass, DZC_OUTLINE_FOR_INDUCTOR's default can become 1
+#   call 3: bash tools/gpu_campaign.sh s42-precompile-compile  # after call 1's precompile test passed
+#   call 4: bash tools/gpu_campaign.sh s36-compile   # full depth, cold and warm (with the outlining on if it passed)
+#   call 5: bash tools/gpu_campaign.sh s36-moe       # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
+#   then s35-vision-large (issue 14), s35-topk's WARP_VOTE timing parts, and s34-sparse-row's numerics and decode
+#   parts.
+# Every card so far was an H200 except sessions 38-41 and 43 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -380,6 +376,29 @@ s42-decode)
   TAIL=12 part decoder_keys 120 python3 tools/diagnose_multimodal_decode.py --graph-keys
   TAIL=14 part decode_bisect_outlined 300 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 tools/diagnose_multimodal_decode.py \
     --passes reinplace_cache_writes fuse_sparse_attention fuse_mxfp4_experts fuse_residual_norm canonicalize_graph
+  ;;
+s43-outline)
+  # (after site) issue 18: the outlining with session 43's fixes (a read of memory written in place stays in the
+  # graph; each inlined region call binds data-dependent sizes of its own). The multimodal GPU test with the
+  # outlining on, the precompile GPU test (its failure now prints the report's line), and each decode step's error
+  # with the outlining on (dzc, and without CUDA graphs).
+  TAIL=4 part gpu_tests_multimodal_outlined 200 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 -m pytest -q -p no:logging \
+    -rf tests/test_multimodal_model.py -m gpu
+  TAIL=4 part gpu_tests_precompile 120 python3 -m pytest -q -p no:logging -rf tests/test_triton_precompile.py -m gpu
+  TAIL=6 part decode_outlined 150 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 tools/diagnose_multimodal_decode.py --passes
+  ;;
+s43-outline-compile)
+  # (after site) the cold compile at 32 + 16 layers with the outlining on and off: what the cut at cache reads left
+  # of session 41's 3.2x on Inductor's compile. Last, the decode row without fuse_mxfp4_experts (the MoE as a loop
+  # over experts: data-dependent sizes), which crashed on the CPU host with the outlining on (a segfault in
+  # Inductor's C++ code, not explained): its own part, so that a crash ends only it.
+  for knob in 1 0; do
+    TAIL=2 part compile_outline_$knob 200 env DZC_OUTLINE_FOR_INDUCTOR=$knob DZC_DEBUG=1 \
+      python3 tools/bench_compile.py --models multimodal --no-torch --cold-only --layers 32 --vision-layers 16 \
+      --child-logs "$OUT/compile_logs_$knob" --out "$OUT/compile_outline_$knob.md"
+  done
+  TAIL=6 part decode_outlined_unfused_moe 150 env DZC_OUTLINE_FOR_INDUCTOR=1 \
+    python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
   ;;
 s42-precompile-decode)
   # (after site) the new DZC_TRITON_PRECOMPILE path's GPU test (the MoE block's kernels compiled ahead, then served
