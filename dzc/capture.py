@@ -482,7 +482,7 @@ class DzcBackend:
                 if config.OUTLINE_FOR_INDUCTOR.get() == "1":
                     try:
                         # Each repeated layer's leftover ops lowered by Inductor once, not once a layer.
-                        lowered = torch.fx.GraphModule(gm, copy_graph(graph))
+                        lowered = _for_inductor(gm, copy_graph(graph))
                         outlined = outline_repeated_calls(lowered).describe()
                         boxed = compile_fx_inner(lowered, example_inputs)
                     except Exception as error:  # a slower compile, not a failed one: the flat graph as before
@@ -491,7 +491,7 @@ class DzcBackend:
                         warnings.warn(f"dzc: outlining the repeated layers for Inductor {outlined}", RuntimeWarning,
                                       stacklevel=2)
                 if boxed is None:
-                    boxed = compile_fx_inner(torch.fx.GraphModule(gm, graph), example_inputs)
+                    boxed = compile_fx_inner(_for_inductor(gm, graph), example_inputs)
 
             def compiled(*args):
                 return boxed(list(args))  # Inductor's callable takes its arguments as one list
@@ -547,6 +547,15 @@ def _direct_convention(gm: torch.fx.GraphModule, example_inputs,
     if why:
         return None, why
     return tuple(meta.mutated_graph_handled_indices_seen_by_autograd), ""
+
+
+def _for_inductor(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """`graph` as the module Inductor compiles, which carries dzc's source hash: Inductor's FX-graph cache key
+    hashes a module's code and attributes but not its nodes' metadata, which dzc decides too (the symbols of
+    data-dependent sizes: session 43 found a wrong artifact of an older dzc served for the same code)."""
+    module = torch.fx.GraphModule(root, graph)
+    module.dzc_source = compile_cache.dzc_source_hash()
+    return module
 
 
 def _bumping_versions(run: Callable, bumped: tuple[int, ...]) -> Callable:

@@ -20,7 +20,7 @@ graph around them is left as it is. A call is outlined only where that equals th
   functional and lowered once for the sizes of its first call);
 - it reads no memory the graph writes in place (a KV cache): such a read stays in the graph and cuts the call,
   like a write. Inductor orders an invoke_subgraph call against the writes into its operands' memory wrongly on
-  the GPU (session 43, H100: every outlined decode step 35-58% off its fp32 oracle, with or without CUDA graphs,
+  the GPU (session 43, H100: every outlined decode step 33-86% off its fp32 oracle, with or without CUDA graphs,
   and within eager's error where the cache writes stay functional, reinplace_cache_writes left out);
 - it reads a tensor (Inductor places an invoke_subgraph call on its operands' device: a body of sizes only fails
   to lower);

@@ -31,3 +31,28 @@ def test_graph_function_runs_as_graph_module_and_keeps_its_bytecode(tmp_path):
     assert torch.equal(compile_cache.graph_function(traced, traced.graph, tmp_path)(x), expected)
     assert stored[0].read_bytes() != b"not bytecode"
     assert torch.equal(compile_cache.graph_function(traced, traced.graph, None)(x), expected)
+
+
+def test_inductors_cache_key_changes_with_dzcs_source(tmp_path, monkeypatch):
+    """Inductor's FX-graph cache key does not see node metadata, which dzc decides too (the symbols of a region
+    body's data-dependent sizes, session 43): the module dzc hands Inductor carries dzc's source hash, so the
+    same graph compiled by another dzc misses, and by the same dzc hits."""
+    import dzc
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    x = torch.randn(4, 8)
+    outcomes = []
+    for run, source in enumerate(("a", "a", "b")):
+        monkeypatch.setattr(compile_cache, "dzc_source_hash", lambda source=source: source)
+        torch._dynamo.reset()
+        hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        compiled = dzc.compile(model, "cuda", dzc.CompileOptions(cache_dir=str(tmp_path / f"dzc{run}"),
+                                                                 autotune=False, fallback="inductor"))
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x))
+        outcomes.append((counters["inductor"]["fxgraph_cache_hit"] - hits,
+                         counters["inductor"]["fxgraph_cache_miss"] - misses))
+    # (Inductor compiles a run's graph twice here; the second finds the first's artifact: a hit in every run)
+    assert [misses for _, misses in outcomes] == [1, 0, 1] and outcomes[1][0] >= 1, outcomes
