@@ -115,6 +115,34 @@ def test_calls_of_other_sizes_do_not_share_a_body(seed):
     assert outlined.bodies == 0 and outlined.refused == {"no other call like it": 2}, outlined.describe()
 
 
+def test_views_of_a_calls_inputs_stay_outside_it(seed):
+    """Calls that only take a view of their input (an expert's weight, transposed) would become bodies returning
+    their input's view, which Inductor's code for the multimodal model crashed on (session 43): the views stay
+    in the graph, and such a call has nothing left to outline; a call computing from the view is outlined
+    without it."""
+    def model(x, w0, w1):
+        return (x @ w0[1].t() + x @ w1[1].t(),)
+
+    x, w0, w1 = _inputs(seed, (8, 16), (2, 16, 16), (2, 16, 16))
+    for lengths, expected_calls in (([2, 2], 0), ([3, 3], 2)):  # [select, t] or [select, t, mm] per call
+        gm = _traced(model, x, w0, w1)
+        nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+        assert [n.target for n in nodes[:3]] == [torch.ops.aten.select.int, torch.ops.aten.t.default,
+                                                 torch.ops.aten.mm.default], gm.graph
+        calls = {0: nodes[:lengths[0]], 1: nodes[3:3 + lengths[1]]}
+        for i, call in calls.items():
+            for node in call:
+                node.meta[CALL] = ("body", f"call{i}")
+        expected = gm(x, w0, w1)
+        result = outline_repeated_calls(gm)
+        assert result.calls == expected_calls, result.describe()
+        if expected_calls == 0:
+            assert result.refused == {"only views of values from outside it": 2}, result.describe()
+        for name, body in gm.named_children():
+            assert [n.target for n in body.graph.nodes if n.op == "call_function"] == [torch.ops.aten.mm.default]
+        torch.testing.assert_close(gm(x, w0, w1), expected, atol=0, rtol=0)
+
+
 def test_calls_reading_sizes_only_stay_inlined():
     """Two equal calls that read only a size (a SymInt) and make tensors from it: Inductor places an
     invoke_subgraph on its operands' device and fails on such a body, so both stay inlined."""
