@@ -390,8 +390,8 @@ s43-outline)
 s43-outline-compile)
   # (after site) the cold compile at 32 + 16 layers with the outlining on and off: what the cut at cache reads left
   # of session 41's 3.2x on Inductor's compile. Last, the decode row without fuse_mxfp4_experts (the MoE as a loop
-  # over experts: data-dependent sizes), which crashed on the CPU host with the outlining on (a segfault in
-  # Inductor's C++ code, not explained): its own part, so that a crash ends only it.
+  # over experts: data-dependent sizes; it crashed on the CPU host with the outlining on until ed9d436): its own
+  # part, so that a crash ends only it.
   for knob in 1 0; do
     TAIL=2 part compile_outline_$knob 200 env DZC_OUTLINE_FOR_INDUCTOR=$knob DZC_DEBUG=1 \
       python3 tools/bench_compile.py --models multimodal --no-torch --cold-only --layers 32 --vision-layers 16 \
