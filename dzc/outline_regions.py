@@ -26,9 +26,10 @@ graph around them is left as it is. A call is outlined only where that equals th
   to lower);
 - it can be put in one place: after the last value it reads from outside, before the first use of a value it
   gives (its nodes' span holds no side effect or write, so moving them within it changes no value read);
-- views of a value from outside the call stay outside, where they are: a body's outputs may not alias its inputs
-  (Inductor's code for bodies returning views of their inputs crashed on the CPU host, session 43), and a view of
-  a value the graph writes in place must see the write (a body's outputs are its own buffers);
+- views of a value the graph writes in place stay outside, where they are (a body's outputs are its own buffers,
+  which would not see the write), and so do views of a value from outside the call that the call gives: a body's
+  outputs may not alias its inputs (Inductor's code for bodies returning their input's view crashed on the CPU
+  host, session 43);
 - another call has the same nodes in the same order, reading its inputs in the same places, with the same
   constants and the same dtypes, sizes and strides everywhere (the body is built from the first such call and
   lowered once for all of them);
@@ -99,13 +100,20 @@ class _Call:
     """One call's nodes in the flat graph, its inputs (values read from outside, in first-use order), its
     outputs (its values read outside), and the key two calls share where one body serves both."""
 
-    def __init__(self, nodes: list[torch.fx.Node], position: dict[torch.fx.Node, int]):
-        # Views of a value from outside the call stay outside, where they are: a body's outputs may not alias its
-        # inputs (Inductor's code for a body returning its input's view crashed on the CPU host, session 43), and
-        # a view of a value the graph writes (a cache slot that the cache write then fills) must see the write. So
-        # does an item of an outside op's results: the body reads the item, not the op's tuple.
-        members = set(nodes)
-        nodes = [node for node in nodes if view_base(node) is node or view_base(node) in members]
+    def __init__(self, nodes: list[torch.fx.Node], position: dict[torch.fx.Node, int], written: set[torch.fx.Node]):
+        # Views of a value the graph writes stay outside, where they are (a cache slot's view that the cache write
+        # then fills), and so do views of a value from outside the call that the call would give: a body's outputs
+        # may not alias its inputs (Inductor's code for bodies returning their input's view crashed on the CPU
+        # host, session 43). (Views it only reads stay in: a body's sizes must follow from its inputs'.) So does
+        # an item of an outside op's results: the body reads the item, not the op's tuple.
+        nodes = [node for node in nodes if not (view_base(node) is not node and view_base(node) in written)]
+        while True:
+            members = set(nodes)
+            aliasing = {node for node in nodes if view_base(node) is not node and view_base(node) not in members
+                        and any(user not in members for user in node.users)}
+            if not aliasing:
+                break
+            nodes = [node for node in nodes if node not in aliasing]
         nodes = [node for node in nodes if not (node.target is operator.getitem and node.args[0] not in nodes)]
         self.nodes = nodes
         self.members = members = set(nodes)
@@ -199,7 +207,7 @@ def outline_repeated_calls(gm: torch.fx.GraphModule) -> Outlined:
     renamed: dict[torch.fx.Node, torch.fx.Node] = {}  # an outlined call's output -> its getitem of the call
     written = written_values(graph)
     for nodes in _segments(graph, result, written):
-        call = _Call(nodes, position)
+        call = _Call(nodes, position, written)
         if call.why:
             result.refused[call.why] = result.refused.get(call.why, 0) + 1
         else:
