@@ -20,17 +20,16 @@
 # Next session. Session 43 (an H100) found why outlining broke the decode steps on the GPU (Inductor ordered an
 # outlined body's read of the KV cache against reinplace_cache_writes' in-place write wrongly: fixed by keeping such
 # reads in the graph, and checked on the GPU) and a wrong compile of repeated layers with data-dependent sizes
-# (fixed on the CPU host; docs/results/README.md "Session 43"). In order:
+# (fixed on the CPU host; docs/results/README.md "Session 43"). Since that fix the outlined multimodal model crashes
+# Inductor's C++ code on the CPU host: fix that on the CPU first; s43-outline and s43-outline-compile after. In order:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s43-outline   # the outlining's GPU test and
-#       decode steps with the fixes, the precompile GPU test again
-#   call 2: bash tools/gpu_campaign.sh s43-outline-compile   # 32 + 16 layers cold, outlining on and off; the
-#       unfused-MoE decode row; if calls 1 and 2 pass, DZC_OUTLINE_FOR_INDUCTOR's default can become 1
-#   call 3: bash tools/gpu_campaign.sh s42-precompile-compile  # after call 1's precompile test passed
-#   call 4: bash tools/gpu_campaign.sh s36-compile   # full depth, cold and warm (with the outlining on if it passed)
-#   call 5: bash tools/gpu_campaign.sh s36-moe       # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
-#   then s35-vision-large (issue 14), s35-topk's WARP_VOTE timing parts, and s34-sparse-row's numerics and decode
-#   parts.
+#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s43-check   # the GPU tests of the
+#       multimodal model (regions' per-call symbols), of the MoE fusion and of the precompile path
+#   call 2: bash tools/gpu_campaign.sh s36-moe       # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
+#   call 3: bash tools/gpu_campaign.sh s36-compile   # issue 18: full depth, cold and warm
+#   call 4: bash tools/gpu_campaign.sh s42-precompile-compile  # after call 1's precompile test passed
+#   then, once the outlining runs on the CPU host again: s43-outline, s43-outline-compile; then s35-vision-large
+#   (issue 14), s35-topk's WARP_VOTE timing parts, and s34-sparse-row's numerics and decode parts.
 # Every card so far was an H200 except sessions 38-41 and 43 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
@@ -376,6 +375,16 @@ s42-decode)
   TAIL=12 part decoder_keys 120 python3 tools/diagnose_multimodal_decode.py --graph-keys
   TAIL=14 part decode_bisect_outlined 300 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 tools/diagnose_multimodal_decode.py \
     --passes reinplace_cache_writes fuse_sparse_attention fuse_mxfp4_experts fuse_residual_norm canonicalize_graph
+  ;;
+s43-check)
+  # (after site) session 43's fixes on the GPU: the multimodal model end to end (its regions now bind each layer's
+  # data-dependent sizes to symbols of their own), the MoE fusion's and the models' GPU tests, the precompile GPU
+  # test (its failure now prints the report's line), then the decode rows (eager, dzc, without CUDA graphs, and
+  # without fuse_mxfp4_experts: the MoE as a loop over experts, which failed with index_add_ before the fix).
+  TAIL=4 part gpu_tests_multimodal 200 python3 -m pytest -q -p no:logging -rf tests/test_multimodal_model.py \
+    tests/test_fuse_mxfp4_experts.py tests/test_dsa_models.py -m gpu
+  TAIL=4 part gpu_tests_precompile 120 python3 -m pytest -q -p no:logging -rf tests/test_triton_precompile.py -m gpu
+  TAIL=8 part decode_rows 240 python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
   ;;
 s43-outline)
   # (after site) issue 18: the outlining with session 43's fixes (a read of memory written in place stays in the
