@@ -85,6 +85,7 @@ import sympy
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils._sympy.symbol import SymT, symbol_is_type
@@ -765,6 +766,13 @@ def _fresh_unbacked_symbols(nodes: list[torch.fx.Node], outputs: tuple, attribut
     bound = [node for node in nodes if node.meta.get("unbacked_bindings")]
     if not bound:
         return
+    escaping = {symbol for value in outputs if isinstance(value, torch.fx.Node)
+                for symbol in free_unbacked_symbols(value.meta.get("val"))}
+    escaping &= {symbol for node in bound for symbol in node.meta["unbacked_bindings"]}
+    if escaping:
+        raise RegionRefusal(f"region body {attribute} gives values of data-dependent sizes "
+                            f"({', '.join(sorted(map(str, escaping)))}) to its caller; each call's copy would need "
+                            "symbols of its own after the call too")
     shape_env = _shape_env_of(bound)
     mapping: dict[sympy.Symbol, sympy.Symbol] = {}
     with shape_env.ignore_fresh_unbacked_symbols():
@@ -787,12 +795,6 @@ def _fresh_unbacked_symbols(nodes: list[torch.fx.Node], outputs: tuple, attribut
         if target is not None and not any(symbol_is_type(symbol, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))
                                           and symbol not in mapping for symbol in target.free_symbols):
             shape_env.replacements[fresh] = target.xreplace(mapping)
-    escaping = {symbol for value in outputs if isinstance(value, torch.fx.Node)
-                for symbol in free_unbacked_symbols(value.meta.get("val"))} & set(mapping)
-    if escaping:
-        raise RegionRefusal(f"region body {attribute} gives values of data-dependent sizes "
-                            f"({', '.join(sorted(map(str, escaping)))}) to its caller; each call's copy would need "
-                            "symbols of its own after the call too")
     for node in nodes:
         bindings = node.meta.get("unbacked_bindings")
         if bindings:
@@ -808,10 +810,8 @@ def _shape_env_of(nodes: list[torch.fx.Node]):
         for value in pytree.tree_leaves(node.meta.get("val")):
             if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 return value.node.shape_env
-            if isinstance(value, torch.Tensor):
-                for size in (*value.shape, *value.stride()):
-                    if isinstance(size, torch.SymInt):
-                        return size.node.shape_env
+            if isinstance(value, FakeTensor) and value.fake_mode.shape_env is not None:
+                return value.fake_mode.shape_env
     raise RegionRefusal("a region body binds data-dependent symbols that no traced value shows")
 
 

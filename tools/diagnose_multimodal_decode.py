@@ -32,7 +32,13 @@ REQUESTS = (([(2, 2), (2, 4), (4, 2)], [2, 1, 2, 3]),
 DECODE_STEPS = (3, 2, 0)  # tests/test_multimodal_model.py's
 PASSES = ("fuse_mxfp4_experts", "fuse_sparse_attention", "fuse_residual_norm", "reinplace_cache_writes",
           "canonicalize_graph")
-NO_CUDA_GRAPHS = "cuda graphs"  # a row: dzc with CompileOptions(cuda_graph_max_tokens=0)
+
+
+def runs(passes) -> list[tuple[str, dict | None]]:
+    """(label, CompileOptions fields) of each row: eager (None), dzc as it compiles, dzc without CUDA graphs (a
+    wrong step there is the compiled code's, not the replay's), dzc with each of `passes` left out."""
+    return [("eager", None), ("dzc", {}), ("dzc without CUDA graphs", {"cuda_graph_max_tokens": 0}),
+            *((f"dzc without {name}", {"disable_passes": (name,)}) for name in passes)]
 
 
 def oracle_of(model):
@@ -119,8 +125,9 @@ def main() -> None:
     calls = [f"{n}:{step}" for n, steps in enumerate(DECODE_STEPS) for step in ["prefill"] + ["decode"] * steps]
     if args.dry_run:
         build_multimodal(CFG, torch.bfloat16, seed=args.seed)  # tiny: the model builds on the CPU in a second
-        runs = ["eager", "dzc", "dzc without CUDA graphs", *(f"dzc without {name}" for name in args.passes)]
-        print(f"dry run: {len(calls)} calls ({', '.join(calls)}) x {len(runs)} runs ({', '.join(runs)}) on {device}")
+        labels = [label for label, _ in runs(args.passes)]
+        print(f"dry run: {len(calls)} calls ({', '.join(calls)}) x {len(labels)} runs ({', '.join(labels)}) on "
+              f"{device}")
         return
     if args.graph_keys:
         keys: list[str] = []
@@ -134,17 +141,11 @@ def main() -> None:
           f"{dzc.config.OUTLINE_FOR_INDUCTOR.get()}; relative error of each call's logits against the fp32 oracle\n")
     print("| run | " + " | ".join(calls) + " |")
     print("|---|" + "---|" * len(calls))
-    # Each row as soon as it is measured: a run cut off by a time limit keeps the rows it finished. The second row
-    # runs every decode step without CUDA graphs: a wrong step there is the compiled code's, not the replay's.
-    for name in [None, "", NO_CUDA_GRAPHS, *args.passes]:
-        options = None if name is None else dzc.CompileOptions(
-            autotune=False, cache_dir=tempfile.mkdtemp(prefix="dzc-decode-"),
-            disable_passes=(name,) if name not in ("", NO_CUDA_GRAPHS) else (),
-            cuda_graph_max_tokens=0 if name == NO_CUDA_GRAPHS else dzc.CompileOptions.cuda_graph_max_tokens,
-            fallback=args.fallback)
+    # Each row as soon as it is measured: a run cut off by a time limit keeps the rows it finished.
+    for label, fields in runs(args.passes):
+        options = None if fields is None else dzc.CompileOptions(
+            autotune=False, cache_dir=tempfile.mkdtemp(prefix="dzc-decode-"), fallback=args.fallback, **fields)
         values = errors(args.seed, options, device)
-        label = "eager" if name is None else "dzc" if name == "" else \
-            "dzc without CUDA graphs" if name == NO_CUDA_GRAPHS else f"dzc without {name}"
         print(f"| {label} | " + " | ".join(f"{e:.4f}" for _, e in values) + " |", flush=True)
 
 if __name__ == "__main__":
