@@ -26,7 +26,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from dzc import compile_cache, config, distributed, ir, regions, runtime
+from dzc import compile_cache, config, distributed, ir, regions, runtime, torch_fixes
 from dzc.coverage import GraphCoverage, graph_coverage
 from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph, precompile_triton_kernels
 from dzc.ops import LOWERED_AS_PARTS
@@ -472,6 +472,8 @@ class DzcBackend:
         checked = torch.fx.GraphModule(gm, copy_graph(graph)) if checkable else None
         if fallback == "inductor":
             from torch._inductor.compile_fx import compile_fx_inner  # noqa: PLC0415 (heavy; only when used)
+
+            torch_fixes.apply()  # the installed torch's bugs that code handed to Inductor would meet
 
             # MUSA Triton builds fail when Inductor compiles in several processes (torch_musa sets one thread).
             serial = {} if self.target.profile.compile_in_parallel else {"compile_threads": 1}

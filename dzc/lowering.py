@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.fx
+from torch.utils._python_dispatch import _disable_current_modes
 
 from dzc import config as dzc_config
 from dzc import runtime
@@ -351,7 +352,10 @@ def precompile_jobs(graph: torch.fx.Graph) -> list[tuple[str, Callable[[], objec
             continue
         seen.add(layout)
         try:
-            args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _meta_argument)
+            # Plain meta tensors, also where the compile runs under a fake mode (Dynamo's backend call does): a fake
+            # tensor has no address for Triton's specializer to read.
+            with _disable_current_modes():
+                args, kwargs = torch.fx.node.map_aggregate((node.args, node.kwargs), _meta_argument)
         except (LookupError, RuntimeError):  # a size known at the call only; a value meta tensors cannot stand for
             continue
         function = opdef._init_fn  # the op's Python body: it calls runtime.launch

@@ -7,9 +7,12 @@ order or set gets its own list here.
 from __future__ import annotations
 
 import functools
+import os
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch.fx
 
@@ -160,7 +163,7 @@ def _run_passes(graph: torch.fx.Graph, passes: list[GraphPass], verify: bool, ti
         except Exception as error:
             # A pass that fails (a structure it did not expect) costs a fusion, not the compile: the graph goes on
             # as it was (passes never mutate their input), and the report and a warning say why.
-            why = f"the pass failed ({type(error).__name__}: {error}); the graph is left as it was"
+            why = f"the pass failed ({type(error).__name__}: {error}{_raised_at(error)}); the graph is left as it was"
             warnings.warn(f"dzc: {graph_pass.__name__}{f' ({where})' if where else ''}: {why}", RuntimeWarning,
                           stacklevel=3)
             result = PassResult(graph_pass.__name__, graph, refusals=[("graph", why)])
@@ -195,3 +198,13 @@ def pass_results(stages: list[Stage]) -> list[PassResult]:
         attribute, calls = stage.region
         into.rewrites += [f"{site} [body {attribute}]" for site in result.rewrites for _ in range(calls)]
     return list(merged.values())
+
+
+def _raised_at(error: Exception) -> str:
+    """Where in dzc's code (dzc/, passes/, targets/) `error` was raised, its innermost frame there: a report then
+    locates a pass's bug."""
+    root = str(Path(__file__).resolve().parent.parent) + os.sep
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(root)]
+    if not frames:
+        return ""
+    return f" at {frames[-1].filename[len(root):]}:{frames[-1].lineno} ({frames[-1].name})"

@@ -245,7 +245,10 @@ def _selected_terms(node, form: str):
     """[("topk", ...)] when node is a scatter of top-k indices into a mask of units, repeated per block or not, in
     the `form` "keep" (True where selected), "drop" (False there) or "additive" (0 there, -inf/finfo.min
     elsewhere); else None."""
-    width = fake_value(node).shape[-1] if isinstance(node, torch.fx.Node) and fake_value(node) is not None else None
+    value = fake_value(node) if isinstance(node, torch.fx.Node) else None
+    if value is not None and value.dim() == 0:  # a scalar term (transformers 5.17's GptOss masks have one)
+        return None
+    width = value.shape[-1] if value is not None else None
     expansion = _block_expansion(node)
     block = 1
     if expansion is not None:

@@ -127,3 +127,13 @@ def test_list_patterns_match_element_by_element():
     assert Op(aten.cat.default, [Var("x"), Var("y")], -1).match(cat).bindings == {"x": a, "y": b}
     assert Op(aten.cat.default, [Var("x"), Var("x")], -1).match(cat) is None
     assert Op(aten.cat.default, [Var("x")], -1).match(cat) is None  # one pattern for two tensors
+
+
+def test_a_scalar_mask_term_is_refused_not_a_crash():
+    """A 0-d tensor added to the scores (transformers 5.17's GptOss graph has one) is no mask the readers know:
+    NotAMask, which the passes turn into a refusal (it raised IndexError, failing the whole pass: session 44)."""
+    gm = make_fx(lambda s, m: s + m, decomposition_table=select_decomp_table(),
+                 tracing_mode="fake")(torch.randn(2, 6, 6), torch.tensor(-1.0))
+    scalar_mask = [n for n in gm.graph.nodes if n.op == "placeholder"][1]
+    with pytest.raises(NotAMask, match="is not a causal, top-k or window additive mask"):
+        additive_terms(scalar_mask)

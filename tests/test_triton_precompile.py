@@ -9,9 +9,12 @@ import pytest
 import torch
 from conftest import run_ahead_of_time_script
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
-from dzc.lowering import _meta_argument
-from dzc.targets import KERNEL_FAMILIES
+from dzc.lowering import Execution, _meta_argument, lower_graph, precompile_jobs
+from dzc.ops import OPS
+from dzc.options import CompileOptions
+from dzc.targets import KERNEL_FAMILIES, TARGETS
 from dzc.targets.triton_codegen import Precompile
 
 # Run without Triton's interpreter (this pytest process may interpret), for sm_90 under a driver that compiles only:
@@ -93,6 +96,22 @@ def test_meta_arguments_keep_the_alignment_of_the_traced_values(offset):
     meta = _meta_argument(node)
     assert meta.device.type == "meta" and meta.shape == (8, 10) and meta.stride() == (12, 1)
     assert meta.data_ptr() == 2 * offset  # bf16: 2 bytes an element, from an aligned base
+
+
+def test_jobs_take_plain_meta_tensors_under_the_compiles_fake_mode():
+    """dzc lowers inside Dynamo's backend call, under its fake mode: a job's arguments must still be meta tensors
+    with an address (session 44, H100: the MoE's fake arguments had none, and nothing was compiled ahead)."""
+    target = TARGETS["cuda:sm_90"]
+    _, make = KERNEL_FAMILIES["add_rms_norm"].selftest_cases(target.profile)[0]
+    args = make(torch.device("cpu"), torch.Generator().manual_seed(0))
+    graph = make_fx(lambda *a: OPS["add_rms_norm"][0](*a), tracing_mode="fake")(*args).graph
+    lower_graph(graph, target, CompileOptions(autotune=False, codegen="triton"), Execution(target.runtime),
+                torch.device("cuda", 0))
+    with FakeTensorMode():
+        [(_, job)] = precompile_jobs(graph)
+    tensors = [a for a in job.__defaults__[1] if isinstance(a, torch.Tensor)]
+    assert tensors and all(type(t) is torch.Tensor and t.is_meta for t in tensors), [type(t) for t in tensors]
+    assert all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
 @pytest.mark.gpu
