@@ -42,7 +42,8 @@ After:
     (+ permute/unsqueeze/clone back to the layout the old output had)
 
 where %q' is %q brought to [tokens, heads, head_dim], max_seqlen is sym_max of the unrolled lengths (spelling 1)
-or computed in the graph from cu_seqlens (spelling 2). Rotary fold (rotary_patterns.fold_rotary, which says why
+or computed in the graph from cu_seqlens (spelling 2) as max(%cu - %cu[clamp_min(iota(len(%cu), start=-1), 0)]):
+tensors of len(%cu) elements only, which add no guard on the segment count (see _max_seqlen). Rotary fold (rotary_patterns.fold_rotary, which says why
 it is exact): when q and k are both HF's vision rotary embedding — `(x.float() * cos + rotate_half(x.float()) *
 sin).to(x.dtype)` with the same fp32 cos/sin [tokens, head_dim] — the op takes the unrotated q, k and cos, sin,
 and applies the rotation as it loads q and k. The interleaved (pairwise) rotary, rot = stack((-x[..., 1::2],
@@ -421,12 +422,20 @@ def _max_seqlen(graph, packed: _Packed):
             node.meta["val"] = torch.sym_max(fake_value(longest), fake_value(length))
             longest = node
         return longest
+    # lengths[i] = cu[i] - cu[max(i - 1, 0)] (lengths[0] = 0), all of cu's size: no tensor of size len(cu) - 1,
+    # whose fake propagation (Inductor runs it again, guards not suppressed) asks whether that size is 0 or 1
+    # and so specialised the graph on packs of more than one segment: a pack of one recompiled (session 44).
     cu = packed.cu
-    upper = new_node(graph, aten.slice.Tensor, (cu, 0, 1, WHOLE))
-    lower = new_node(graph, aten.slice.Tensor, (cu, 0, 0, -1))
-    lengths = new_node(graph, aten.sub.Tensor, (upper, lower))
-    longest = new_node(graph, aten.max.default, (lengths,))
     shape_env = fake_value(cu).fake_mode.shape_env
+    size = graph.call_function(aten.sym_size.int, (cu, 0))
+    size.meta["val"] = fake_value(cu).shape[0]
+    iota = dict(start=-1, step=1, dtype=torch.int64, device=fake_value(cu).device, requires_grad=False)
+    positions = graph.call_function(prims.iota.default, (size,), iota)  # -1, 0, ..., len(cu) - 2
+    with fake_value(cu).fake_mode, shape_env.suppress_guards():
+        positions.meta["val"] = prims.iota.default(size.meta["val"], **iota)
+    previous = new_node(graph, aten.clamp_min.default, (positions, 0))
+    lengths = new_node(graph, aten.sub.Tensor, (cu, new_node(graph, aten.index.Tensor, (cu, [previous]))))
+    longest = new_node(graph, aten.max.default, (lengths,))
     node = graph.call_function(aten._local_scalar_dense.default, (longest,))
     with fake_value(cu).fake_mode, shape_env.suppress_guards():
         node.meta["val"] = aten._local_scalar_dense.default(fake_value(longest))

@@ -100,16 +100,18 @@ def _compile(module, options, *inputs):
 AFTER_MASK_ROTARY = """\
 # built by fuse_vision_attention
 graph(%a0: sym s0, %a1: sym s1, %a2: f32[s0, s1, 16], %a3: f32[s0, 16], %a4: sym s0, %a5: f32[s0, 16], %a6: f32[s0, s1, 16], %a7: f32[s0, s1, 16], %a8: sym s2, %a9: i32[s2]):
-  %0 = aten.slice.Tensor(%a9, 0, 1, 9223372036854775807)  # i32[s2 - 1]
-  %1 = aten.slice.Tensor(%a9, 0, 0, -1)  # i32[s2 - 1]
-  %2 = aten.sub.Tensor(%0, %1)  # i32[s2 - 1]
-  %3 = aten.max.default(%2)  # i32[]
-  %4 = aten._local_scalar_dense.default(%3)  # sym s3
-  %5 = dzc.varlen_attention.default(%a2, %a6, %a7, %a9, %4, 0.25, %a3, %a5)  # f32[s0, s1, 16]
-  %6 = aten.permute.default(%5, [1, 0, 2])  # f32[s1, s0, 16]
-  %7 = aten.clone.default(%6, memory_format=torch.contiguous_format)  # f32[s1, s0, 16]
-  %8 = aten.permute.default(%7, [1, 0, 2])  # f32[s0, s1, 16]
-  return (%8,)
+  %0 = aten.sym_size.int(%a9, 0)  # sym s2
+  %1 = prims.iota.default(%0, device='cpu', dtype=i64, requires_grad=False, start=-1, step=1)  # i64[s2]
+  %2 = aten.clamp_min.default(%1, 0)  # i64[s2]
+  %3 = aten.index.Tensor(%a9, [%2])  # i32[s2]
+  %4 = aten.sub.Tensor(%a9, %3)  # i32[s2]
+  %5 = aten.max.default(%4)  # i32[]
+  %6 = aten._local_scalar_dense.default(%5)  # sym s3
+  %7 = dzc.varlen_attention.default(%a2, %a6, %a7, %a9, %6, 0.25, %a3, %a5)  # f32[s0, s1, 16]
+  %8 = aten.permute.default(%7, [1, 0, 2])  # f32[s1, s0, 16]
+  %9 = aten.clone.default(%8, memory_format=torch.contiguous_format)  # f32[s1, s0, 16]
+  %10 = aten.permute.default(%9, [1, 0, 2])  # f32[s0, s1, 16]
+  return (%10,)
 """
 
 
@@ -123,6 +125,21 @@ def test_golden_block_diagonal_mask_with_rotary_sdpa(options, seed):
     assert stages["fuse_vision_attention"] == AFTER_MASK_ROTARY
     assert compiled.report.passes["fuse_vision_attention"] == 1
     assert_close_for_dtype(out, module(*inputs))
+
+
+def test_a_pack_of_one_image_reuses_the_graph_inductor_compiled(seed):
+    """The longest segment is read from cu_seqlens without a tensor of len(cu_seqlens) - 1 elements: Inductor
+    propagates fake values again with guards on, and such a tensor's size was guarded to be at least 2, so a pack of
+    one image recompiled (session 44: the multimodal encoder on an H100; on the CPU host here too)."""
+    torch._dynamo.reset()
+    module = PackedAttention("mask", sdpa=True, rotary=True)
+    compiled = dzc.compile(module, "cuda", dzc.CompileOptions(autotune=False, fallback="inductor"))
+    for lengths in ([5, 11, 8], [4, 6], [7]):
+        inputs = _pack(lengths)
+        assert_close_for_dtype(compiled(*inputs), module(*inputs))
+    report = compiled.report
+    assert report.fired()["fuse_vision_attention"] == 1
+    assert report.compiles == 1 and report.recompiles == 0, str(report)[:2000]
 
 
 AFTER_SPLIT = """\
@@ -326,23 +343,23 @@ def _interleaved_pack(lengths, pair_repeated=True, dtype=torch.float32):
 
 
 AFTER_INTERLEAVED_ROTARY = """\
-  %5 = aten.slice.Tensor(%a2, 2, 0, 9223372036854775807, 2)  # f32[s0, s1, 8]
-  %6 = aten.slice.Tensor(%a2, 2, 1, 9223372036854775807, 2)  # f32[s0, s1, 8]
-  %7 = aten.cat.default([%5, %6], 2)  # f32[s0, s1, 16]
-  %8 = aten.slice.Tensor(%a6, 2, 0, 9223372036854775807, 2)  # f32[s0, s1, 8]
-  %9 = aten.slice.Tensor(%a6, 2, 1, 9223372036854775807, 2)  # f32[s0, s1, 8]
-  %10 = aten.cat.default([%8, %9], 2)  # f32[s0, s1, 16]
-  %11 = aten.slice.Tensor(%a3, 1, 0, 9223372036854775807, 2)  # f32[s0, 8]
-  %12 = aten.slice.Tensor(%a3, 1, 1, 9223372036854775807, 2)  # f32[s0, 8]
-  %13 = aten.cat.default([%11, %12], 1)  # f32[s0, 16]
-  %14 = aten.slice.Tensor(%a5, 1, 0, 9223372036854775807, 2)  # f32[s0, 8]
-  %15 = aten.slice.Tensor(%a5, 1, 1, 9223372036854775807, 2)  # f32[s0, 8]
-  %16 = aten.cat.default([%14, %15], 1)  # f32[s0, 16]
-  %17 = dzc.varlen_attention.default(%7, %10, %a7, %a9, %4, 0.25, %13, %16)  # f32[s0, s1, 16]
-  %18 = aten.permute.default(%17, [1, 0, 2])  # f32[s1, s0, 16]
-  %19 = aten.clone.default(%18, memory_format=torch.contiguous_format)  # f32[s1, s0, 16]
-  %20 = aten.permute.default(%19, [1, 0, 2])  # f32[s0, s1, 16]
-  return (%20,)
+  %7 = aten.slice.Tensor(%a2, 2, 0, 9223372036854775807, 2)  # f32[s0, s1, 8]
+  %8 = aten.slice.Tensor(%a2, 2, 1, 9223372036854775807, 2)  # f32[s0, s1, 8]
+  %9 = aten.cat.default([%7, %8], 2)  # f32[s0, s1, 16]
+  %10 = aten.slice.Tensor(%a6, 2, 0, 9223372036854775807, 2)  # f32[s0, s1, 8]
+  %11 = aten.slice.Tensor(%a6, 2, 1, 9223372036854775807, 2)  # f32[s0, s1, 8]
+  %12 = aten.cat.default([%10, %11], 2)  # f32[s0, s1, 16]
+  %13 = aten.slice.Tensor(%a3, 1, 0, 9223372036854775807, 2)  # f32[s0, 8]
+  %14 = aten.slice.Tensor(%a3, 1, 1, 9223372036854775807, 2)  # f32[s0, 8]
+  %15 = aten.cat.default([%13, %14], 1)  # f32[s0, 16]
+  %16 = aten.slice.Tensor(%a5, 1, 0, 9223372036854775807, 2)  # f32[s0, 8]
+  %17 = aten.slice.Tensor(%a5, 1, 1, 9223372036854775807, 2)  # f32[s0, 8]
+  %18 = aten.cat.default([%16, %17], 1)  # f32[s0, 16]
+  %19 = dzc.varlen_attention.default(%9, %12, %a7, %a9, %6, 0.25, %15, %18)  # f32[s0, s1, 16]
+  %20 = aten.permute.default(%19, [1, 0, 2])  # f32[s1, s0, 16]
+  %21 = aten.clone.default(%20, memory_format=torch.contiguous_format)  # f32[s1, s0, 16]
+  %22 = aten.permute.default(%21, [1, 0, 2])  # f32[s0, s1, 16]
+  return (%22,)
 """
 
 
