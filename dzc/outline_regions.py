@@ -27,9 +27,9 @@ graph around them is left as it is. A call is outlined only where that equals th
 - it can be put in one place: after the last value it reads from outside, before the first use of a value it
   gives (its nodes' span holds no side effect or write, so moving them within it changes no value read);
 - views of a value the graph writes in place stay outside, where they are (a body's outputs are its own buffers,
-  which would not see the write), and so do views of a value from outside the call that the call gives: a body's
-  outputs may not alias its inputs (Inductor's code for bodies returning their input's view crashed on the CPU
-  host, session 43);
+  which would not see the write), and so does every view the call gives: a body's outputs may alias neither its
+  inputs nor each other (Inductor's C++ code crashed on bodies returning their input's view, and on a body
+  returning q, k, v unbound from one projection, or computed NaN: session 43-44); the body gives their base;
 - another call has the same nodes in the same order, reading its inputs in the same places, with the same
   constants and the same dtypes, sizes and strides everywhere (the body is built from the first such call and
   lowered once for all of them);
@@ -102,14 +102,14 @@ class _Call:
 
     def __init__(self, nodes: list[torch.fx.Node], position: dict[torch.fx.Node, int], written: set[torch.fx.Node]):
         # Views of a value the graph writes stay outside, where they are (a cache slot's view that the cache write
-        # then fills), and so do views of a value from outside the call that the call would give: a body's outputs
-        # may not alias its inputs (Inductor's code for bodies returning their input's view crashed on the CPU
-        # host, session 43). (Views it only reads stay in: a body's sizes must follow from its inputs'.) So does
-        # an item of an outside op's results: the body reads the item, not the op's tuple.
+        # then fills), and so does every view the call would give: a body's outputs may alias neither its inputs
+        # nor each other (module docstring); the views' base is given instead. (Views it only reads stay in: a
+        # body's sizes must follow from its inputs'.) So does an item of an outside op's results: the body reads
+        # the item, not the op's tuple.
         nodes = [node for node in nodes if not (view_base(node) is not node and view_base(node) in written)]
         while True:
             members = set(nodes)
-            aliasing = {node for node in nodes if view_base(node) is not node and view_base(node) not in members
+            aliasing = {node for node in nodes if view_base(node) is not node
                         and any(user not in members for user in node.users)}
             if not aliasing:
                 break

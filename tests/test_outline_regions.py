@@ -144,6 +144,33 @@ def test_views_of_a_calls_inputs_stay_outside_it(seed):
         torch.testing.assert_close(gm(x, w0, w1), expected, atol=0, rtol=0)
 
 
+def test_views_a_call_gives_stay_outside_it_and_its_body_gives_their_base(seed):
+    """A call whose values used outside are views of its own value (a qkv projection split by unbind into q, k, v)
+    would become a body whose outputs alias each other: Inductor's C++ code gave NaN for it here, and crashed on
+    the multimodal model's vision blocks (session 43). The views stay in the graph; the body gives their base."""
+    def model(x, w0, w1):
+        for w in (w0, w1):
+            q, k, v = (x @ w).view(8, 3, 16).unbind(1)
+            x = q * k + v
+        return (x,)
+
+    x, w0, w1 = _inputs(seed, (8, 16), (16, 48), (16, 48))
+    gm = _traced(model, x, w0, w1)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    for i, call in enumerate((nodes[:6], nodes[8:14])):  # [mm, view, unbind, getitem x3]; mul, add are the caller's
+        for node in call:
+            node.meta[CALL] = ("body", f"call{i}")
+    expected = gm(x, w0, w1)
+    result = outline_repeated_calls(gm)
+    assert result.calls == 2, result.describe()
+    [body] = gm.children()
+    assert [n.target for n in body.graph.nodes if n.op == "call_function"] == [torch.ops.aten.mm.default]
+    torch.testing.assert_close(gm(x, w0, w1), expected, atol=0, rtol=0)
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    torch.testing.assert_close(compile_fx_inner(gm, [x, w0, w1])([x, w0, w1]), list(expected))
+
+
 def test_calls_reading_sizes_only_stay_inlined():
     """Two equal calls that read only a size (a SymInt) and make tensors from it: Inductor places an
     invoke_subgraph on its operands' device and fails on such a body, so both stay inlined."""
