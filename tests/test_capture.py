@@ -167,8 +167,9 @@ def test_a_pass_that_fails_costs_its_fusion_not_the_compile(options, seed, monke
     model = AddRMSNorm(64)
     compiled = dzc.compile(model, "cuda", options)
     x, residual = torch.randn(5, 64), torch.randn(5, 64)
-    with pytest.warns(RuntimeWarning, match=r"fuse_residual_norm: the pass failed .IndexError: a structure the matcher did not expect "
-                      r"at tests/test_capture.py:\d+ .fuse_residual_norm.\)"):  # where, for the bug report
+    # The report says where the pass raised, for the bug report.
+    with pytest.warns(RuntimeWarning, match=r"fuse_residual_norm: the pass failed .IndexError: a structure the "
+                      r"matcher did not expect at tests/test_capture.py:\d+ .fuse_residual_norm.\)"):
         y, h = compiled(x, residual)
     expected_y, expected_h = model(x, residual)
     torch.testing.assert_close(y, expected_y)

@@ -17,20 +17,20 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session. Session 43 (an H100) found why outlining broke the decode steps on the GPU (Inductor ordered an
-# outlined body's read of the KV cache against reinplace_cache_writes' in-place write wrongly: fixed by keeping such
-# reads in the graph, and checked on the GPU) and a wrong compile of repeated layers with data-dependent sizes
-# (fixed on the CPU host; docs/results/README.md "Session 43"). Since that fix the outlined multimodal model crashes
-# Inductor's C++ code on the CPU host: fix that on the CPU first; s43-outline and s43-outline-compile after. In order:
+# Next session. Session 44 (an H100) fixed on the GPU: the precompile jobs' fake arguments (its GPU test passes
+# now), torch 2.11's empty-grid division (the MoE as a loop over experts with an expert no token picked), and found
+# two more fixed on the CPU host: the vision encoder recompiling for a one-image pack (guards from the nodes
+# fuse_vision_attention adds), the outlining's bodies returning views of each other (docs/results/README.md
+# "Session 44"). In order:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s43-check   # the GPU tests of the
-#       multimodal model (regions' per-call symbols), of the MoE fusion and of the precompile path
-#   call 2: bash tools/gpu_campaign.sh s36-moe       # issue 15: tuned bench at gpt-oss T=8192, W4A16 and W4A8
-#   call 3: bash tools/gpu_campaign.sh s36-compile   # issue 18: full depth, cold and warm
-#   call 4: bash tools/gpu_campaign.sh s42-precompile-compile  # after call 1's precompile test passed
-#   then, once the outlining runs on the CPU host again: s43-outline, s43-outline-compile; then s35-vision-large
-#   (issue 14), s35-topk's WARP_VOTE timing parts, and s34-sparse-row's numerics and decode parts.
-# Every card so far was an H200 except sessions 38-41 and 43 (H100): compare timings within one run only.
+#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s44-check   # the multimodal GPU test (its
+#       vision encoder must compile once now), the decode rows twice (near-ties or a replay problem?)
+#   call 2: bash tools/gpu_campaign.sh s43-outline           # issue 18: the outlining on the GPU again
+#   call 3: bash tools/gpu_campaign.sh s43-outline-compile   # issue 18: the compile time it keeps
+#   call 4: bash tools/gpu_campaign.sh s42-compile-profile   # issue 18: where the first run's 25 s go (pstats)
+#   then s36-compile (issue 18 full depth), s35-vision-large (issue 14), s35-topk's WARP_VOTE timing parts, and
+#   s34-sparse-row's numerics and decode parts.
+# Every card so far was an H200 except sessions 38-41, 43 and 44 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -385,6 +385,16 @@ s43-check)
     tests/test_fuse_mxfp4_experts.py tests/test_dsa_models.py -m gpu
   TAIL=4 part gpu_tests_precompile 120 python3 -m pytest -q -p no:logging -rf tests/test_triton_precompile.py -m gpu
   TAIL=8 part decode_rows 240 python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
+  ;;
+s44-check)
+  # (after site) session 44's fixes on the GPU: the multimodal GPU test (the vision encoder compiled twice on the
+  # H100: a one-image pack failed a guard from fuse_vision_attention's max-seqlen nodes; fixed on the CPU host),
+  # then the decode rows twice: one dzc cell replayed from a CUDA graph was off (0.25, and 0.107 in a test run)
+  # where eager was not; near-ties move between runs, a replay problem would not.
+  TAIL=4 part gpu_tests_multimodal 200 python3 -m pytest -q -p no:logging -rf tests/test_multimodal_model.py -m gpu
+  for run in 1 2; do
+    TAIL=8 part decode_rows_$run 200 python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
+  done
   ;;
 s43-outline)
   # (after site) issue 18: the outlining with session 43's fixes (a read of memory written in place stays in the
