@@ -25,7 +25,7 @@ from dzc.passes.fuse_residual_norm import fuse_residual_norm
 from dzc.passes.fuse_sparse_attention import fuse_sparse_attention
 from dzc.passes.fuse_vision_attention import fuse_vision_attention
 from dzc.passes.fuse_windowed_attention import fuse_windowed_attention
-from dzc.passes.graph_pass import PassResult, written_inputs
+from dzc.passes.graph_pass import PassResult, note_scalar_constants, written_inputs
 from dzc.passes.merge_all_to_all_dispatches import merge_all_to_all_dispatches
 from dzc.passes.pad_all_to_all_to_capacity import pad_all_to_all_to_capacity
 from dzc.passes.quantize_moe_activations import quantize_moe_activations
@@ -124,6 +124,10 @@ def run_pipeline(graph: torch.fx.Graph, target: Target, options: CompileOptions 
         raise ValueError(f"unknown passes {sorted(unknown)} in disable_passes; passes: {', '.join(names)}")
     passes = [p for p in passes if p.__name__ not in disabled]
     bodies = regions.body_calls(graph, root) if root is not None else []
+    if root is not None or graph.owning_module is not None:  # (before the passes copy the graph)
+        note_scalar_constants(graph, root if root is not None else graph.owning_module)
+    for body in bodies:
+        note_scalar_constants(body.module.graph, body.module)
     if captured_text is None:
         with timer.stage("ir text"):
             captured_text = (regions.captured_text(root, "captured by Dynamo + AOTAutograd") if bodies

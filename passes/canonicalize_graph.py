@@ -50,10 +50,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from dzc.passes.graph_pass import PassResult, copy_graph, fake_value, is_call, location_of
+from dzc.passes.graph_pass import (CONSTANT, PassResult, copy_graph, fake_value, is_call, location_of,
+                                  note_scalar_constants)
 from dzc.passes.patterns import Cast, Match, Op, Rule, Var, apply_rules, cast_dtype, dtype_of, remove_dead, \
     same_sizes, widens_exactly
 
@@ -161,32 +161,29 @@ RULES = [
 
 def canonicalize_graph(graph: torch.fx.Graph) -> PassResult:
     """Put equivalent spellings into one form (see the module docstring); returns a new graph and a report."""
-    module = graph.owning_module  # where the graph's tensor constants live (none for a bare graph)
+    if graph.owning_module is not None:  # where the graph's tensor constants live (none for a copy)
+        note_scalar_constants(graph, graph.owning_module)
     graph = copy_graph(graph)
     result = PassResult(NAME, graph)
-    if module is not None:
-        _fold_scalar_constants(graph, module, result)
+    _fold_scalar_constants(graph, result)
     # Inputs first, to a fixed point: folding a round trip can leave a cast that another rule then removes.
     apply_rules(graph, RULES, result, users_first=False, name_sites=True, until_fixpoint=True)
     _fold_known_values(graph, result)
     return result
 
 
-def _fold_scalar_constants(graph: torch.fx.Graph, module: torch.nn.Module, result: PassResult) -> None:
+def _fold_scalar_constants(graph: torch.fx.Graph, result: PassResult) -> None:
     """fold_scalar_constant: lift_fresh_copy(a 0-d tensor constant c)  =>  full([], c.item()) of c's dtype and
     device: a fresh tensor holding the same bits. Dynamo lifts a model's `torch.tensor(0.0, device=d)` on CUDA
-    (HF's mask fill) where it bakes the same value into full() on the CPU; the fusions read fills from full()."""
+    (HF's mask fill) where it bakes the same value into full() on the CPU; the fusions read fills from full(). The
+    values are the get_attr nodes' notes (graph_pass.CONSTANT, taken from the module before any copy)."""
     for node in list(graph.nodes):
-        if not (is_call(node, aten.lift_fresh_copy.default) and node.args[0].op == "get_attr"):
+        if not (is_call(node, aten.lift_fresh_copy.default) and node.args[0].op == "get_attr"
+                and CONSTANT in node.args[0].meta and _replaceable(node)):
             continue
-        constant = getattr(module, node.args[0].target, None)
-        if not isinstance(constant, torch.Tensor) or type(constant) is not torch.Tensor or constant.dim() != 0 \
-                or not _replaceable(node):
-            continue
-        with unset_fake_temporarily():  # the compile runs passes under its fake mode; this value is real
-            fill = constant.item()
+        constant = node.meta["val"]
         with graph.inserting_before(node):
-            full = _build(aten.full.default, ([], fill), dict(
+            full = _build(aten.full.default, ([], node.args[0].meta[CONSTANT]), dict(
                 dtype=constant.dtype, layout=torch.strided, device=constant.device, pin_memory=False), node)
         result.rewrote(f"fold_scalar_constant: {location_of(node)}")
         attribute = node.args[0]

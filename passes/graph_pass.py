@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 
 @dataclass
@@ -75,6 +76,24 @@ def location_of(node: torch.fx.Node) -> str:
 class Refusal(Exception):
     """Raised inside a matcher: this site matches the pattern's start but cannot be rewritten; the message says
     why, and the pass records it with PassResult.refused."""
+
+
+# node.meta key of a get_attr node whose module attribute is a 0-d tensor: its value (a Python number). Passes run
+# on copies of the captured graph (and regions.flatten's graph), without the module that holds its constants.
+CONSTANT = "dzc_constant"
+
+
+def note_scalar_constants(graph: torch.fx.Graph, module: torch.nn.Module) -> None:
+    """Record in each get_attr node of `graph` whose attribute of `module` is a plain 0-d tensor its value
+    (CONSTANT): a model's `torch.tensor(0.0, device=d)`, which Dynamo lifts into a constant."""
+    for node in graph.find_nodes(op="get_attr"):
+        try:
+            value = operator.attrgetter(node.target)(module)
+        except AttributeError:
+            continue
+        if type(value) is torch.Tensor and value.dim() == 0 and not value.is_meta:
+            with _disable_current_modes():  # passes run under the compile's fake mode; this value is real
+                node.meta[CONSTANT] = value.item()
 
 
 def fake_value(node):

@@ -9,6 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from dzc import ir
 from dzc.passes.canonicalize_graph import canonicalize_graph
+from dzc.passes.graph_pass import copy_graph, note_scalar_constants
 from dzc.passes.patterns import Cast, Op, Scalar, Var
 
 aten = torch.ops.aten
@@ -146,3 +147,23 @@ def test_literal_arguments_must_match():
     assert Op(operator.getitem, Var("p"), 0).match(first)["p"] is pair
     assert Op(operator.getitem, Var("p"), 1).match(first) is None
     assert Op(operator.getitem, Var("p"), False).match(first) is None  # False == 0, but a flag is not an index
+
+
+def test_scalar_constants_fold_in_a_copy_without_the_module(seed):
+    """regions.flatten's graph is a copy, without the module holding the graph's constants: the values noted on the
+    captured graph before (graph_pass.note_scalar_constants, which run_pipeline calls) fold there too. transformers
+    5.17's GptOss builds its mask's fill as such a constant in the root graph, its layers region bodies: the
+    windowed attention was refused there (session 44)."""
+    def masked(s):
+        return (torch.where(s > 0, torch.tensor(0.0), torch.tensor(-1e30)),)
+
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(seed))
+    gm = _capture(masked, x)
+    assert ir.print_graph(gm.graph).count("aten.lift_fresh_copy.default") == 2
+    bare = canonicalize_graph(copy_graph(gm.graph))
+    assert not any("fold_scalar_constant" in site for site in bare.rewrites), bare.rewrites
+    note_scalar_constants(gm.graph, gm)
+    result = canonicalize_graph(copy_graph(gm.graph))
+    assert sum("fold_scalar_constant" in site for site in result.rewrites) == 2, result.rewrites
+    assert "lift_fresh_copy" not in ir.print_graph(result.graph)
+    assert torch.equal(torch.fx.GraphModule(gm, result.graph)(x)[0], gm(x)[0])

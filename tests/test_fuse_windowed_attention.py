@@ -64,6 +64,9 @@ class LocalAttention(nn.Module):
         scores = torch.matmul(q, k.transpose(2, 3)) * 0.25
         if self.spelling == "drop":
             scores = scores.masked_fill(~keep, NEG)
+        elif self.spelling.startswith("tensor-constants"):  # transformers 5.17's GptOss: torch.tensor fill values
+            hidden = -1.0 if self.spelling.endswith("soft") else NEG
+            scores = scores + torch.where(keep, torch.tensor(0.0), torch.tensor(hidden))
         else:
             scores = scores + torch.where(keep, 0.0, NEG)
         if self.sinks is not None:
@@ -212,6 +215,22 @@ def test_window_and_sinks_compile_with_the_kernel(options):
     assert report.passes["fuse_windowed_attention"] == 1
     attention = next(k for k in report.kernels if k.op == "varlen_attention")
     assert attention.codegen == "triton" and "causal+window sinks grouped kv own key segments" in attention.spec
+
+
+@pytest.mark.parametrize("spelling, fires", [("tensor-constants", True), ("tensor-constants-soft", False)])
+def test_fill_values_given_as_tensor_constants_are_read(spelling, fires, options):
+    """A mask whose fill values are one-element tensor constants (the module's attributes after capture, read
+    through their values: graph_pass.CONSTANT) is the same mask as with Python numbers; a constant above MASKED
+    (-1.0: hidden keys keep some weight) is no mask, and the attention is left alone."""
+    model = LocalAttention(4, True, spelling)
+    inputs = _inputs(queries=7, past=20, seed=5)
+    compiled = dzc.compile(model, "cuda", options)
+    with torch.no_grad():
+        expected = model(*inputs)
+        for _ in range(2):  # the first call returns the captured graph's result
+            actual = compiled(*inputs)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert compiled.report.passes["fuse_windowed_attention"] == int(fires), compiled.report.refusals
 
 
 # On the CPU, GptOss in fp32 is test_model_zoo's GptOss-fp32 row: the same model compiled unchanged, at these 20
