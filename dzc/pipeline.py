@@ -124,10 +124,10 @@ def run_pipeline(graph: torch.fx.Graph, target: Target, options: CompileOptions 
         raise ValueError(f"unknown passes {sorted(unknown)} in disable_passes; passes: {', '.join(names)}")
     passes = [p for p in passes if p.__name__ not in disabled]
     bodies = regions.body_calls(graph, root) if root is not None else []
-    if root is not None or graph.owning_module is not None:  # (before the passes copy the graph)
-        note_scalar_constants(graph, root if root is not None else graph.owning_module)
-    for body in bodies:
-        note_scalar_constants(body.module.graph, body.module)
+    if bodies:  # regions.flatten's graph has no module to read constants from: note them before (canonicalize_graph)
+        note_scalar_constants(graph, root)
+        for body in bodies:
+            note_scalar_constants(body.module.graph, body.module)
     if captured_text is None:
         with timer.stage("ir text"):
             captured_text = (regions.captured_text(root, "captured by Dynamo + AOTAutograd") if bodies

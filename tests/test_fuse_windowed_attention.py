@@ -200,18 +200,22 @@ def test_refuses_padding_and_a_window_without_the_causal_bound():
     assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
 
 
-def test_window_and_sinks_compile_with_the_kernel(options):
-    """dzc.compile end to end (Triton through the interpreter on the CPU): the varlen kernel takes the window, the
-    sinks, the grouped heads and the keys of a cache longer than the queries."""
-    model = LocalAttention(4, True)
-    inputs = _inputs(queries=7, past=20, seed=4)
+def _compiled_and_checked(model, inputs, options):
+    """dzc.compile(model) run twice (the first call returns the captured graph's result) and checked against eager;
+    its report."""
     compiled = dzc.compile(model, "cuda", options)
     with torch.no_grad():
         expected = model(*inputs)
-        for _ in range(2):  # the first call returns the captured graph's result
+        for _ in range(2):
             actual = compiled(*inputs)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-    report = compiled.report
+    return compiled.report
+
+
+def test_window_and_sinks_compile_with_the_kernel(options):
+    """dzc.compile end to end (Triton through the interpreter on the CPU): the varlen kernel takes the window, the
+    sinks, the grouped heads and the keys of a cache longer than the queries."""
+    report = _compiled_and_checked(LocalAttention(4, True), _inputs(queries=7, past=20, seed=4), options)
     assert report.passes["fuse_windowed_attention"] == 1
     attention = next(k for k in report.kernels if k.op == "varlen_attention")
     assert attention.codegen == "triton" and "causal+window sinks grouped kv own key segments" in attention.spec
@@ -219,18 +223,11 @@ def test_window_and_sinks_compile_with_the_kernel(options):
 
 @pytest.mark.parametrize("spelling, fires", [("tensor-constants", True), ("tensor-constants-soft", False)])
 def test_fill_values_given_as_tensor_constants_are_read(spelling, fires, options):
-    """A mask whose fill values are one-element tensor constants (the module's attributes after capture, read
+    """A mask whose fill values are 0-d tensor constants (the module's attributes after capture, read
     through their values: graph_pass.CONSTANT) is the same mask as with Python numbers; a constant above MASKED
     (-1.0: hidden keys keep some weight) is no mask, and the attention is left alone."""
-    model = LocalAttention(4, True, spelling)
-    inputs = _inputs(queries=7, past=20, seed=5)
-    compiled = dzc.compile(model, "cuda", options)
-    with torch.no_grad():
-        expected = model(*inputs)
-        for _ in range(2):  # the first call returns the captured graph's result
-            actual = compiled(*inputs)
-    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
-    assert compiled.report.passes["fuse_windowed_attention"] == int(fires), compiled.report.refusals
+    report = _compiled_and_checked(LocalAttention(4, True, spelling), _inputs(queries=7, past=20, seed=5), options)
+    assert report.passes["fuse_windowed_attention"] == int(fires), report.refusals
 
 
 # On the CPU, GptOss in fp32 is test_model_zoo's GptOss-fp32 row: the same model compiled unchanged, at these 20
