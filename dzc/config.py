@@ -94,8 +94,9 @@ NESTED_REGIONS = Knob("DZC_NESTED_REGIONS", "1",
                       "regions; 0: off (CompileOptions.nested_regions wins)", "0 or 1", _one_of("0", "1"))
 
 # Off by default: on the H100 (session 41) the multimodal model's decode steps came out 30-70% off its fp32 oracle
-# in 3 of 3 runs with it on, within eager's error with it off (Inductor's C++ backend on the CPU host matches both
-# ways); until a GPU run finds why (campaign step s41-decode-bisect), a cold compile 1.56x faster is not worth it.
+# with it on. Session 43 found why (an outlined body's read of the KV cache the graph writes in place) and session 44
+# why the outlined model crashed on the CPU host (bodies giving views of each other); both are fixed, and it stays
+# off until its GPU steps (tools/gpu_campaign.sh s43-outline, s43-outline-compile) pass with them.
 OUTLINE_FOR_INDUCTOR = Knob("DZC_OUTLINE_FOR_INDUCTOR", "0",
                             "1: hand the repeated layers' calls to Inductor's fallback compile as invoke_subgraph, "
                             "each distinct body lowered once (dzc/outline_regions.py; experimental until its GPU "
