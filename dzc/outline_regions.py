@@ -25,7 +25,10 @@ graph around them is left as it is. A call is outlined only where that equals th
 - it reads a tensor (Inductor places an invoke_subgraph call on its operands' device: a body of sizes only fails
   to lower);
 - it can be put in one place: after the last value it reads from outside, before the first use of a value it
-  gives (its nodes' span holds no side effect or write, so moving them within it changes no value read);
+  gives (its nodes' span holds no side effect or write, so moving them within it changes no value read). Where
+  the caller computes a value the call reads after using one the call gives (the multimodal model's DSA layers:
+  the caller's views of the call's values, and the fused attention reading them, lie between its nodes), the call
+  is split there in two parts, each outlined (or refused) on its own;
 - views of a value the graph writes in place stay outside, where they are (a body's outputs are its own buffers,
   which would not see the write), and so does every view the call gives: a body's outputs may alias neither its
   inputs nor each other (Inductor's C++ code crashed on bodies returning their input's view, and on a body
@@ -53,6 +56,9 @@ from dzc.passes.graph_pass import view_base, written_values
 
 # node.meta key regions.flatten sets on each node it copies from a body: (body attribute, call node's name).
 CALL = "dzc_region_call"
+# The reason a call is split in two (Outlined.cuts): the caller computes a value the call reads after it used one the
+# call gives.
+SPLIT = "a value of the caller's that it reads after giving one"
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 
 
@@ -142,11 +148,15 @@ class _Call:
         # that (a value the caller computes in the call's span), if no value the call gives is used before there.
         ready = max((position[node] for node in self.inputs), default=-1)
         self.before = next((node for node in nodes if position[node] > ready), None)
+        # Where a value it reads is computed after a value it gives is used (the caller's node between them), the
+        # call has no one place: it is split there (split_at), the nodes before that value and those after.
+        first_use = min((position[user] for node in self.outputs for user in node.users if user not in members),
+                        default=len(position))
+        self.split_at = min((position[node] for node in self.inputs if position[node] >= first_use), default=None)
         if not nodes:
             self.why = "only views of values from outside it"
-        elif self.before is None or any(position[user] < position[self.before] for node in self.outputs
-                                      for user in node.users if user not in members):
-            self.why = "a value it reads is computed after a value it gives is used"
+        elif self.split_at is not None:
+            self.why = SPLIT
         if not self.why and any(not isinstance(node.meta.get("val"), (torch.Tensor, torch.SymInt, int))
                                 for node in self.inputs):
             self.why = "a value it reads is not a tensor or a size"
@@ -206,9 +216,15 @@ def outline_repeated_calls(gm: torch.fx.GraphModule) -> Outlined:
     matching: dict[tuple, list[_Call]] = {}
     renamed: dict[torch.fx.Node, torch.fx.Node] = {}  # an outlined call's output -> its getitem of the call
     written = written_values(graph)
-    for nodes in _segments(graph, result, written):
+    segments = _segments(graph, result, written)
+    while segments:
+        nodes = segments.pop()
         call = _Call(nodes, position, written)
-        if call.why:
+        if call.why == SPLIT:  # both parts are nonempty: one has the value used first, the other its reader
+            segments += [[node for node in nodes if position[node] < call.split_at],
+                         [node for node in nodes if position[node] >= call.split_at]]
+            result.cuts[SPLIT] = result.cuts.get(SPLIT, 0) + 1
+        elif call.why:
             result.refused[call.why] = result.refused.get(call.why, 0) + 1
         else:
             matching.setdefault(call.key, []).append(call)

@@ -7,6 +7,7 @@ the flat one on seeded random inputs, bit for bit (the same ops in the same orde
 a model with nested regions through Inductor and checks the report and the numerics.
 """
 
+import operator
 import re
 
 import pytest
@@ -16,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from dzc import config, ir
-from dzc.outline_regions import CALL, INVOKE_SUBGRAPH, outline_repeated_calls
+from dzc.outline_regions import CALL, INVOKE_SUBGRAPH, SPLIT, outline_repeated_calls
 
 
 def _layer(x, w):
@@ -239,9 +240,11 @@ def test_a_node_a_pass_made_inside_a_call_joins_it(seed):
     assert outlined.calls == 0 and outlined.refused == {"no other call like it": 2}, outlined.describe()
 
 
-def test_a_call_with_no_place_in_the_graph_is_refused(seed):
+def test_a_call_reading_a_value_the_caller_computes_from_it_is_split_there(seed):
     """Calls 0 and 1 interleave, and the caller adds their first results (a node of neither call) before each
-    goes on with that sum: no one place for either call comes after the sum and before the use of its result."""
+    goes on with that sum: no one place for either call comes after the sum and before the use of its result.
+    Each call is split at the sum (the multimodal model's DSA layers: the caller's views of a call's values, and
+    the fused attention reading them, between its nodes); the halves match each other's and are outlined."""
     def model(x, w0, w1):
         a0, a1 = x @ w0, x @ w1
         both = a0 + a1
@@ -255,8 +258,11 @@ def test_a_call_with_no_place_in_the_graph_is_refused(seed):
         for node in members:
             node.meta[CALL] = ("body", call)
     outlined = outline_repeated_calls(gm)
-    assert outlined.calls == 0 and outlined.refused == {
-        "a value it reads is computed after a value it gives is used": 2}, outlined.describe()
+    assert (outlined.bodies, outlined.calls, outlined.refused) == (2, 4, {}), outlined.describe()
+    assert outlined.cuts == {SPLIT: 2}, outlined.describe()
+    order = [str(n.args[1]) if n.target is INVOKE_SUBGRAPH else n.target.__name__ for n in gm.graph.nodes
+             if n.op == "call_function" and n.target is not operator.getitem]
+    assert order == ["dzc_outlined_0", "dzc_outlined_0", "add.Tensor", "dzc_outlined_1", "dzc_outlined_1"], order
     torch.testing.assert_close(gm(*inputs), expected, atol=0, rtol=0)
 
 
