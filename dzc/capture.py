@@ -453,12 +453,18 @@ class DzcBackend:
             fallback = "eager (nothing left for inductor)"
         with timer.stage("fallback compile"):
             cached.before_fallback()
-            if entry is not None and (checkable or not fallback.startswith("eager")):
-                entry.values()  # Inductor and the rewrite check read every value
-                if found is not None:  # the capture hit's inputs, left unbuilt (_CaptureHit.root_and_inputs)
-                    example_inputs = [node.meta["val"] for node in graph.nodes if node.op == "placeholder"]
+            values = None  # a hit's rebuild of its remaining values, for Inductor where it compiles
+            if entry is not None and checkable:
+                entry.values()  # the rewrite check reads every value
+            elif entry is not None and not fallback.startswith("eager"):
+                # Inductor reads every value only where its FX graph cache misses (the cold compile's artifacts,
+                # loaded by before_fallback, hit): its inputs' and outputs' (their devices) now, the rest then.
+                entry.values(_inputs_and_outputs(graph))
+                values = entry.values
+            if found is not None and (checkable or values is not None):  # the capture hit's inputs, left unbuilt
+                example_inputs = [node.meta["val"] for node in graph.nodes if node.op == "placeholder"]
             compiled, checked, outlined = self._fallback(gm, graph, example_inputs, fallback, checkable,
-                                                         inductor_context)
+                                                         inductor_context, values)
         host_syncs = stored.host_syncs if stored is not None else _host_syncs(graph)
         if cached.state != "off":
             with timer.stage("compile cache"):
@@ -466,9 +472,11 @@ class DzcBackend:
         return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, host_syncs,
                       cached.state, cached.key if cached.state in ("hit", "miss") else None, outlined, precompile)
 
-    def _fallback(self, gm, graph, example_inputs, fallback: str, checkable: bool, inductor_context):
+    def _fallback(self, gm, graph, example_inputs, fallback: str, checkable: bool, inductor_context,
+                  values: Callable[[], None] | None = None):
         """(what the lowered graph runs per call, the op-by-op module the rewrite check runs or None, what
-        outline_repeated_calls did for Inductor or "")."""
+        outline_repeated_calls did for Inductor or ""). values: puts back the nodes' fake values a cache hit left
+        unbuilt, before Inductor compiles or outline_repeated_calls reads them."""
         checked = torch.fx.GraphModule(gm, copy_graph(graph)) if checkable else None
         if fallback == "inductor":
             from torch._inductor.compile_fx import compile_fx_inner  # noqa: PLC0415 (heavy; only when used)
@@ -480,8 +488,10 @@ class DzcBackend:
             tracing = (torch._guards.tracing(inductor_context) if inductor_context is not None
                        else contextlib.nullcontext())
             boxed, outlined = None, "off (DZC_OUTLINE_FOR_INDUCTOR=0)"
-            with torch._inductor.config.patch(serial), tracing:
+            with torch._inductor.config.patch(serial), tracing, _before_inductor_compiles(values):
                 if config.OUTLINE_FOR_INDUCTOR.get() == "1":
+                    if values is not None:
+                        values()  # outline_repeated_calls compares the calls' values
                     try:
                         # Each repeated layer's leftover ops lowered by Inductor once, not once a layer.
                         lowered = _for_inductor(gm, copy_graph(graph))
@@ -549,6 +559,35 @@ def _direct_convention(gm: torch.fx.GraphModule, example_inputs,
     if why:
         return None, why
     return tuple(meta.mutated_graph_handled_indices_seen_by_autograd), ""
+
+
+def _inputs_and_outputs(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The placeholders and the values the graph returns: what Inductor reads before its FX graph cache lookup
+    (the example inputs; the devices, torch._inductor.utils.get_all_devices)."""
+    output = graph.output_node()
+    return [node for node in graph.nodes if node.op == "placeholder"] + output.all_input_nodes
+
+
+@contextlib.contextmanager
+def _before_inductor_compiles(values: Callable[[], None] | None):
+    """Within it, `values` runs before Inductor generates code for a graph (fx_codegen_and_compile: its FX graph
+    cache missed, or is off), which reads every node's value; a cache hit never calls it."""
+    if values is None:
+        yield
+        return
+    from torch._inductor import compile_fx  # noqa: PLC0415 (heavy; only when used)
+
+    compiles = compile_fx.fx_codegen_and_compile
+
+    def with_values(*args, **kwargs):
+        values()
+        return compiles(*args, **kwargs)
+
+    compile_fx.fx_codegen_and_compile = with_values
+    try:
+        yield
+    finally:
+        compile_fx.fx_codegen_and_compile = compiles
 
 
 def _for_inductor(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:

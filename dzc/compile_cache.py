@@ -12,8 +12,8 @@ Layout: `<cache>/compile/<key>.pkl`, one entry per graph (a pickled dict, the re
 GraphPickler form, which keeps the fake values and symbolic sizes; beside it each node's value type for the graph's
 text, lowering's specs, and the coverage and host syncs of the build that stored it), written atomically (temporary
 file + rename). A hit whose fallback runs the graph as Python rebuilds almost none of the fake values (Entry.values):
-what reads them on a warm start reads what is stored beside the graph instead; Inductor's fallback and the rewrite
-check have every value rebuilt.
+what reads them on a warm start reads what is stored beside the graph instead; the rewrite check has every value
+rebuilt, and Inductor's fallback its inputs' and outputs' only, the rest where its FX graph cache misses.
 The key (`entry_key`) hashes everything that changes the result: the captured graph's text and its inputs'
 metadata (sizes symbolic or not, strides, dtypes, devices), the values of its tensor constants, the target and
 its profile's fingerprint, the options that reach the passes and lowering, the pass list, and the versions of
