@@ -99,9 +99,9 @@ NESTED_REGIONS = Knob("DZC_NESTED_REGIONS", "1",
 # off until its GPU steps (tools/gpu_campaign.sh s43-outline, s43-outline-compile) pass with them.
 OUTLINE_FOR_INDUCTOR = Knob("DZC_OUTLINE_FOR_INDUCTOR", "0",
                             "1: hand the repeated layers' calls to Inductor's fallback compile as invoke_subgraph, "
-                            "each distinct body lowered once (dzc/outline_regions.py; experimental until its GPU "
-                            "test passes with session 43's fixes); 0 (default): the flat graph, every layer's copy "
-                            "lowered",
+                            "each distinct body lowered once (dzc/outline_regions.py; experimental: its GPU test "
+                            "passed in session 45, its decode rows need another run); 0 (default): the flat graph, "
+                            "every layer's copy lowered",
                             "0 or 1", _one_of("0", "1"))
 
 COMPILE_GC = Knob("DZC_COMPILE_GC", "paused",

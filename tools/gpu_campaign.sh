@@ -17,20 +17,21 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session. Session 44 (an H100) fixed on the GPU: the precompile jobs' fake arguments (its GPU test passes
-# now), torch 2.11's empty-grid division (the MoE as a loop over experts with an expert no token picked), and found
-# two more fixed on the CPU host: the vision encoder recompiling for a one-image pack (guards from the nodes
-# fuse_vision_attention adds), the outlining's bodies returning views of each other (docs/results/README.md
-# "Session 44"). In order:
+# Next session. Session 45 (an H100) ran session 44's list: the vision encoder compiles once, the outlining passes
+# the multimodal GPU test, and it cut the cold compile at 32 + 16 layers from 153.3 to 125.7 s. On the CPU host it
+# then changed two things (docs/results/README.md "Session 45"): a call the caller reads between its nodes is split
+# in two and outlined (64 decoder calls a 32 + 16 model left inlined), and a warm hit compiled by Inductor rebuilds
+# only its inputs' and outputs' fake values where Inductor's FX graph cache hits. In order:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s44-check   # the multimodal GPU test (its
-#       vision encoder must compile once now), the decode rows twice (near-ties or a replay problem?)
-#   call 2: bash tools/gpu_campaign.sh s43-outline           # issue 18: the outlining on the GPU again
-#   call 3: bash tools/gpu_campaign.sh s43-outline-compile   # issue 18: the compile time it keeps
-#   call 4: bash tools/gpu_campaign.sh s42-compile-profile   # issue 18: where the first run's 25 s go (pstats)
+#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s45-outline   # the split calls on the GPU:
+#       the multimodal GPU test outlined, the outlined decode rows twice (with and without the MoE fused)
+#   call 2: bash tools/gpu_campaign.sh s45-compile   # issue 18: cold + warm at 32 + 16, flat (the warm start's
+#       fake values) and outlined (cold: what the split calls save)
+#   call 3: bash tools/gpu_campaign.sh s45-first-run  # issue 18: the cold first run with Inductor's pointwise
+#       config benchmarking off
 #   then s36-compile (issue 18 full depth), s35-vision-large (issue 14), s35-topk's WARP_VOTE timing parts, and
 #   s34-sparse-row's numerics and decode parts.
-# Every card so far was an H200 except sessions 38-41, 43 and 44 (H100): compare timings within one run only.
+# Every card so far was an H200 except sessions 38-41 and 43-45 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -386,38 +387,43 @@ s43-check)
   TAIL=4 part gpu_tests_precompile 120 python3 -m pytest -q -p no:logging -rf tests/test_triton_precompile.py -m gpu
   TAIL=8 part decode_rows 240 python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
   ;;
-s44-check)
-  # (after site) session 44's fixes on the GPU: the multimodal GPU test (the vision encoder compiled twice on the
-  # H100: a one-image pack failed a guard from fuse_vision_attention's max-seqlen nodes; fixed on the CPU host),
-  # then the decode rows twice: one dzc cell replayed from a CUDA graph was off (0.25, and 0.107 in a test run)
-  # where eager was not; near-ties move between runs, a replay problem would not.
-  TAIL=4 part gpu_tests_multimodal 200 python3 -m pytest -q -p no:logging -rf tests/test_multimodal_model.py -m gpu
-  for run in 1 2; do
-    TAIL=8 part decode_rows_$run 200 python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
-  done
-  ;;
-s43-outline)
-  # (after site) issue 18: the outlining with session 43's fixes (a read of memory written in place stays in the
-  # graph; each inlined region call binds data-dependent sizes of its own). The multimodal GPU test with the
-  # outlining on, the precompile GPU test (its failure now prints the report's line), and each decode step's error
-  # with the outlining on (dzc, and without CUDA graphs).
+s45-outline)
+  # (after site) the outlining with session 45's split calls (a call the caller reads between its nodes becomes two
+  # outlined parts): the multimodal GPU test with it on, then the outlined decode rows twice (session 45's run of
+  # session 44's code had the first request off by 0.09-0.23 with the MoE unfused, where eager was within 0.01).
   TAIL=4 part gpu_tests_multimodal_outlined 200 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 -m pytest -q -p no:logging \
     -rf tests/test_multimodal_model.py -m gpu
-  TAIL=4 part gpu_tests_precompile 120 python3 -m pytest -q -p no:logging -rf tests/test_triton_precompile.py -m gpu
-  TAIL=6 part decode_outlined 150 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 tools/diagnose_multimodal_decode.py --passes
-  ;;
-s43-outline-compile)
-  # (after site) the cold compile at 32 + 16 layers with the outlining on and off: what the cut at cache reads left
-  # of session 41's 3.2x on Inductor's compile. Last, the decode row without fuse_mxfp4_experts (the MoE as a loop
-  # over experts: data-dependent sizes; it crashed on the CPU host with the outlining on until ed9d436): its own
-  # part, so that a crash ends only it.
-  for knob in 1 0; do
-    TAIL=2 part compile_outline_$knob 200 env DZC_OUTLINE_FOR_INDUCTOR=$knob DZC_DEBUG=1 \
-      python3 tools/bench_compile.py --models multimodal --no-torch --cold-only --layers 32 --vision-layers 16 \
-      --child-logs "$OUT/compile_logs_$knob" --out "$OUT/compile_outline_$knob.md"
+  # A warm hit's Inductor fallback with its fake values rebuilt only where Inductor compiles (session 45).
+  TAIL=4 part gpu_tests_warm 120 python3 -m pytest -q -p no:logging -rf tests/test_frame_cache.py \
+    tests/test_compile_cache.py -m gpu
+  for run in 1 2; do
+    TAIL=8 part decode_outlined_$run 170 env DZC_OUTLINE_FOR_INDUCTOR=1 \
+      python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
   done
-  TAIL=6 part decode_outlined_unfused_moe 150 env DZC_OUTLINE_FOR_INDUCTOR=1 \
-    python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
+  ;;
+s45-compile)
+  # (after site) issue 18 at 32 + 16 layers: flat cold then warm (the warm hit now rebuilds only its inputs' and
+  # outputs' fake values while Inductor's FX graph cache hits; session 44's warm breakdown had 'fallback compile'
+  # 9.4 s under cProfile), then outlined cold only (session 45: 125.7 s with 64 decoder calls left inlined).
+  TAIL=2 part compile_flat 330 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal --no-torch \
+    --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_flat" --out "$OUT/compile_flat.md"
+  TAIL=2 part compile_outline_1 220 env DZC_OUTLINE_FOR_INDUCTOR=1 DZC_DEBUG=1 python3 tools/bench_compile.py \
+    --models multimodal --no-torch --cold-only --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_1" \
+    --out "$OUT/compile_outline_1.md"
+  ;;
+s45-first-run)
+  # (after site) issue 18: is Inductor's first-launch benchmarking of its pointwise kernels' configs what the cold
+  # first run (23.5-25.2 s at 32 + 16) waits on? The cold compile, flat, with triton.autotune_pointwise off in every
+  # process (a sitecustomize on PYTHONPATH: an experiment, not a dzc option), against the same compile as it is.
+  mkdir -p /tmp/no-pointwise-tuning
+  echo 'import torch._inductor.config as c; c.triton.autotune_pointwise = False' \
+    > /tmp/no-pointwise-tuning/sitecustomize.py
+  for variant in as-is no-pointwise-tuning; do
+    extra=$([ "$variant" = as-is ] || echo /tmp/no-pointwise-tuning:)
+    TAIL=2 part "compile_first_run_$variant" 220 env PYTHONPATH="$extra$PYTHONPATH" DZC_DEBUG=1 python3 \
+      tools/bench_compile.py --models multimodal --no-torch --cold-only --layers 32 --vision-layers 16 \
+      --child-logs "$OUT/compile_logs_$variant" --out "$OUT/compile_first_run_$variant.md"
+  done
   ;;
 s42-precompile-decode)
   # (after site) the new DZC_TRITON_PRECOMPILE path's GPU test (the MoE block's kernels compiled ahead, then served
