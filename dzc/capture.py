@@ -571,7 +571,9 @@ def _inputs_and_outputs(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 @contextlib.contextmanager
 def _before_inductor_compiles(values: Callable[[], None] | None):
     """Within it, `values` runs before Inductor generates code for a graph (fx_codegen_and_compile: its FX graph
-    cache missed, or is off), which reads every node's value; a cache hit never calls it."""
+    cache missed, or is off), which reads every node's value; a cache hit never calls it. (Inductor has no hook
+    between its cache lookup and its compile: compile_fx_inner calls that module function by name, in torch 2.11
+    and 2.13 alike.)"""
     if values is None:
         yield
         return

@@ -95,8 +95,9 @@ NESTED_REGIONS = Knob("DZC_NESTED_REGIONS", "1",
 
 # Off by default: on the H100 (session 41) the multimodal model's decode steps came out 30-70% off its fp32 oracle
 # with it on. Session 43 found why (an outlined body's read of the KV cache the graph writes in place) and session 44
-# why the outlined model crashed on the CPU host (bodies giving views of each other); both are fixed, and it stays
-# off until its GPU steps (tools/gpu_campaign.sh s43-outline, s43-outline-compile) pass with them.
+# why the outlined model crashed on the CPU host (bodies giving views of each other); both are fixed. On the H100
+# (session 45) its GPU test passed, but one outlined decode row had a request off in every call: it stays off until
+# tools/gpu_campaign.sh s45-outline's repeated rows tell a near-tie from a wrong answer.
 OUTLINE_FOR_INDUCTOR = Knob("DZC_OUTLINE_FOR_INDUCTOR", "0",
                             "1: hand the repeated layers' calls to Inductor's fallback compile as invoke_subgraph, "
                             "each distinct body lowered once (dzc/outline_regions.py; experimental: its GPU test "
