@@ -579,7 +579,11 @@ def _before_inductor_compiles(values: Callable[[], None] | None):
         return
     from torch._inductor import compile_fx  # noqa: PLC0415 (heavy; only when used)
 
-    compiles = compile_fx.fx_codegen_and_compile
+    compiles = getattr(compile_fx, "fx_codegen_and_compile", None)
+    if compiles is None:  # another torch: every value now
+        values()
+        yield
+        return
 
     def with_values(*args, **kwargs):
         values()
