@@ -25,12 +25,14 @@
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s45-outline   # the split calls on the GPU:
 #       the multimodal GPU test outlined, the outlined decode rows twice (with and without the MoE fused)
-#   call 2: bash tools/gpu_campaign.sh s45-compile   # issue 18: cold + warm at 32 + 16, flat (the warm start's
+#   call 2: bash tools/gpu_campaign.sh s35-vision-large   # issue 14: the large vision pack beside cuDNN (not
+#       timed since session 35; the compile-time steps took the device time since)
+#   call 3: bash tools/gpu_campaign.sh s45-compile   # issue 18: cold + warm at 32 + 16, flat (the warm start's
 #       fake values) and outlined (cold: what the split calls save)
-#   call 3: bash tools/gpu_campaign.sh s45-first-run  # issue 18: the cold first run with Inductor's pointwise
+#   call 4: bash tools/gpu_campaign.sh s45-first-run  # issue 18: the cold first run with Inductor's pointwise
 #       config benchmarking off
-#   then s36-compile (issue 18 full depth), s35-vision-large (issue 14), s35-topk's WARP_VOTE timing parts, and
-#   s34-sparse-row's numerics and decode parts.
+#   then s36-compile (issue 18 full depth), s35-topk's WARP_VOTE timing parts, and s34-sparse-row's numerics and
+#   decode parts.
 # Every card so far was an H200 except sessions 38-41 and 43-45 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
