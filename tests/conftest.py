@@ -43,7 +43,8 @@ FILE_SECONDS = {
     "test_fuse_sparse_attention.py": 25, "test_capture.py": 25, "test_all_reduce_kernel.py": 25,
     "test_warm_compile.py": 20, "test_tilelang_long_context.py": 20, "test_sparse_attention_ws_static.py": 20,
     "test_tilelang_prebuild.py": 15, "test_musa_static_checks.py": 15, "test_musa_runtime.py": 15,
-    "test_faults.py": 15, "test_add_rms_norm_kernels.py": 15, "test_targets.py": 10, "test_fuse_residual_norm.py": 10
+    "test_faults.py": 15, "test_add_rms_norm_kernels.py": 15, "test_failures_now.py": 15, "test_targets.py": 10,
+    "test_fuse_residual_norm.py": 10
 }
 UNMEASURED_FILE_SECONDS = 50
 # Files measured under 8 s (not worth a line above each).
@@ -93,6 +94,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_cpu)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker's collection: the order xdist hands files out in
         _heaviest_files_first(items)
+
+
+def pytest_runtest_logreport(report):
+    """With DZC_TEST_FAILURES_NOW=1 (tools/gpu_campaign.sh sets it), a failed test's report and captured output
+    (its seed) go to stderr as it fails, not only in the summary at the end: a campaign part cut by its time limit
+    still shows why a test failed (session 46 lost a top-k failure that way)."""
+    if report.failed and os.environ.get("DZC_TEST_FAILURES_NOW") == "1":
+        sections = "".join(f"--- {name}\n{text}\n" for name, text in report.sections)
+        sys.stderr.write(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n{sections}")
+        sys.stderr.flush()
 
 
 @pytest.fixture(autouse=True)
