@@ -533,7 +533,7 @@ def _warp_specialized_configs(spec: SparseAttentionSpec, profile: DeviceProfile)
     # FP8 cache: the producer's interleaved column order (FP8_INTERLEAVED=1, its shared-memory stores free of bank
     # conflicts; the untuned choice) beside the plain order (a tuning candidate). bf16 cache: the producer's copies
     # addressed from one base a row (ROW_ADDRESS=1, a tuning candidate: 439 SASS instructions a stage pair in its
-    # loop against 681, static, not timed on a GPU yet) beside the page/slot addressing.
+    # loop against 681; timed in tilelang_default_config) beside the page/slot addressing.
     # FP8 cache with 128+ heads on a target with clusters: CLUSTER=2 beside the interleaved order (FlashMLA's
     # crossover: the two head blocks of a row dequantize half a tile each and copy it into each other's shared
     # memory; numerics passed on an H100 in session 39, the untuned decode choice at one split: configs_for_bucket;
@@ -654,9 +654,11 @@ def tilelang_default_config(spec: SparseAttentionSpec, profile: DeviceProfile) -
     # candidate only (the tuner drops a candidate whose outputs disagree with the untuned default's), not the
     # untuned choice. The FP8 reader's interleaved order is the choice where it fits: on the H200 (64 x 2 rows,
     # 32K context, 1 split) 325 µs against 356 for the plain order (s25-ncu, 2026-12-04; numerics passed in s23-2).
-    # ROW_ADDRESS (the bf16 producer's row-based copy addresses) and BALANCED (FlashMLA's consumer split: 4659 µs
-    # against the untuned kernel's 4629 at the 128-head prefill on an H100, session 40) are tuning candidates; CLUSTER
-    # (the FP8 reader's two-CTA crossover) was timed at decode only (configs_for_bucket).
+    # ROW_ADDRESS (the bf16 producer's row-based copy addresses: at the 128-head prefill 0.97x the untuned kernel on
+    # the H200, session 34, 1.03x on an H100, session 46; 1.01x at decode on that H100: which is faster depends on
+    # the card, so the tuner decides) and BALANCED (FlashMLA's consumer split: 4659 µs against the untuned kernel's
+    # 4629 at the 128-head prefill on an H100, session 40) are tuning candidates; CLUSTER (the FP8 reader's two-CTA
+    # crossover) was timed at decode only (configs_for_bucket).
     verified = spec.heads % _WS_BLOCK == 0
     return max(prefill, key=lambda c: (_warp_specialized(c) and verified, dict(c.params).get("FP8_INTERLEAVED", 0),
                                        not dict(c.params).get("ROW_ADDRESS", 0), not dict(c.params).get("CLUSTER", 0),
