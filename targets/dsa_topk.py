@@ -194,9 +194,11 @@ TILELANG_CACHED_SWEEPS = (8192, 16384)
 # The second sweep (the candidates and the bitmap of the keys above them) by warp votes (the template's warp_vote):
 # ballots give the bitmap's words and one atomic add a warp and sweep step the candidates' slots. Session 34 (H200,
 # 32K rows, phase stamps): that sweep took 4.2 of the block's 14.2 µs reading keys from shared memory, bound by its
-# per-key work (shared atomics among it), not bytes. Only where a warp is 32 lanes (one bitmap word); a tuning
-# candidate beside its twin without it (the cached keys at TILELANG_VOTE_SWEEP positions in flight: each span's
-# untuned choice), not yet timed.
+# per-key work (shared atomics among it), not bytes. Only where a warp is 32 lanes (one bitmap word), beside its twin
+# without it (the cached keys at TILELANG_VOTE_SWEEP positions in flight). Timed on an H100 (session 46, 128 rows,
+# beside that twin in one run): 9.5 / 8.9 / 11.0 / 15.4 µs at 4K / 8K / 16K / 32K against 9.8 / 9.5 / 11.3 / 15.5,
+# so the untuned choice where the span is within the cached keys; not timed past them (the 128K span keeps the
+# speculative buffer).
 TILELANG_VOTE_SWEEP = 8192
 # The second sweep over the row replaced by one over a speculative buffer (the template's speculate): the first
 # sweep step's histogram estimates the threshold bin, and the first sweep keeps every key from there up, with its
@@ -250,7 +252,7 @@ def tilelang_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelCo
                                                      SWEEP=TILELANG_VOTE_SWEEP, RADIX_BITS=TILELANG_WIDE_RADIX_BITS,
                                                      CACHE=TILELANG_CACHE, WARP_VOTE=1))
         if profile.warp_size == 32:  # the span's untuned choice with the speculative buffer, where it is legal
-            spans = [c for c in configs if c["WIDTH"] == width
+            spans = [c for c in configs if c["WIDTH"] == width and not dict(c.params).get("WARP_VOTE")
                      and tilelang_config_legal(profile, c, tilelang_shared_memory_bytes(spec, c), spec.dtypes)]
             if spans:
                 chosen = max(spans, key=_preference)
@@ -272,13 +274,17 @@ def tilelang_default_config(spec: DsaTopkSpec, profile: DeviceProfile) -> Kernel
 
 
 def _preference(config: KernelConfig) -> tuple:
-    """Within a span: the most threads, cached keys, 10-bit rounds, the fewest positions in flight, no warp votes
-    (not yet timed), the speculative buffer where the span is wider than the cached keys (measured faster there:
-    TILELANG_SPECULATE_BUFFER; not timed within the cache)."""
+    """Within a span: the most threads, cached keys, 10-bit rounds, the fewest positions in flight, warp votes where
+    the span is within the cached keys (measured faster there: TILELANG_VOTE_SWEEP; not timed past them), the
+    speculative buffer where the span is wider than the cached keys (measured faster there:
+    TILELANG_SPECULATE_BUFFER; not timed within the cache). The speculative buffer is offered on the span's choice
+    without votes (the pair measured), so the two never meet in one config."""
     params = dict(config.params)
-    speculate = params.get("SPECULATE", 0) * (1 if config["WIDTH"] > params.get("CACHE", 0) else -1)
+    within = config["WIDTH"] <= params.get("CACHE", 0)
+    vote = params.get("WARP_VOTE", 0) * (1 if within else -1)
+    speculate = params.get("SPECULATE", 0) * (-1 if within else 1)
     return (config["THREADS"], "CACHE" in params, params.get("RADIX_BITS") == TILELANG_WIDE_RADIX_BITS,
-            -config["SWEEP"], -params.get("WARP_VOTE", 0), speculate)
+            -config["SWEEP"], vote, speculate)
 
 
 def tilelang_configs_for_bucket(bucket: int, configs: list[KernelConfig],

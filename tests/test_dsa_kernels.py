@@ -791,8 +791,8 @@ def test_tilelang_topk_source_and_configs(profile):
     default = dsa_topk.tilelang_default_config(TOPK_SPEC, profile)
     assert configs and default in configs
     assert not any("PHASE_STAMPS" in dict(c.params) for c in configs)  # a diagnostic build, never tuned
-    # Warp votes: tuning candidates only (not yet timed), only where a warp is one 32-bit bitmap word, each the twin
-    # of a legal config without them
+    # Warp votes: only where a warp is one 32-bit bitmap word, each the twin of a legal config without them, never
+    # in the default (the widest span, past the cached keys)
     votes = [c for c in configs if dict(c.params).get("WARP_VOTE")]
     assert not votes or profile.warp_size == 32
     assert {dict(c.params).get("WARP_VOTE") for c in votes} <= {1} and "WARP_VOTE" not in dict(default.params)
@@ -809,7 +809,7 @@ def test_tilelang_topk_source_and_configs(profile):
     for config in speculative:
         twin = KernelConfig.make(config.num_warps, config.num_stages,
                                  **{n: v for n, v in config.params if not n.startswith("SPECULATE")})
-        without = [c for c in configs if not dict(c.params).get("SPECULATE")]
+        without = [c for c in configs if not dict(c.params).get("SPECULATE") and not dict(c.params).get("WARP_VOTE")]
         assert twin == dsa_topk.configs_for_bucket(TOPK_SPEC, profile, config["WIDTH"], without, default)[1], config
     if profile is SM_90:
         assert sorted(c["WIDTH"] for c in speculative) == list(dsa_topk.TILELANG_WIDTHS)
@@ -818,8 +818,12 @@ def test_tilelang_topk_source_and_configs(profile):
         assert chosen in candidates and set(candidates) <= set(configs), bucket
         assert len({c["WIDTH"] for c in candidates}) == 1, bucket
         assert (chosen["THREADS"], chosen["SWEEP"]) == (default["THREADS"], default["SWEEP"]), bucket
-        assert "WARP_VOTE" not in dict(chosen.params), bucket
         wider = chosen["WIDTH"] > dict(chosen.params).get("CACHE", 0)
+        # votes where the span is within the cached keys (timed faster there), the speculative buffer past them
+        assert bool(dict(chosen.params).get("WARP_VOTE")) == (not wider and any(c["WIDTH"] == chosen["WIDTH"]
+                                                                               for c in votes)), bucket
+        if profile is SM_90:
+            assert bool(dict(chosen.params).get("WARP_VOTE")) == (bucket <= 32768), bucket
         assert bool(dict(chosen.params).get("SPECULATE")) == (wider and any(c["WIDTH"] == chosen["WIDTH"]
                                                                           for c in speculative)), bucket
         if profile is SM_90:
