@@ -379,24 +379,6 @@ s43-check)
   TAIL=4 part gpu_tests_precompile 120 python3 -m pytest -q -p no:logging -rf tests/test_triton_precompile.py -m gpu
   TAIL=8 part decode_rows 240 python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
   ;;
-s46-sparse-row)
-  # (after site) issue 14, the two static-only candidates waiting since sessions 33-34, split over two calls (each
-  # under the 600 s call limit): session 33's ROW_ADDRESS=1 sparse producer, numerics then the prefill A/B beside
-  # the public pipelined kernel.
-  TAIL=6 part gpu_tests_sparse_row 280 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_dsa_kernels.py \
-    -k "warp_specialized_sparse_attention_on_gpu and (row or 128h-prefill) and not fp8"
-  TAIL=12 part sparse_row_prefill 240 python3 tools/diagnose_sparse_attention_configs.py --variants prefill \
-    --codegen tilelang --match ROW_ADDRESS=1 --public .public-kernels/deepseek_v32
-  ;;
-s46-topk)
-  # (after s46-sparse-row, on the same machine) the ROW_ADDRESS=1 decode A/B, then session 34's WARP_VOTE=1 top-k:
-  # every TileLang top-k config's GPU numerics, then each vote config timed beside its twin.
-  TAIL=12 part sparse_row_decode 170 python3 tools/diagnose_sparse_attention_configs.py --variants decode \
-    --codegen tilelang --match ROW_ADDRESS=1 SPLITS=1
-  TAIL=6 part gpu_tests_topk 230 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_dsa_kernels.py \
-    -k "tilelang_topk_matches_reference_on_gpu"
-  TAIL=12 part topk_vote_configs 150 python3 tools/diagnose_dsa_topk_configs.py --match WARP_VOTE=1
-  ;;
 s47-topk-flake)
   # (after site) issue 14: session 46's one failure of the top-k config threads512-width131072-sweep8192-radix8-cache0
   # (its output lost to the part's time limit; 13 seeded reruns passed): the 128K configs without cached keys, one
