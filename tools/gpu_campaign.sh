@@ -30,7 +30,7 @@
 #   call 3: bash tools/gpu_campaign.sh s35-vision-large   # issue 14: the large vision pack beside cuDNN
 #   call 4: bash tools/gpu_campaign.sh s45-compile   # issue 18: cold + warm at 32 + 16, flat and outlined
 #   then s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
-#   s36-compile (issue 18 full depth), s35-topk's phase part (votes at 32K and 128K).
+#   s36-compile (issue 18 full depth), s35-topk (the top-k's phases with and without votes, 32K and 128K).
 # Every card so far was an H200 except sessions 38-41 and 43-46 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
@@ -504,14 +504,10 @@ sys.argv = ['tools/bench_compile.py', '--child', 'dzc', '--model', 'multimodal',
 runpy.run_path('tools/bench_compile.py', run_name='__main__')"
   ;;
 s35-topk)
-  # (after wheels-1 and wheels-2) issue 14: session 34's WARP_VOTE=1 top-k (the second sweep by warp ballots; static
-  # only): every TileLang top-k config's GPU numerics, the vote twins included, then each config timed at 4K-32K
-  # positions beside its twin, then the phases with and without the vote at 32K and 128K.
-  TAIL=6 part gpu_tests_topk 240 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_dsa_kernels.py \
-    -k "tilelang_topk_matches_reference_on_gpu"
-  TAIL=12 part topk_vote_configs 150 python3 tools/diagnose_dsa_topk_configs.py --match WARP_VOTE=1
-  TAIL=60 part topk_vote_phases 200 python3 tools/diagnose_dsa_topk_phases.py --lengths 32768 131072 \
-    --match WARP_VOTE=1
+  # (after site) issue 14: the phases of the untuned top-k beside its twin with or without warp votes (session 46
+  # made votes the untuned choice within the cached keys on its configs' timing alone), at 32K and 128K.
+  TAIL=60 part topk_vote_phases 300 python3 tools/diagnose_dsa_topk_phases.py --lengths 32768 131072 \
+    --match WARP_VOTE=1 "CACHE=32768 CANDIDATES=4096 RADIX_BITS=10 SWEEP=8192 THREADS=1024 WIDTH"
   ;;
 s35-compile)
   # (after wheels-1: dzc installed) issue 18: the goal's measurement, cold compile of the reference multimodal model
