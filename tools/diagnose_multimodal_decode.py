@@ -9,7 +9,8 @@ every prefill matched (eager: 1-8%), in 3 runs of 3 with the repeated layers out
 (DZC_OUTLINE_FOR_INDUCTOR=1) and in none with it off; the CPU host (Triton's interpreter, Inductor's C++ backend
 with --fallback inductor) matches either way. The requests and steps are the test's. One call off by 30% alone
 can be a near-tie (a DSA top-k or router choice flipping at a bf16 rounding); a wrong rewrite is off in every
-decode step.
+decode step. Every row gets the same images and tokens (from --seed); before session 46 each row drew its own from
+the global generator, so its rows were not comparable with each other.
 """
 from __future__ import annotations
 
@@ -92,11 +93,14 @@ def errors(seed: int, options: dzc.CompileOptions | None, device: str,
     if keys is not None and options is not None and session.decoder._cuda_graphs is not None:
         log = session.decoder._cuda_graphs = KeyLog(session.decoder._cuda_graphs)
     out = []
+    # Every row the same images and tokens (the rows are compared with each other; session 46 found each row
+    # drawing its own from the global generator).
+    inputs_rng = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for sequence, ((grids, text), steps) in enumerate(zip(REQUESTS, DECODE_STEPS)):
-            images = pack_images(grids, CFG.vision, torch.bfloat16)
+            images = pack_images(grids, CFG.vision, torch.bfloat16, generator=inputs_rng)
             images = ImagePack(*(t.to(device) for t in images.inputs()))
-            input_ids = request_ids(CFG, grids, text).to(device)
+            input_ids = request_ids(CFG, grids, text, generator=inputs_rng).to(device)
             calls = [("prefill", (sequence, input_ids, images))]
             for call in range(1 + steps):
                 step, args = calls[-1]
