@@ -26,7 +26,7 @@
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s47-topk-flake   # issue 14: the top-k
 #       config that failed once, seed after seed, its failure kept
 #   call 2: bash tools/gpu_campaign.sh s45-outline   # issue 18: session 45's split calls on the GPU: the
-#       multimodal GPU test outlined, the outlined decode rows twice (with and without the MoE fused)
+#       multimodal GPU test outlined, the decode rows outlined and flat on the same inputs
 #   call 3: bash tools/gpu_campaign.sh s35-vision-large   # issue 14: the large vision pack beside cuDNN
 #   call 4: bash tools/gpu_campaign.sh s45-compile   # issue 18: cold + warm at 32 + 16, flat and outlined
 #   then s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
@@ -395,15 +395,17 @@ s47-topk-flake)
   ;;
 s45-outline)
   # (after site) the outlining with session 45's split calls (a call the caller reads between its nodes becomes two
-  # outlined parts): the multimodal GPU test with it on, then the outlined decode rows twice (session 45's run of
-  # session 44's code had the first request off by 0.09-0.23 with the MoE unfused, where eager was within 0.01).
+  # outlined parts): the multimodal GPU test with it on, then the decode rows outlined and flat (session 45's run
+  # had the outlined MoE-unfused row's first request off by 0.09-0.23, on other inputs than eager's row).
   TAIL=4 part gpu_tests_multimodal_outlined 200 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 -m pytest -q -p no:logging \
     -rf tests/test_multimodal_model.py -m gpu
   # A warm hit's Inductor fallback with its fake values rebuilt only where Inductor compiles (session 45).
   TAIL=4 part gpu_tests_warm 120 python3 -m pytest -q -p no:logging -rf tests/test_frame_cache.py \
     tests/test_compile_cache.py -m gpu
-  for run in 1 2; do
-    TAIL=8 part decode_outlined_$run 170 env DZC_OUTLINE_FOR_INDUCTOR=1 \
+  # The decode rows outlined and flat, one process each: since session 46 every row and run gets the same images
+  # and tokens (before, each row drew its own), so the two tables compare call by call.
+  for outline in 1 0; do
+    TAIL=8 part decode_outline_$outline 170 env DZC_OUTLINE_FOR_INDUCTOR=$outline \
       python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
   done
   ;;
