@@ -40,7 +40,9 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 # Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
 # (OVERLAP=1's numerics passed on an H100 in session 39.)
-UNVALIDATED = ()
+UNVALIDATED = (
+    ({"LONGEST_FIRST": 1}, "the segments' programs in order of length, longest first: never ran on a GPU"),
+)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -516,7 +518,7 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
     128-thread group (a Hopper warpgroup) 64 query rows. Then, where it fits, the warp-specialized kernel
     (WARP_SPECIALIZED=1: 128 query rows, 384 threads) with 64-, 128- and 176-key blocks, its two consumer
     warpgroups issuing their MMAs together or taking turns (PINGPONG=1); last, each 128-key-block one with OVERLAP=1
-    (overlap_problem)."""
+    (overlap_problem), and each 128- or 176-key-block one with LONGEST_FIRST=1 (segments_longest_first)."""
     if not tilelang_supports(spec):
         return []
     configs = []
@@ -542,12 +544,26 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
                                            **extra)
                 if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                     configs.append(config)
-        # Tuning candidates, never the untuned choice (not timed yet): the 128-key-block kernels with OVERLAP=1.
-        for config in [c for c in configs if _warp_specialized(c) and c["BLOCK_N"] == 128]:
+        # Tuning candidates, never the untuned choice: the 128-key-block kernels with OVERLAP=1 (slower than their
+        # twins on an H100, session 39), then each warp-specialized kernel of 128- or 176-key blocks with
+        # LONGEST_FIRST=1 (not timed yet).
+        plain = [c for c in configs if _warp_specialized(c)]
+        for config in [c for c in plain if c["BLOCK_N"] == 128]:
             overlapped = KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), OVERLAP=1)
             if not overlap_problem(spec, profile, overlapped):
                 configs.append(overlapped)
+        configs += [KernelConfig.make(c.num_warps, c.num_stages, **dict(c.params), LONGEST_FIRST=1)
+                    for c in plain if c["BLOCK_N"] >= 128]
     return configs
+
+
+def segments_longest_first(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """LONGEST_FIRST=1's segment_order: the segment indices by length, longest first (int32, on cu_seqlens'
+    device, no host sync). The kernel's grid takes segments in this order, so that the programs of the longest
+    segments start first and the short ones fill the last wave. In segment order, a pack whose longest image
+    comes last (or a head's last programs, heads being the grid's slowest axis) leaves the longest programs for
+    the end, a few SMs running them while the rest idle: FlashAttention-3 orders its varlen batches the same way."""
+    return torch.argsort(cu_seqlens[1:] - cu_seqlens[:-1], descending=True).to(torch.int32)
 
 
 def overlap_problem(spec: VarlenAttentionSpec, profile: DeviceProfile, config: KernelConfig) -> str | None:
@@ -633,7 +649,8 @@ def tilelang_default_config(spec: VarlenAttentionSpec, profile: DeviceProfile) -
     split = (spec.head_dim * spec.dtype.itemsize) % 32 != 0 and _splits_columns(spec)
     for candidate in configs:
         params = dict(candidate.params)
-        if (_warp_specialized(candidate) and candidate["BLOCK_N"] == 128
+        if (_warp_specialized(candidate) and candidate["BLOCK_N"] == 128 and not params.get("OVERLAP")
+                and not params.get("LONGEST_FIRST")
                 and params.get("PINGPONG", 0) == params.get("SPLIT_COLUMNS", 0) == split):
             return candidate
     for block_m, block_n, threads in ((128, 64, 256), (64, 64, 128)):
@@ -657,14 +674,15 @@ def tilelang_shared_memory_bytes(spec: VarlenAttentionSpec, config: KernelConfig
 
 
 def tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, _cu_seqlens_k, _query_pos,
-                              _window, _sinks, out) -> tilelang_codegen.LaunchArguments:
-    """What tilelang_launch calls the kernel with: q, k, v, cu_seqlens, cos and sin where the kernel has rotary
-    embedding, out, max_seqlen, sm_scale (the text decoders' parts are absent stand-ins, see tilelang_launch). The
+                              _window, _sinks, out, segment_order=None) -> tilelang_codegen.LaunchArguments:
+    """What tilelang_launch calls the kernel with: q, k, v, cu_seqlens, segment_order where the kernel is
+    LONGEST_FIRST=1's, cos and sin where it has rotary embedding, out, max_seqlen, sm_scale (the text decoders'
+    parts are absent stand-ins, see tilelang_launch). The
     kernel is compiled for dense [tokens, heads, head_dim] tensors at 16-byte-aligned bases and vectorises on both,
     so other inputs (the token-strided slices of a fused qkv projection, offset views) are copied, and such an
     output is computed into a temporary that is copied back."""
     # The grid's width comes from max_seqlen; the kernel strides over longer segments, so it only has to be >= 1.
-    return tilelang_codegen.launch_arguments((q, k, v, cu_seqlens, cos, sin), (out,),
+    return tilelang_codegen.launch_arguments((q, k, v, cu_seqlens, segment_order, cos, sin), (out,),
                                              (max(int(max_seqlen), 1), float(sm_scale)))
 
 
@@ -681,6 +699,7 @@ def tilelang_launch(compiled, config: KernelConfig, q, k, v, cu_seqlens, max_seq
         rotation = compiled.kernel_for(_rotation_config(config))
         tilelang_codegen.launch_arguments((q, k, cos, sin), rotated).launch(rotation)
         (q, k), cos, sin = rotated, None, None
+    order = segments_longest_first(cu_seqlens) if dict(config.params).get("LONGEST_FIRST") else None
     arguments = tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, _cu_seqlens_k,
-                                          _query_pos, _window, _sinks, out)
+                                          _query_pos, _window, _sinks, out, order)
     arguments.launch(compiled.kernel_for(config))

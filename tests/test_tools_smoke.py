@@ -41,6 +41,10 @@ SMOKE = {
     "bench_multimodal.py": (["--dry-run", "--quick"], "dry run: 2 decoder layers"),
     "bench_vision_attention.py": (["--dry-run", "--quick", "--musa-legal", "--codegens", "triton", "auto"],
                                   "dry run: d=80 rope=False auto: dzc's tuner (untuned)"),
+    # An A/B of LONGEST_FIRST=1 (campaign step s47-vision-lpt): the default and the twins.
+    "bench_vision_attention.py --match": (["--dry-run", "--head-dims", "128", "--packs", "mixed", "large",
+                                           "--codegens", "tilelang", "--match", "LONGEST_FIRST=1"],
+                                          "dry run: d=128 rope=False tilelang: 5 configs, packs ['mixed', 'large']"),
     "bench_windowed_attention.py": (["--dry-run", "--quick"], "dry run: decode 64x1 over 8192 window 128"),
     "diagnose_overhead.py": (["--dry-run", "--hidden", "64"], "dry run: H=64"),
     # Runs for real: the MoE layer's breakdown through the interpreter (a second entry of a tool: "<tool> <mode>").

@@ -473,9 +473,9 @@ def test_warp_specialized_configs_on_wgmma_targets_only():
     untuned choice (128-key blocks, no ping-pong, unsplit), with RoPE too, whose launch then runs the rotation kernel
     (PART=1) first, except at head dim 72 in 16-bit (144-byte rows, not whole 32-byte sectors), where it is split
     columns with ping-pong (measured faster there); never on targets without wgmma/TMA (sm_80, MUSA)."""
-    def specialized(spec, profile):  # OVERLAP=1's configs: tests/test_varlen_attention_overlap.py
+    def specialized(spec, profile):  # the OVERLAP=1 and LONGEST_FIRST=1 twins have test files of their own
         return [c for c in family.tilelang_configs(spec, profile) if dict(c.params).get("WARP_SPECIALIZED")
-                and not dict(c.params).get("OVERLAP")]
+                and not dict(c.params).get("OVERLAP") and not dict(c.params).get("LONGEST_FIRST")]
 
     for head_dim in (72, 80, 128):
         for rope in (None, FP32, BF16):
@@ -669,14 +669,16 @@ def test_tilelang_on_gpu(case_id, seed, tmp_path):
     kernels = tilelang_codegen.load(family, path, spec, SM_90)
     args = make_pack(case, seed, strided=True)
     expected = varlen_attention_reference(*args)
-    # The default, the warp-specialized kernels and the pipelined kernel's 128 x 64 tile; on the first case also
-    # the smallest tile (each config is an nvcc compile of ~10-30 s).
+    # The default, the warp-specialized kernels (but LONGEST_FIRST=1's twins: test_varlen_attention_longest_first.py)
+    # and the pipelined kernel's 128 x 64 tile; on the first case also the smallest tile (each config is an nvcc
+    # compile of ~10-30 s).
     legal = family.tilelang_configs(spec, SM_90)
     configs = [family.tilelang_default_config(spec, SM_90)]
     if case_id == FIRST_GPU_CASE:
         configs.append(legal[0])
-    configs += [c for c in legal if c not in configs and (dict(c.params).get("WARP_SPECIALIZED") or (
-        c["BLOCK_M"], c["BLOCK_N"], c["THREADS"], c["NUM_STAGES"]) == (128, 64, 256, 2))]
+    configs += [c for c in legal if c not in configs and not dict(c.params).get("LONGEST_FIRST") and (
+        dict(c.params).get("WARP_SPECIALIZED") or (
+            c["BLOCK_M"], c["BLOCK_N"], c["THREADS"], c["NUM_STAGES"]) == (128, 64, 256, 2))]
     for config in configs:
         # The first config also runs with max_seqlen far below the longest segment (blocks must stride on).
         for max_seqlen in (args[4], 64) if config == configs[0] else (args[4],):
@@ -695,13 +697,15 @@ POISON_CHECKED_LENGTHS = (100, 1, 257, 7, 2304, 130)
 POISON_TOKENS = 200
 # (head_dim, dtype, rope, which TileLang configs): the warp-specialized kernel's default (128-key blocks), its
 # 176-key blocks (a v tile of more rows than its producer has threads) with RoPE (the rotation kernel first), and
-# the pipelined kernel's 128 x 64 tile with RoPE (its partial block rotated element-wise); 5 TileLang builds in all.
+# the pipelined kernel's 128 x 64 tile with RoPE (its partial block rotated element-wise), split columns, and the
+# default's OVERLAP=1 and LONGEST_FIRST=1 twins; 7 TileLang builds in all.
 POISON_CASES = {
     "d80-bf16": (80, BF16, False, "default"),
     "d72-fp16-rope": (72, FP16, True, "warp-specialized-176"),
     "d128-bf16-rope": (128, BF16, True, "pipelined-128x64"),
     "d72-bf16-split": (72, BF16, False, "split-columns"),
     "d128-bf16-overlap": (128, BF16, False, "overlap"),  # OVERLAP=1 (session 38), the untuned choice's twin
+    "d80-bf16-longest-first": (80, BF16, False, "longest-first"),  # LONGEST_FIRST=1 (session 47), the same
 }
 
 
@@ -740,9 +744,10 @@ def _poison_tilelang_config(spec, which):
         return family.tilelang_default_config(spec, SM_90)
     if which == "split-columns":  # its partial v tile's rows zeroed in both the low and the high tile
         return next(c for c in configs if dict(c.params).get("SPLIT_COLUMNS") and not dict(c.params).get("PINGPONG"))
-    if which == "overlap":
+    if which in ("overlap", "longest-first"):
         default = family.tilelang_default_config(spec, SM_90)
-        return next(c for c in configs if dict(c.params) == {**dict(default.params), "OVERLAP": 1})
+        knob = {"overlap": "OVERLAP", "longest-first": "LONGEST_FIRST"}[which]
+        return next(c for c in configs if dict(c.params) == {**dict(default.params), knob: 1})
     if which == "warp-specialized-176":
         return next(c for c in configs if dict(c.params).get("WARP_SPECIALIZED") and c["BLOCK_N"] == 176
                     and not dict(c.params).get("PINGPONG"))

@@ -1,6 +1,6 @@
 """Benchmark dzc's varlen_attention kernels (Triton, TileLang) against per-image baselines, in one run, on a GPU.
 
-    python tools/bench_vision_attention.py [--quick] [--musa-legal] [--out results.md]
+    python tools/bench_vision_attention.py [--quick] [--musa-legal] [--match KEY=VALUE ...] [--out results.md]
 
 Vision-encoder attention over packed images: 16 heads, head dims 72 (MoonViT), 80 (Qwen2.5-VL) and 128
 (InternViT-6B), bf16.
@@ -18,7 +18,9 @@ dzc kernels are tuned here over their configs (--musa-legal: only configs legal 
 <= 8 warps, 72 KiB shared memory — to validate the MUSA algorithm on the H200); the best config is reported.
 `--codegens auto` adds what a user of dzc.compile gets: the op lowered as a compiled graph lowers it (codegen
 "auto", dzc's autotuner choosing across Triton's configs and the TileLang kernel, its tuning database under
---work-dir), called through the dzc op; the chosen codegen and config are reported.
+--work-dir), called through the dzc op; the chosen codegen and config are reported. --match KEY=VALUE ...: of the
+configs, only the untuned default and those with every such parameter (an A/B of a candidate against the default,
+e.g. --match LONGEST_FIRST=1). A codegen's TileLang kernels build in child processes, all at once, before timing.
 TFLOP/s counts the useful FLOPs Σ 4·L²·D·H (non-causal); window layers are also judged by bandwidth (q, k, v,
 out bytes, + cos/sin with --rope). Every variant's output is checked against dzc's plain-torch reference once
 before timing. Times: triton.testing.do_bench medians (L2 flushed between calls).
@@ -150,8 +152,10 @@ def shortlisted(configs: list[KernelConfig], shortlist: list[dict], default: Ker
     return chosen
 
 
-def dzc_configs(codegen: str, spec, full_tune: bool, musa_legal: bool) -> list[KernelConfig]:
-    """Configs to time on the H200: legal on sm_90, and with --musa-legal also emitted for and legal on mp_22."""
+def dzc_configs(codegen: str, spec, full_tune: bool, musa_legal: bool, match: dict | None = None,
+                ) -> list[KernelConfig]:
+    """Configs to time on the H200: legal on sm_90, and with --musa-legal also emitted for and legal on mp_22; with
+    `match`, the default and those with every such parameter (absent parameters read 0)."""
     legal, _ = legal_configs(family, codegen, spec, SM_90)
     default = getattr(family, f"{codegen}_default_config")(spec, SM_90)
     if musa_legal:
@@ -163,9 +167,11 @@ def dzc_configs(codegen: str, spec, full_tune: bool, musa_legal: bool) -> list[K
             legal = [c for c in legal if c in musa]
         default = getattr(family, f"{codegen}_default_config")(spec, MP_22)
         default = next((c for c in legal if c.params == default.params), default)
-    if full_tune:
-        return legal
-    return shortlisted(legal, TRITON_SHORTLIST if codegen == "triton" else TILELANG_SHORTLIST, default)
+    chosen = legal if full_tune else shortlisted(legal, TRITON_SHORTLIST if codegen == "triton"
+                                                  else TILELANG_SHORTLIST, default)
+    if match:
+        chosen = [c for c in chosen if c == default or all(dict(c.params).get(k, 0) == v for k, v in match.items())]
+    return chosen
 
 
 class DzcKernel:
@@ -240,9 +246,15 @@ def main():
     parser.add_argument("--musa-legal", action="store_true", help="only configs legal on MUSA mp_22")
     parser.add_argument("--work-dir", default="/tmp/dzc-bench-vision-attention")
     parser.add_argument("--out", help="write the markdown table here too")
+    parser.add_argument("--match", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="only the default and the configs with every such parameter")
     parser.add_argument("--dry-run", action="store_true",
                         help="no GPU: check the arguments, build what needs no device, print the plan")
     args = parser.parse_args()
+    try:
+        match = {key: int(value) for key, value in (item.split("=", 1) for item in args.match)}
+    except ValueError:
+        parser.error(f"--match takes KEY=INTEGER pairs, got {args.match}")
     if args.quick:
         args.head_dims, args.packs = [80], [p for p in args.packs if p in QUICK_PACKS]
     if not set(args.codegens) <= {"triton", "tilelang", "auto"}:
@@ -256,7 +268,7 @@ def main():
                         print(f"dry run: d={head_dim} rope={rope} auto: dzc's tuner ("
                               f"{'untuned' if args.quick else 'tuned'}), packs {args.packs}")
                         continue
-                    candidates = dzc_configs(codegen, spec, args.full_tune, args.musa_legal)
+                    candidates = dzc_configs(codegen, spec, args.full_tune, args.musa_legal, match)
                     print(f"dry run: d={head_dim} rope={rope} {codegen}: "
                           f"{len(candidates[:1] if args.quick else candidates)} configs, packs {args.packs}")
         return
@@ -297,9 +309,12 @@ def main():
                         notes.append(f"{name} d={head_dim} rope={rope} {pack}: {str(err).splitlines()[0][:160]}")
                 for codegen, kernel in kernels.items():
                     name = f"dzc[{codegen}]"
-                    candidates = dzc_configs(codegen, spec, args.full_tune, args.musa_legal)
+                    candidates = dzc_configs(codegen, spec, args.full_tune, args.musa_legal, match)
                     if args.quick:
                         candidates = candidates[:1]
+                    if codegen == "tilelang":  # built in parallel (children), not one after another while timing
+                        kernel.compiled.prebuild(factory for c in candidates for factory in
+                                                 tilelang_codegen.factory_configs(family, spec, c).values())
                     try:
                         config, seconds, failures = tune(kernel, candidates, inputs, expected, lengths)
                     except RuntimeError as err:  # every config failed: say so in the table's notes, go on

@@ -23,10 +23,10 @@
 # untuned choice; one top-k config failed once, unexplained (docs/results/dsa_topk_parts_h200.md). Session 45's
 # list did not run. In order:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s47-topk-flake   # issue 14: the top-k
-#       config that failed once, seed after seed, its failure kept
-#   call 2: bash tools/gpu_campaign.sh s45-outline   # issue 18: session 45's split calls on the GPU: the
-#       multimodal GPU test outlined, the decode rows outlined and flat on the same inputs
+#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s45-outline   # issue 18: session 45's split
+#       calls on the GPU: the multimodal GPU test outlined, the decode rows outlined and flat on the same inputs
+#   call 2: bash tools/gpu_campaign.sh s47-vision-lpt   # issue 14: LONGEST_FIRST=1's numerics, then its A/B
+#   then s47-topk-flake (issue 14: the top-k config that failed once, seed after seed, its failure kept)
 #   call 3: bash tools/gpu_campaign.sh s35-vision-large   # issue 14: the large vision pack beside cuDNN
 #   call 4: bash tools/gpu_campaign.sh s45-compile   # issue 18: cold + warm at 32 + 16, flat and outlined
 #   then s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
@@ -378,6 +378,21 @@ s43-check)
     tests/test_fuse_mxfp4_experts.py tests/test_dsa_models.py -m gpu
   TAIL=4 part gpu_tests_precompile 120 python3 -m pytest -q -p no:logging -rf tests/test_triton_precompile.py -m gpu
   TAIL=8 part decode_rows 240 python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
+  ;;
+s47-vision-lpt)
+  # (after site) issue 14: LONGEST_FIRST=1 (session 47: the varlen kernel's grid takes the segments longest first,
+  # so that a pack's longest images do not fill the last wave), never run on a GPU: its numerics first (every GPU
+  # case of the kernel tests, poisoned neighbours), then, only if those pass, the default and the twins at head dims
+  # 72, 80 and 128 beside cuDNN on the mixed and large packs.
+  TAIL=8 part gpu_tests_varlen_longest_first 300 python3 -m pytest -q -p no:logging -rf -m gpu \
+    tests/test_varlen_attention_longest_first.py \
+    "tests/test_varlen_attention_kernels.py::test_kernels_ignore_nan_and_inf_in_other_segments[d80-bf16-longest-first]"
+  if grep -qE "[0-9]+ passed" "$OUT/gpu_tests_varlen_longest_first.log" \
+      && ! grep -qE "[0-9]+ (failed|errors?)\b" "$OUT/gpu_tests_varlen_longest_first.log"; then
+    TAIL=40 part bench_vision_longest_first 420 python3 tools/bench_vision_attention.py --head-dims 72 80 128 \
+      --packs mixed large --codegens tilelang --no-compile-baseline --match LONGEST_FIRST=1 \
+      --work-dir /tmp/dzc-vision-lpt --out "$OUT/vision_attention_longest_first.md"
+  fi
   ;;
 s47-topk-flake)
   # (after site) issue 14: session 46's one failure of the top-k config threads512-width131072-sweep8192-radix8-cache0

@@ -1,0 +1,136 @@
+"""LONGEST_FIRST=1 of the warp-specialized varlen attention kernel (issue 14, session 47): its grid takes the
+segments longest first (an order the launch computes on the device), so that a pack's longest images do not fill
+the last wave. Where it is offered, the order it is given, and its lowering for sm_90a (no GPU). Its GPU numerics
+are cases of tests/test_varlen_attention_kernels.py (test_tilelang_on_gpu runs the untuned choice's twin on every
+case, with max_seqlen understated too; test_kernels_ignore_nan_and_inf_in_other_segments its "d80-bf16-longest-first"
+case)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+
+from dzc.targets import TARGETS, tilelang_codegen
+from dzc.targets import varlen_attention as family
+from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.launch import unvalidated_reason
+from dzc.targets.profiles import SM_90
+
+BF16 = torch.bfloat16
+
+
+def _params(config):
+    return dict(config.params)
+
+
+def _twin(config):
+    return KernelConfig.make(config.num_warps, config.num_stages, **_params(config), LONGEST_FIRST=1)
+
+
+def test_offered_beside_the_warp_specialized_kernels_of_128_and_176_key_blocks():
+    """A twin of each warp-specialized config with 128- or 176-key blocks (ping-pong or not, split columns where
+    the head dim has them; not of OVERLAP=1's), never the untuned choice, kept out of users' tuning until its GPU
+    numerics pass; none on targets without the warp-specialized kernel."""
+    for head_dim in (72, 80, 128):
+        for rope in (None, torch.float32):
+            spec = family.make_spec(head_dim, BF16, rope)
+            configs = family.tilelang_configs(spec, SM_90)
+            twins = [c for c in configs if _params(c).get("LONGEST_FIRST")]
+            base = [c for c in configs if _params(c).get("WARP_SPECIALIZED") and c["BLOCK_N"] >= 128
+                    and not _params(c).get("OVERLAP") and not _params(c).get("LONGEST_FIRST")]
+            assert len(base) == (4 if head_dim == 128 else 6)
+            assert twins == [_twin(c) for c in base]
+            default = family.tilelang_default_config(spec, SM_90)
+            assert not _params(default).get("LONGEST_FIRST") and _twin(default) in twins
+            assert all("never ran on a GPU" in unvalidated_reason(family, c) for c in twins)
+            assert unvalidated_reason(family, default) is None
+            for name in ("cuda:sm_80", "musa:mp_22", "musa:mp_31"):
+                assert not any(_params(c).get("LONGEST_FIRST")
+                               for c in family.tilelang_configs(spec, TARGETS[name].profile))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_segment_order_is_every_segment_longest_first(seed):
+    """A permutation of the segments (empty ones included), by length, longest first, as int32 on the device of
+    cu_seqlens."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 3000, (17,), generator=generator)
+    lengths[torch.randint(0, 17, (3,), generator=generator)] = 0
+    cu_seqlens = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+    order = family.segments_longest_first(cu_seqlens)
+    assert order.dtype == torch.int32 and order.device == cu_seqlens.device
+    assert sorted(order.tolist()) == list(range(17))
+    ordered = lengths[order.long()]
+    assert (ordered[:-1] >= ordered[1:]).all(), ordered
+
+
+def test_the_pipelined_kernel_refuses_it(tmp_path):
+    """The template's factory refuses LONGEST_FIRST=1 without the warp-specialized kernel rather than building the
+    pipelined one unchanged (its launch would pass an argument the kernel does not take)."""
+    if tilelang_codegen.import_problem():
+        pytest.skip(tilelang_codegen.import_problem())
+    spec = family.make_spec(80, BF16, None)
+    pipelined = next(c for c in family.tilelang_configs(spec, SM_90) if not _params(c).get("WARP_SPECIALIZED"))
+    path = tmp_path / "varlen_attention_tilelang.py"
+    path.write_text(family.tilelang_source(spec, SM_90))
+    with pytest.raises(ValueError, match="LONGEST_FIRST=1 is a knob of the warp-specialized kernel"):
+        tilelang_codegen.build_prim_func(path, family.TILELANG_FACTORY_NAME, _twin(pipelined))
+
+
+def test_lowers_for_sm_90_reading_its_segment_by_rank(tmp_path):
+    """Head dim 72's untuned choice (split columns, ping-pong) and its twin: the twin takes segment_order, reads its
+    segment at the grid's slowest index (blockIdx.z) and its head at blockIdx.y, and otherwise runs the same
+    program; the untuned choice's kernel does not take segment_order. nvcc compiles the twin."""
+    if tilelang_codegen.import_problem():
+        pytest.skip(tilelang_codegen.import_problem())
+    spec = family.make_spec(72, BF16, None)
+    default = family.tilelang_default_config(spec, SM_90)
+    assert _params(default).get("SPLIT_COLUMNS") and _params(default).get("PINGPONG")
+    path = tmp_path / "varlen_attention_tilelang.py"
+    path.write_text(family.tilelang_source(spec, SM_90))
+    plain, twin = (tilelang_codegen.lower_to_device_source(path, family.TILELANG_FACTORY_NAME, c, SM_90)
+                   for c in (default, _twin(default)))
+    assert "segment_order" not in plain
+    assert re.search(r"const int\* __restrict__ segment_order", twin)
+    assert re.search(r"int segment = segment_order\[\(\(int64_t\)\(\(int\)blockIdx\.z\)\)\];", twin)
+    assert "cu_seqlens[((int64_t)((int)blockIdx.y))]" in plain  # the untuned choice: segment = blockIdx.y
+
+    def steps(cuda):  # the program's MMAs, copies and barrier waits and arrivals, in order
+        return re.findall(r"tl::wgmma_\w+|tl::tma_load|tl::wait_wgmma|\w+\[[^\]]*\]\.(?:wait|arrive)\(", cuda)
+    assert len(steps(plain)) > 20 and steps(twin) == steps(plain)
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not on PATH")
+    assert tilelang_codegen.nvcc_compile(twin, SM_90, tmp_path / "nvcc", fast_math=True).stat().st_size > 0
+
+
+@pytest.mark.gpu
+def test_twins_match_the_reference_on_gpu(seed, tmp_path):
+    """The untuned choice's twin on every GPU case of the kernel tests (head dims 72, 80 and 128, both 16-bit
+    dtypes, RoPE or not: lengths 1, 1000, 0, 257, 4096, ... in no order of length, an empty segment included),
+    with max_seqlen true and far below the longest segment (blocks stride on); outputs poisoned. The twins build
+    in parallel (child processes) first."""
+    from test_varlen_attention_kernels import GPU_CASES, assert_attention_close, make_pack, spec_for
+
+    from dzc.ops.varlen_attention import varlen_attention_reference
+
+    built = []
+    for case_id, case in GPU_CASES.items():
+        spec = spec_for(case)
+        path = tmp_path / f"varlen_attention_tilelang_{case_id}.py"
+        path.write_text(family.tilelang_source(spec, SM_90))
+        kernels = tilelang_codegen.load(family, path, spec, SM_90)
+        twin = _twin(family.tilelang_default_config(spec, SM_90))
+        kernels.prebuild(tilelang_codegen.factory_configs(family, spec, twin).values())
+        built.append((case_id, case, spec, kernels, twin))
+    for case_id, case, spec, kernels, twin in built:
+        args = make_pack(case, seed, strided=True)
+        expected = varlen_attention_reference(*args)
+        for max_seqlen in (args[4], 64):
+            inputs, (out,), _work, result = family.prepare(spec, *args[:4], max_seqlen, *args[5:])
+            out.fill_(float("nan"))
+            family.tilelang_launch(kernels, twin, *inputs, out)
+            assert_attention_close(result, expected, args[2], args[3],
+                                   f"{case_id} {twin} max_seqlen={max_seqlen} seed={seed}")
