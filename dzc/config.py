@@ -100,9 +100,9 @@ NESTED_REGIONS = Knob("DZC_NESTED_REGIONS", "1",
 # tools/gpu_campaign.sh s45-outline's repeated rows tell a near-tie from a wrong answer.
 OUTLINE_FOR_INDUCTOR = Knob("DZC_OUTLINE_FOR_INDUCTOR", "0",
                             "1: hand the repeated layers' calls to Inductor's fallback compile as invoke_subgraph, "
-                            "each distinct body lowered once (dzc/outline_regions.py; experimental: its GPU test "
-                            "passed in session 45, its decode rows need another run); 0 (default): the flat graph, "
-                            "every layer's copy lowered",
+                            "each distinct body lowered once (dzc/outline_regions.py; experimental: its decode rows "
+                            "equal the flat compile's on an H100, session 47; its GPU test with split calls and its "
+                            "warm start are to run); 0 (default): the flat graph, every layer's copy lowered",
                             "0 or 1", _one_of("0", "1"))
 
 COMPILE_GC = Knob("DZC_COMPILE_GC", "paused",

@@ -311,7 +311,7 @@ def _lower_graph(graph: torch.fx.Graph, target: Target, options: CompileOptions,
                                          source_hash=digest, record=record, autotune=autotune, database=database,
                                          alternatives=alternatives)
             if getattr(kernel.compiled, "prebuilding", 0):
-                record.notes.append(f"its untuned config's {kernel.compiled.prebuilding} TileLang kernel(s) building "
+                record.notes.append(f"its untuned configs' {kernel.compiled.prebuilding} TileLang kernel(s) building "
                                     "in child processes (DZC_TILELANG_PREBUILD)")
         runtime.register_kernel(kernel_id, kernel)
         table.records[(name, where)] = record

@@ -40,9 +40,8 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 # Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
 # (OVERLAP=1's numerics passed on an H100 in session 39.)
-UNVALIDATED = (
-    ({"LONGEST_FIRST": 1}, "the segments' programs in order of length, longest first: never ran on a GPU"),
-)
+# (LONGEST_FIRST=1's passed on an H100 in session 47.)
+UNVALIDATED = ()
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -544,17 +543,45 @@ def tilelang_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[
                                            **extra)
                 if tilelang_config_legal(profile, config, tilelang_shared_memory_bytes(spec, config), spec.dtypes):
                     configs.append(config)
-        # Tuning candidates, never the untuned choice: the 128-key-block kernels with OVERLAP=1 (slower than their
-        # twins on an H100, session 39), then each warp-specialized kernel of 128- or 176-key blocks with
-        # LONGEST_FIRST=1 (not timed yet).
+        # Tuning candidates: the 128-key-block kernels with OVERLAP=1 (slower than their twins on an H100, session
+        # 39: never the untuned choice), then each warp-specialized kernel of 128- or 176-key blocks with
+        # LONGEST_FIRST=1 (the untuned choice's twin is the untuned choice of long segments: configs_for_bucket).
         plain = [c for c in configs if _warp_specialized(c)]
         for config in [c for c in plain if c["BLOCK_N"] == 128]:
             overlapped = KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), OVERLAP=1)
             if not overlap_problem(spec, profile, overlapped):
                 configs.append(overlapped)
-        configs += [KernelConfig.make(c.num_warps, c.num_stages, **dict(c.params), LONGEST_FIRST=1)
-                    for c in plain if c["BLOCK_N"] >= 128]
+        configs += [_longest_first_twin(c) for c in plain if c["BLOCK_N"] >= 128]
     return configs
+
+
+# From this bucket of the longest segment on (token_bucket: max_seqlen above 2048), TileLang's untuned choice is its
+# default's LONGEST_FIRST=1 twin (configs_for_bucket).
+LONGEST_FIRST_MIN_BUCKET = 4096
+
+
+def configs_for_bucket(spec: VarlenAttentionSpec, profile: DeviceProfile, bucket: int, configs: list[KernelConfig],
+                       default: KernelConfig) -> tuple[list[KernelConfig], KernelConfig]:
+    """Every config is a candidate at every size. Where the longest segment is over 2048 tokens (images), the
+    warp-specialized default's LONGEST_FIRST=1 twin is the untuned choice: on an H100 (session 47,
+    docs/results/vision_attention_h200.md) it was 1.02-1.06x the default at head dims 72, 80 and 128 on the mixed
+    and large packs (9216-token images). Below (window layers: many segments of one length, where the order gains
+    least and the argsort's launches weigh most; not timed), and for Triton, the default itself."""
+    if bucket < LONGEST_FIRST_MIN_BUCKET or not _warp_specialized(default):
+        return configs, default
+    twin = _longest_first_twin(default)
+    return configs, twin if twin in configs else default
+
+
+def tilelang_prebuilt_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """What tilelang_codegen.load starts building ahead: the untuned choices of every bucket (configs_for_bucket)."""
+    default = tilelang_default_config(spec, profile)
+    twin = _longest_first_twin(default)
+    return [default, *([twin] if twin in tilelang_configs(spec, profile) else [])]
+
+
+def _longest_first_twin(config: KernelConfig) -> KernelConfig:
+    return KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), LONGEST_FIRST=1)
 
 
 def segments_longest_first(cu_seqlens: torch.Tensor) -> torch.Tensor:

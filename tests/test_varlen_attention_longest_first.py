@@ -1,9 +1,9 @@
 """LONGEST_FIRST=1 of the warp-specialized varlen attention kernel (issue 14, session 47): its grid takes the
 segments longest first (an order the launch computes on the device), so that a pack's longest images do not fill
-the last wave. Where it is offered, the order it is given, and its lowering for sm_90a (no GPU). Its GPU numerics
-are cases of tests/test_varlen_attention_kernels.py (test_tilelang_on_gpu runs the untuned choice's twin on every
-case, with max_seqlen understated too; test_kernels_ignore_nan_and_inf_in_other_segments its "d80-bf16-longest-first"
-case)."""
+the last wave; the untuned choice where the longest segment is over 2048 tokens (1.02-1.06x on an H100). Where it
+is offered and chosen, the order it is given, its lowering for sm_90a (no GPU), and its GPU numerics (here, and
+test_kernels_ignore_nan_and_inf_in_other_segments's "d80-bf16-longest-first" case in
+tests/test_varlen_attention_kernels.py)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ def _twin(config):
 
 def test_offered_beside_the_warp_specialized_kernels_of_128_and_176_key_blocks():
     """A twin of each warp-specialized config with 128- or 176-key blocks (ping-pong or not, split columns where
-    the head dim has them; not of OVERLAP=1's), never the untuned choice, kept out of users' tuning until its GPU
-    numerics pass; none on targets without the warp-specialized kernel."""
+    the head dim has them; not of OVERLAP=1's), in users' tuning since its GPU numerics passed; none on targets
+    without the warp-specialized kernel."""
     for head_dim in (72, 80, 128):
         for rope in (None, torch.float32):
             spec = family.make_spec(head_dim, BF16, rope)
@@ -45,11 +45,35 @@ def test_offered_beside_the_warp_specialized_kernels_of_128_and_176_key_blocks()
             assert twins == [_twin(c) for c in base]
             default = family.tilelang_default_config(spec, SM_90)
             assert not _params(default).get("LONGEST_FIRST") and _twin(default) in twins
-            assert all("never ran on a GPU" in unvalidated_reason(family, c) for c in twins)
-            assert unvalidated_reason(family, default) is None
+            assert all(unvalidated_reason(family, c) is None for c in twins)
             for name in ("cuda:sm_80", "musa:mp_22", "musa:mp_31"):
                 assert not any(_params(c).get("LONGEST_FIRST")
                                for c in family.tilelang_configs(spec, TARGETS[name].profile))
+
+
+def test_untuned_choice_of_long_segments_and_what_loading_builds_ahead():
+    """From the 4096 bucket of the longest segment on (max_seqlen over 2048: images), TileLang's untuned choice is
+    its default's twin; below (window layers), the default. Triton's untuned choice, and TileLang's on targets
+    without the warp-specialized kernel, stay the default at every size. tilelang_codegen.load starts building
+    both untuned choices (the default first)."""
+    for head_dim, rope in ((72, None), (80, torch.float32), (128, None)):
+        spec = family.make_spec(head_dim, BF16, rope)
+        for name in ("cuda:sm_90", "cuda:sm_80", "musa:mp_31"):
+            profile = TARGETS[name].profile
+            for codegen in ("tilelang", "triton"):
+                configs = getattr(family, f"{codegen}_configs")(spec, profile)
+                default = getattr(family, f"{codegen}_default_config")(spec, profile)
+                for bucket in (64, 2048, 4096, 16384, 1 << 20):
+                    kept, chosen = family.configs_for_bucket(spec, profile, bucket, configs, default)
+                    assert kept == configs
+                    wanted = _twin(default) if (codegen, name) == ("tilelang", "cuda:sm_90") and bucket >= 4096 \
+                        else default
+                    assert chosen == wanted, (head_dim, name, codegen, bucket)
+        default = family.tilelang_default_config(spec, SM_90)
+        assert family.tilelang_prebuilt_configs(spec, SM_90) == [default, _twin(default)]
+        sm_80 = TARGETS["cuda:sm_80"].profile
+        assert family.tilelang_prebuilt_configs(spec, sm_80) == [family.tilelang_default_config(spec, sm_80)]
+    assert [family.token_bucket(n) for n in (2048, 2049, 9216)] == [2048, 4096, 16384]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

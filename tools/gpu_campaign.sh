@@ -17,21 +17,18 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session. Session 46 (an H100, after 35 min of refused starts) ran the two kernel candidates waiting since
-# sessions 33-34 (s46-sparse-row, s46-topk): ROW_ADDRESS=1 passed its GPU numerics and was 1.03x at prefill (0.97x
-# on the H200 in session 34: stays a candidate); WARP_VOTE=1 was 1.01-1.07x at 4K-32K and is now the 32K span's
-# untuned choice; one top-k config failed once, unexplained (docs/results/dsa_topk_parts_h200.md). Session 45's
-# list did not run. In order:
+# Next session. Session 47 (an H100, after 53 min of refused starts) ran s47-vision-lpt (LONGEST_FIRST=1: GPU
+# numerics passed, 1.02-1.06x, now the untuned choice of long segments), s47-topk-flake (7 seeds passed) and the
+# decode rows of s45-outline (outlined = flat). In order:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s45-outline   # issue 18: session 45's split
-#       calls on the GPU: the multimodal GPU test outlined, the decode rows outlined and flat on the same inputs
-#   call 2: bash tools/gpu_campaign.sh s47-vision-lpt   # issue 14: LONGEST_FIRST=1's numerics, then its A/B
-#   then s47-topk-flake (issue 14: the top-k config that failed once, seed after seed, its failure kept)
-#   call 3: bash tools/gpu_campaign.sh s35-vision-large   # issue 14: the large vision pack beside cuDNN
-#   call 4: bash tools/gpu_campaign.sh s45-compile   # issue 18: cold + warm at 32 + 16, flat and outlined
+#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s48-outline   # issue 18: the multimodal
+#       GPU test outlined with the split calls (the last check before the outlining becomes the default)
+#   call 2: bash tools/gpu_campaign.sh s45-compile   # issue 18: cold + warm at 32 + 16, flat and outlined (the
+#       outlined warm start for the first time)
 #   then s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
-#   s36-compile (issue 18 full depth), s35-topk (the top-k's phases with and without votes, 32K and 128K).
-# Every card so far was an H200 except sessions 38-41 and 43-46 (H100): compare timings within one run only.
+#   s36-compile (issue 18 full depth), s35-topk (the top-k's phases with and without votes, 32K and 128K),
+#   s47-topk-flake again where device time is left.
+# Every card so far was an H200 except sessions 38-41 and 43-47 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -408,6 +405,14 @@ s47-topk-flake)
   done
   echo "seeds 2001-$seed run"
   ;;
+s48-outline)
+  # (after site) issue 18: the multimodal GPU test with the outlining on (session 45's split calls; session 47 ran
+  # the decode rows only: outlined = flat), then the warm tests.
+  TAIL=4 part gpu_tests_multimodal_outlined 240 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 -m pytest -q -p no:logging \
+    -rf tests/test_multimodal_model.py -m gpu
+  TAIL=4 part gpu_tests_warm 120 python3 -m pytest -q -p no:logging -rf tests/test_frame_cache.py \
+    tests/test_compile_cache.py -m gpu
+  ;;
 s45-outline)
   # (after site) the outlining with session 45's split calls (a call the caller reads between its nodes becomes two
   # outlined parts): the multimodal GPU test with it on, then the decode rows outlined and flat (session 45's run
@@ -427,11 +432,12 @@ s45-outline)
 s45-compile)
   # (after site) issue 18 at 32 + 16 layers: flat cold then warm (the warm hit now rebuilds only its inputs' and
   # outputs' fake values while Inductor's FX graph cache hits; session 44's warm breakdown had 'fallback compile'
-  # 9.4 s under cProfile), then outlined cold only (session 45: 125.7 s with 64 decoder calls left inlined).
-  TAIL=2 part compile_flat 330 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal --no-torch \
+  # 9.4 s under cProfile), then outlined cold and warm (session 45: 125.7 s cold with 64 decoder calls left
+  # inlined, since split and outlined; its warm start never timed).
+  TAIL=2 part compile_flat 320 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal --no-torch \
     --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_flat" --out "$OUT/compile_flat.md"
-  TAIL=2 part compile_outline_1 220 env DZC_OUTLINE_FOR_INDUCTOR=1 DZC_DEBUG=1 python3 tools/bench_compile.py \
-    --models multimodal --no-torch --cold-only --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_1" \
+  TAIL=2 part compile_outline_1 260 env DZC_OUTLINE_FOR_INDUCTOR=1 DZC_DEBUG=1 python3 tools/bench_compile.py \
+    --models multimodal --no-torch --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_1" \
     --out "$OUT/compile_outline_1.md"
   ;;
 s45-first-run)
