@@ -54,11 +54,18 @@ python3 -c "import tilelang" > /tmp/tilelang-import.log 2>&1 && echo "tilelang: 
   || { echo "tilelang: not importable (carry .whl-gpu1 and .whl-gpu2 on this machine):"; tail -n 2 /tmp/tilelang-import.log; }
 # Each part gets a time limit so that one slow part cannot take the rest of the call with it.
 part() {  # part NAME SECONDS COMMAND...
-  local name=$1 limit=$2; shift 2
+  local name=$1 limit=$2 code; shift 2
   echo "=== $name"
   # SIGINT first: pytest then still prints which tests failed and why; a part that ignores it is killed 20 s later.
-  timeout -s INT -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "    exit $? ($name)"; tail -n "${TAIL:-6}" "$OUT/$name.log"
+  # timeout signals its own process group, the part's children included. TileLang's compile swallows a SIGINT
+  # that comes while it compiles (session 47), so the watcher sends the group two more, 5 and 10 s later.
+  timeout -s INT -k 20 "$limit" "$@" > "$OUT/$name.log" 2>&1 &
+  local pid=$!
+  { sleep $((limit + 5)); kill -INT -- "-$pid"; sleep 5; kill -INT -- "-$pid"; } 2>/dev/null &
+  local watcher=$!
+  wait "$pid"; code=$?
+  kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null
+  echo "    exit $code ($name)"; tail -n "${TAIL:-6}" "$OUT/$name.log"
 }
 case $step in
 1)
