@@ -347,6 +347,15 @@ def configs_for_bucket(spec: DsaIndexerSpec, profile: DeviceProfile, bucket: int
     return configs, _with_shape(configs, TILELANG_SMALL_LAUNCH_DEFAULT) or default
 
 
+def tilelang_prebuilt_configs(spec: DsaIndexerSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """What tilelang_codegen.load starts building ahead: the untuned choices of large and small launches
+    (configs_for_bucket; a few sequences' decode is a small launch, whose kernel was otherwise built in-process
+    at its first call)."""
+    default = tilelang_default_config(spec, profile)
+    small = _with_shape(tilelang_configs(spec, profile), TILELANG_SMALL_LAUNCH_DEFAULT)
+    return [default, *([small] if small is not None and small != default else [])]
+
+
 def tilelang_kernel_configs(spec: DsaIndexerSpec, config: KernelConfig) -> dict[str, KernelConfig]:
     """The factory config the launch compiles for `config` over DeepSeek's 64-token pages (dzc-selftest's lowering
     check: the launch adds the cache's own page size, PAGE_SIZE)."""

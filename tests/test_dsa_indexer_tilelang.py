@@ -117,6 +117,17 @@ def test_small_launches_default_to_shorter_programs():
         triton_legal, triton_default)
 
 
+def test_loading_builds_both_untuned_choices_ahead():
+    """tilelang_codegen.load starts building the untuned choices of large and of small launches (the default first):
+    a few sequences' decode no longer builds its kernel in-process at its first call."""
+    legal, _ = legal_configs(dsa_indexer, "tilelang", FP8, SM_90)
+    default = dsa_indexer.tilelang_default_config(FP8, SM_90)
+    chosen = {dsa_indexer.configs_for_bucket(FP8, SM_90, bucket, legal, default)[1] for bucket in
+              (dsa_indexer.token_bucket(n) for n in (1, 2 * 32768, 128 * 32768, 1 << 30))}
+    assert dsa_indexer.tilelang_prebuilt_configs(FP8, SM_90)[0] == default
+    assert set(dsa_indexer.tilelang_prebuilt_configs(FP8, SM_90)) == chosen and len(chosen) == 2
+
+
 def test_span_splits_decode_context_and_gives_prefill_whole_rows():
     config = dsa_indexer.tilelang_default_config(FP8, SM_90)
     block_n, chunk = config["BLOCK_N"], config["CHUNK"]
