@@ -412,7 +412,7 @@ def launch_arguments(inputs: Sequence, outputs: Sequence[torch.Tensor], scalars:
 
 def load(family, path: Path, spec, profile: DeviceProfile) -> KernelsByConfig:
     """The loaded kernel a family's tilelang_launch takes (lowering only loads TileLang kernels for a GPU), its
-    untuned config's kernels building in child processes already (DZC_TILELANG_PREBUILD): the family's
+    untuned configs' kernels building in child processes already (DZC_TILELANG_PREBUILD): the family's
     tilelang_prebuilt_configs where a bucket's untuned choice may be another config, else its default."""
     kernels = KernelsByConfig(path, family.TILELANG_FACTORY_NAME, profile)
     if dzc_config.TILELANG_PREBUILD.get() == "1":
