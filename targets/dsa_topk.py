@@ -43,8 +43,8 @@ TEMPLATES = Path(__file__).parent / "templates"
 
 # Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
 # (WARP_VOTE=1's and SPECULATE=1's numerics passed on an H100 in session 39.) Also one that failed its GPU numerics
-# once: the tuner's agreement check does not compare integer outputs (top-k positions, whose ties may differ), so a
-# tuned pick that is sometimes wrong would go unseen; out until the failure is explained
+# once: the tuner's agreement check (the selected logits, agreement_values) sees a wrong selection only in the runs
+# it times, so a config that is wrong now and then could still be picked; out until the failure is explained
 # (docs/results/dsa_topk_parts_h200.md, sessions 46-47).
 UNVALIDATED = (
     ({"THREADS": 512, "WIDTH": 131072, "SWEEP": 8192},
@@ -388,6 +388,16 @@ def prepare(spec: DsaTopkSpec, logits, lengths, k, *_static):
     # The kernel indexes lengths as a dense vector (a strided one was read at the wrong elements).
     work = max(logits.shape[1], 1) if logits.shape[0] else 0  # the row width picks the config (token_bucket)
     return (logits, lengths.contiguous(), k), (indices, scratch), work, indices
+
+
+def agreement_values(inputs: tuple, indices: torch.Tensor) -> tuple[torch.Tensor]:
+    """What the tuner compares across configs, exactly (launch.agreement_check), instead of the positions, which
+    may differ where logits tie: each row's selected logits in order, NaN for each -1 (a row with fewer than k
+    positions; a selected -inf logit stays -inf). A wrong selection shows as another value or another count."""
+    logits = inputs[0]
+    picked = torch.gather(logits.float(), 1, indices.clamp_min(0).long())
+    picked = torch.where(indices >= 0, picked, float("nan"))
+    return (picked.sort(dim=1, descending=True).values,)
 
 
 def selftest_cases(profile: DeviceProfile):

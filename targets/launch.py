@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -121,28 +122,35 @@ def _floating(values) -> list[torch.Tensor]:
     return [v for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor) and v.is_floating_point()]
 
 
-def agreement_check(outputs: tuple, results=None):
+def agreement_check(outputs: tuple, results=None, values: Callable | None = None):
     """(check(config), check_external(returned)) for autotune.tune: the floating outputs a config wrote, or the
     results an external candidate returned, against what the first config that ran wrote (the launcher times the
-    untuned default first; `results` are the op's results that its outputs hold). Integer outputs (top-k indices,
-    whose ties may legitimately differ) are not compared. Each returns why a candidate disagrees, or None."""
+    untuned default first; `results` are the op's results that its outputs hold). Integer outputs are not compared
+    as they are (top-k positions, whose ties may legitimately differ): a family whose results are integers gives
+    `values` (its agreement_values: results -> tensors that every right answer makes equal, e.g. each row's
+    selected logits, sorted), compared instead, exactly. Each returns why a candidate disagrees, or None."""
+    def compared(returned) -> list[torch.Tensor]:
+        return list(values(returned)) if values is not None else _floating(returned)
+
+    disagreement = _difference if values is not None else _disagreement
     floating = _floating(outputs)
     first: list[torch.Tensor] = []
     first_results: list[torch.Tensor] = []
 
     def check(config: KernelConfig) -> str | None:
+        current = compared(results) if values is not None else floating
         if not first:
-            first.extend(o.detach().clone() for o in floating)
-            first_results.extend(r.detach().clone() for r in _floating(results))
+            first.extend(o.detach().clone() for o in current)
+            first_results.extend(r.detach().clone() for r in compared(results))
             return None
-        return _disagreement(first, floating)
+        return disagreement(first, current)
 
     def check_external(returned) -> str | None:
-        got = _floating(returned)
+        got = compared(returned)
         if len(got) != len(first_results) or any(g.shape != e.shape for g, e in zip(got, first_results)):
             return (f"returned {[tuple(g.shape) for g in got]}, the first config's results are "
                     f"{[tuple(e.shape) for e in first_results]}")
-        return _disagreement(first_results, got)
+        return disagreement(first_results, got)
 
     return check, check_external
 
@@ -158,6 +166,16 @@ def _disagreement(first: list[torch.Tensor], floating: list[torch.Tensor]) -> st
             scale = expected[finite].abs().max().item()
             if error > DISAGREEMENT * scale:
                 return f"max difference {error:.3g} from the first config's outputs (their largest: {scale:.3g})"
+    return None
+
+
+def _difference(first: list[torch.Tensor], got: list[torch.Tensor]) -> str | None:
+    """Exact comparison of a family's agreement_values (NaN where NaN)."""
+    for expected, actual in zip(first, got):
+        differs = (expected != actual) & ~(expected.isnan() & actual.isnan())
+        if differs.any():
+            rows = differs.reshape(differs.shape[0], -1).any(dim=1).sum().item() if differs.dim() else 1
+            return f"{differs.sum().item()} values in {rows} rows differ from the first config's"
     return None
 
 
@@ -218,7 +236,9 @@ class GeneratedKernel:
             device = args[0].device
             if default in configs:  # timed first, so that its outputs are what the others are checked against
                 configs = [default, *(c for c in configs if c != default)]
-            check, check_external = agreement_check(outputs, results)
+            derive = getattr(self.family, "agreement_values", None)  # integer results: what is compared instead
+            check, check_external = agreement_check(
+                outputs, results, None if derive is None else functools.partial(derive, inputs))
             result = tune(
                 f"{self.record.kernel_id}[tokens<={bucket}]", self._tuning_key(bucket, device), configs,
                 run=lambda cfg: self._launch(self.compiled, cfg, *args),

@@ -1,6 +1,7 @@
 """Autotuning: the tuning database is hit by a second compile, survives corruption and concurrent writers, and a
 config that fails is skipped rather than fatal."""
 
+import functools
 import json
 import logging
 import os
@@ -594,3 +595,57 @@ def test_the_tuning_key_changes_with_the_config_space_legality_and_templates(tmp
     monkeypatch.undo()
     assert fingerprint(add_rms_norm) == real
 
+
+
+def test_top_k_candidates_agree_on_their_selected_logits_exactly():
+    """Integer results (top-k positions) are compared through the family's agreement_values: each row's selected
+    logits, sorted, exactly. Another position of a tied logit agrees; a position swapped for the next-best logit
+    (close in value: no tolerance would tell) disagrees, and so does a -1 where a -inf logit was selected."""
+    from dzc.targets import dsa_topk
+
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 64, generator=generator)
+    logits[0, 7] = logits[0, 9] = 5.0  # a tie among the selected
+    logits[3, :] = float("-inf")
+    logits[3, :2] = 1.0
+    lengths = torch.tensor([64, 64, 64, 3], dtype=torch.int32)
+    inputs = (logits, lengths, 8)
+    right = logits.topk(8, dim=1).indices.int()
+    right[3, 3:] = -1  # a row of 3 keys: 3 selected (one of them -inf), the rest -1
+    right[3, :3] = torch.tensor([0, 1, 2])
+    tie_swapped = right.clone()
+    tie_swapped[0] = torch.where(right[0] == 7, 9, torch.where(right[0] == 9, 7, right[0]))
+    next_best = right.clone()
+    ranked = logits[1].argsort(descending=True)
+    next_best[1, right[1].tolist().index(ranked[7].item())] = ranked[8]  # the 8th-best swapped for the 9th
+    dropped_inf = right.clone()
+    dropped_inf[3, 2] = -1
+    out = torch.empty_like(right)
+    check, check_external = agreement_check((out,), out, functools.partial(dsa_topk.agreement_values, inputs))
+    for config, written in zip(CONFIGS, (right, tie_swapped)):
+        out.copy_(written)
+        assert check(config) is None
+    out.copy_(next_best)
+    assert "1 values in 1 rows differ" in check(CONFIGS[2])
+    assert "differ" in check_external(dropped_inf)
+    assert check_external(tie_swapped.flip(1)) is None  # the same positions in another order
+
+
+def test_every_family_with_integer_results_says_what_the_tuner_compares():
+    """The agreement check compares floating results as they are; a family whose results hold integers (positions,
+    whose ties may differ between right answers) must give agreement_values, or its candidates go unchecked."""
+    from dzc.ops import OPS
+    from dzc.targets import KERNEL_FAMILIES
+    from dzc.targets.profiles import SM_90
+
+    checked = set()
+    for op, family in KERNEL_FAMILIES.items():
+        if family in checked:  # mxfp4_moe_w4a8: the MoE family's cases are mxfp4_moe's
+            continue
+        checked.add(family)
+        [(_name, build), *_] = family.selftest_cases(SM_90)
+        results = OPS[op][1](*build(torch.device("cpu"), torch.Generator().manual_seed(0)))
+        integers = [r for r in (results if isinstance(results, (tuple, list)) else (results,))
+                    if isinstance(r, torch.Tensor) and not r.is_floating_point()]
+        assert not integers or hasattr(family, "agreement_values"), op
+    assert len(checked) == len(set(KERNEL_FAMILIES.values()))

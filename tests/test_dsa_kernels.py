@@ -1727,3 +1727,33 @@ def test_warp_specialized_sparse_attention_on_gpu(heads, splits, fp8, seed, tmp_
     expected = sparse_attention_reference(*args)
     torch.testing.assert_close(result.float(), expected.float(), atol=2**-6, rtol=2**-6,
                                msg=lambda m: f"{config}: {m}")
+
+
+def test_tuning_skips_a_top_k_config_that_selects_other_positions(seed, tmp_path, monkeypatch):
+    """The tuner compares top-k candidates by their selected logits (dsa_topk.agreement_values), not skipping them
+    as integer outputs: a config that swaps one selected position for an unselected one is a failure with its
+    reason, and the tuned op still returns the reference's positions."""
+    launch = dsa_topk.triton_launch
+    legal, _ = legal_configs(dsa_topk, "triton", TOPK_SPEC, SM_90)
+    _, default = dsa_topk.configs_for_bucket(TOPK_SPEC, SM_90, dsa_topk.token_bucket(128), legal,
+                                             dsa_topk.triton_default_config(TOPK_SPEC, SM_90))  # timed first
+
+    def sabotaged(kernel, config, logits, lengths, k, indices, scratch):
+        launch(kernel, config, logits, lengths, k, indices, scratch)
+        if config != default:  # the first row's first position becomes one no right answer selects
+            unselected = [p for p in range(logits.shape[1]) if p not in indices[0].tolist()
+                          and logits[0, p] < logits[0, indices[0].long()].min()]
+            indices[0, 0] = unselected[0]
+
+    monkeypatch.setattr(dsa_topk, "triton_launch", sabotaged)
+    # Through the interpreter, one run a candidate (its bench's four cost minutes): what is checked is its result.
+    monkeypatch.setattr(INTERPRETER, "bench", lambda fn, device: (fn(), 1e-3)[1])
+    target = TARGETS["cuda:sm_90"]
+    options = CompileOptions(cache_dir=str(tmp_path / "cache"), autotune=True, codegen="triton")
+    args = dsa_cases.topk_args(2, 128, [128, 10], 8, DEVICE, _generator(seed))
+    record, _ = lower_op("dsa_topk", args, target, options, Execution(INTERPRETER if DEVICE.type == "cpu" else
+                                                                       target.runtime))
+    assert torch.equal(OPS["dsa_topk"][0](*args, kernel_id=record.kernel_id), dsa_topk_reference(*args))
+    [(_, entry)] = record.tuned.items()
+    assert entry["config"] == str(default), entry
+    assert entry["failures"] and all("values in 1 rows differ" in why for why in entry["failures"].values()), entry
