@@ -17,7 +17,7 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session. Session 47 (an H100, after 53 min of refused starts) ran s47-vision-lpt (LONGEST_FIRST=1: GPU
+# Next session. Session 47 (an H100, after 52 min of refused starts) ran s47-vision-lpt (LONGEST_FIRST=1: GPU
 # numerics passed, 1.02-1.06x, now the untuned choice of long segments), s47-topk-flake (7 seeds passed) and the
 # decode rows of s45-outline (outlined = flat). In order:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
