@@ -8,12 +8,12 @@ warpgroups that add up to more than warpgroups x N hang the kernel: the sparse a
 tests/test_sparse_attention_balanced.py checks that kernel's SASS too).
 
 For the warp-specialized configs of each family (sparse attention's bf16 and FP8 caches with ROW_ADDRESS, BALANCED,
-FP8_INTERLEAVED and CLUSTER; varlen attention's PINGPONG, OVERLAP, SPLIT_COLUMNS; the FP8 indexer; both MXFP4 MoE
-GEMMs), at the specs their own tests use, the kernel is lowered for sm_90a and compiled to a cubin (nvcc -Xptxas
--v): each warpgroup (threads / 128, by the source's threadIdx.x branches) reaches exactly one setmaxnreg, not under
-a loop or another branch on threadIdx.x; an increase asks for at least the launch count, a decrease for at most it;
-and the counts add up to at most warpgroups x the launch count. Lowering takes ~10 s a kernel, so the default run
-covers one config of each distinct role layout (REPRESENTATIVE, ~2-3 minutes);
+FP8_INTERLEAVED and CLUSTER; varlen attention's PINGPONG, OVERLAP, SPLIT_COLUMNS, LONGEST_FIRST; the FP8 indexer;
+both MXFP4 MoE GEMMs), at the specs their own tests use, the kernel is lowered for sm_90a and compiled to a cubin
+(nvcc -Xptxas -v): each warpgroup (threads / 128, by the source's threadIdx.x branches) reaches exactly one
+setmaxnreg, not under a loop or another branch on threadIdx.x; an increase asks for at least the launch count, a
+decrease for at most it; and the counts add up to at most warpgroups x the launch count. Lowering takes ~10 s a
+kernel, so the default run covers one config of each distinct role layout (REPRESENTATIVE, ~2-3 minutes);
 test_every_offered_config_has_a_representative ties every offered config to one, and DZC_SETMAXNREG_ALL=1 lowers
 them all (test_every_offered_config, ~10 minutes).
 """
@@ -56,8 +56,8 @@ SPECS = {
 
 # The knobs whose configs run other setmaxnreg branches of their template: sparse attention's BALANCED consumers
 # (216 / 216 / its own producer count) and CLUSTER producer. Every other knob (split counts, tiles, stages, rows a
-# program, ROW_ADDRESS, FP8_INTERLEAVED, PINGPONG, OVERLAP, SPLIT_COLUMNS) changes what a role computes under the
-# same set_max_nreg calls; the representatives still take each of them at least once.
+# program, ROW_ADDRESS, FP8_INTERLEAVED, PINGPONG, OVERLAP, SPLIT_COLUMNS, LONGEST_FIRST) changes what a role computes
+# under the same set_max_nreg calls; the representatives still take each of them at least once.
 ROLE_KNOBS = {"sparse_attention": ("BALANCED", "CLUSTER")}
 
 
@@ -102,8 +102,9 @@ REPRESENTATIVE = {
     "sparse-fp8-cluster-decode": ("sparse-fp8", lambda p: p["SPLITS"] == 1 and p.get("CLUSTER")),
     "varlen-d128-n176": ("varlen-d128", lambda p: p["BLOCK_N"] == 176 and len(p) == 5),
     "varlen-d128-pingpong-overlap": ("varlen-d128", lambda p: p.get("PINGPONG") and p.get("OVERLAP")),
+    # (LONGEST_FIRST=1's twin: the same roles, and the knob covered)
     "varlen-d72-split-columns-pingpong": ("varlen-d72-rope", lambda p: p.get("SPLIT_COLUMNS") and p.get("PINGPONG")
-                                          and not p.get("OVERLAP")),
+                                          and not p.get("OVERLAP") and p.get("LONGEST_FIRST")),
     "indexer-4-rows": ("indexer-fp8", lambda p: p["ROWS"] == 4),
     "moe-n256-4-stages": ("moe-gpt-oss", lambda p: (p["BLOCK_N"], p["NUM_STAGES"]) == (256, 4)),
 }

@@ -8,7 +8,6 @@ tests/test_varlen_attention_kernels.py)."""
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 import torch
@@ -107,7 +106,8 @@ def test_the_pipelined_kernel_refuses_it(tmp_path):
 def test_lowers_for_sm_90_reading_its_segment_by_rank(tmp_path):
     """Head dim 72's untuned choice (split columns, ping-pong) and its twin: the twin takes segment_order, reads its
     segment at the grid's slowest index (blockIdx.z) and its head at blockIdx.y, and otherwise runs the same
-    program; the untuned choice's kernel does not take segment_order. nvcc compiles the twin."""
+    program; the untuned choice's kernel does not take segment_order. (tests/test_setmaxnreg_pool.py compiles the
+    twin with nvcc: its representative of this role layout.)"""
     if tilelang_codegen.import_problem():
         pytest.skip(tilelang_codegen.import_problem())
     spec = family.make_spec(72, BF16, None)
@@ -125,9 +125,6 @@ def test_lowers_for_sm_90_reading_its_segment_by_rank(tmp_path):
     def steps(cuda):  # the program's MMAs, copies and barrier waits and arrivals, in order
         return re.findall(r"tl::wgmma_\w+|tl::tma_load|tl::wait_wgmma|\w+\[[^\]]*\]\.(?:wait|arrive)\(", cuda)
     assert len(steps(plain)) > 20 and steps(twin) == steps(plain)
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc is not on PATH")
-    assert tilelang_codegen.nvcc_compile(twin, SM_90, tmp_path / "nvcc", fast_math=True).stat().st_size > 0
 
 
 @pytest.mark.gpu
