@@ -420,6 +420,13 @@ s48-outline)
   TAIL=4 part gpu_tests_warm 120 python3 -m pytest -q -p no:logging -rf tests/test_frame_cache.py \
     tests/test_compile_cache.py -m gpu
   ;;
+s48-compile-outlined)
+  # (after site) issue 18: s45-compile's outlined half alone (cold then warm at 32 + 16; the outlined warm start
+  # never timed), where device time is short.
+  TAIL=2 part compile_outlined 260 env DZC_OUTLINE_FOR_INDUCTOR=1 DZC_DEBUG=1 python3 tools/bench_compile.py \
+    --models multimodal --no-torch --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_outlined" \
+    --out "$OUT/compile_outlined.md"
+  ;;
 s45-outline)
   # (after site) the outlining with session 45's split calls (a call the caller reads between its nodes becomes two
   # outlined parts): the multimodal GPU test with it on, then the decode rows outlined and flat (session 45's run
