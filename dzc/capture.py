@@ -26,7 +26,7 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from dzc import compile_cache, config, distributed, ir, regions, runtime, torch_fixes
+from dzc import compile_cache, config, distributed, ir, pinned_selections, regions, runtime, torch_fixes
 from dzc.coverage import GraphCoverage, graph_coverage
 from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph, precompile_triton_kernels
 from dzc.ops import LOWERED_AS_PARTS
@@ -831,14 +831,15 @@ _LOW_PRECISION = {torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.floa
 
 def _nondeterminism(graph: torch.fx.Graph) -> str:
     """Why two runs of `graph` on the same inputs may differ by more than rounding although both are right, or
-    "": the check cannot compare such runs. Random numbers differ by design. A selection (top-k, argmax: MoE
-    routers, DSA's key selection) in a graph that computes in bf16 or fp16 flips at near-ties when a fused kernel
-    rounds differently (measured: a quarter of the logits on a bf16 model with both), so its outputs are not
-    comparable; in fp32 near-ties are too rare to matter."""
+    "": the check cannot compare such runs. Random numbers differ by design. A selection (argmax, sort) in a graph
+    that computes in bf16 or fp16 flips at near-ties when a fused kernel rounds differently (measured: a quarter of
+    the logits on a bf16 model with both), so its outputs are not comparable; in fp32 near-ties are too rare to
+    matter. Top-k is the exception: the check pins its near-ties (dzc/pinned_selections.py)."""
     random_ops = sorted({str(node.target) for node in graph.nodes if _draws_random_numbers(node)})
     if random_ops:
         return f"the graph draws random numbers ({', '.join(random_ops)})"
-    selections = sorted({str(node.target) for node in graph.nodes if node.target in _SELECTING_OPS})
+    selections = sorted({str(node.target) for node in graph.nodes
+                         if node.target in _SELECTING_OPS and node.target is not pinned_selections.TOPK})
     low = sorted({str(value.dtype).removeprefix("torch.") for node in graph.nodes
                   for value in pytree.tree_leaves(node.meta.get("val"))
                   if isinstance(value, torch.Tensor) and value.dtype in _LOW_PRECISION})
@@ -847,6 +848,10 @@ def _nondeterminism(graph: torch.fx.Graph) -> str:
                 "near-tie that rounds the other way changes the selection, so its runs are not comparable")
     return ""
 
+
+# The captured graph's top-k picks the check keeps to pin the rewritten graph's near-ties: a long prefill's key
+# selections over every layer can be gigabytes, and then the graph is not checked.
+_PICKS_BUDGET = 1 << 30
 
 # Ops whose integer results may legitimately differ between implementations: which of tied values comes first.
 _TIE_BREAKING_OPS = {torch.ops.aten.topk.default, torch.ops.aten.sort.default, torch.ops.aten.sort.stable,
@@ -963,6 +968,7 @@ def _too_large_to_copy(tensors) -> str:
 
 
 _TOO_LARGE_ELSEWHERE = "on another rank, the inputs the graph writes are too large to copy twice"
+_UNPAIRED_ELSEWHERE = "another rank's top-k calls do not pair with its graph as captured"
 _DIFFERS_ELSEWHERE = "the results differ on another rank of the graph's process group"
 
 
@@ -985,6 +991,13 @@ class _RewriteCheck:
         self.written = written_inputs(captured) | written_inputs(build.graph)
         self.compare_integers = not any(node.target in _TIE_BREAKING_OPS for node in captured.nodes)
         self.computed_in = _lowest_precision(captured)
+        # Top-k in low precision: the captured graph's picks pin the rewritten graph's near-ties, within the
+        # rounding bound of the precision (the fp32 scores of a bf16 model: _bounds' relative L2).
+        self.pin_topk = (self.computed_in in _LOW_PRECISION
+                         and pinned_selections.topk_calls(self.reference) > 0)
+        self.tie_tolerance = _bounds(torch.float32, self.computed_in)[0]
+        self.picks: list[torch.Tensor | None] = []
+        self._unpaired = ""  # why the last trial's top-k calls did not pair with the captured graph's
         # Inductor compiles under the capture's tracing context (its fake inputs carry the symbolic sizes): kept
         # for a rebuild at the first call.
         self.inductor_context = torch._guards.TracingContext.try_get()
@@ -996,11 +1009,34 @@ class _RewriteCheck:
     def _trial(self, build: _Build, args, pristine, expected) -> str | None:
         inputs = _copy_inputs(args, self.written, pristine)
         # An error raised here (a refused tuning database, say) is the call's error, as it would be without the check.
-        actual = build.checkable(*inputs)
+        if not self.pin_topk:
+            actual = build.checkable(*inputs)
+        else:
+            with pinned_selections.Pinned(self.picks, self.tie_tolerance) as pins:
+                actual = build.checkable(*inputs)
+            self._unpaired = pins.mismatch or (f"{pins.calls} top-k calls, the graph as captured made "
+                                               f"{len(self.picks)}" if pins.calls != len(self.picks) else "")
+            if self._unpaired:  # not comparable: the build as it is goes unchecked, a trial build is dropped
+                self._summary = ""
+                return self._unpaired
         why, summary = _difference(expected, [actual, [inputs[i] for i in sorted(self.written)]],
                                    self.compare_integers, self.computed_in)
+        if self.pin_topk and pins.pinned:
+            summary += f"; {pins.pinned} top-k rows given the captured graph's picks at near-ties"
         self._summary = summary
         return why
+
+    def _settle(self, outcome: str, result):
+        """The check's outcome recorded, the build as it is runs from now on; returns `result`."""
+        self.record.rewrite_check = outcome
+        self.checked(outcome)
+        self.run = self.build.run
+        return result
+
+    def _skip(self, why: str, args):
+        """The call without the check, which is recorded as skipped for `why`."""
+        self._settle(f"skipped: {why}", None)
+        return self.run(*args)
 
     def _first_call(self, *args):
         start = time.perf_counter()
@@ -1012,19 +1048,29 @@ class _RewriteCheck:
     def _check(self, *args):
         too_large = _too_large_to_copy([args[i] for i in self.written])
         if self.any_rank(bool(too_large)):  # a long-context KV cache: the check would need two more of it
-            self.record.rewrite_check = f"skipped: {too_large or _TOO_LARGE_ELSEWHERE}"
-            self.checked(self.record.rewrite_check)
-            self.run = self.build.run
-            return self.run(*args)
+            return self._skip(too_large or _TOO_LARGE_ELSEWHERE, args)
+        if self.pin_topk:  # (the same on every rank: no collective where it is off)
+            rewritten, captured = (pinned_selections.topk_calls(m) for m in (self.build.checkable, self.reference))
+            unpaired = (f"the rewritten graph makes {rewritten} top-k calls, the graph as captured {captured}: a "
+                        "selection made in a kernel, whose near-ties the check cannot pin"
+                        if rewritten != captured else "")
+            if self.any_rank(bool(unpaired)):
+                return self._skip(unpaired or _UNPAIRED_ELSEWHERE, args)
         pristine = {i: args[i].clone() for i in self.written}  # kept for the trials while looking for a pass
-        expected_outputs = self.reference(*args)  # the caller's written inputs get the captured graph's update
+        recording = pinned_selections.Recorded(_PICKS_BUDGET) if self.pin_topk else contextlib.nullcontext()
+        with recording:
+            expected_outputs = self.reference(*args)  # the caller's written inputs get the captured graph's update
+        if self.pin_topk:
+            if self.any_rank(recording.over_budget):
+                return self._settle(f"skipped: the graph's top-k picks are over {_PICKS_BUDGET >> 20} MiB to keep "
+                                    "for the comparison", expected_outputs)
+            self.picks = recording.picks
         expected = [expected_outputs, [args[i] for i in sorted(self.written)]]
         why = self._trial(self.build, args, pristine, expected)
+        if self.pin_topk and self.any_rank(bool(self._unpaired)):
+            return self._settle(f"skipped: {self._unpaired or _UNPAIRED_ELSEWHERE}", expected_outputs)
         if not self.any_rank(why is not None):
-            self.record.rewrite_check = f"passed ({self._summary})"
-            self.checked(self.record.rewrite_check)
-            self.run = self.build.run
-            return expected_outputs
+            return self._settle(f"passed ({self._summary})", expected_outputs)
         backend, record = self.backend, self.record
         why = why or _DIFFERS_ELSEWHERE
         fired = self.build.fired()

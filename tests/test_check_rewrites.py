@@ -14,7 +14,7 @@ from torch import nn
 import dzc
 import dzc.capture
 import dzc.pipeline
-from dzc import config
+from dzc import config, pinned_selections
 from dzc.capture import _difference
 from dzc.lowering import dzc_op_name
 from dzc.models.decoder import AddRMSNorm
@@ -248,3 +248,64 @@ def test_a_wrong_rewrite_is_dropped_with_the_inductor_fallback(tmp_path, seed, m
         _assert_matches_eager(model, compiled(x, residual), x, residual)
     report = compiled.report
     assert report.compiles == 1 and report.graphs[0].fallback == "inductor" and report.fired() == {}
+
+
+def test_a_near_tie_top_k_row_takes_the_captured_picks_and_no_other(seed):
+    """dzc/pinned_selections.py on its own: the captured run's picks, then a rewritten run's scores where row 0's
+    fourth and fifth place swapped by a hair (a near-tie: pinned) and row 1's first pick fell below every other score
+    (a real difference: kept, for the outputs to show)."""
+    scores = torch.randn(6, 16)
+    with pinned_selections.Recorded(budget=1 << 20) as recorded:
+        _, captured = torch.topk(scores, 4)
+    assert len(recorded.picks) == 1 and not recorded.over_budget
+    order = scores.argsort(-1, descending=True)
+    rewritten = scores.clone()
+    rewritten[0, order[0, 4]] = scores[0, order[0, 3]] + 1e-4 * scores[0].abs().max()
+    rewritten[1, captured[1, 0]] = scores[1].min() - 1
+    with pinned_selections.Pinned(recorded.picks, tolerance=2 ** -5) as pins:
+        values, indices = torch.topk(rewritten, 4)
+    assert pins.pinned == 1 and not pins.mismatch and pins.calls == 1
+    assert torch.equal(indices[0], captured[0]) and torch.equal(values[0], rewritten[0, captured[0]])
+    assert captured[1, 0] not in indices[1] and torch.equal(indices[1], order[1, 1:5])
+    assert torch.equal(indices[2:], captured[2:])
+    with pinned_selections.Pinned(recorded.picks, tolerance=2 ** -5) as pins:  # another size: not paired
+        torch.topk(rewritten[:3], 4)
+    assert pins.mismatch.startswith("top-k call 0 ((3, 4)) has no counterpart") and pins.pinned == 0
+    with pinned_selections.Recorded(budget=16) as recorded:  # 24 int64 picks: over 16 bytes
+        torch.topk(scores, 4)
+    assert recorded.over_budget and not recorded.picks
+
+
+class _NormThenRouter(nn.Module):
+    """A bf16 residual add + RMSNorm feeding a top-2 router over 8 experts (an MoE router's selection in bf16):
+    the fused norm rounds elsewhere than the model, which can flip a near-tie between two experts."""
+
+    def __init__(self, hidden=64, experts=8):
+        super().__init__()
+        self.norm = AddRMSNorm(hidden)
+        self.router = nn.Linear(hidden, experts, bias=False)
+
+    def forward(self, x, residual):
+        y, h = self.norm(x, residual)
+        weights, ids = self.router(y).float().softmax(-1).topk(2, dim=-1)
+        return weights, ids, h
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_a_graph_selecting_in_bf16_is_checked_with_its_near_ties_pinned(options, seed, monkeypatch, wrong):
+    """Before pinning such a graph was not checked at all ("selects among values ... not comparable")."""
+    torch._dynamo.reset()
+    if wrong:
+        monkeypatch.setattr(dzc.pipeline, "fuse_residual_norm", _wrong_eps(dzc.pipeline.fuse_residual_norm))
+    model = _NormThenRouter().to(torch.bfloat16)
+    compiled = dzc.compile(model, "cuda", options)
+    x, residual = _inputs(tokens=512, dtype=torch.bfloat16)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        compiled(x, residual)
+    check = compiled.report.graphs[0].rewrite_check
+    if wrong:
+        assert check.startswith("dropped fuse_residual_norm"), check
+    else:
+        assert check.startswith("passed (relative L2 error"), check
+        assert compiled.report.fired() == {"fuse_residual_norm": 1}

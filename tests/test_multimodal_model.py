@@ -66,19 +66,22 @@ def _run_requests(seed, options, device):
     Near-ties: where two keys' index scores (or two experts' router scores) lie within a rounding of each other at
     a top-k boundary, eager, dzc and the oracle may each select differently, and that call's logits move by 10-40%
     (measured, seed 2072986963: an index score margin of 1e-4 of the row's largest in a decode step, then the next
-    router's choice). Such flips are frequent at this size (about one call in twenty for each of eager and dzc) and
-    carried into a request's later calls by its cache, so:
+    router's choice). Such flips are frequent at this size (prefills, with a row per token, flip most: seed 8004
+    had two of three prefills with eager, dzc and the oracle all apart) and carried into a request's later calls by
+    its cache. So the rewrites are judged exactly where flips can be told apart, and the whole model loosely:
+    - each decoder graph's rewrite check (CompileOptions.check_rewrites, on its first call) must pass: the graph
+      as captured and as rewritten on the same inputs, the rewritten one given the captured one's top-k picks at
+      near-ties (dzc/pinned_selections.py);
     - every call starts from dzc's state: eager's and the oracle's caches get the compiled session's before each
       call (a flip stays in its call), and the call is judged on its logits and on the cache rows it writes (a
       replay writing the wrong slots shows there);
     - a call is off where dzc is beyond the bound from both the oracle and eager (the oracle alone flipping puts
-      both bf16 runs off it together);
-    - the bound is 4x eager's median error plus a bf16 rounding of the logits (a median: eager's own flips do not
-      widen it); dzc rounds at other places than eager (a kernel's softmax weights in bf16 before their matmul):
-      1.0-2.8x eager's error in most seeds, 3.5-6x in one (1140267170);
+      both bf16 runs off it together); the bound is 4x eager's median error plus a bf16 rounding of the logits
+      (a median: eager's own flips do not widen it); dzc rounds at other places than eager (a kernel's softmax
+      weights in bf16 before their matmul): 1.0-2.8x eager's error in most seeds, 3.5-6x in one (1140267170);
     - a wrong rewrite is off in every prefill or every decode step (a missed mask, a wrong expert, a misplaced
-      image row, a step writing the wrong slots), near-tie flips in a few calls: at most one prefill of the three
-      and two decode steps of the five may be off."""
+      image row, a step writing the wrong slots; four sabotaged MoE rewrites were), flips in some calls: some
+      prefill and some decode step must be within the bound."""
     torch._dynamo.reset()  # other tests compiled VisionEncoder.forward: start from no cached graphs
     model = build_multimodal(CFG, torch.bfloat16, seed=seed, device=device)
     caches = [new_cache(CFG, max_pages=3, batch=len(REQUESTS), fp8_index=False, dtype=dtype, device=device)
@@ -113,7 +116,10 @@ def _run_requests(seed, options, device):
     print("relative errors of each call's logits and cache writes:\n" + table)
     bound = 4 * sorted(e for _, e, _, _ in rows)[len(rows) // 2] + 2**-7
     off = [step for step, _, to_oracle, to_eager in rows if min(to_oracle, to_eager) > bound]
-    assert off.count("prefill") <= 1 and off.count("decode") <= 2, f"bound {bound:.4f}, calls off {off}:\n{table}"
+    assert off.count("prefill") < len(REQUESTS) and off.count("decode") < sum(DECODE_STEPS), \
+        f"bound {bound:.4f}, calls off {off}:\n{table}"
+    checks = [graph.rewrite_check for graph in fused.decoder.report.graphs]
+    assert all(check.startswith("passed") for check in checks), checks
     assert caches[1].lengths == caches[0].lengths == [sum(t) + sum(r * c // 4 for r, c in g) + n
                                                       for (g, t), n in zip(REQUESTS, DECODE_STEPS)]
     return fused
