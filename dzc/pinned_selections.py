@@ -5,10 +5,10 @@ scores lie within a rounding of each other at the k-th place: a fused kernel tha
 can pick the other one, and everything computed from the pick differs from then on, although both runs are right.
 So the check records the captured graph's selections (`Recorded`) and replays the rewritten graph with them
 (`Pinned`): where a row of the rewritten graph's own top-k picks other positions, and each position the captured
-graph picked scores within `tolerance` of the row's largest |score| of the rewritten graph's k-th score, the row
-takes the captured graph's picks (a near-tie: either answer is right); elsewhere it keeps its own, and the outputs
-then show the difference. The tolerance is the check's own bound for the graph's precision, so a rewrite whose
-scores are off by more than a rounding still fails.
+graph picked scores, in the rewritten graph, within `tolerance` x the row's largest |score| of its own k-th score,
+the row takes the captured graph's picks (a near-tie: either answer is right); elsewhere it keeps its own, and the
+outputs then show the difference. The tolerance is the check's own bound for the graph's precision, so a rewrite
+whose scores are off by more than a rounding still fails.
 
 Pinning needs the rewritten graph to make the same top-k calls in the same order: the check counts the aten.topk
 nodes of both graphs first (a rewrite that selects inside a kernel, dzc.dsa_topk, makes them differ) and does not
@@ -68,7 +68,7 @@ class Pinned(TorchDispatchMode):
     of rows (a rewrite may drop a leading size 1). `pinned` counts the rows given the recorded picks; `mismatch`
     says why the calls could not be paired (then nothing more is pinned)."""
 
-    def __init__(self, picks: list[torch.Tensor], tolerance: float):
+    def __init__(self, picks: list[torch.Tensor | None], tolerance: float):
         super().__init__()
         self.picks, self.tolerance = picks, tolerance
         self.calls = self.pinned = 0
@@ -87,8 +87,8 @@ class Pinned(TorchDispatchMode):
         recorded = self.picks[call] if call < len(self.picks) else None
         if recorded is None or not _last_dimension(indices, dim) or recorded.numel() != indices.numel() or \
                 recorded.shape[-1] != indices.shape[-1]:
-            self.mismatch = (f"top-k call {call} ({tuple(indices.shape)}) has no counterpart of its size in the "
-                             "graph as captured")
+            self.mismatch = (f"top-k call {call} ({tuple(indices.shape)}) does not pair with the captured graph's "
+                             "(another size, or not along the last dimension)")
             return result
         recorded = recorded.reshape(indices.shape).to(indices.dtype)
         differ = (indices.sort(dim).values != recorded.sort(dim).values).any(dim, keepdim=True)

@@ -270,7 +270,7 @@ def test_a_near_tie_top_k_row_takes_the_captured_picks_and_no_other(seed):
     assert torch.equal(indices[2:], captured[2:])
     with pinned_selections.Pinned(recorded.picks, tolerance=2 ** -5) as pins:  # another size: not paired
         torch.topk(rewritten[:3], 4)
-    assert pins.mismatch.startswith("top-k call 0 ((3, 4)) has no counterpart") and pins.pinned == 0
+    assert pins.mismatch.startswith("top-k call 0 ((3, 4)) does not pair") and pins.pinned == 0
     with pinned_selections.Recorded(budget=16) as recorded:  # 24 int64 picks: over 16 bytes
         torch.topk(scores, 4)
     assert recorded.over_budget and not recorded.picks
