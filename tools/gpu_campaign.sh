@@ -19,12 +19,14 @@
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Next session. Session 47 (an H100, after 52 min of refused starts) ran s47-vision-lpt (LONGEST_FIRST=1: GPU
 # numerics passed, 1.02-1.06x, now the untuned choice of long segments), s47-topk-flake (7 seeds passed) and the
-# decode rows of s45-outline (outlined = flat). In order:
+# decode rows of s45-outline (outlined = flat). Session 48 got no machine (every start refused, 22:05-23:35 UTC).
+# The multimodal GPU test now also asserts that each decoder graph's rewrite check passed, with top-k near-ties
+# pinned (new in session 48, not yet run on a GPU): s48-outline runs it. In order:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s48-outline   # issue 18: the multimodal
 #       GPU test outlined with the split calls (the last check before the outlining becomes the default)
 #   call 2: bash tools/gpu_campaign.sh s45-compile   # issue 18: cold + warm at 32 + 16, flat and outlined (the
-#       outlined warm start for the first time)
+#       outlined warm start for the first time; s48-compile-outlined: its outlined half alone)
 #   then s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
 #   s36-compile (issue 18 full depth), s35-topk (the top-k's phases with and without votes, 32K and 128K),
 #   s47-topk-flake again where device time is left.
@@ -417,6 +419,9 @@ s48-outline)
   # the decode rows only: outlined = flat), then the warm tests.
   TAIL=4 part gpu_tests_multimodal_outlined 240 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 -m pytest -q -p no:logging \
     -rf tests/test_multimodal_model.py -m gpu
+  # Flat too: the test's rewrite checks with top-k near-ties pinned (session 48) never ran on a GPU.
+  TAIL=4 part gpu_tests_multimodal_flat 200 python3 -m pytest -q -p no:logging -rf tests/test_multimodal_model.py \
+    tests/test_check_rewrites.py -m gpu
   TAIL=4 part gpu_tests_warm 120 python3 -m pytest -q -p no:logging -rf tests/test_frame_cache.py \
     tests/test_compile_cache.py -m gpu
   ;;
