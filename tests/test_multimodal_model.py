@@ -79,9 +79,10 @@ def _run_requests(seed, options, device):
       both bf16 runs off it together); the bound is 4x eager's median error plus a bf16 rounding of the logits
       (a median: eager's own flips do not widen it); dzc rounds at other places than eager (a kernel's softmax
       weights in bf16 before their matmul): 1.0-2.8x eager's error in most seeds, 3.5-6x in one (1140267170);
-    - a wrong rewrite is off in every prefill or every decode step (a missed mask, a wrong expert, a misplaced
-      image row, a step writing the wrong slots; four sabotaged MoE rewrites were), flips in some calls: some
-      prefill and some decode step must be within the bound."""
+    - end to end, for what a graph's first call cannot show (other lengths, CUDA-graph replays): a wrong rewrite
+      is off in every prefill or every decode step (a missed mask, a wrong expert, a misplaced image row, a step
+      writing the wrong slots; four sabotaged MoE rewrites were, on the CPU host, before the check dropped them),
+      flips in some calls: some prefill and some decode step must be within the bound."""
     torch._dynamo.reset()  # other tests compiled VisionEncoder.forward: start from no cached graphs
     model = build_multimodal(CFG, torch.bfloat16, seed=seed, device=device)
     caches = [new_cache(CFG, max_pages=3, batch=len(REQUESTS), fp8_index=False, dtype=dtype, device=device)
