@@ -993,8 +993,8 @@ class _RewriteCheck:
         self.computed_in = _lowest_precision(captured)
         # Top-k in low precision: the captured graph's picks pin the rewritten graph's near-ties, within the
         # rounding bound of the precision (the fp32 scores of a bf16 model: _bounds' relative L2).
-        self.pin_topk = (self.computed_in in _LOW_PRECISION
-                         and pinned_selections.topk_calls(self.reference) > 0)
+        self.captured_topk_calls = pinned_selections.topk_calls(self.reference)
+        self.pin_topk = self.computed_in in _LOW_PRECISION and self.captured_topk_calls > 0
         self.tie_tolerance = _bounds(torch.float32, self.computed_in)[0]
         self.picks: list[torch.Tensor | None] = []
         self._unpaired = ""  # why the last trial's top-k calls did not pair with the captured graph's
@@ -1050,7 +1050,7 @@ class _RewriteCheck:
         if self.any_rank(bool(too_large)):  # a long-context KV cache: the check would need two more of it
             return self._skip(too_large or _TOO_LARGE_ELSEWHERE, args)
         if self.pin_topk:  # (the same on every rank: no collective where it is off)
-            rewritten, captured = (pinned_selections.topk_calls(m) for m in (self.build.checkable, self.reference))
+            rewritten, captured = pinned_selections.topk_calls(self.build.checkable), self.captured_topk_calls
             unpaired = (f"the rewritten graph makes {rewritten} top-k calls, the graph as captured {captured}: a "
                         "selection made in a kernel, whose near-ties the check cannot pin"
                         if rewritten != captured else "")

@@ -61,3 +61,45 @@ def test_the_first_call_reads_the_kernel_a_child_built(tmp_path, monkeypatch):
     # Without the prebuild the first call compiles its kernel here: what the check above would have seen.
     compiled_here, prebuilt = _first_call_builds(tmp_path / "off", monkeypatch, "0")
     assert prebuilt == {} and len(compiled_here) == 1, (prebuilt, compiled_here)
+
+
+def test_a_kernel_in_the_cache_is_not_built_ahead_again(tmp_path, monkeypatch):
+    """A warm start: the kernel's prim_func comes from its record (TileLang's front end does not run again) and no
+    child builds it ahead (one would only load it, while the first launch waited for it)."""
+    spec = AddRmsNormSpec(96, FP32, FP32, FP32, FP32, FP32, True, False)
+    default = add_rms_norm.tilelang_default_config(spec, SM_90)
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang_cache"))
+    path = tmp_path / "add_rms_norm_warm.py"
+    path.write_text(add_rms_norm.tilelang_source(spec, SM_90))
+    assert not tilelang_codegen.in_kernel_cache(path, add_rms_norm.TILELANG_FACTORY_NAME, default)
+    built = tilelang_codegen.compile_for_device(path, add_rms_norm.TILELANG_FACTORY_NAME, default, SM_90)
+    assert tilelang_codegen.in_kernel_cache(path, add_rms_norm.TILELANG_FACTORY_NAME, default)
+
+    def no_front_end(*args):
+        raise AssertionError("the factory ran: the prim_func record was not read")
+
+    monkeypatch.setattr(tilelang_codegen, "load_factory", no_front_end)
+    with config.scope(DZC_TILELANG_PREBUILD="1"):
+        kernels = tilelang_codegen.load(add_rms_norm, path, spec, SM_90)
+    assert kernels.prebuilding == 0
+    loaded = kernels.kernel_for(default)
+    # The recorded prim_func is the factory's: the same script, so the same TileLang cache key and kernel.
+    assert loaded.prim_func.script(show_meta=True) == built.prim_func.script(show_meta=True)
+    assert loaded.get_kernel_source() == built.get_kernel_source()
+
+
+def test_a_damaged_prim_func_record_is_built_again(tmp_path):
+    spec = AddRmsNormSpec(64, FP32, FP32, FP32, FP32, FP32, True, False)
+    default = add_rms_norm.tilelang_default_config(spec, SM_90)
+    path = tmp_path / "add_rms_norm_record.py"
+    path.write_text(add_rms_norm.tilelang_source(spec, SM_90))
+    built = tilelang_codegen.build_prim_func(path, add_rms_norm.TILELANG_FACTORY_NAME, default)
+    record = tilelang_codegen.prim_func_record(path, add_rms_norm.TILELANG_FACTORY_NAME, default)
+    text = record.read_text()
+    record.write_text(text[: len(text) // 2])
+    again = tilelang_codegen.build_prim_func(path, add_rms_norm.TILELANG_FACTORY_NAME, default)
+    assert again.script(show_meta=True) == built.script(show_meta=True)
+    assert record.read_text() == text  # recorded again
+    # Another module text is another record: an edited kernel never gets the old prim_func.
+    path.write_text(path.read_text() + "\n# edited\n")
+    assert tilelang_codegen.prim_func_record(path, add_rms_norm.TILELANG_FACTORY_NAME, default) != record

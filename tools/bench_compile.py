@@ -4,7 +4,7 @@ process, with dzc's compile-time breakdown.
     python tools/bench_compile.py [--quick] [--models llama_decoder multimodal ...] [--no-torch] [--out table.md]
                                   [--layers N] [--vision-layers N] [--regions on|off|both] [--cold-only]
                                   [--profile-warm DIR] [--profile-cold DIR] [--child-logs DIR]
-                                  [--no-bytecode-cache]
+                                  [--no-bytecode-cache] [--forget-tilelang-records]
 
 Times are the compile call (dzc.compile / torch.compile) plus the first call: torch.compile() imports Inductor
 before it returns, dzc.compile() at the first call (before session 22 only the first call was timed, which left
@@ -153,6 +153,10 @@ def main() -> None:
     parser.add_argument("--profile-cold", metavar="DIR", help="cProfile each cold first call into DIR")
     parser.add_argument("--child-logs", metavar="DIR", help="write each child's output to DIR/<model>-<compiler>-"
                         "<cold|warm>.log as it runs (with DZC_DEBUG=1: dzc's report when its compile ends)")
+    parser.add_argument("--forget-tilelang-records", action="store_true",
+                        help="dzc: one more warm run, after removing the TileLang kernels' prim_func records and "
+                        "built notes from dzc's cache (a warm start as it was before them: the front end runs again "
+                        "and children prebuild kernels that are in TileLang's cache)")
     parser.add_argument("--no-bytecode-cache", action="store_true",
                         help="no shared, primed bytecode cache: each process reads its installation's")
     parser.add_argument("--child", choices=["dzc", "torch"], help=argparse.SUPPRESS)
@@ -212,6 +216,14 @@ def measure(args, models: list[str], kinds: list[str], settings: list[str], labe
                            bytecode, logs["cold"])
                 warm = cold if args.cold_only else run(kind, model, cache_dir, args.layers, regions,
                                                        profiles["warm"], args.vision_layers, bytecode, logs["warm"])
+                forgot = None
+                if args.forget_tilelang_records and kind == "dzc" and not args.cold_only:
+                    records = list(Path(cache_dir, "dzc").rglob("*.prim_func.*"))
+                    for record in records:
+                        record.unlink()
+                    forgot = run(kind, model, cache_dir, args.layers, regions, None, args.vision_layers, bytecode,
+                                 logs["warm"] and logs["warm"].replace("-warm.log", "-warm-forgot.log"))
+                    forgot["records_removed"] = len(records)
             print(TAG + json.dumps({"model": model, "layers": args.layers, "vision_layers": args.vision_layers,
                                     "kind": kind, "regions": regions,
                                     "cold": cold, "warm": None if args.cold_only else warm}), flush=True)
@@ -227,6 +239,13 @@ def measure(args, models: list[str], kinds: list[str], settings: list[str], labe
                          f"{warm['seconds'] / cold['seconds']:.2f} | "
                          f"{cold['compile_call_s']:.2f}; {warm['compile_call_s']:.2f} | {breakdown} | {cache} |")
             print(lines[-1], flush=True)
+            if forgot is not None:
+                lines.append(f"| {model}{label} | {name}, warm without TileLang records "
+                             f"({forgot['records_removed']} removed) | | "
+                             + (f"{forgot['failed']} | | | | |" if "failed" in forgot else
+                                f"{forgot['seconds']:.1f} | | ; {forgot['compile_call_s']:.2f} | "
+                                f"; {forgot['breakdown']} | {', '.join(forgot.get('cache', []))} |"))
+                print(lines[-1], flush=True)
     return device
 
 

@@ -25,8 +25,9 @@
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s48-outline   # issue 18: the multimodal
 #       GPU test outlined with the split calls (the last check before the outlining becomes the default)
-#   call 2: bash tools/gpu_campaign.sh s45-compile   # issue 18: cold + warm at 32 + 16, flat and outlined (the
-#       outlined warm start for the first time; s48-compile-outlined: its outlined half alone)
+#   call 2: bash tools/gpu_campaign.sh s49-compile   # issue 18: cold + warm at 32 + 16, flat, and warm without
+#       session 49's TileLang prim_func records (their A/B in one run)
+#   call 3: bash tools/gpu_campaign.sh s48-compile-outlined   # the outlined cold + warm (its warm start never timed)
 #   then s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
 #   s36-compile (issue 18 full depth), s35-topk (the top-k's phases with and without votes, 32K and 128K),
 #   s47-topk-flake again where device time is left.
@@ -424,6 +425,15 @@ s48-outline)
     tests/test_check_rewrites.py -m gpu
   TAIL=4 part gpu_tests_warm 120 python3 -m pytest -q -p no:logging -rf tests/test_frame_cache.py \
     tests/test_compile_cache.py -m gpu
+  ;;
+s49-compile)
+  # (after site) issue 18 at 32 + 16 layers, flat: cold, warm, and warm again without the TileLang kernels'
+  # prim_func records (session 49: a warm start reads each kernel's prim_func from its record instead of running
+  # TileLang's front end, and starts no prebuild child for a kernel in TileLang's cache; the last row is the warm
+  # start as it was before, in the same run).
+  TAIL=3 part compile_flat_records 340 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
+    --no-torch --layers 32 --vision-layers 16 --forget-tilelang-records --child-logs "$OUT/compile_logs_flat" \
+    --out "$OUT/compile_flat.md"
   ;;
 s48-compile-outlined)
   # (after site) issue 18: s45-compile's outlined half alone (cold then warm at 32 + 16; the outlined warm start
