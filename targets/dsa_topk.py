@@ -304,6 +304,20 @@ def tilelang_configs_for_bucket(bucket: int, configs: list[KernelConfig],
     return candidates, chosen
 
 
+def tilelang_prebuilt_configs(spec: DsaTopkSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """What tilelang_codegen.load starts building ahead: the untuned choice of every span (the default's, the widest,
+    first). A model's rows are as wide as its context: short contexts take a narrow span, whose kernel was otherwise
+    built in-process at its first call."""
+    configs, default = tilelang_configs(spec, profile), tilelang_default_config(spec, profile)
+    spans = sorted({c["WIDTH"] for c in configs}, reverse=True)
+    chosen = [default]
+    for width in spans:
+        config = tilelang_configs_for_bucket(width, configs, default)[1]
+        if config not in chosen:
+            chosen.append(config)
+    return chosen
+
+
 def tilelang_shared_memory_bytes(spec: DsaTopkSpec, config: KernelConfig) -> int:
     """First histogram, candidates' keys and positions (as many as the speculative buffer where it is more), the two
     bitmaps, the warps' sums, the chosen bin, the candidate counter, the cached keys and the buffer's counter (int32

@@ -698,20 +698,42 @@ def _tilelang_fp8_views(k_cache):
     return k_cache.view(torch.float8_e4m3fn), k_cache.view(kv_cache.ROPE_DTYPE)
 
 
+def tilelang_launched_configs(config: KernelConfig) -> list[KernelConfig]:
+    """The factory configs tilelang_launch compiles for `config`: the attention kernel's, then the combine's (PART=1)
+    where it splits."""
+    if config["SPLITS"] == 1 and _warp_specialized(config):
+        # One split is the whole selection: the prefill kernel writes the output itself (no fp32 partial to write
+        # and combine; at 64 sequences x 2 rows that is 33 MB each way).
+        return [KernelConfig.make(config.num_warps, config.num_stages, **{**dict(config.params), "SPLITS": 0})]
+    if config["SPLITS"] == 0:
+        return [config]
+    return [config, KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), PART=1)]
+
+
+def tilelang_prebuilt_configs(spec: SparseAttentionSpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """What tilelang_codegen.load starts building ahead: the untuned choice of every token bucket (prefill's first,
+    then each decode bucket's: their splits differ with the rows), as tilelang_launch compiles them. Without the
+    decode ones, a model's first decode step built its kernel and combine in-process (30-60 s each on the H200)."""
+    configs, default = tilelang_configs(spec, profile), tilelang_default_config(spec, profile)
+    buckets = [2 * DECODE_MAX_ROWS] + [1 << n for n in range(DECODE_MAX_ROWS.bit_length())]
+    chosen = []
+    for bucket in buckets:
+        for config in tilelang_launched_configs(configs_for_bucket(spec, profile, bucket, configs, default)[1]):
+            if config not in chosen:
+                chosen.append(config)
+    return chosen
+
+
 def tilelang_launch(compiled, config: KernelConfig, q, k_cache, v_cache, block_table, seq_lens, query_seq, indices,
                     query_pos, sinks, window, scale_log2, spec, out):
     """`compiled` is tilelang_codegen's KernelsByConfig (see tilelang_launch_arguments). Its specs have no window
     or sinks (tilelang_configs): query_pos, sinks and window are the absent ones' stand-ins."""
     rows = q.shape[0]
-    splits = config["SPLITS"]
     if spec.fp8_cache:  # the template's k_cache / v_cache: the cache's bytes as e4m3 and as bf16
         k_cache, v_cache = _tilelang_fp8_views(k_cache)
-    if splits == 1 and _warp_specialized(config):
-        # One split is the whole selection: the prefill kernel writes the output itself (no fp32 partial to write
-        # and combine; at 64 sequences x 2 rows that is 33 MB each way).
-        splits = 0
-        config = KernelConfig.make(config.num_warps, config.num_stages, **{**dict(config.params), "SPLITS": 0})
-    kernel = compiled.kernel_for(config)
+    attention, *combine = tilelang_launched_configs(config)
+    splits = attention["SPLITS"]
+    kernel = compiled.kernel_for(attention)
     inputs = (q, k_cache, v_cache, block_table, seq_lens, query_seq, indices, scale_log2)
     if splits == 0:
         no_lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)
@@ -721,6 +743,5 @@ def tilelang_launch(compiled, config: KernelConfig, q, k_cache, v_cache, block_t
     partial = torch.empty(splits, rows, spec.heads, spec.d_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(splits, rows, spec.heads, dtype=torch.float32, device=q.device)
     kernel(*tilelang_launch_arguments(*inputs, partial, lse).arguments)  # fresh partials: nothing to copy back
-    combine = KernelConfig.make(config.num_warps, config.num_stages, **dict(config.params), PART=1)
     arguments = tilelang_codegen.launch_arguments((partial, lse), (out,))
-    arguments.launch(compiled.kernel_for(combine))
+    arguments.launch(compiled.kernel_for(combine[0]))

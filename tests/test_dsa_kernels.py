@@ -1757,3 +1757,32 @@ def test_tuning_skips_a_top_k_config_that_selects_other_positions(seed, tmp_path
     [(_, entry)] = record.tuned.items()
     assert entry["config"] == str(default), entry
     assert entry["failures"] and all("values in 1 rows differ" in why for why in entry["failures"].values()), entry
+
+
+@pytest.mark.parametrize("spec", [MLA, dataclasses.replace(MLA, fp8_cache=True)], ids=["bf16", "fp8"])
+def test_loading_builds_every_buckets_untuned_sparse_attention_kernels_ahead(spec):
+    """tilelang_codegen.load starts building the untuned choice of every token bucket as the launch compiles it (the
+    prefill kernel first; each decode bucket's split kernel and its combine): a model's first decode step no longer
+    builds them in-process."""
+    legal, _ = legal_configs(sparse_attention, "tilelang", spec, SM_90)
+    default = sparse_attention.tilelang_default_config(spec, SM_90)
+    launched = {config for rows in range(1, 4 * sparse_attention.DECODE_MAX_ROWS, 7)
+                for config in sparse_attention.tilelang_launched_configs(sparse_attention.configs_for_bucket(
+                    spec, SM_90, sparse_attention.token_bucket(rows), legal, default)[1])}
+    prebuilt = sparse_attention.tilelang_prebuilt_configs(spec, SM_90)
+    assert prebuilt[0] == default and len(prebuilt) == len(set(prebuilt))
+    assert set(prebuilt) == launched and any(c["SPLITS"] for c in launched)
+    # Every split kernel with its combine, none without
+    assert {c for c in prebuilt if dict(c.params).get("PART")} == {
+        KernelConfig.make(c.num_warps, c.num_stages, **dict(c.params), PART=1) for c in prebuilt
+        if c["SPLITS"] and not dict(c.params).get("PART")}
+
+
+def test_loading_builds_every_spans_untuned_top_k_kernel_ahead():
+    spec = dsa_topk.DsaTopkSpec()
+    legal, _ = legal_configs(dsa_topk, "tilelang", spec, SM_90)
+    default = dsa_topk.tilelang_default_config(spec, SM_90)
+    chosen = {dsa_topk.configs_for_bucket(spec, SM_90, dsa_topk.token_bucket(width), legal, default)[1]
+              for width in (1, 2048, 40000, 1 << 20)}
+    prebuilt = dsa_topk.tilelang_prebuilt_configs(spec, SM_90)
+    assert prebuilt[0] == default and set(prebuilt) == chosen and len(prebuilt) == len(chosen) > 1
