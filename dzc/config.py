@@ -113,8 +113,9 @@ COMPILE_GC = Knob("DZC_COMPILE_GC", "paused",
 
 TILELANG_PREBUILD = Knob("DZC_TILELANG_PREBUILD", "1",
                          "1 (default): when a compiled graph's TileLang kernels are loaded on a GPU, build each one's "
-                         "untuned config in a child process at once, all in parallel, into TileLang's kernel cache, "
-                         "which the first call then reads; 0: each is built when first called, one after another",
+                         "untuned configs (every token bucket's) that TileLang's kernel cache lacks in child "
+                         "processes at once, all in parallel, into that cache, which the first call then reads; 0: "
+                         "each is built when first called, one after another",
                          "0 or 1", _one_of("0", "1"))
 
 TRITON_PRECOMPILE = Knob("DZC_TRITON_PRECOMPILE", "0",
