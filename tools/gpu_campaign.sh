@@ -25,6 +25,7 @@
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s48-outline   # issue 18: the multimodal
 #       GPU test outlined with the split calls (the last check before the outlining becomes the default)
+#   (with device time for one call only: site && s49-one-call, the outlined test and s49-compile together)
 #   call 2: bash tools/gpu_campaign.sh s49-compile   # issue 18: cold + warm at 32 + 16, flat, and warm without
 #       session 49's TileLang prim_func records (their A/B in one run)
 #   call 3: bash tools/gpu_campaign.sh s48-compile-outlined   # the outlined cold + warm (its warm start never timed)
@@ -425,6 +426,15 @@ s48-outline)
     tests/test_check_rewrites.py -m gpu
   TAIL=4 part gpu_tests_warm 120 python3 -m pytest -q -p no:logging -rf tests/test_frame_cache.py \
     tests/test_compile_cache.py -m gpu
+  ;;
+s49-one-call)
+  # (after site) where one call is all the device time allows: s48-outline's outlined multimodal GPU test, then
+  # s49-compile's cold, warm and warm-without-records rows.
+  TAIL=4 part gpu_tests_multimodal_outlined 220 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 -m pytest -q -p no:logging \
+    -rf tests/test_multimodal_model.py -m gpu
+  TAIL=3 part compile_flat_records 330 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
+    --no-torch --layers 32 --vision-layers 16 --forget-tilelang-records --child-logs "$OUT/compile_logs_flat" \
+    --out "$OUT/compile_flat.md"
   ;;
 s49-compile)
   # (after site) issue 18 at 32 + 16 layers, flat: cold, warm, and warm again without the TileLang kernels'
