@@ -74,7 +74,15 @@ def build_prim_func(path: Path, factory_name: str, config: KernelConfig):
         return recorded
     factory = load_factory(path, factory_name)
     prim_func = factory(**{name.lower(): value for name, value in config.params})
-    _write_atomically(record, tvm.ir.save_json(prim_func))
+    # Recorded only where the JSON reads back as the same function: the same script, which is all TileLang keys its
+    # kernel cache by (so the record can only ever give what the factory gives).
+    try:
+        text = tvm.ir.save_json(prim_func)
+        same = tvm.ir.load_json(text).script(show_meta=True) == prim_func.script(show_meta=True)
+    except Exception:  # noqa: BLE001 - a node TVM cannot serialize: not recorded, built by the factory each time
+        same = False
+    if same:
+        _write_atomically(record, text)
     return prim_func
 
 

@@ -103,3 +103,22 @@ def test_a_damaged_prim_func_record_is_built_again(tmp_path):
     # Another module text is another record: an edited kernel never gets the old prim_func.
     path.write_text(path.read_text() + "\n# edited\n")
     assert tilelang_codegen.prim_func_record(path, add_rms_norm.TILELANG_FACTORY_NAME, default) != record
+
+
+def test_a_prim_func_whose_json_reads_back_otherwise_is_not_recorded(tmp_path, monkeypatch):
+    from tilelang import tvm
+
+    spec = AddRmsNormSpec(64, FP32, FP32, FP32, FP32, FP32, True, False)
+    default = add_rms_norm.tilelang_default_config(spec, SM_90)
+    path = tmp_path / "add_rms_norm_unrecorded.py"
+    path.write_text(add_rms_norm.tilelang_source(spec, SM_90))
+    other = tmp_path / "add_rms_norm_other.py"
+    other.write_text(add_rms_norm.tilelang_source(AddRmsNormSpec(128, FP32, FP32, FP32, FP32, FP32, True, False),
+                                                  SM_90))
+    other_json = tvm.ir.save_json(tilelang_codegen.build_prim_func(other, add_rms_norm.TILELANG_FACTORY_NAME, default))
+    other_script = tvm.ir.load_json(other_json).script(show_meta=True)
+    record = tilelang_codegen.prim_func_record(path, add_rms_norm.TILELANG_FACTORY_NAME, default)
+    for save_json in (lambda func: other_json, lambda func: (_ for _ in ()).throw(ValueError("cannot serialize"))):
+        monkeypatch.setattr(tvm.ir, "save_json", save_json)
+        built = tilelang_codegen.build_prim_func(path, add_rms_norm.TILELANG_FACTORY_NAME, default)
+        assert built.script(show_meta=True) != other_script and not record.exists()
