@@ -66,9 +66,7 @@ def build_prim_func(path: Path, factory_name: str, config: KernelConfig):
     record = prim_func_record(path, factory_name, config)
     try:
         recorded = tvm.ir.load_json(record.read_text())
-    except FileNotFoundError:
-        recorded = None
-    except Exception:  # noqa: BLE001 - a damaged record (a full disk, another version's): built again below
+    except Exception:  # noqa: BLE001 - none yet, or a damaged one (a full disk): built again below
         recorded = None
     if isinstance(recorded, tvm.tirx.PrimFunc):
         return recorded
@@ -88,8 +86,7 @@ def build_prim_func(path: Path, factory_name: str, config: KernelConfig):
 
 def prim_func_record(path: Path, factory_name: str, config: KernelConfig) -> Path:
     """Where the prim_func of `path`'s module, `factory_name` and `config` is kept, as TVM's JSON of it: keyed by
-    the module's text, the factory, the config and TileLang's version, which are all it is built from. TVM's JSON
-    round trip gives the same function (its printed script, TileLang's kernel-cache key, is the same)."""
+    the module's text, the factory, the config and TileLang's version, which are all it is built from."""
     key = hashlib.sha256(f"{VERSION}\n{factory_name}\n{config}\n".encode() + Path(path).read_bytes()).hexdigest()
     return Path(path).with_name(f"{Path(path).stem}.{factory_name}.{key[:16]}.prim_func.json")
 
@@ -295,12 +292,16 @@ def _built_note(path: Path, factory_name: str, config: KernelConfig) -> Path:
 
 
 def in_kernel_cache(path: Path, factory_name: str, config: KernelConfig) -> bool:
-    """Whether compile_for_device built this kernel into TileLang's kernel cache, and its entry is still there:
-    then a process's own compile only loads it (no child need build it ahead)."""
+    """Whether compile_for_device built this kernel into this process's TileLang kernel cache (another process may
+    have had another TILELANG_CACHE_DIR), and its entry is still there: then a process's own compile only loads it
+    (no child need build it ahead)."""
+    import tilelang
+
     try:
-        return Path(_built_note(path, factory_name, config).read_text()).is_dir()
+        cached_at = Path(_built_note(path, factory_name, config).read_text()).resolve()
     except OSError:
         return False
+    return cached_at.is_dir() and Path(tilelang.env.TILELANG_CACHE_DIR).resolve() in cached_at.parents
 
 
 def factory_configs(family, spec, config: KernelConfig) -> dict[str, KernelConfig]:

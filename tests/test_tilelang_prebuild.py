@@ -74,6 +74,10 @@ def test_a_kernel_in_the_cache_is_not_built_ahead_again(tmp_path, monkeypatch):
     assert not tilelang_codegen.in_kernel_cache(path, add_rms_norm.TILELANG_FACTORY_NAME, default)
     built = tilelang_codegen.compile_for_device(path, add_rms_norm.TILELANG_FACTORY_NAME, default, SM_90)
     assert tilelang_codegen.in_kernel_cache(path, add_rms_norm.TILELANG_FACTORY_NAME, default)
+    # A process with another TileLang cache has not got it
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "another_cache"))
+    assert not tilelang_codegen.in_kernel_cache(path, add_rms_norm.TILELANG_FACTORY_NAME, default)
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path / "tilelang_cache"))
 
     def no_front_end(*args):
         raise AssertionError("the factory ran: the prim_func record was not read")
