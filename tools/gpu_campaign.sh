@@ -19,7 +19,9 @@
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Next session. Session 47 (an H100, after 52 min of refused starts) ran s47-vision-lpt (LONGEST_FIRST=1: GPU
 # numerics passed, 1.02-1.06x, now the untuned choice of long segments), s47-topk-flake (7 seeds passed) and the
-# decode rows of s45-outline (outlined = flat). Session 48 got no machine (every start refused, 22:05-23:35 UTC).
+# decode rows of s45-outline (outlined = flat). Sessions 48 and 49 got no machine (every start refused, 22:05-23:35
+# and 01:23-03:00 UTC). Session 49's warm-start change (TileLang prim_func records, no prebuild child for a cached
+# kernel) and its prebuilt decode kernels are measured by s49-compile.
 # The multimodal GPU test now also asserts that each decoder graph's rewrite check passed, with top-k near-ties
 # pinned (new in session 48, not yet run on a GPU): s48-outline runs it. In order:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
