@@ -66,10 +66,11 @@ def build_prim_func(path: Path, factory_name: str, config: KernelConfig):
     record = prim_func_record(path, factory_name, config)
     try:
         recorded = tvm.ir.load_json(record.read_text())
+        # (TVM's TIR is tvm.tirx in upstream TileLang, tvm.tir in older builds such as forks)
+        if isinstance(recorded, (getattr(tvm, "tirx", None) or tvm.tir).PrimFunc):
+            return recorded
     except Exception:  # noqa: BLE001 - none yet, or a damaged one (a full disk): built again below
-        recorded = None
-    if isinstance(recorded, tvm.tirx.PrimFunc):
-        return recorded
+        pass
     factory = load_factory(path, factory_name)
     prim_func = factory(**{name.lower(): value for name, value in config.params})
     # Recorded only where the JSON reads back as the same function: the same script, which is all TileLang keys its
@@ -297,11 +298,12 @@ def in_kernel_cache(path: Path, factory_name: str, config: KernelConfig) -> bool
     (no child need build it ahead)."""
     import tilelang
 
+    cache_dir = getattr(tilelang.env, "TILELANG_CACHE_DIR", None)  # (a TileLang without it: built ahead as new)
     try:
         cached_at = Path(_built_note(path, factory_name, config).read_text()).resolve()
     except OSError:
         return False
-    return cached_at.is_dir() and Path(tilelang.env.TILELANG_CACHE_DIR).resolve() in cached_at.parents
+    return cache_dir is not None and cached_at.is_dir() and Path(cache_dir).resolve() in cached_at.parents
 
 
 def factory_configs(family, spec, config: KernelConfig) -> dict[str, KernelConfig]:
