@@ -472,7 +472,7 @@ def _tilelang_tile_load(spec: VarlenAttentionSpec, tensor: str, tile: str, start
     embedding): padding columns and (unless the block is `whole`ly inside the segment) rows past the segment 0,
     never read."""
     indent = " " * 20
-    valid = "d < HEAD_DIM" if whole else f"({start} + j < seq_len) & (d < HEAD_DIM)"
+    valid = "d < HEAD_DIM" if whole else f"{start} + j < seq_len and d < HEAD_DIM"
     element = _tilelang_operand(tensor, f"seq_start + {start} + j", valid, rope=spec.rope and tensor == "k")
     return f"{indent}for j, d in T.Parallel(block_n, DIM):\n{indent}    {tile}[j, d] = {element}"
 
@@ -490,17 +490,17 @@ def tilelang_source(spec: VarlenAttentionSpec, profile: DeviceProfile) -> str:
         profile=profile.name, head_dim=spec.head_dim, padded_dim=tilelang_padded_dim(spec.head_dim),
         dtype=spec.dtype, tl_dtype=_TILELANG_DTYPES[spec.dtype], rope=spec.rope, rope_dtype=spec.rope_dtype,
         rope_parameters=rope_parameters,
-        q_element=_tilelang_operand("q", "seq_start + q_start + i", "(q_start + i < seq_len) & (d < HEAD_DIM)",
+        q_element=_tilelang_operand("q", "seq_start + q_start + i", "q_start + i < seq_len and d < HEAD_DIM",
                                     spec.rope),
         key_value_loads=_tilelang_key_value_loads(spec),
         tail_key_load=_tilelang_tile_load(spec, "k", "tail_tile", "tail_start"),
         tail_value_load=_tilelang_tile_load(spec, "v", "tail_tile", "tail_start"),
         pass_configs=repr(tilelang_codegen.fast_math_pass_configs(profile)),
         # The warp-specialized kernel reads q as it is (already rotated where the spec has rotary embedding).
-        ws_q_element=_tilelang_operand("q", "seq_start + q_start + i", "(q_start + i < seq_len) & (d < HEAD_DIM)",
+        ws_q_element=_tilelang_operand("q", "seq_start + q_start + i", "q_start + i < seq_len and d < HEAD_DIM",
                                        rope=False),
         ws_q_high_element=_tilelang_operand("q", "seq_start + q_start + i",
-                                            "(q_start + i < seq_len) & (low + d < HEAD_DIM)", rope=False,
+                                            "q_start + i < seq_len and low + d < HEAD_DIM", rope=False,
                                             column="low + d"),
         rope_tl_dtype=_TILELANG_DTYPES[spec.rope_dtype] if spec.rope else "float32",
         q_rotated=_tilelang_element("q", "block * ROTATE_ROWS + i", rope=True),
