@@ -429,18 +429,19 @@ s48-outline)
   TAIL=4 part gpu_tests_warm 120 python3 -m pytest -q -p no:logging -rf tests/test_frame_cache.py \
     tests/test_compile_cache.py -m gpu
   ;;
-s50-one-call)
+s50-one-call|s50-numerics)
   # (after site) session 50: the TileLang templates join conditions with and/or (same CUDA tests, invariant ones
-  # hoisted; lowering ~2x faster on the CPU host): one GPU numerics test a template, its untuned kernels, then
-  # s49-compile's cold and warm rows (the cold one now with the faster lowering).
+  # hoisted; lowering ~2x faster on the CPU host): one GPU numerics test a template, its untuned kernels; then
+  # (s50-one-call) s49-compile's cold and warm rows (the cold one now with the faster lowering).
   TAIL=6 part gpu_tests_tilelang_templates 280 python3 -m pytest -q -p no:logging -rf -m gpu \
     tests/test_dsa_indexer_tilelang.py tests/test_dsa_kernels.py tests/test_varlen_attention_kernels.py \
     tests/test_mxfp4_moe_kernels.py tests/test_tilelang_add_rms_norm.py tests/test_add_layer_norm_kernels.py \
     -k "indexer_through_lowering or topk_through_lowering or sparse_attention_on_gpu and tilelang \
         or fp8-128h-16-splits or 128h-prefill and not fp8 and not balanced and not row or d72-bfloat16-rope0 \
         or d80-bfloat16-rope1 or tilelang_on_gpu_every_selftest_case or bf16-2880-hf or bf16-1280-fp32-sum"
-  TAIL=3 part compile_flat 300 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
-    --no-torch --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_flat" --out "$OUT/compile_flat.md"
+  [ "$step" = s50-one-call ] && TAIL=3 part compile_flat 300 env DZC_DEBUG=1 python3 tools/bench_compile.py \
+    --models multimodal --no-torch --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_flat" \
+    --out "$OUT/compile_flat.md"
   ;;
 s49-one-call)
   # (after site) where one call is all the device time allows: s48-outline's outlined multimodal GPU test, then
