@@ -22,8 +22,9 @@
 # decode rows of s45-outline (outlined = flat). Sessions 48 and 49 got no machine (every start refused, 22:05-23:35
 # and 01:23-03:00 UTC). Session 49's warm-start change (TileLang prim_func records, no prebuild child for a cached
 # kernel) and its prebuilt decode kernels are measured by s49-compile.
-# Session 50 got no machine either (every start refused, 04:50-07:25 UTC). Its TileLang templates join conditions with and/or
-# (lowering ~2x faster on the CPU host, the same CUDA tests): first, where a call comes, their GPU numerics:
+# Session 50 got no machine either (every start refused, 04:50-07:25 UTC). Its TileLang templates join
+# conditions with and/or (lowering ~2x faster on the CPU host, the same CUDA tests): first, where a call comes,
+# their GPU numerics:
 #   bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s50-one-call   # numerics + flat compile 32 + 16
 #   (s50-numerics: the numerics alone, where device time is short), then the calls below.
 # The multimodal GPU test now also asserts that each decoder graph's rewrite check passed, with top-k near-ties
