@@ -31,7 +31,7 @@ from dzc.coverage import GraphCoverage, graph_coverage
 from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph, precompile_triton_kernels
 from dzc.ops import LOWERED_AS_PARTS
 from dzc.options import CompileOptions
-from dzc.outline_regions import outline_repeated_calls
+from dzc.outline_regions import outline_repeated_calls, values_read
 from dzc.passes.graph_pass import PassResult, copy_graph, written_inputs
 from dzc.pipeline import Stage, build_pipeline, pass_results, run_pipeline
 from dzc.report import CompileReport, CompileTimer, GraphRecord
@@ -488,13 +488,22 @@ class DzcBackend:
             tracing = (torch._guards.tracing(inductor_context) if inductor_context is not None
                        else contextlib.nullcontext())
             boxed, outlined = None, "off (DZC_OUTLINE_FOR_INDUCTOR=0)"
-            with torch._inductor.config.patch(serial), tracing, _before_inductor_compiles(values):
+            copies = []  # copies of `graph` made while some of its values were unbuilt
+
+            def every_value():
+                values()
+                for copy in copies:
+                    _copy_values(graph, copy)
+
+            with (torch._inductor.config.patch(serial), tracing,
+                  _before_inductor_compiles(every_value if values is not None else None)):
                 if config.OUTLINE_FOR_INDUCTOR.get() == "1":
                     if values is not None:
-                        values()  # outline_repeated_calls compares the calls' values
+                        values(values_read(graph))  # outline_repeated_calls compares the calls' values
                     try:
                         # Each repeated layer's leftover ops lowered by Inductor once, not once a layer.
                         lowered = _for_inductor(gm, copy_graph(graph))
+                        copies.append(lowered.graph)
                         outlined = outline_repeated_calls(lowered).describe()
                         boxed = compile_fx_inner(lowered, example_inputs)
                     except Exception as error:  # a slower compile, not a failed one: the flat graph as before
@@ -594,6 +603,17 @@ def _before_inductor_compiles(values: Callable[[], None] | None):
         yield
     finally:
         compile_fx.fx_codegen_and_compile = compiles
+
+
+def _copy_values(source: torch.fx.Graph, copy: torch.fx.Graph) -> None:
+    """Give the nodes of `copy` (copy_graph of `source`, since rewritten) that lack a fake value the value of
+    `source`'s node of the same name: copy_graph copies each node's metadata, so values rebuilt in `source` after
+    the copy are not in it."""
+    named = {node.name: node for node in source.nodes}
+    for node in copy.nodes:
+        original = named.get(node.name)
+        if "val" not in node.meta and original is not None and "val" in original.meta:
+            node.meta["val"] = original.meta["val"]
 
 
 def _for_inductor(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:

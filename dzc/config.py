@@ -93,16 +93,14 @@ NESTED_REGIONS = Knob("DZC_NESTED_REGIONS", "1",
                       "1 (default): capture the repeated layers of an nn.ModuleList once, as nested compile "
                       "regions; 0: off (CompileOptions.nested_regions wins)", "0 or 1", _one_of("0", "1"))
 
-# Off by default: on the H100 (session 41) the multimodal model's decode steps came out 30-70% off its fp32 oracle
-# with it on. Session 43 found why (an outlined body's read of the KV cache the graph writes in place) and session 44
-# why the outlined model crashed on the CPU host (bodies giving views of each other); both are fixed. On the H100
-# (session 45) its GPU test passed, but one outlined decode row had a request off in every call: it stays off until
-# tools/gpu_campaign.sh s45-outline's repeated rows tell a near-tie from a wrong answer.
-OUTLINE_FOR_INDUCTOR = Knob("DZC_OUTLINE_FOR_INDUCTOR", "0",
-                            "1: hand the repeated layers' calls to Inductor's fallback compile as invoke_subgraph, "
-                            "each distinct body lowered once (dzc/outline_regions.py; experimental: its decode rows "
-                            "equal the flat compile's on an H100, session 47; its GPU test with split calls and its "
-                            "warm start are to run); 0 (default): the flat graph, every layer's copy lowered",
+# On by default since session 51: on an H100 the multimodal GPU test passes with it on, its decode rows equal the
+# flat compile's on the same inputs, and at 32 + 16 layers Inductor's fallback compile took 27.1 s against 80.5 s
+# flat (docs/results/compile_time_h200.md, sessions 47 and 51). 0 is the way back if Inductor meets a model it fails.
+OUTLINE_FOR_INDUCTOR = Knob("DZC_OUTLINE_FOR_INDUCTOR", "1",
+                            "1 (default): hand the repeated layers' calls to Inductor's fallback compile as "
+                            "invoke_subgraph, each distinct body lowered once (dzc/outline_regions.py; where "
+                            "Inductor fails on the outlined graph it compiles the flat one and the report says "
+                            "why); 0: the flat graph, every layer's copy lowered",
                             "0 or 1", _one_of("0", "1"))
 
 COMPILE_GC = Knob("DZC_COMPILE_GC", "paused",

@@ -207,6 +207,17 @@ def _reads_written(node: torch.fx.Node, written: set[torch.fx.Node]) -> str:
     return ""
 
 
+def values_read(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The nodes whose fake values outline_repeated_calls reads: the calls' nodes and the values they read (a warm
+    start rebuilds these, not every node's, where Inductor's FX graph cache then hits)."""
+    read = {}
+    for node in graph.nodes:
+        if CALL in node.meta:
+            read[node] = None
+            read.update(dict.fromkeys(node.all_input_nodes))
+    return list(read)
+
+
 def outline_repeated_calls(gm: torch.fx.GraphModule) -> Outlined:
     """Outline, in place, the calls of `gm`'s graph that another call matches (module docstring); each distinct
     body becomes a submodule `dzc_outlined_<n>` of `gm`. Returns what it did."""

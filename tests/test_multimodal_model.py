@@ -200,9 +200,9 @@ def test_registered_model_takes_a_decoder_and_a_vision_depth():
 def test_multimodal_model_on_gpu_replays_decode_steps_from_cuda_graphs(seed, tmp_path):
     """Real kernels, and decode steps replayed from CUDA graphs that write the paged cache in place: each call's
     cache writes are compared with the oracle's (_run_requests), so a replay writing anywhere else shows there.
-    Inductor compiles the ops no pass fused, the flat graph unless DZC_OUTLINE_FOR_INDUCTOR=1 (off by default:
-    with it on, session 41's H100 runs gave wrong decode steps, fixed in session 43;
-    tools/diagnose_multimodal_decode.py)."""
+    Inductor compiles the ops no pass fused, the repeated layers outlined (DZC_OUTLINE_FOR_INDUCTOR, on by default;
+    session 41's H100 runs gave wrong decode steps with it on, fixed in session 43; tools/diagnose_multimodal_decode.py
+    prints each call's error with the knob set either way)."""
     options = dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False)
     fused = _run_requests(seed, options, "cuda")
     runner = fused.decoder._cuda_graphs

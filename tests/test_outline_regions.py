@@ -353,13 +353,17 @@ def test_inductor_fallback_compiles_the_outlined_layers(seed, knob, tmp_path):
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_a_warm_start_loads_the_outlined_compile(seed, tmp_path, monkeypatch):
+@pytest.mark.parametrize("inductor_cache", [True, False])
+def test_a_warm_start_loads_the_outlined_compile(seed, tmp_path, monkeypatch, inductor_cache):
     """The same compile in a second dzc.compile over the same cache directory (a frame entry: Dynamo and
     AOTAutograd skipped): the graph Inductor gets is outlined the same way, and the outputs are the cold ones bit
-    for bit."""
+    for bit. Where Inductor's FX graph cache hits, the warm start rebuilds the fake values the outlining reads (the
+    calls' nodes and their inputs), not every node's; where it is off, every value before Inductor compiles."""
     import gc
+    import itertools
 
     import dzc
+    from dzc import capture, compile_cache
     from dzc.models import build_model
 
     monkeypatch.setenv("DZC_COMPILE_CACHE", "1")
@@ -368,11 +372,18 @@ def test_a_warm_start_loads_the_outlined_compile(seed, tmp_path, monkeypatch):
     torch.manual_seed(seed)
     model, inputs = build_model("llama_decoder", layers=3)
     options = dzc.CompileOptions(cache_dir=str(tmp_path), autotune=False, fallback="inductor")
-    runs = []
-    for _ in range(2):
-        compiled = dzc.compile(model, "cuda", options)
-        with torch.no_grad():
-            outputs = [compiled(*inputs) for _ in range(2)]  # the cold first call runs the rewrite check
+    runs, loads, deferred_values = [], [], compile_cache._DeferredValues
+    for run in range(2):
+        # The kernel ids in the graph Inductor hashes name the compiled model's serial: as in a second process, the
+        # warm compile's is the cold one's.
+        monkeypatch.setattr(capture, "_BACKEND_SERIAL", itertools.count(1000))
+        if run == 1:
+            monkeypatch.setattr(compile_cache, "_DeferredValues",
+                                lambda *args: loads.append(deferred_values(*args)) or loads[-1])
+        with torch._inductor.config.patch(fx_graph_cache=inductor_cache or run == 0):
+            compiled = dzc.compile(model, "cuda", options)
+            with torch.no_grad():
+                outputs = [compiled(*inputs) for _ in range(2)]  # the cold first call runs the rewrite check
         runs.append((compiled.report, outputs[-1]))
         del compiled
         gc.collect()
@@ -380,6 +391,13 @@ def test_a_warm_start_loads_the_outlined_compile(seed, tmp_path, monkeypatch):
     assert warm.frame_cache.startswith("hit (1 graph"), warm.frame_cache
     assert warm.graphs[0].inductor_outlined == cold.graphs[0].inductor_outlined, warm.graphs[0].inductor_outlined
     assert "bodies for" in warm.graphs[0].inductor_outlined and not warm.graphs[0].inductor_outlined.startswith("0 ")
+    [values] = loads
+    tensors = [item for items in values.storages.values() for item in items]
+    rebuilt = [item for item in tensors if item.value is not None]
+    if inductor_cache:
+        assert 0 < len(rebuilt) < len(tensors) and values.pending, (len(rebuilt), len(tensors))
+    else:
+        assert values.pending == {} and len(rebuilt) == len(tensors)
     torch.testing.assert_close(warm_out, cold_out, atol=0, rtol=0)
 
 

@@ -17,29 +17,17 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session. Session 47 (an H100, after 52 min of refused starts) ran s47-vision-lpt (LONGEST_FIRST=1: GPU
-# numerics passed, 1.02-1.06x, now the untuned choice of long segments), s47-topk-flake (7 seeds passed) and the
-# decode rows of s45-outline (outlined = flat). Sessions 48 and 49 got no machine (every start refused, 22:05-23:35
-# and 01:23-03:00 UTC). Session 49's warm-start change (TileLang prim_func records, no prebuild child for a cached
-# kernel) and its prebuilt decode kernels are measured by s49-compile.
-# Session 50 got no machine either (every start refused, 04:50-07:25 UTC). Its TileLang templates join
-# conditions with and/or (lowering ~2x faster on the CPU host, the same CUDA tests): first, where a call comes,
-# their GPU numerics:
-#   bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s50-one-call   # numerics + flat compile 32 + 16
-#   (s50-numerics: the numerics alone, where device time is short), then the calls below.
-# The multimodal GPU test now also asserts that each decoder graph's rewrite check passed, with top-k near-ties
-# pinned (new in session 48, not yet run on a GPU): s48-outline runs it. In order:
+# Next session. Session 51 (an H100) ran s50-one-call's numerics (all 15 passed) and flat compile, the outlined
+# multimodal GPU test (passed: the outlining is now the default) and the outlined compile (cold 93.7 s, warm 7.5 at
+# 32 + 16; steps since removed). Still to run, in order:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s48-outline   # issue 18: the multimodal
-#       GPU test outlined with the split calls (the last check before the outlining becomes the default)
-#   (with device time for one call only: site && s49-one-call, the outlined test and s49-compile together)
-#   call 2: bash tools/gpu_campaign.sh s49-compile   # issue 18: cold + warm at 32 + 16, flat, and warm without
-#       session 49's TileLang prim_func records (their A/B in one run)
-#   call 3: bash tools/gpu_campaign.sh s48-compile-outlined   # the outlined cold + warm (its warm start never timed)
-#   then s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
+#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s49-compile   # issue 18: cold + warm at
+#       32 + 16 (now outlined), and warm without session 49's TileLang prim_func records (their A/B in one run)
+#   then s48-outline (the multimodal GPU test flat, with pinned rewrite checks; the warm tests),
+#   s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
 #   s36-compile (issue 18 full depth), s35-topk (the top-k's phases with and without votes, 32K and 128K),
 #   s47-topk-flake again where device time is left.
-# Every card so far was an H200 except sessions 38-41 and 43-47 (H100): compare timings within one run only.
+# Every card so far was an H200 except sessions 38-41, 43-47 and 51 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -424,85 +412,25 @@ s47-topk-flake)
   echo "seeds 2001-$seed run"
   ;;
 s48-outline)
-  # (after site) issue 18: the multimodal GPU test with the outlining on (session 45's split calls; session 47 ran
-  # the decode rows only: outlined = flat), then the warm tests.
-  TAIL=4 part gpu_tests_multimodal_outlined 240 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 -m pytest -q -p no:logging \
-    -rf tests/test_multimodal_model.py -m gpu
-  # Flat too: the test's rewrite checks with top-k near-ties pinned (session 48) never ran on a GPU.
-  TAIL=4 part gpu_tests_multimodal_flat 200 python3 -m pytest -q -p no:logging -rf tests/test_multimodal_model.py \
-    tests/test_check_rewrites.py -m gpu
+  # (after site) issue 18: the multimodal GPU test flat (outlining off; outlined it passed in session 51), with the
+  # test's rewrite checks with top-k near-ties pinned (session 48), then the warm tests.
+  TAIL=4 part gpu_tests_multimodal_flat 200 env DZC_OUTLINE_FOR_INDUCTOR=0 python3 -m pytest -q -p no:logging -rf \
+    tests/test_multimodal_model.py tests/test_check_rewrites.py -m gpu
   TAIL=4 part gpu_tests_warm 120 python3 -m pytest -q -p no:logging -rf tests/test_frame_cache.py \
     tests/test_compile_cache.py -m gpu
-  ;;
-s50-one-call|s50-numerics)
-  # (after site) session 50: the TileLang templates join conditions with and/or (same CUDA tests, invariant ones
-  # hoisted; lowering ~2x faster on the CPU host): one GPU numerics test a template, its untuned kernels; then
-  # (s50-one-call) s49-compile's cold and warm rows (the cold one now with the faster lowering).
-  TAIL=6 part gpu_tests_tilelang_templates 280 python3 -m pytest -q -p no:logging -rf -m gpu \
-    tests/test_dsa_indexer_tilelang.py tests/test_dsa_kernels.py tests/test_varlen_attention_kernels.py \
-    tests/test_mxfp4_moe_kernels.py tests/test_tilelang_add_rms_norm.py tests/test_add_layer_norm_kernels.py \
-    -k "indexer_through_lowering or topk_through_lowering or sparse_attention_on_gpu and tilelang \
-        or fp8-128h-16-splits or 128h-prefill and not fp8 and not balanced and not row or d72-bfloat16-rope0 \
-        or d80-bfloat16-rope1 or tilelang_on_gpu_every_selftest_case or bf16-2880-hf or bf16-1280-fp32-sum"
-  [ "$step" = s50-one-call ] && TAIL=3 part compile_flat 300 env DZC_DEBUG=1 python3 tools/bench_compile.py \
-    --models multimodal --no-torch --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_flat" \
-    --out "$OUT/compile_flat.md"
-  ;;
-s49-one-call)
-  # (after site) where one call is all the device time allows: s48-outline's outlined multimodal GPU test, then
-  # s49-compile's cold, warm and warm-without-records rows.
-  TAIL=4 part gpu_tests_multimodal_outlined 220 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 -m pytest -q -p no:logging \
-    -rf tests/test_multimodal_model.py -m gpu
-  TAIL=3 part compile_flat_records 330 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
-    --no-torch --layers 32 --vision-layers 16 --forget-tilelang-records --child-logs "$OUT/compile_logs_flat" \
-    --out "$OUT/compile_flat.md"
   ;;
 s49-compile)
-  # (after site) issue 18 at 32 + 16 layers, flat: cold, warm, and warm again without the TileLang kernels'
-  # prim_func records (session 49: a warm start reads each kernel's prim_func from its record instead of running
-  # TileLang's front end, and starts no prebuild child for a kernel in TileLang's cache; the last row is the warm
-  # start as it was before, in the same run).
-  TAIL=3 part compile_flat_records 340 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
-    --no-torch --layers 32 --vision-layers 16 --forget-tilelang-records --child-logs "$OUT/compile_logs_flat" \
-    --out "$OUT/compile_flat.md"
-  ;;
-s48-compile-outlined)
-  # (after site) issue 18: s45-compile's outlined half alone (cold then warm at 32 + 16; the outlined warm start
-  # never timed), where device time is short.
-  TAIL=2 part compile_outlined 260 env DZC_OUTLINE_FOR_INDUCTOR=1 DZC_DEBUG=1 python3 tools/bench_compile.py \
-    --models multimodal --no-torch --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_outlined" \
-    --out "$OUT/compile_outlined.md"
-  ;;
-s45-outline)
-  # (after site) the outlining with session 45's split calls (a call the caller reads between its nodes becomes two
-  # outlined parts): the multimodal GPU test with it on, then the decode rows outlined and flat (session 45's run
-  # had the outlined MoE-unfused row's first request off by 0.09-0.23, on other inputs than eager's row).
-  TAIL=4 part gpu_tests_multimodal_outlined 200 env DZC_OUTLINE_FOR_INDUCTOR=1 python3 -m pytest -q -p no:logging \
-    -rf tests/test_multimodal_model.py -m gpu
-  # A warm hit's Inductor fallback with its fake values rebuilt only where Inductor compiles (session 45).
-  TAIL=4 part gpu_tests_warm 120 python3 -m pytest -q -p no:logging -rf tests/test_frame_cache.py \
-    tests/test_compile_cache.py -m gpu
-  # The decode rows outlined and flat, one process each: since session 46 every row and run gets the same images
-  # and tokens (before, each row drew its own), so the two tables compare call by call.
-  for outline in 1 0; do
-    TAIL=8 part decode_outline_$outline 170 env DZC_OUTLINE_FOR_INDUCTOR=$outline \
-      python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
-  done
-  ;;
-s45-compile)
-  # (after site) issue 18 at 32 + 16 layers: flat cold then warm (the warm hit now rebuilds only its inputs' and
-  # outputs' fake values while Inductor's FX graph cache hits; session 44's warm breakdown had 'fallback compile'
-  # 9.4 s under cProfile), then outlined cold and warm (session 45: 125.7 s cold with 64 decoder calls left
-  # inlined, since split and outlined; its warm start never timed).
-  TAIL=2 part compile_flat 320 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal --no-torch \
-    --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_flat" --out "$OUT/compile_flat.md"
-  TAIL=2 part compile_outline_1 260 env DZC_OUTLINE_FOR_INDUCTOR=1 DZC_DEBUG=1 python3 tools/bench_compile.py \
-    --models multimodal --no-torch --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_1" \
-    --out "$OUT/compile_outline_1.md"
+  # (after site) issue 18 at 32 + 16 layers, outlined (the default since session 51): cold, warm, and warm again
+  # without the TileLang kernels' prim_func records (session 49: a warm start reads each kernel's prim_func from its
+  # record instead of running TileLang's front end, and starts no prebuild child for a kernel in TileLang's cache;
+  # the last row is the warm start as it was before, in the same run).
+  TAIL=3 part compile_records 340 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
+    --no-torch --layers 32 --vision-layers 16 --forget-tilelang-records --child-logs "$OUT/compile_logs" \
+    --out "$OUT/compile_records.md"
   ;;
 s45-first-run)
   # (after site) issue 18: is Inductor's first-launch benchmarking of its pointwise kernels' configs what the cold
-  # first run (23.5-25.2 s at 32 + 16) waits on? The cold compile, flat, with triton.autotune_pointwise off in every
+  # first run (15.8-25.2 s at 32 + 16) waits on? The cold compile with triton.autotune_pointwise off in every
   # process (a sitecustomize on PYTHONPATH: an experiment, not a dzc option), against the same compile as it is.
   mkdir -p /tmp/no-pointwise-tuning
   echo 'import torch._inductor.config as c; c.triton.autotune_pointwise = False' \
@@ -534,10 +462,10 @@ s42-precompile-compile)
   done
   ;;
 s42-compile-profile)
-  # (after site) issue 18: the multimodal model at 32 + 16 layers, flat (outlining off, the default since session
-  # 41), cold then warm, each first call under cProfile (.pstats brought back): where the fallback compile's (63.7 s
+  # (after site) issue 18: the multimodal model at 32 + 16 layers, flat (outlining off, as it was by default in
+  # sessions 41-50), cold then warm, each first call under cProfile (.pstats brought back): where the fallback compile's (63.7 s
   # in session 41) and the first run's (17.9 s) seconds go cold, and the warm start's outside the report's stages.
-  TAIL=6 part bench_compile_profile 560 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
+  TAIL=6 part bench_compile_profile 560 env DZC_OUTLINE_FOR_INDUCTOR=0 DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
     --no-torch --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs" \
     --profile-cold "$OUT/compile_profile" --profile-warm "$OUT/compile_profile" --out "$OUT/compile_profile_h200.md"
   ;;
