@@ -32,16 +32,17 @@ import torch
 from dzc import ir
 from dzc.ops.varlen_attention import check_varlen_attention_args
 from dzc.targets import tilelang_codegen
-from dzc.targets.kernel_config import KernelConfig
+from dzc.targets.kernel_config import ANY, KernelConfig
 from dzc.targets.legality import config_problems, tilelang_config_legal
 from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
 
 # Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
-# (OVERLAP=1's numerics passed on an H100 in session 39.)
-# (LONGEST_FIRST=1's passed on an H100 in session 47.)
-UNVALIDATED = ()
+# (OVERLAP=1's numerics passed on an H100 in session 39; TileLang's LONGEST_FIRST=1 in session 47.)
+UNVALIDATED = (
+    ({"LONGEST_FIRST": 1, "D_LO": ANY}, "Triton's longest-first order (session 51): not yet run on a GPU"),
+)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -280,7 +281,8 @@ def triton_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[Ke
     """Query block × key block × warps × pipeline stages × head-dim tiling, before legality pruning.
 
     A warp's tensor-core tile covers 16 query rows, so num_warps * 16 <= BLOCK_M. Grouped KV heads add the packed
-    variant of each (PACK_GQA: a program's rows are (query, head of the group) pairs)."""
+    variant of each (PACK_GQA: a program's rows are (query, head of the group) pairs); vision attention the
+    LONGEST_FIRST=1 twins."""
     configs = []
     for pack in _pack_choices(spec):
         for d_lo, d_hi in triton_head_splits(spec.head_dim):
@@ -293,6 +295,10 @@ def triton_configs(spec: VarlenAttentionSpec, profile: DeviceProfile) -> list[Ke
             # The smallest tile, unpipelined, for tight shared memory (fp32 with RoPE on mp_22's 72 KiB).
             configs.append(KernelConfig.make(num_warps=2, num_stages=1, BLOCK_M=32, BLOCK_N=16, D_LO=d_lo, D_HI=d_hi,
                                              **pack))
+    if not spec.extras:
+        # Vision attention: each tile of 64+ rows with LONGEST_FIRST=1 (the segments longest first, as TileLang's
+        # twin, 1.02-1.06x on an H100), a tuning candidate once its GPU numerics pass (UNVALIDATED).
+        configs += [_longest_first_twin(c) for c in configs if c["BLOCK_M"] >= 64]
     return configs
 
 
@@ -370,12 +376,18 @@ def triton_launch(kernel, config: KernelConfig, q, k, v, cu_seqlens, max_seqlen,
     if blocks == 0 or heads == 0:
         return
     stride_rope = cos.stride(0) if cos is not None else 0
+    longest_first = _longest_first(config)
+    order = segments_longest_first(cu_seqlens) if longest_first else cu_seqlens  # (unread stand-in)
     kernel[(blocks, k.shape[1] if pack else heads)](
-        q, k, v, out, cu_seqlens, cos, sin, cu_seqlens_k, query_pos, sinks, segments, sm_scale, window,
+        q, k, v, out, cu_seqlens, cos, sin, cu_seqlens_k, query_pos, sinks, order, segments, sm_scale, window,
         group, q.stride(0), k.stride(0), v.stride(0), out.stride(0), stride_rope,
         BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], D_LO=config["D_LO"], D_HI=config["D_HI"],
         CAUSAL=query_pos is not cu_seqlens, HAS_SINKS=sinks is not cu_seqlens, PACK_GQA=pack,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        LONGEST_FIRST=longest_first, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _longest_first(config: KernelConfig) -> bool:
+    return bool(dict(config.params).get("LONGEST_FIRST", 0))
 
 
 def _packs_gqa(config: KernelConfig) -> bool:
@@ -389,15 +401,16 @@ def triton_signature(spec: VarlenAttentionSpec, config: KernelConfig) -> tuple[d
     signature = {
         "q_ptr": tensor, "k_ptr": tensor, "v_ptr": tensor, "out_ptr": tensor, "cu_seqlens_ptr": "*i32",
         "cos_ptr": rope, "sin_ptr": rope, "cu_seqlens_k_ptr": "*i32", "query_pos_ptr": "*i32",
-        "sinks_ptr": "*fp32" if spec.sinks else "*i32", "num_segments": "i32", "sm_scale": "fp32", "window": "i32",
-        "group": "i32",
+        "sinks_ptr": "*fp32" if spec.sinks else "*i32", "segment_order_ptr": "*i32", "num_segments": "i32",
+        "sm_scale": "fp32", "window": "i32", "group": "i32",
         **{name: "i32" for name in ("stride_q_token", "stride_k_token", "stride_v_token", "stride_out_token",
                                     "stride_rope")},
         "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "D_LO": "constexpr", "D_HI": "constexpr",
-        "CAUSAL": "constexpr", "HAS_SINKS": "constexpr", "PACK_GQA": "constexpr",
+        "CAUSAL": "constexpr", "HAS_SINKS": "constexpr", "PACK_GQA": "constexpr", "LONGEST_FIRST": "constexpr",
     }
     constexprs = {**{name: config[name] for name in ("BLOCK_M", "BLOCK_N", "D_LO", "D_HI")},
-                  "CAUSAL": spec.causal, "HAS_SINKS": spec.sinks, "PACK_GQA": _packs_gqa(config)}
+                  "CAUSAL": spec.causal, "HAS_SINKS": spec.sinks, "PACK_GQA": _packs_gqa(config),
+                  "LONGEST_FIRST": _longest_first(config)}
     if not spec.rope:
         constexprs.update(cos_ptr=None, sin_ptr=None)
     return signature, constexprs
@@ -726,7 +739,7 @@ def tilelang_launch(compiled, config: KernelConfig, q, k, v, cu_seqlens, max_seq
         rotation = compiled.kernel_for(_rotation_config(config))
         tilelang_codegen.launch_arguments((q, k, cos, sin), rotated).launch(rotation)
         (q, k), cos, sin = rotated, None, None
-    order = segments_longest_first(cu_seqlens) if dict(config.params).get("LONGEST_FIRST") else None
+    order = segments_longest_first(cu_seqlens) if _longest_first(config) else None
     arguments = tilelang_launch_arguments(q, k, v, cu_seqlens, max_seqlen, sm_scale, cos, sin, _cu_seqlens_k,
                                           _query_pos, _window, _sinks, out, order)
     arguments.launch(compiled.kernel_for(config))

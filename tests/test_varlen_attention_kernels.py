@@ -389,8 +389,10 @@ _AOT_SCRIPT = textwrap.dedent("""
     assert not triton_codegen.interpreting()
     out = Path(sys.argv[1])
     # The default config of the model head dims (bf16, with and without RoPE), and the largest legal one; a text
-    # decoder's (causal, window, sinks, grouped KV heads packed per program, keys of their own).
-    CASES = ((80, torch.float32, "default"), (72, None, "default"), (80, None, "largest"), (64, None, "decoder"))
+    # decoder's (causal, window, sinks, grouped KV heads packed per program, keys of their own); the default's
+    # LONGEST_FIRST=1 twin.
+    CASES = ((80, torch.float32, "default"), (72, None, "default"), (80, None, "largest"), (64, None, "decoder"),
+             (80, None, "longest_first"))
     DECODER = dict(causal=True, sinks=True, grouped=True, own_keys=True)
 
     def compile_case(index):
@@ -399,6 +401,8 @@ _AOT_SCRIPT = textwrap.dedent("""
         legal, _ = legal_configs(family, "triton", spec, SM_90)
         config = (max(legal, key=lambda c: family.triton_shared_memory_bytes(spec, c)) if which == "largest" else
                   family.triton_default_config(spec, SM_90))
+        if which == "longest_first":
+            config = family._longest_first_twin(config)
         path = out / f"varlen_attention_{head_dim}_{rope is not None}_{which}.py"
         path.write_text(family.triton_source(spec, SM_90))
         kernel = triton_codegen.compile_ahead_of_time(path, family.TRITON_KERNEL_NAME,
@@ -422,7 +426,8 @@ _AOT_SCRIPT = textwrap.dedent("""
 
 def test_triton_compiles_ahead_of_time_for_sm_90(tmp_path):
     results = run_ahead_of_time_script(_AOT_SCRIPT, tmp_path, TRITON_DEFAULT_FP_FUSION="1")
-    assert len(results) == 4 and "PACK_GQA=1" in results[3]["config"], results[3]
+    assert len(results) == 5 and "PACK_GQA=1" in results[3]["config"], results[3]
+    assert "LONGEST_FIRST=1" in results[4]["config"], results[4]
     for r in results:
         # Tensor cores, and (with more than one stage) key/value tiles loaded asynchronously ahead of use.
         assert r["legal"] and r["mma"] and r["pipelined"] and r["warps"] == r["expected_warps"], r

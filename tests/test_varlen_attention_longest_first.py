@@ -8,17 +8,20 @@ tests/test_varlen_attention_kernels.py)."""
 from __future__ import annotations
 
 import re
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
+from dzc import config
 from dzc.targets import TARGETS, tilelang_codegen
 from dzc.targets import varlen_attention as family
 from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.launch import unvalidated_reason
 from dzc.targets.profiles import SM_90
 
-BF16 = torch.bfloat16
+BF16, FP32 = torch.bfloat16, torch.float32
 
 
 def _params(config):
@@ -155,3 +158,62 @@ def test_twins_match_the_reference_on_gpu(seed, tmp_path):
             family.tilelang_launch(kernels, twin, *inputs, out)
             assert_attention_close(result, expected, args[2], args[3],
                                    f"{case_id} {twin} max_seqlen={max_seqlen} seed={seed}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Triton (the portable path, MUSA's): the same order by its block search (session 51, not yet run on a GPU)
+
+
+def test_triton_twins_offered_for_vision_attention_and_left_out_of_tuning_until_run_on_a_gpu():
+    """Vision specs' Triton configs of 64+ query rows each come with a LONGEST_FIRST=1 twin; text decoders' get none
+    (causal segments of a batch: the order gains least). Triton's twins are UNVALIDATED (out of users' tuning, never
+    the untuned choice); TileLang's, which ran on an H100, are not."""
+    from dzc.targets.launch import tuning_candidates
+
+    for head_dim, rope in ((72, None), (80, torch.float32), (128, None)):
+        spec = family.make_spec(head_dim, BF16, rope)
+        configs = family.triton_configs(spec, SM_90)
+        twins = [c for c in configs if _params(c).get("LONGEST_FIRST")]
+        base = [c for c in configs if not _params(c).get("LONGEST_FIRST")]
+        assert twins == [_twin(c) for c in base if c["BLOCK_M"] >= 64] and twins
+        assert all(unvalidated_reason(family, c).startswith("LONGEST_FIRST=1 D_LO=any: Triton's") for c in twins)
+        assert not any(unvalidated_reason(family, c) for c in base + family.tilelang_configs(spec, SM_90))
+        default = family.triton_default_config(spec, SM_90)
+        with config.scope(DZC_TUNE_UNVALIDATED="0"):
+            kept, left_out = tuning_candidates(family, configs, default)
+        assert kept == base and sum(left_out.values()) == len(twins)
+    decoder = family.make_spec(64, BF16, None, causal=True, sinks=True, grouped=True, own_keys=True)
+    assert not any(_params(c).get("LONGEST_FIRST") for c in family.triton_configs(decoder, SM_90))
+
+
+@pytest.mark.anydevice
+def test_triton_twin_gives_its_tiles_bits_in_any_order_of_segments(seed):
+    """The twin of the untuned choice and of the smallest 64-row tile, on a pack of 150 segments (more than one
+    chunk of the block search) of lengths in no order, empty ones and two long ones among them: every output row
+    written (NaN-poisoned), within the reference's tolerance, and the same bits as the tile in segment order (each
+    block computes what it did; only which program takes it changes). max_seqlen true and understated."""
+    from test_varlen_attention_kernels import DEVICE, assert_attention_close, launch_triton, make_pack
+
+    from dzc.ops.varlen_attention import varlen_attention_reference
+    from dzc.targets import triton_codegen
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 12, (150,), generator=generator)
+    lengths[torch.randint(0, 150, (2,), generator=generator)] = torch.tensor([97, 150])
+    case = (tuple(lengths.tolist()), 1, 16, FP32, False)
+    spec = family.make_spec(16, FP32, None)
+    args = make_pack(case, seed)
+    expected = varlen_attention_reference(*args)
+    path = Path(tempfile.mkdtemp(prefix="dzc-varlen-lpt-")) / "varlen_attention_triton.py"
+    path.write_text(family.triton_source(spec, SM_90))
+    kernel = triton_codegen.load(family, path, spec, SM_90)
+    tiles = [family.triton_default_config(spec, SM_90),
+             min((c for c in family.triton_configs(spec, SM_90) if c["BLOCK_M"] == 64 and not _params(c).get(
+                 "LONGEST_FIRST")), key=lambda c: (c["BLOCK_N"], c.num_stages))]
+    for tile in tiles:
+        for max_seqlen in (args[4], 1):
+            run = (*args[:4], max_seqlen, *args[5:])
+            plain = launch_triton(kernel, spec, tile, run)
+            twin = launch_triton(kernel, spec, _twin(tile), run)
+            assert_attention_close(twin, expected, args[2], args[3], f"{_twin(tile)} {DEVICE} seed={seed}")
+            assert torch.equal(twin, plain), f"{_twin(tile)} max_seqlen={max_seqlen} seed={seed}"

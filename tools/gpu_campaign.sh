@@ -26,7 +26,8 @@
 #   then s48-outline (the multimodal GPU test flat, with pinned rewrite checks; the warm tests),
 #   s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
 #   s36-compile (issue 18 full depth), s35-topk (the top-k's phases with and without votes, 32K and 128K),
-#   s47-topk-flake again where device time is left.
+#   s47-topk-flake again where device time is left; s51-varlen-triton-lpt (issue 14: the Triton varlen kernel's
+#   longest-first twins, their first GPU numerics and timing; ~10 min).
 # Every card so far was an H200 except sessions 38-41, 43-47 and 51 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
@@ -381,6 +382,21 @@ s43-check)
     tests/test_fuse_mxfp4_experts.py tests/test_dsa_models.py -m gpu
   TAIL=4 part gpu_tests_precompile 120 python3 -m pytest -q -p no:logging -rf tests/test_triton_precompile.py -m gpu
   TAIL=8 part decode_rows 240 python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
+  ;;
+s51-varlen-triton-lpt)
+  # (no TileLang needed) issue 14: the Triton varlen kernel's LONGEST_FIRST=1 twins (session 51, the MUSA path's
+  # order), never run on a GPU: their numerics (every legal config on the first GPU case, the twins included; the
+  # twins' bits against their tiles' on 150 segments), then, only if those pass, Triton's default and its twins at
+  # head dims 72, 80 and 128 beside cuDNN on the mixed and large packs.
+  TAIL=8 part gpu_tests_varlen_triton_lpt 300 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
+    tests/test_varlen_attention_longest_first.py -k triton \
+    "tests/test_varlen_attention_kernels.py::test_triton_on_gpu"
+  if grep -qE "[0-9]+ passed" "$OUT/gpu_tests_varlen_triton_lpt.log" \
+      && ! grep -qE "[0-9]+ (failed|errors?)\b" "$OUT/gpu_tests_varlen_triton_lpt.log"; then
+    TAIL=40 part bench_vision_triton_lpt 280 python3 tools/bench_vision_attention.py --head-dims 72 80 128 \
+      --packs mixed large --codegens triton --no-compile-baseline --match LONGEST_FIRST=1 \
+      --work-dir /tmp/dzc-vision-triton-lpt --out "$OUT/vision_attention_triton_longest_first.md"
+  fi
   ;;
 s47-vision-lpt)
   # (after site) issue 14: LONGEST_FIRST=1 (session 47: the varlen kernel's grid takes the segments longest first,
