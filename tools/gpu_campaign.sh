@@ -23,11 +23,12 @@
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s49-compile   # issue 18: cold + warm at
 #       32 + 16 (now outlined), and warm without session 49's TileLang prim_func records (their A/B in one run)
-#   then s48-outline (the multimodal GPU test flat, with pinned rewrite checks; the warm tests),
-#   s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
+#   then s51-varlen-triton-lpt (issue 14: the Triton varlen kernel's longest-first twins, new in session 51: their
+#   first GPU numerics, then their timing; ~10 min), s51-warm-profile (issue 18: the outlined warm start under
+#   cProfile, where its 7.5 s go), s48-outline (the multimodal GPU test flat, with pinned rewrite checks; the warm
+#   tests), s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
 #   s36-compile (issue 18 full depth), s35-topk (the top-k's phases with and without votes, 32K and 128K),
-#   s47-topk-flake again where device time is left; s51-varlen-triton-lpt (issue 14: the Triton varlen kernel's
-#   longest-first twins, their first GPU numerics and timing; ~10 min).
+#   s47-topk-flake again where device time is left.
 # Every card so far was an H200 except sessions 38-41, 43-47 and 51 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
@@ -443,6 +444,14 @@ s49-compile)
   TAIL=3 part compile_records 340 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
     --no-torch --layers 32 --vision-layers 16 --forget-tilelang-records --child-logs "$OUT/compile_logs" \
     --out "$OUT/compile_records.md"
+  ;;
+s51-warm-profile)
+  # (after site) issue 18: where the outlined warm start's seconds go at 32 + 16 layers (7.5 s in session 51, of
+  # which Inductor's load 4.1 and lowering 1.3, neither seen on the CPU host): cold, then the warm first call under
+  # cProfile (its 60 heaviest functions in the log, the .pstats brought back).
+  TAIL=70 part compile_warm_profile 330 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
+    --no-torch --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_profile" \
+    --profile-warm "$OUT/compile_profile" --out "$OUT/compile_warm_profile.md"
   ;;
 s45-first-run)
   # (after site) issue 18: is Inductor's first-launch benchmarking of its pointwise kernels' configs what the cold
