@@ -25,8 +25,8 @@
 #       32 + 16 (now outlined), and warm without session 49's TileLang prim_func records (their A/B in one run)
 #   then s51-varlen-triton-lpt (issue 14: the Triton varlen kernel's longest-first twins, new in session 51: their
 #   first GPU numerics, then their timing; ~10 min), s51-warm-profile (issue 18: the outlined warm start under
-#   cProfile, where its 7.5 s go), s48-outline (the multimodal GPU test flat, with pinned rewrite checks; the warm
-#   tests), s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
+#   cProfile, where its 7.5 s go), s48-outline (the GPU tests through Inductor outlined, the multimodal one flat,
+#   the warm tests), s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
 #   s36-compile (issue 18 full depth), s35-topk (the top-k's phases with and without votes, 32K and 128K),
 #   s47-topk-flake again where device time is left.
 # Every card so far was an H200 except sessions 38-41, 43-47 and 51 (H100): compare timings within one run only.
@@ -429,10 +429,13 @@ s47-topk-flake)
   echo "seeds 2001-$seed run"
   ;;
 s48-outline)
-  # (after site) issue 18: the multimodal GPU test flat (outlining off; outlined it passed in session 51), with the
-  # test's rewrite checks with top-k near-ties pinned (session 48), then the warm tests.
+  # (after site) issue 18: the GPU tests that compile through Inductor, with the outlining on (the default since
+  # session 51; the multimodal test passed so in session 51), then the multimodal test flat (outlining off), with
+  # its rewrite checks with top-k near-ties pinned (session 48), then the warm tests.
+  TAIL=4 part gpu_tests_inductor_outlined 200 python3 -m pytest -q -p no:logging -rf tests/test_check_rewrites.py \
+    tests/test_cuda_graphs.py tests/test_triton_precompile.py -m gpu
   TAIL=4 part gpu_tests_multimodal_flat 200 env DZC_OUTLINE_FOR_INDUCTOR=0 python3 -m pytest -q -p no:logging -rf \
-    tests/test_multimodal_model.py tests/test_check_rewrites.py -m gpu
+    tests/test_multimodal_model.py -m gpu
   TAIL=4 part gpu_tests_warm 120 python3 -m pytest -q -p no:logging -rf tests/test_frame_cache.py \
     tests/test_compile_cache.py -m gpu
   ;;
