@@ -23,10 +23,11 @@
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s49-compile   # issue 18: cold + warm at
 #       32 + 16 (now outlined), and warm without session 49's TileLang prim_func records (their A/B in one run)
-#   then s51-varlen-triton-lpt (issue 14: the Triton varlen kernel's longest-first twins, new in session 51: their
-#   first GPU numerics, then their timing; ~10 min), s51-warm-profile (issue 18: the outlined warm start under
-#   cProfile, where its 7.5 s go), s48-outline (the GPU tests through Inductor outlined, the multimodal one flat,
-#   the warm tests), s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
+#   then s48-outline (the GPU tests through Inductor with the outlining on, the default since session 51 and not
+#   yet run that way but for the multimodal test; the multimodal test flat; the warm tests), s51-varlen-triton-lpt
+#   (issue 14: the Triton varlen kernel's longest-first twins, new in session 51: their first GPU numerics, then
+#   their timing; ~10 min), s51-warm-profile (issue 18: the outlined warm start under cProfile, where its 7.5 s
+#   go), s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
 #   s36-compile (issue 18 full depth), s35-topk (the top-k's phases with and without votes, 32K and 128K),
 #   s47-topk-flake again where device time is left.
 # Every card so far was an H200 except sessions 38-41, 43-47 and 51 (H100): compare timings within one run only.
