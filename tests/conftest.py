@@ -180,6 +180,18 @@ def assert_add_rms_norm_matches_eager(model, x: torch.Tensor, residual: torch.Te
     assert_hf_rms_norm_output_close(y, h, model.norm.weight, model.norm.variance_epsilon, expected_y)
 
 
+def assert_warm_values_rebuilt(values, inductor_cache: bool) -> None:
+    """A warm hit's stored fake values (dzc.compile_cache._DeferredValues) after its compile by Inductor: some but
+    not all rebuilt where Inductor's FX graph cache hit (its inputs' and outputs', and what dzc read), every one
+    where the cache was off."""
+    tensors = [item for items in values.storages.values() for item in items]
+    rebuilt = [item for item in tensors if item.value is not None]
+    if inductor_cache:
+        assert 0 < len(rebuilt) < len(tensors) and values.pending, (len(rebuilt), len(tensors))
+    else:
+        assert values.pending == {} and len(rebuilt) == len(tensors)
+
+
 def run_ahead_of_time_script(script: str, tmp_path, timeout: int = 600, **env) -> list:
     """Run `script` with argv[1] = tmp_path in a fresh Python with Triton's interpreter off (set explicitly: dzc
     must not turn it on over it), as compiling for a GPU without one needs; extra environment variables from

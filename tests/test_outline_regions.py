@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 import torch.fx
+from conftest import assert_warm_values_rebuilt
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
@@ -392,12 +393,7 @@ def test_a_warm_start_loads_the_outlined_compile(seed, tmp_path, monkeypatch, in
     assert warm.graphs[0].inductor_outlined == cold.graphs[0].inductor_outlined, warm.graphs[0].inductor_outlined
     assert "bodies for" in warm.graphs[0].inductor_outlined and not warm.graphs[0].inductor_outlined.startswith("0 ")
     [values] = loads
-    tensors = [item for items in values.storages.values() for item in items]
-    rebuilt = [item for item in tensors if item.value is not None]
-    if inductor_cache:
-        assert 0 < len(rebuilt) < len(tensors) and values.pending, (len(rebuilt), len(tensors))
-    else:
-        assert values.pending == {} and len(rebuilt) == len(tensors)
+    assert_warm_values_rebuilt(values, inductor_cache)
     torch.testing.assert_close(warm_out, cold_out, atol=0, rtol=0)
 
 
