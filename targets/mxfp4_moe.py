@@ -1218,6 +1218,23 @@ def tilelang_default_config(spec: MXFP4MoESpec, profile: DeviceProfile) -> Kerne
     return configs_for_bucket(spec, profile, 1, configs, configs[0])[1]
 
 
+# The token buckets whose untuned TileLang choices tilelang_codegen.load builds ahead: 1 to 2^20 tokens a call.
+_PREBUILT_BUCKETS = tuple(1 << i for i in range(21))
+
+
+def tilelang_prebuilt_configs(spec: MXFP4MoESpec, profile: DeviceProfile) -> list[KernelConfig]:
+    """What tilelang_codegen.load starts building ahead: the untuned choice of every token bucket (decode's, the
+    default, first). A prefill's (the warp-specialized kernel from 4096 tokens of gpt-oss-120b) was otherwise built
+    in-process at its first call, ~30 s into a model's first prefill."""
+    configs, default = tilelang_configs(spec, profile), tilelang_default_config(spec, profile)
+    chosen = [default]
+    for bucket in _PREBUILT_BUCKETS:
+        config = configs_for_bucket(spec, profile, bucket, configs, default)[1]
+        if config not in chosen:
+            chosen.append(config)
+    return chosen
+
+
 def tilelang_shared_memory_bytes(spec: MXFP4MoESpec, config: KernelConfig) -> int:
     """Per stage the activation tile (its bf16 terms stacked) and the two decoded weight tiles (gate and up), bf16;
     then the two fp32 accumulators staged for the epilogue, and the row -> token table. WARP_SPECIALIZED=1: per stage

@@ -68,6 +68,22 @@ def test_offered_on_hopper_for_bf16_and_the_untuned_choice_at_prefill_sizes():
     assert not any(mxfp4_moe.warp_specialized(c) for c in mxfp4_moe.triton_configs(GPT_OSS, SM_90))
 
 
+def test_loading_builds_every_buckets_untuned_choice_ahead():
+    """tilelang_codegen.load starts building the untuned choice of every token bucket, decode's first: the plain
+    16- and 64-row tiles and the prefill's warp-specialized one, each once; on sm_80 (no warp specialization) the
+    plain tiles only."""
+    assert mxfp4_moe.tilelang_prebuilt_configs(GPT_OSS, SM_90) == [
+        mxfp4_moe.configs_for_bucket(GPT_OSS, SM_90, bucket, mxfp4_moe.tilelang_configs(GPT_OSS, SM_90),
+                                     mxfp4_moe.tilelang_default_config(GPT_OSS, SM_90))[1]
+        for bucket in (1, 1024, 4096)]
+    prebuilt = mxfp4_moe.tilelang_prebuilt_configs(GPT_OSS, SM_90)
+    assert prebuilt[0] == mxfp4_moe.tilelang_default_config(GPT_OSS, SM_90) and prebuilt[-1] == _ws_config(256, 4)
+    assert [c["BLOCK_M"] for c in prebuilt[:2]] == [16, 64]
+    sm_80 = mxfp4_moe.tilelang_prebuilt_configs(GPT_OSS, SM_80)
+    assert sm_80[0] == mxfp4_moe.tilelang_default_config(GPT_OSS, SM_80) and len(set(sm_80)) == len(sm_80)
+    assert not any(mxfp4_moe.warp_specialized(c) for c in sm_80)
+
+
 @pytest.mark.parametrize("profile", [SM_80, MP_22, MP_31], ids=lambda p: p.name)
 def test_refused_without_wgmma_or_warp_specialization(profile):
     problems = mxfp4_moe.warp_specialization_problems(GPT_OSS, profile)
