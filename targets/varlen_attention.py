@@ -357,7 +357,8 @@ def triton_divisible_arguments(spec: VarlenAttentionSpec) -> tuple[str, ...]:
     """Arguments a real launch has Triton specialise as multiples of 16 (for ahead-of-time compiles that match
     it): pointers from torch's allocator, and token strides of dense [tokens, heads, head_dim] tensors whose
     heads * head_dim is a multiple of 16 (16 heads of 72 or 80)."""
-    pointers = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "cu_seqlens_ptr") + (("cos_ptr", "sin_ptr") if spec.rope else ())
+    pointers = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "cu_seqlens_ptr", "segment_order_ptr") + (
+        ("cos_ptr", "sin_ptr") if spec.rope else ())
     return pointers + ("stride_q_token", "stride_k_token", "stride_v_token", "stride_out_token")
 
 
