@@ -8,8 +8,6 @@ tests/test_varlen_attention_kernels.py)."""
 from __future__ import annotations
 
 import re
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -187,7 +185,7 @@ def test_triton_twins_offered_for_vision_attention_and_left_out_of_tuning_until_
 
 
 @pytest.mark.anydevice
-def test_triton_twin_gives_its_tiles_bits_in_any_order_of_segments(seed):
+def test_triton_twin_gives_its_tiles_bits_in_any_order_of_segments(seed, tmp_path):
     """The twin of the untuned choice and of the smallest 64-row tile, on a pack of 150 segments (more than one
     chunk of the block search) of lengths in no order, empty ones and two long ones among them: every output row
     written (NaN-poisoned), within the reference's tolerance, and the same bits as the tile in segment order (each
@@ -204,7 +202,7 @@ def test_triton_twin_gives_its_tiles_bits_in_any_order_of_segments(seed):
     spec = family.make_spec(16, FP32, None)
     args = make_pack(case, seed)
     expected = varlen_attention_reference(*args)
-    path = Path(tempfile.mkdtemp(prefix="dzc-varlen-lpt-")) / "varlen_attention_triton.py"
+    path = tmp_path / "varlen_attention_triton.py"
     path.write_text(family.triton_source(spec, SM_90))
     kernel = triton_codegen.load(family, path, spec, SM_90)
     tiles = [family.triton_default_config(spec, SM_90),
