@@ -26,7 +26,8 @@ from torch._inductor.decomposition import select_decomp_table
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from dzc import compile_cache, config, distributed, ir, pinned_selections, regions, runtime, torch_fixes
+from dzc import (compile_cache, config, distributed, inductor_entry, ir, pinned_selections, regions, runtime,
+                 torch_fixes)
 from dzc.coverage import GraphCoverage, graph_coverage
 from dzc.lowering import Execution, KernelTable, dzc_op_name, kernel_uses, lower_graph, precompile_triton_kernels
 from dzc.ops import LOWERED_AS_PARTS
@@ -163,6 +164,7 @@ class _Build:
     compile_cache: str = ""  # the warm-compile cache: "hit", "miss", "off", or what went wrong
     cache_key: str | None = None  # of the compile cache entry holding this build's rewritten graph, if any
     inductor_outlined: str = ""  # outline_repeated_calls' outcome where Inductor compiled the fallback
+    inductor_by_key: bool = False  # a hit loaded Inductor's compile by the key its entry kept (inductor_entry)
     triton_precompile: triton_codegen.Precompile | None = None  # its Triton kernels compiling ahead, if any
 
     def fired(self) -> list[str]:
@@ -463,56 +465,40 @@ class DzcBackend:
                 values = entry.values
             if found is not None and (checkable or values is not None):  # the capture hit's inputs, left unbuilt
                 example_inputs = [node.meta["val"] for node in graph.nodes if node.op == "placeholder"]
-            compiled, checked, outlined = self._fallback(gm, graph, example_inputs, fallback, checkable,
-                                                         inductor_context, values)
+            compiled, checked, outlined, inductor = self._fallback(
+                gm, graph, example_inputs, fallback, checkable, inductor_context, values,
+                entry.inductor if entry is not None and not checkable else None)
         host_syncs = stored.host_syncs if stored is not None else _host_syncs(graph)
         if cached.state != "off":
             with timer.stage("compile cache"):
-                cached.store(fallback == "inductor", specs, compile_cache.Analyses(outcome, coverage, host_syncs))
+                cached.store(fallback == "inductor", specs, compile_cache.Analyses(outcome, coverage, host_syncs),
+                             inductor)
         return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, host_syncs,
-                      cached.state, cached.key if cached.state in ("hit", "miss") else None, outlined, precompile)
+                      cached.state, cached.key if cached.state in ("hit", "miss") else None, outlined,
+                      inductor is not None and entry is not None and inductor is entry.inductor, precompile)
 
     def _fallback(self, gm, graph, example_inputs, fallback: str, checkable: bool, inductor_context,
-                  values: Callable[[], None] | None = None):
+                  values: Callable[[], None] | None = None, stored: inductor_entry.InductorRecord | None = None):
         """(what the lowered graph runs per call, the op-by-op module the rewrite check runs or None, what
-        outline_repeated_calls did for Inductor or ""). values: puts back the nodes' fake values a cache hit left
-        unbuilt, before Inductor compiles or outline_repeated_calls reads them."""
+        outline_repeated_calls did for Inductor or "", the inductor_entry.InductorRecord a compile cache entry
+        keeps of Inductor's compile or None). values: puts back the nodes' fake values a cache hit left unbuilt,
+        before Inductor compiles or outline_repeated_calls reads them. stored: a hit's record of the cold
+        compile's Inductor result, loaded by its key where it still can be (no outlining, no hash of the graph)."""
         checked = torch.fx.GraphModule(gm, copy_graph(graph)) if checkable else None
+        record = None
         if fallback == "inductor":
-            from torch._inductor.compile_fx import compile_fx_inner  # noqa: PLC0415 (heavy; only when used)
-
             torch_fixes.apply()  # the installed torch's bugs that code handed to Inductor would meet
 
             # MUSA Triton builds fail when Inductor compiles in several processes (torch_musa sets one thread).
             serial = {} if self.target.profile.compile_in_parallel else {"compile_threads": 1}
             tracing = (torch._guards.tracing(inductor_context) if inductor_context is not None
                        else contextlib.nullcontext())
-            boxed, outlined = None, "off (DZC_OUTLINE_FOR_INDUCTOR=0)"
-            copies = []  # copies of `graph` made while some of its values were unbuilt
-
-            def every_value():
-                values()
-                for copy in copies:
-                    _copy_values(graph, copy)
-
-            with (torch._inductor.config.patch(serial), tracing,
-                  _before_inductor_compiles(every_value if values is not None else None)):
-                if config.OUTLINE_FOR_INDUCTOR.get() == "1":
-                    if values is not None:
-                        values(values_read(graph))  # outline_repeated_calls compares the calls' values
-                    try:
-                        # Each repeated layer's leftover ops lowered by Inductor once, not once a layer.
-                        lowered = _for_inductor(gm, copy_graph(graph))
-                        copies.append(lowered.graph)
-                        outlined = outline_repeated_calls(lowered).describe()
-                        boxed = compile_fx_inner(lowered, example_inputs)
-                    except Exception as error:  # a slower compile, not a failed one: the flat graph as before
-                        outlined = (f"failed ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}); "
-                                    "Inductor compiled the flat graph instead")
-                        warnings.warn(f"dzc: outlining the repeated layers for Inductor {outlined}", RuntimeWarning,
-                                      stacklevel=2)
-                if boxed is None:
-                    boxed = compile_fx_inner(_for_inductor(gm, graph), example_inputs)
+            with torch._inductor.config.patch(serial), tracing:
+                boxed = inductor_entry.load(stored, example_inputs) if stored is not None else None
+                if boxed is not None:
+                    outlined, record = stored.outlined, stored
+                else:
+                    boxed, outlined, record = _inductor_compile(gm, graph, example_inputs, values)
 
             def compiled(*args):
                 return boxed(list(args))  # Inductor's callable takes its arguments as one list
@@ -522,7 +508,7 @@ class DzcBackend:
             # the generated function (no nn.Module call per call), its bytecode kept in the cache directory
             compiled = compile_cache.graph_function(
                 gm, graph, self.options.resolved_cache_dir() if compile_cache.enabled() else None)
-        return compiled, checked, outlined
+        return compiled, checked, outlined, record
 
     def _commit(self, build: _Build) -> None:
         """Put the kernels `build` runs into the report (those not there yet)."""
@@ -575,6 +561,41 @@ def _inputs_and_outputs(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     (the example inputs; the devices, torch._inductor.utils.get_all_devices)."""
     output = graph.output_node()
     return [node for node in graph.nodes if node.op == "placeholder"] + output.all_input_nodes
+
+
+def _inductor_compile(gm, graph: torch.fx.Graph, example_inputs, values: Callable[[], None] | None):
+    """Inductor's compile of `graph` (outlined where DZC_OUTLINE_FOR_INDUCTOR is on and Inductor takes it, else
+    flat): (its callable, what outline_repeated_calls did, inductor_entry's record of it or None). values: as
+    DzcBackend._fallback's."""
+    from torch._inductor.compile_fx import compile_fx_inner  # noqa: PLC0415 (heavy: a load by key does without)
+
+    boxed, outlined = None, "off (DZC_OUTLINE_FOR_INDUCTOR=0)"
+    copies = []  # copies of `graph` made while some of its values were unbuilt
+
+    def every_value():
+        values()
+        for copy in copies:
+            _copy_values(graph, copy)
+
+    fingerprint = inductor_entry.fingerprint() if inductor_entry.cache_on() else None
+    with _before_inductor_compiles(every_value if values is not None else None):
+        if config.OUTLINE_FOR_INDUCTOR.get() == "1":
+            if values is not None:
+                values(values_read(graph))  # outline_repeated_calls compares the calls' values
+            try:
+                # Each repeated layer's leftover ops lowered by Inductor once, not once a layer.
+                lowered = _for_inductor(gm, copy_graph(graph))
+                copies.append(lowered.graph)
+                outlined = outline_repeated_calls(lowered).describe()
+                boxed = compile_fx_inner(lowered, example_inputs)
+            except Exception as error:  # a slower compile, not a failed one: the flat graph as before
+                outlined = (f"failed ({type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}); "
+                            "Inductor compiled the flat graph instead")
+                warnings.warn(f"dzc: outlining the repeated layers for Inductor {outlined}", RuntimeWarning,
+                              stacklevel=3)
+        if boxed is None:
+            boxed = compile_fx_inner(_for_inductor(gm, graph), example_inputs)
+    return boxed, outlined, inductor_entry.record(boxed, outlined, fingerprint)
 
 
 @contextlib.contextmanager
@@ -786,11 +807,12 @@ class _CachedPasses:
         if self.entry is not None:
             compile_cache.load_torch_artifacts(self.entry.torch_artifacts)
 
-    def store(self, inductor: bool, specs: dict, analyses: compile_cache.Analyses) -> None:
+    def store(self, inductor: bool, specs: dict, analyses: compile_cache.Analyses,
+              record: inductor_entry.InductorRecord | None = None) -> None:
         if self._pending is None:
             return
         artifacts = compile_cache.save_torch_artifacts() if inductor else None
-        problem = self.cache.store(*self._pending, artifacts, specs, analyses)
+        problem = self.cache.store(*self._pending, artifacts, specs, analyses, record if artifacts else None)
         if problem:
             self.state = f"miss ({problem})"
         elif not self.state.startswith("corrupted"):
@@ -802,6 +824,7 @@ def _describe(record: GraphRecord, build: _Build) -> None:
     record.nodes = len(build.graph.nodes)
     record.fallback = build.fallback
     record.inductor_outlined = build.inductor_outlined
+    record.inductor_by_key = build.inductor_by_key
     record.triton_precompile = "running" if build.triton_precompile is not None else ""
     if build.triton_precompile is not None:
         build.triton_precompile.when_done(lambda outcome: setattr(record, "triton_precompile", outcome))

@@ -6,7 +6,8 @@ stages (the dumps, where each pass fired and refused), and lowering binds it to 
 `<cache>/kernels` (written by the first process; lowering rewrites a source only when it differs). What Inductor
 compiled for the graph's leftover ops travels beside it as torch's own cache artifacts
 (`torch.compiler.save_cache_artifacts`, loaded with `load_cache_artifacts` before the fallback compiles, so
-Inductor's FX graph cache hits).
+Inductor's FX graph cache hits), with the key that cache gave it: a hit loads it by that key, without hashing the
+graph again (dzc/inductor_entry.py).
 
 Layout: `<cache>/compile/<key>.pkl`, one entry per graph (a pickled dict, the rewritten graph in torch's
 GraphPickler form, which keeps the fake values and symbolic sizes; beside it each node's value type for the graph's
@@ -75,8 +76,8 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from dzc import config
 from dzc.outline_regions import CALL
 
-FORMAT_VERSION = 4  # 2: the value types and the build's analyses stored beside the graph; 3: lowering's specs;
-# 4: the region call each inlined node came from (outline_regions.CALL)
+FORMAT_VERSION = 5  # 2: the value types and the build's analyses stored beside the graph; 3: lowering's specs;
+# 4: the region call each inlined node came from (outline_regions.CALL); 5: Inductor's key (inductor_entry)
 # Options that do not change what the passes and lowering make of a graph: where the cache lives (a copied
 # directory must still hit) and the shipped tuning database (read by tuning, at the first call).
 # nested_regions changes what the captured graph is made of (region calls or not), which the key hashes itself.
@@ -181,7 +182,8 @@ class Entry:
     rewrites, refusals), the last three None for "capture"), torch's cache artifacts for the fallback compile
     (None where there were none), each node's value type as ir.value_type gives it (by node name: the lowered
     graph's text without the fake values), lowering's specs (lower_graph's `specs`, or None where they did not
-    pickle) and the analyses of the build that stored it (Analyses, or None).
+    pickle), the analyses of the build that stored it (Analyses, or None) and what Inductor's FX graph cache
+    keyed its fallback compile by (inductor_entry.InductorRecord, or None).
 
     Its nodes' fake values are rebuilt when asked for (`values`): rebuilding all of them through torch's
     MetaConverter was most of a warm load (10880 tensors for the multimodal model at full depth), and a warm hit
@@ -193,6 +195,7 @@ class Entry:
     types: dict[str, object] | None = None
     specs: dict[str, object] | None = None
     analyses: Analyses | None = None
+    inductor: object | None = None
     _deferred: _DeferredValues | None = None
 
     def values(self, nodes=None) -> None:
@@ -495,7 +498,7 @@ class CompileCache:
             with fake_mode, _slice_as_pytree_node():
                 graph, deferred = _load_graph_deferred(stored["graph"], fake_mode)
             return Entry(graph, stored["stages"], stored["torch_artifacts"], stored["types"], stored["specs"],
-                         stored["analyses"], deferred)
+                         stored["analyses"], stored["inductor"], deferred)
 
         return self._read(self.path(key), key, entry, warn)
 
@@ -507,8 +510,9 @@ class CompileCache:
         return message
 
     def store(self, key: str, parts: dict, graph: bytes, stages: list, types: dict, torch_artifacts: bytes | None,
-              specs: dict, analyses: Analyses | None) -> str:
-        """Write an entry (graph: pickle_graph's bytes; types: ir.value_types of that graph; specs: lowering's);
+              specs: dict, analyses: Analyses | None, inductor=None) -> str:
+        """Write an entry (graph: pickle_graph's bytes; types: ir.value_types of that graph; specs: lowering's;
+        inductor: inductor_entry.record's);
         returns "" or, when it could not be written (read-only, full disk), why (the compile stands, it is only not
         cached)."""
         try:
@@ -517,7 +521,7 @@ class CompileCache:
             specs = None
         data = pickle.dumps({"format": FORMAT_VERSION, "key": key, "parts": parts, "graph": graph,
                              "stages": stages, "types": types, "torch_artifacts": torch_artifacts,
-                             "specs": specs, "analyses": analyses})
+                             "specs": specs, "analyses": analyses, "inductor": inductor})
         return write_atomically(self.path(key), data)
 
     def capture_path(self, key: str) -> Path:

@@ -86,6 +86,7 @@ class GraphRecord:
     # Inductor fallback: the repeated layers' calls handed to it as invoke_subgraph, each body compiled once
     # (dzc/outline_regions.py): "3 bodies for 150 calls (...); left inlined: ..."; "" where it did not run.
     inductor_outlined: str = ""
+    inductor_by_key: bool = False  # a warm hit loaded Inductor's compile by the key its entry kept
     # Its Triton kernels compiled ahead of the first call (DZC_TRITON_PRECOMPILE, triton_codegen.Precompile):
     # "running", then how many were compiled in how long and what was skipped; "" where it did not run.
     triton_precompile: str = ""
@@ -233,6 +234,9 @@ class CompileReport:
                 lines.append(f"    left to {graph.fallback}: {ops}")
             if graph.inductor_outlined:
                 lines.append(f"    repeated layers outlined for Inductor: {graph.inductor_outlined}")
+            if graph.inductor_by_key:
+                lines.append("    Inductor's compile loaded by the key the compile cache entry kept (no hash of the "
+                             "graph)")
             if graph.triton_precompile:
                 lines.append(f"    Triton kernels compiled ahead: {graph.triton_precompile}")
             if graph.host_syncs:

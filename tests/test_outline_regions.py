@@ -392,6 +392,9 @@ def test_a_warm_start_loads_the_outlined_compile(seed, tmp_path, monkeypatch, in
     assert warm.frame_cache.startswith("hit (1 graph"), warm.frame_cache
     assert warm.graphs[0].inductor_outlined == cold.graphs[0].inductor_outlined, warm.graphs[0].inductor_outlined
     assert "bodies for" in warm.graphs[0].inductor_outlined and not warm.graphs[0].inductor_outlined.startswith("0 ")
+    # With Inductor's cache on, its compile is loaded by the key the entry kept: no outlining, no hash of the graph.
+    assert warm.graphs[0].inductor_by_key == inductor_cache and not cold.graphs[0].inductor_by_key
+    assert ("loaded by the key" in str(warm)) == inductor_cache
     [values] = loads
     assert_warm_values_rebuilt(values, inductor_cache)
     torch.testing.assert_close(warm_out, cold_out, atol=0, rtol=0)

@@ -27,8 +27,9 @@ SMOKE = {
     "bench_add_rms_norm.py": (["--dry-run", "--quick"], "dry run: add_rms_norm hidden 2880"),
     "diagnose_add_rms_norm_configs.py": (["--dry-run", "--hidden", "2880"], "| 2880 | all | dry run:"),
     # Runs for real: llama_decoder compiled cold and warm, each in a fresh process (the warm one hits the cache), and
-    # warm again without TileLang's prim_func records (none on the CPU: its kernels are Triton's).
-    "bench_compile.py": (["--quick", "--forget-tilelang-records"],
+    # warm again with Inductor's graph looked up by hash (the CPU's fallback runs the graph as Python: the same) and
+    # without TileLang's prim_func records (none on the CPU: its kernels are Triton's).
+    "bench_compile.py": (["--quick", "--warm-by-hash", "--forget-tilelang-records"],
                          "| llama_decoder | dzc, regions on, warm without TileLang records (0 removed) | | "),
     "bench_cache_writes.py": (["--dry-run", "--quick"], "dry run: dzc: (batch, context) [(1, 32768), (8, 32768)]"),
     "bench_dsa.py": (["--dry-run", "--quick"], "dry run: B=1 q=4096 ctx=8192"),

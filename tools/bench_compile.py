@@ -66,6 +66,10 @@ def child(args) -> None:
     model, inputs = build_model(args.model, **({"device": device} if wants_device else {}), **depth)
     model = model.to(device)
     inputs = [i.to(device) if isinstance(i, torch.Tensor) else i for i in inputs]
+    if args.no_inductor_key:  # --warm-by-hash's run: a hit never loads Inductor's compile by the stored key
+        from dzc import inductor_entry
+
+        inductor_entry.load = lambda stored, example_inputs: None
     profile = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
     with profile or contextlib.nullcontext():
@@ -110,7 +114,7 @@ def prime_bytecode(prefix: str) -> None:
 
 def run(kind: str, model: str, cache_dir: str, layers: int | None = None, regions: str = "on",
         profile: str | None = None, vision_layers: int | None = None, bytecode: str | None = None,
-        log: str | None = None) -> dict:
+        log: str | None = None, by_hash: bool = False) -> dict:
     env = dict(os.environ, DZC_CACHE_DIR=os.path.join(cache_dir, "dzc"),
                TORCHINDUCTOR_CACHE_DIR=os.path.join(cache_dir, "inductor"),
                TRITON_CACHE_DIR=os.path.join(cache_dir, "triton"),
@@ -120,7 +124,7 @@ def run(kind: str, model: str, cache_dir: str, layers: int | None = None, region
     command = [sys.executable, __file__, "--child", kind, "--model", model, "--cache-dir", env["DZC_CACHE_DIR"],
                "--regions", regions, *(["--layers", str(layers)] if layers else []),
                *(["--vision-layers", str(vision_layers)] if vision_layers else []),
-               *(["--profile", profile] if profile else [])]
+               *(["--profile", profile] if profile else []), *(["--no-inductor-key"] if by_hash else [])]
     # With `log`, the child's output goes there as it is written (what a compile cut off by a time limit got
     # through), its result line included.
     if log:
@@ -157,10 +161,15 @@ def main() -> None:
                         help="dzc: one more warm run, after removing the TileLang kernels' prim_func records and "
                         "built notes from dzc's cache (a warm start as it was before them: the front end runs again "
                         "and children prebuild kernels that are in TileLang's cache)")
+    parser.add_argument("--warm-by-hash", action="store_true",
+                        help="dzc: one more warm run in which Inductor looks the graph up by hashing it (the key "
+                        "the compile cache entry keeps left unused, as before session 52): the A/B of "
+                        "dzc/inductor_entry.py in one run")
     parser.add_argument("--no-bytecode-cache", action="store_true",
                         help="no shared, primed bytecode cache: each process reads its installation's")
     parser.add_argument("--child", choices=["dzc", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--profile", help=argparse.SUPPRESS)
+    parser.add_argument("--no-inductor-key", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -216,7 +225,10 @@ def measure(args, models: list[str], kinds: list[str], settings: list[str], labe
                            bytecode, logs["cold"])
                 warm = cold if args.cold_only else run(kind, model, cache_dir, args.layers, regions,
                                                        profiles["warm"], args.vision_layers, bytecode, logs["warm"])
-                forgot = None
+                by_hash = forgot = None
+                if args.warm_by_hash and kind == "dzc" and not args.cold_only:
+                    by_hash = run(kind, model, cache_dir, args.layers, regions, None, args.vision_layers, bytecode,
+                                  logs["warm"] and logs["warm"].replace("-warm.log", "-warm-by-hash.log"), True)
                 if args.forget_tilelang_records and kind == "dzc" and not args.cold_only:
                     records = list(Path(cache_dir, "dzc").rglob("*.prim_func.*"))
                     for record in records:
@@ -239,12 +251,15 @@ def measure(args, models: list[str], kinds: list[str], settings: list[str], labe
                          f"{warm['seconds'] / cold['seconds']:.2f} | "
                          f"{cold['compile_call_s']:.2f}; {warm['compile_call_s']:.2f} | {breakdown} | {cache} |")
             print(lines[-1], flush=True)
-            if forgot is not None:
-                lines.append(f"| {model}{label} | {name}, warm without TileLang records "
-                             f"({forgot['records_removed']} removed) | | "
-                             + (f"{forgot['failed']} | | | | |" if "failed" in forgot else
-                                f"{forgot['seconds']:.1f} | | ; {forgot['compile_call_s']:.2f} | "
-                                f"; {forgot['breakdown']} | {', '.join(forgot.get('cache', []))} |"))
+            for extra, what in ((by_hash, "warm, Inductor's graph looked up by hash"),
+                                (forgot, "warm without TileLang records "
+                                 f"({(forgot or {}).get('records_removed')} removed)")):
+                if extra is None:
+                    continue
+                lines.append(f"| {model}{label} | {name}, {what} | | "
+                             + (f"{extra['failed']} | | | | |" if "failed" in extra else
+                                f"{extra['seconds']:.1f} | | ; {extra['compile_call_s']:.2f} | "
+                                f"; {extra['breakdown']} | {', '.join(extra.get('cache', []))} |"))
                 print(lines[-1], flush=True)
     return device
 

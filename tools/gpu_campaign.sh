@@ -444,9 +444,11 @@ s49-compile)
   # (after site) issue 18 at 32 + 16 layers, outlined (the default since session 51): cold, warm, and warm again
   # without the TileLang kernels' prim_func records (session 49: a warm start reads each kernel's prim_func from its
   # record instead of running TileLang's front end, and starts no prebuild child for a kernel in TileLang's cache;
-  # the last row is the warm start as it was before, in the same run).
-  TAIL=3 part compile_records 340 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
-    --no-torch --layers 32 --vision-layers 16 --forget-tilelang-records --child-logs "$OUT/compile_logs" \
+  # the last row is the warm start as it was before, in the same run), and warm with Inductor's graph looked up by
+  # hash (session 52: the compile cache entry keeps Inductor's key, dzc/inductor_entry.py; the A/B in one run).
+  TAIL=4 part compile_records 340 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
+    --no-torch --layers 32 --vision-layers 16 --warm-by-hash --forget-tilelang-records \
+    --child-logs "$OUT/compile_logs" \
     --out "$OUT/compile_records.md"
   ;;
 s51-warm-profile)
