@@ -4,16 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# An UNVALIDATED entry's value that any value of the parameter matches, where the config has it: a parameter only
-# one codegen's configs have singles out that codegen's (varlen attention's LONGEST_FIRST=1 has run on a GPU in
-# TileLang's kernel, not yet in Triton's: {"LONGEST_FIRST": 1, "D_LO": ANY}).
-class _Any:
-    def __str__(self) -> str:
-        return "any"
-
-
-ANY = _Any()
-
 
 @dataclass(frozen=True)
 class KernelConfig:

@@ -23,7 +23,7 @@ import dzc
 from dzc import config as dzc_config
 from dzc.autotune import ExternalCandidate, TuningDatabase, config_fingerprint, tune
 from dzc.targets import external_kernels
-from dzc.targets.kernel_config import ANY, KernelConfig
+from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.legality import config_problems
 from dzc.targets.profiles import DeviceProfile
 
@@ -67,13 +67,13 @@ class KernelRecord:
 
 def unvalidated_reason(family: ModuleType, config: KernelConfig) -> str | None:
     """Why `config` has not run on a GPU yet (None where it has): the first entry of the family's UNVALIDATED list,
-    (params, why) pairs, whose params all hold in `config` (a value ANY: the config has the parameter). A kernel
+    (params, why) pairs, whose params all hold in `config`. A kernel
     that never ran may hang or fault the device, which the tuner's agreement check cannot catch: a hung launch never
     returns, and a faulting one leaves the process's CUDA context unusable for every candidate after it. An entry
     goes once its GPU numerics pass."""
     params = dict(config.params)
     for match, why in getattr(family, "UNVALIDATED", ()):
-        if all(name in params if value is ANY else params.get(name) == value for name, value in match.items()):
+        if all(params.get(name) == value for name, value in match.items()):
             return f"{' '.join(f'{name}={value}' for name, value in match.items())}: {why}"
     return None
 

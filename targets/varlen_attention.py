@@ -32,17 +32,16 @@ import torch
 from dzc import ir
 from dzc.ops.varlen_attention import check_varlen_attention_args
 from dzc.targets import tilelang_codegen
-from dzc.targets.kernel_config import ANY, KernelConfig
+from dzc.targets.kernel_config import KernelConfig
 from dzc.targets.legality import config_problems, tilelang_config_legal
 from dzc.targets.profiles import DeviceProfile
 
 TEMPLATES = Path(__file__).parent / "templates"
 
 # Candidates never run on a GPU, (params, why): out of users' tuning (launch.tuning_candidates).
-# (OVERLAP=1's numerics passed on an H100 in session 39; TileLang's LONGEST_FIRST=1 in session 47.)
-UNVALIDATED = (
-    ({"LONGEST_FIRST": 1, "D_LO": ANY}, "Triton's longest-first order (session 51): not yet run on a GPU"),
-)
+# (OVERLAP=1's numerics passed on an H100 in session 39; TileLang's LONGEST_FIRST=1 in session 47, Triton's in
+# session 52.)
+UNVALIDATED = ()
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

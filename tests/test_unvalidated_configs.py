@@ -33,7 +33,6 @@ FAMILIES = (
     (mxfp4_moe, "triton", dataclasses.replace(_MOE, fp8_activations=True)),
     (mxfp4_moe, "tilelang", _MOE),  # WARP_SPECIALIZED
     (varlen_attention, "tilelang", varlen_attention.make_spec(128, torch.bfloat16, None)),
-    (varlen_attention, "triton", varlen_attention.make_spec(80, torch.bfloat16, None)),  # LONGEST_FIRST
     (dsa_topk, "tilelang", dsa_topk.DsaTopkSpec()),
 )
 

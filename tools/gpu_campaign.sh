@@ -17,20 +17,16 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session. Session 51 (an H100) ran s50-one-call's numerics (all 15 passed) and flat compile, the outlined
-# multimodal GPU test (passed: the outlining is now the default) and the outlined compile (cold 93.7 s, warm 7.5 at
-# 32 + 16; steps since removed). Still to run, in order:
+# Next session. Session 52 (an H100) ran s49-compile (Inductor's compile by its stored key: warm 4.8 s against 7.0
+# by hash at 32 + 16), s48-outline (all passed), s51-varlen-triton-lpt (passed; the twins are validated),
+# s51-warm-profile, s36-compile (full depth: cold 138.1 s, warm 5.8) and s45-first-run (pointwise tuning is not it);
+# the steps done for good since removed. Still to run, in order:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s49-compile   # issue 18: cold + warm at
-#       32 + 16 (now outlined), and warm without session 49's TileLang prim_func records (their A/B in one run)
-#   then s48-outline (the GPU tests through Inductor with the outlining on, the default since session 51 and not
-#   yet run that way but for the multimodal test; the multimodal test flat; the warm tests), s51-varlen-triton-lpt
-#   (issue 14: the Triton varlen kernel's longest-first twins, new in session 51: their first GPU numerics, then
-#   their timing; ~10 min), s51-warm-profile (issue 18: the outlined warm start under cProfile, where its 7.5 s
-#   go), s45-first-run (issue 18: the cold first run with Inductor's pointwise config benchmarking off),
-#   s36-compile (issue 18 full depth), s35-topk (the top-k's phases with and without votes, 32K and 128K),
-#   s47-topk-flake again where device time is left.
-# Every card so far was an H200 except sessions 38-41, 43-47 and 51 (H100): compare timings within one run only.
+#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s51-warm-profile   # issue 18: the warm start
+#       profiled again, now that the bench's children write bytecode (session 52's profile compiled 1186 modules
+#       from source); then s49-compile (its rows without that), s35-topk (the top-k's phases with and without
+#       votes, 32K and 128K), s47-topk-flake where device time is left.
+# Every card so far was an H200 except sessions 38-41, 43-47, 51 and 52 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
@@ -385,21 +381,6 @@ s43-check)
   TAIL=4 part gpu_tests_precompile 120 python3 -m pytest -q -p no:logging -rf tests/test_triton_precompile.py -m gpu
   TAIL=8 part decode_rows 240 python3 tools/diagnose_multimodal_decode.py --passes fuse_mxfp4_experts
   ;;
-s51-varlen-triton-lpt)
-  # (no TileLang needed) issue 14: the Triton varlen kernel's LONGEST_FIRST=1 twins (session 51, the MUSA path's
-  # order), never run on a GPU: their numerics (every legal config on the first GPU case, the twins included; the
-  # twins' bits against their tiles' on 150 segments), then, only if those pass, Triton's default and its twins at
-  # head dims 72, 80 and 128 beside cuDNN on the mixed and large packs.
-  TAIL=8 part gpu_tests_varlen_triton_lpt 300 python3 -m pytest -q -p no:logging -rf -m "gpu or anydevice" \
-    tests/test_varlen_attention_longest_first.py -k triton \
-    "tests/test_varlen_attention_kernels.py::test_triton_on_gpu"
-  if grep -qE "[0-9]+ passed" "$OUT/gpu_tests_varlen_triton_lpt.log" \
-      && ! grep -qE "[0-9]+ (failed|errors?)\b" "$OUT/gpu_tests_varlen_triton_lpt.log"; then
-    TAIL=40 part bench_vision_triton_lpt 280 python3 tools/bench_vision_attention.py --head-dims 72 80 128 \
-      --packs mixed large --codegens triton --no-compile-baseline --match LONGEST_FIRST=1 \
-      --work-dir /tmp/dzc-vision-triton-lpt --out "$OUT/vision_attention_triton_longest_first.md"
-  fi
-  ;;
 s47-vision-lpt)
   # (after site) issue 14: LONGEST_FIRST=1 (session 47: the varlen kernel's grid takes the segments longest first,
   # so that a pack's longest images do not fill the last wave), never run on a GPU: its numerics first (every GPU
@@ -429,17 +410,6 @@ s47-topk-flake)
   done
   echo "seeds 2001-$seed run"
   ;;
-s48-outline)
-  # (after site) issue 18: the GPU tests that compile through Inductor, with the outlining on (the default since
-  # session 51; the multimodal test passed so in session 51), then the multimodal test flat (outlining off), with
-  # its rewrite checks with top-k near-ties pinned (session 48), then the warm tests.
-  TAIL=4 part gpu_tests_inductor_outlined 200 python3 -m pytest -q -p no:logging -rf tests/test_check_rewrites.py \
-    tests/test_cuda_graphs.py tests/test_triton_precompile.py -m gpu
-  TAIL=4 part gpu_tests_multimodal_flat 200 env DZC_OUTLINE_FOR_INDUCTOR=0 python3 -m pytest -q -p no:logging -rf \
-    tests/test_multimodal_model.py -m gpu
-  TAIL=4 part gpu_tests_warm 120 python3 -m pytest -q -p no:logging -rf tests/test_frame_cache.py \
-    tests/test_compile_cache.py -m gpu
-  ;;
 s49-compile)
   # (after site) issue 18 at 32 + 16 layers, outlined (the default since session 51): cold, warm, and warm again
   # without the TileLang kernels' prim_func records (session 49: a warm start reads each kernel's prim_func from its
@@ -458,20 +428,6 @@ s51-warm-profile)
   TAIL=70 part compile_warm_profile 330 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
     --no-torch --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_profile" \
     --profile-warm "$OUT/compile_profile" --out "$OUT/compile_warm_profile.md"
-  ;;
-s45-first-run)
-  # (after site) issue 18: is Inductor's first-launch benchmarking of its pointwise kernels' configs what the cold
-  # first run (15.8-25.2 s at 32 + 16) waits on? The cold compile with triton.autotune_pointwise off in every
-  # process (a sitecustomize on PYTHONPATH: an experiment, not a dzc option), against the same compile as it is.
-  mkdir -p /tmp/no-pointwise-tuning
-  echo 'import torch._inductor.config as c; c.triton.autotune_pointwise = False' \
-    > /tmp/no-pointwise-tuning/sitecustomize.py
-  for variant in as-is no-pointwise-tuning; do
-    extra=$([ "$variant" = as-is ] || echo /tmp/no-pointwise-tuning:)
-    TAIL=2 part "compile_first_run_$variant" 220 env PYTHONPATH="$extra$PYTHONPATH" DZC_DEBUG=1 python3 \
-      tools/bench_compile.py --models multimodal --no-torch --cold-only --layers 32 --vision-layers 16 \
-      --child-logs "$OUT/compile_logs_$variant" --out "$OUT/compile_first_run_$variant.md"
-  done
   ;;
 s42-precompile-decode)
   # (after site) the new DZC_TRITON_PRECOMPILE path's GPU test (the MoE block's kernels compiled ahead, then served
@@ -516,7 +472,7 @@ s36-compile)
   # tuning), cold then warm, each child's output and dzc's report streamed to logs (session 35's cold run passed
   # 380 s with its output lost).
   TAIL=12 part bench_compile_full_depth 560 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
-    --no-torch --layers 61 --vision-layers 32 --child-logs "$OUT/compile_logs" \
+    --no-torch --layers 61 --vision-layers 32 --warm-by-hash --child-logs "$OUT/compile_logs" \
     --out "$OUT/compile_full_depth_h200.md"
   ;;
 s38-compile-scaling)
