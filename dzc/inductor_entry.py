@@ -111,4 +111,3 @@ def load(stored: InductorRecord, example_inputs):
         return None
     policy = getattr(config, "cudagraph_policy", None)  # torch 2.13: wraps what compile_fx_inner returns
     return policy.wrap_output(compiled) if policy is not None else compiled
-

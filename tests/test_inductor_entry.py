@@ -90,7 +90,8 @@ def test_a_key_is_kept_where_inductors_cache_is_on(seed, tmp_path, monkeypatch, 
                                                                  fallback="inductor"))
         with torch.no_grad():
             compiled(*inputs)
+        fingerprint = inductor_entry.fingerprint()
     [record] = stored
     assert (record is not None) == cache_on
     if cache_on:
-        assert record.fingerprint == inductor_entry.fingerprint() and record.key
+        assert record.fingerprint == fingerprint and record.key
