@@ -4,7 +4,7 @@ process, with dzc's compile-time breakdown.
     python tools/bench_compile.py [--quick] [--models llama_decoder multimodal ...] [--no-torch] [--out table.md]
                                   [--layers N] [--vision-layers N] [--regions on|off|both] [--cold-only]
                                   [--profile-warm DIR] [--profile-cold DIR] [--child-logs DIR]
-                                  [--no-bytecode-cache] [--forget-tilelang-records]
+                                  [--no-bytecode-cache] [--forget-tilelang-records] [--warm-by-hash]
 
 Times are the compile call (dzc.compile / torch.compile) plus the first call: torch.compile() imports Inductor
 before it returns, dzc.compile() at the first call (before session 22 only the first call was timed, which left
@@ -27,8 +27,10 @@ warm compile's seconds go), with the whole profile beside it (.pstats, for pstat
 the same for each cold compile (<model>-<compiler>-cold.txt). Every child shares one Python bytecode cache
 (PYTHONPYCACHEPREFIX), filled before the first timed run by a process that imports torch, Inductor and dzc: an
 installed torch has its .pyc files, but the H200 machine's has none, and there each process compiled ~260 modules
-from source (1.9 s, session 22), which is not what a user waits for. --no-bytecode-cache: each process reads
-bytecode where its installation keeps it (before session 35 the only way).
+from source (1.9 s, session 22), which is not what a user waits for (PYTHONDONTWRITEBYTECODE is dropped for it).
+--no-bytecode-cache: each process reads bytecode where its installation keeps it (before session 35 the only way).
+--warm-by-hash: one more warm row with Inductor's compile looked up by hashing the graph, not loaded by the key
+the compile cache entry keeps (dzc/inductor_entry.py): that change's A/B in one run.
 """
 
 from __future__ import annotations
