@@ -67,10 +67,9 @@ class KernelRecord:
 
 def unvalidated_reason(family: ModuleType, config: KernelConfig) -> str | None:
     """Why `config` has not run on a GPU yet (None where it has): the first entry of the family's UNVALIDATED list,
-    (params, why) pairs, whose params all hold in `config`. A kernel
-    that never ran may hang or fault the device, which the tuner's agreement check cannot catch: a hung launch never
-    returns, and a faulting one leaves the process's CUDA context unusable for every candidate after it. An entry
-    goes once its GPU numerics pass."""
+    (params, why) pairs, whose params all hold in `config`. A kernel that never ran may hang or fault the device,
+    which the tuner's agreement check cannot catch: a hung launch never returns, and a faulting one leaves the
+    process's CUDA context unusable for every candidate after it. An entry goes once its GPU numerics pass."""
     params = dict(config.params)
     for match, why in getattr(family, "UNVALIDATED", ()):
         if all(params.get(name) == value for name, value in match.items()):
