@@ -60,9 +60,9 @@ from dzc.targets import resolve_target
 
 FULL = dict(hidden=7168, tokens=[1, 64, 4096], layer=dict(hidden=7168, heads=56, intermediate=18432, vocab=1024),
             prefill=4096, moe=replace(CONFIGS["gpt-oss-120b"], experts=32), moe_tokens=[64, 4096], iterations=20,
-            decoder="h200")
+            warmups=2, decoder="h200")
 QUICK = dict(hidden=64, tokens=[1, 8], layer=dict(hidden=64, heads=4, intermediate=128, vocab=128),
-             prefill=16, moe="tiny-gptoss", moe_tokens=[8], iterations=2, decoder="tiny")
+             prefill=16, moe="tiny-gptoss", moe_tokens=[8], iterations=1, warmups=1, decoder="tiny")
 
 
 class AllReduceAddNorm(nn.Module):
@@ -85,13 +85,14 @@ class AllReduceAddNorm(nn.Module):
 FLIPPED_ROWS = 0.03
 
 
-def timed(fn, iterations: int, device, together: bool = True) -> float:
-    """Median seconds of `iterations` back-to-back calls (after two warm-up calls); `together`: every rank in step
-    (a barrier before each call), else this rank alone (the one-GPU baselines)."""
-    for _ in range(2):
+def timed(fn, sizes: dict, device, together: bool = True) -> float:
+    """Median seconds of sizes["iterations"] back-to-back calls after sizes["warmups"] calls (--quick: one each, the
+    first compiles; its timings mean nothing through the interpreter); `together`: every rank in step (a barrier
+    before each call), else this rank alone (the one-GPU baselines)."""
+    for _ in range(sizes["warmups"]):
         fn()
     times = []
-    for _ in range(iterations):
+    for _ in range(sizes["iterations"]):
         if together:
             dist.barrier()
         if device.type == "cuda":
@@ -163,8 +164,8 @@ def all_reduce_norm(sizes, options, target, device, group, rank) -> list[str]:
         with torch.no_grad():
             check(f"all_reduce_add_rms_norm T={tokens}", compiled(partial, residual)[0], unfused(partial, residual),
                   2 ** -6)
-            fused_s = timed(lambda: compiled(partial, residual), sizes["iterations"], device)
-            unfused_s = timed(lambda: unfused(partial, residual), sizes["iterations"], device)
+            fused_s = timed(lambda: compiled(partial, residual), sizes, device)
+            unfused_s = timed(lambda: unfused(partial, residual), sizes, device)
             one_shot_cells = "skipped | - "
             if runner is not None:
                 def fused_one_shot():
@@ -178,7 +179,7 @@ def all_reduce_norm(sizes, options, target, device, group, rank) -> list[str]:
                     runner = None
                 if runner is not None:
                     check(f"one-shot all_reduce_add_rms_norm T={tokens}", first, unfused(partial, residual), 2 ** -6)
-                    one_shot_s = timed(fused_one_shot, sizes["iterations"], device)
+                    one_shot_s = timed(fused_one_shot, sizes, device)
                     one_shot_cells = f"{one_shot_s * 1e6:.1f} | {unfused_s / one_shot_s:.2f}x "
         rows.append(f"| all_reduce_add_rms_norm | {sizes['hidden']} | {tokens} | {fused_s * 1e6:.1f} | "
                     f"{unfused_s * 1e6:.1f} | {unfused_s / fused_s:.2f}x | {one_shot_cells}|")
@@ -206,7 +207,7 @@ def tp_layer(sizes, options, target, device, mesh, rank, world) -> list[str]:
         with torch.no_grad():
             for name, t in tokens.items():
                 check(f"TP={tp} {name}", compiled(t), expected[name], 2 ** -4)
-                results[(tp, name)] = timed(lambda t=t: compiled(t), sizes["iterations"], device, together=tp > 1)
+                results[(tp, name)] = timed(lambda t=t: compiled(t), sizes, device, together=tp > 1)
         if tp > 1:
             fired(compiled, "fuse_all_reduce_residual_norm")
         elif world > 1:
@@ -249,7 +250,7 @@ def dsa_moe_layer(sizes, options, target, device, group, rank, world) -> list[st
             for name, args in inputs.items():
                 check(f"DSA+MoE layer TP={tp} {name}", compiled(*args, session.cache), expected[name], 2 ** -4,
                       selects=True)
-                results[(tp, name)] = timed(lambda args=args: compiled(*args, session.cache), sizes["iterations"],
+                results[(tp, name)] = timed(lambda args=args: compiled(*args, session.cache), sizes,
                                             device, together=tp > 1)
         for name in ("fuse_sparse_attention", "fuse_mxfp4_experts"):
             fired(compiled, name)
@@ -292,22 +293,22 @@ def ep_layer(sizes, options, target, device, group, rank, world) -> list[str]:
             # The same bytes arrive either way (tests/test_distributed.py: equal to the bit on the CPU); here the
             # final index_add_'s atomics may add a token's slots in another order.
             check(f"EP={world} T={tokens} with the EP passes vs without", got, compiled_unmerged(mine), 2 ** -7)
-            ep_s = timed(lambda: compiled_ep(mine), sizes["iterations"], device)
+            ep_s = timed(lambda: compiled_ep(mine), sizes, device)
             compiled_padded = dzc.compile(layer, target=target, options=replace(
                 options, ep_max_dispatch_rows=tokens * block.cfg.top_k))
             check(f"EP={world} T={tokens} fixed capacity", compiled_padded(mine),
                   block(x)[rank * tokens:(rank + 1) * tokens], 2 ** -4, selects=True)
             fired(compiled_padded, "pad_all_to_all_to_capacity")
-            padded_s = timed(lambda: compiled_padded(mine), sizes["iterations"], device)
-            unmerged_s = timed(lambda: compiled_unmerged(mine), sizes["iterations"], device)
-            without = {name: timed(lambda c=c: c(mine), sizes["iterations"], device) for name, c in alone.items()}
+            padded_s = timed(lambda: compiled_padded(mine), sizes, device)
+            unmerged_s = timed(lambda: compiled_unmerged(mine), sizes, device)
+            without = {name: timed(lambda c=c: c(mine), sizes, device) for name, c in alone.items()}
             if rank == 0:
                 print(f"EP={world} T={tokens}: " + ", ".join(f"without {name} {t * 1e6:.1f} µs"
                                                             for name, t in without.items()), flush=True)
             one_s = plain_s = 0.0
             if rank == 0:
-                one_s = timed(lambda: compiled_one(mine), sizes["iterations"], device, together=False)
-                plain_s = timed(lambda: compiled_plain(mine), sizes["iterations"], device, together=False)
+                one_s = timed(lambda: compiled_one(mine), sizes, device, together=False)
+                plain_s = timed(lambda: compiled_plain(mine), sizes, device, together=False)
             if tokens == sizes["moe_tokens"][0]:  # every rank runs the calls (collectives); rank 0 prints
                 ep_profile(compiled_ep, mine, device, rank, world)
         if world > 1:
