@@ -17,15 +17,13 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session. Session 52 (an H100) ran s49-compile (Inductor's compile by its stored key: warm 4.8 s against 7.0
-# by hash at 32 + 16), s48-outline (all passed), s51-varlen-triton-lpt (passed; the twins are validated),
-# s51-warm-profile, s36-compile (full depth: cold 138.1 s, warm 5.8) and s45-first-run (pointwise tuning is not it);
-# the steps done for good since removed. Still to run, in order:
+# Next session. Session 53 (an H100) ran s51-warm-profile, s49-compile (warm 2.9 s at 32 + 16), s36-compile (full
+# depth: cold 148.0 s, warm 4.1), s35-topk (votes do not shorten the second sweep) and s47-topk-flake (11 seeds
+# passed); the steps done for good since removed. Still to run, in order:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s51-warm-profile   # issue 18: the warm start
-#       profiled again, now that the bench's children write bytecode (session 52's profile compiled 1186 modules
-#       from source); then s49-compile (its rows without that), s35-topk (the top-k's phases with and without
-#       votes, 32K and 128K), s47-topk-flake where device time is left.
+#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s53-warm-profile-full   # issue 18: where the
+#       full-depth warm start's 4.1 s go (the Dynamo guards and the compile cache grow with depth); then
+#       s47-topk-flake where device time is left.
 # Every card so far was an H200 except sessions 38-41, 43-47, 51 and 52 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
@@ -421,13 +419,13 @@ s49-compile)
     --child-logs "$OUT/compile_logs" \
     --out "$OUT/compile_records.md"
   ;;
-s51-warm-profile)
-  # (after site) issue 18: where the outlined warm start's seconds go at 32 + 16 layers (7.5 s in session 51, of
-  # which Inductor's load 4.1 and lowering 1.3, neither seen on the CPU host): cold, then the warm first call under
-  # cProfile (its 60 heaviest functions in the log, the .pstats brought back).
-  TAIL=70 part compile_warm_profile 330 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
-    --no-torch --layers 32 --vision-layers 16 --child-logs "$OUT/compile_logs_profile" \
-    --profile-warm "$OUT/compile_profile" --out "$OUT/compile_warm_profile.md"
+s53-warm-profile-full)
+  # (after site) issue 18: where the warm start's seconds go at full depth (61 + 32 layers: 4.1 s in session 53,
+  # 2.9 at 32 + 16): cold, then the warm first call under cProfile (its 60 heaviest functions in the log, the
+  # .pstats brought back).
+  TAIL=70 part compile_warm_profile_full 500 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
+    --no-torch --layers 61 --vision-layers 32 --child-logs "$OUT/compile_logs_profile" \
+    --profile-warm "$OUT/compile_profile" --out "$OUT/compile_warm_profile_full.md"
   ;;
 s42-precompile-decode)
   # (after site) the new DZC_TRITON_PRECOMPILE path's GPU test (the MoE block's kernels compiled ahead, then served
@@ -500,12 +498,6 @@ threading.Thread(target=sample, daemon=True).start()
 sys.argv = ['tools/bench_compile.py', '--child', 'dzc', '--model', 'multimodal', '--cache-dir', '/tmp/c38s/dzc',
             '--regions', 'on', '--layers', '61', '--vision-layers', '32']
 runpy.run_path('tools/bench_compile.py', run_name='__main__')"
-  ;;
-s35-topk)
-  # (after site) issue 14: the phases of the untuned top-k beside its twin with or without warp votes (session 46
-  # made votes the untuned choice within the cached keys on its configs' timing alone), at 32K and 128K.
-  TAIL=60 part topk_vote_phases 300 python3 tools/diagnose_dsa_topk_phases.py --lengths 32768 131072 \
-    --match WARP_VOTE=1 "CACHE=32768 CANDIDATES=4096 RADIX_BITS=10 SWEEP=8192 THREADS=1024 WIDTH"
   ;;
 s35-compile)
   # (after wheels-1: dzc installed) issue 18: the goal's measurement, cold compile of the reference multimodal model
