@@ -18,13 +18,14 @@
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Next session. Session 53 (an H100) ran s51-warm-profile, s49-compile (warm 2.9 s at 32 + 16), s36-compile (full
-# depth: cold 148.0 s, warm 4.1), s35-topk (votes do not shorten the second sweep) and s47-topk-flake (11 seeds
-# passed); the steps done for good since removed. Still to run, in order:
+# depth: cold 148.0 s, warm 4.1), s35-topk (votes do not shorten the second sweep), s47-topk-flake (11 seeds passed)
+# and s53-warm-profile-full (where the full-depth warm start's seconds go); the steps done for good since removed.
+# No measurement is pending. After a change to the warm start, on a fresh machine:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s53-warm-profile-full   # issue 18: where the
-#       full-depth warm start's 4.1 s go (the Dynamo guards and the compile cache grow with depth); then
-#       s47-topk-flake where device time is left.
-# Every card so far was an H200 except sessions 38-41, 43-47, 51 and 52 (H100): compare timings within one run only.
+#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s36-compile   # issue 18: full depth, cold and
+#       warm (s53-warm-profile-full: the same with the warm start under cProfile); s47-topk-flake where device time
+#       is left.
+# Every card so far was an H200 except sessions 38-41, 43-47 and 51-53 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
 set -uo pipefail
