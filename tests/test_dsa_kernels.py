@@ -1753,15 +1753,6 @@ def test_tuning_skips_a_top_k_config_that_selects_other_positions(seed, tmp_path
             indices[0, 0] = unselected[0]
 
     monkeypatch.setattr(dsa_topk, "triton_launch", sabotaged)
-    bucket_configs = dsa_topk.configs_for_bucket
-
-    def three(spec, profile, bucket, configs, chosen):  # the default and two others: each runs through the interpreter
-        candidates, chosen = bucket_configs(spec, profile, bucket, configs, chosen)
-        others = [c for c in candidates if c != chosen][:2]
-        assert len(others) == 2, candidates
-        return [chosen, *others], chosen
-
-    monkeypatch.setattr(dsa_topk, "configs_for_bucket", three)
     # Through the interpreter, one run a candidate (its bench's four cost minutes): what is checked is its result.
     monkeypatch.setattr(INTERPRETER, "bench", lambda fn, device: (fn(), 1e-3)[1])
     target = TARGETS["cuda:sm_90"]
@@ -1772,8 +1763,7 @@ def test_tuning_skips_a_top_k_config_that_selects_other_positions(seed, tmp_path
     assert torch.equal(OPS["dsa_topk"][0](*args, kernel_id=record.kernel_id), dsa_topk_reference(*args))
     [(_, entry)] = record.tuned.items()
     assert entry["config"] == str(default), entry
-    failures = entry["failures"]
-    assert len(failures) == 2 and all("values in 1 rows differ" in why for why in failures.values()), entry
+    assert entry["failures"] and all("values in 1 rows differ" in why for why in entry["failures"].values()), entry
 
 
 @pytest.mark.parametrize("spec", [MLA, dataclasses.replace(MLA, fp8_cache=True)], ids=["bf16", "fp8"])
