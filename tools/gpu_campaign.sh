@@ -19,12 +19,12 @@
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
 # Next session. Session 53 (an H100) ran s51-warm-profile, s49-compile (warm 2.9 s at 32 + 16), s36-compile (full
 # depth: cold 148.0 s, warm 4.1), s35-topk (votes do not shorten the second sweep), s47-topk-flake (11 seeds passed)
-# and s53-warm-profile-full (where the full-depth warm start's seconds go); the steps done for good since removed.
+# and s36-compile with the warm start profiled (where the full-depth warm start's seconds go); the steps done for good
+# since removed.
 # No measurement is pending. After a change to the warm start, on a fresh machine:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s36-compile   # issue 18: full depth, cold and
-#       warm (s53-warm-profile-full: the same with the warm start under cProfile); s47-topk-flake where device time
-#       is left.
+#       warm (PROFILE_WARM=1: the warm start under cProfile); s47-topk-flake where device time is left.
 # Every card so far was an H200 except sessions 38-41, 43-47 and 51-53 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
@@ -420,14 +420,6 @@ s49-compile)
     --child-logs "$OUT/compile_logs" \
     --out "$OUT/compile_records.md"
   ;;
-s53-warm-profile-full)
-  # (after site) issue 18: where the warm start's seconds go at full depth (61 + 32 layers: 4.1 s in session 53,
-  # 2.9 at 32 + 16): cold, then the warm first call under cProfile (its 60 heaviest functions in the log, the
-  # .pstats brought back).
-  TAIL=70 part compile_warm_profile_full 500 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
-    --no-torch --layers 61 --vision-layers 32 --child-logs "$OUT/compile_logs_profile" \
-    --profile-warm "$OUT/compile_profile" --out "$OUT/compile_warm_profile_full.md"
-  ;;
 s42-precompile-decode)
   # (after site) the new DZC_TRITON_PRECOMPILE path's GPU test (the MoE block's kernels compiled ahead, then served
   # the first call, bit for bit), the decoder's CUDA-graph keys, then s42-decode's bisect for what time is left.
@@ -467,11 +459,13 @@ s41-w4a8)
     "BLOCK_M=64,BLOCK_N=64,$fp8,WORKSPACE=0,num_warps=4" "BLOCK_M=128,BLOCK_N=128,$fp8,WORKSPACE=1,num_warps=8"
   ;;
 s36-compile)
-  # (after wheels-1 and wheels-2) issue 18: the multimodal model at full depth (61 decoder + 32 vision layers, no
-  # tuning), cold then warm, each child's output and dzc's report streamed to logs (session 35's cold run passed
-  # 380 s with its output lost).
+  # (after site) issue 18: the multimodal model at full depth (61 decoder + 32 vision layers, no tuning), cold then
+  # warm, each child's output and dzc's report streamed to logs (session 35's cold run passed 380 s with its output
+  # lost). PROFILE_WARM=1: the warm first call under cProfile instead of the by-hash row (its 60 heaviest functions
+  # in the log, the .pstats brought back; session 53).
+  if [ "${PROFILE_WARM:-0}" = 1 ]; then extra=(--profile-warm "$OUT/compile_profile"); else extra=(--warm-by-hash); fi
   TAIL=12 part bench_compile_full_depth 560 env DZC_DEBUG=1 python3 tools/bench_compile.py --models multimodal \
-    --no-torch --layers 61 --vision-layers 32 --warm-by-hash --child-logs "$OUT/compile_logs" \
+    --no-torch --layers 61 --vision-layers 32 "${extra[@]}" --child-logs "$OUT/compile_logs" \
     --out "$OUT/compile_full_depth_h200.md"
   ;;
 s38-compile-scaling)
