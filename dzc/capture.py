@@ -467,7 +467,7 @@ class DzcBackend:
                 example_inputs = [node.meta["val"] for node in graph.nodes if node.op == "placeholder"]
             compiled, checked, outlined, inductor = self._fallback(
                 gm, graph, example_inputs, fallback, checkable, inductor_context, values,
-                entry.inductor if entry is not None and not checkable else None)
+                entry.inductor if entry is not None and not checkable else None, tuple(uses))
         host_syncs = stored.host_syncs if stored is not None else _host_syncs(graph)
         if cached.state != "off":
             with timer.stage("compile cache"):
@@ -478,12 +478,14 @@ class DzcBackend:
                       inductor is not None and entry is not None and inductor is entry.inductor, precompile)
 
     def _fallback(self, gm, graph, example_inputs, fallback: str, checkable: bool, inductor_context,
-                  values: Callable[[], None] | None = None, stored: inductor_entry.InductorRecord | None = None):
+                  values: Callable[[], None] | None = None, stored: inductor_entry.InductorRecord | None = None,
+                  kernel_ids: tuple[str, ...] = ()):
         """(what the lowered graph runs per call, the op-by-op module the rewrite check runs or None, what
         outline_repeated_calls did for Inductor or "", the inductor_entry.InductorRecord a compile cache entry
         keeps of Inductor's compile or None). values: puts back the nodes' fake values a cache hit left unbuilt,
         before Inductor compiles or outline_repeated_calls reads them. stored: a hit's record of the cold
-        compile's Inductor result, loaded by its key where it still can be (no outlining, no hash of the graph)."""
+        compile's Inductor result, loaded by its key where it still can be (no outlining, no hash of the graph).
+        kernel_ids: the dzc kernel ids `graph` calls (inductor_entry.InductorRecord's)."""
         checked = torch.fx.GraphModule(gm, copy_graph(graph)) if checkable else None
         record = None
         if fallback == "inductor":
@@ -494,11 +496,11 @@ class DzcBackend:
             tracing = (torch._guards.tracing(inductor_context) if inductor_context is not None
                        else contextlib.nullcontext())
             with torch._inductor.config.patch(serial), tracing:
-                boxed = inductor_entry.load(stored, example_inputs) if stored is not None else None
+                boxed = inductor_entry.load(stored, example_inputs, kernel_ids) if stored is not None else None
                 if boxed is not None:
                     outlined, record = stored.outlined, stored
                 else:
-                    boxed, outlined, record = _inductor_compile(gm, graph, example_inputs, values)
+                    boxed, outlined, record = _inductor_compile(gm, graph, example_inputs, values, kernel_ids)
 
             def compiled(*args):
                 return boxed(list(args))  # Inductor's callable takes its arguments as one list
@@ -563,10 +565,11 @@ def _inputs_and_outputs(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [node for node in graph.nodes if node.op == "placeholder"] + output.all_input_nodes
 
 
-def _inductor_compile(gm, graph: torch.fx.Graph, example_inputs, values: Callable[[], None] | None):
+def _inductor_compile(gm, graph: torch.fx.Graph, example_inputs, values: Callable[[], None] | None,
+                      kernel_ids: tuple[str, ...]):
     """Inductor's compile of `graph` (outlined where DZC_OUTLINE_FOR_INDUCTOR is on and Inductor takes it, else
-    flat): (its callable, what outline_repeated_calls did, inductor_entry's record of it or None). values: as
-    DzcBackend._fallback's."""
+    flat): (its callable, what outline_repeated_calls did, inductor_entry's record of it or None). values and
+    kernel_ids: as DzcBackend._fallback's."""
     from torch._inductor.compile_fx import compile_fx_inner  # noqa: PLC0415 (heavy: a load by key does without)
 
     boxed, outlined = None, "off (DZC_OUTLINE_FOR_INDUCTOR=0)"
@@ -595,7 +598,7 @@ def _inductor_compile(gm, graph: torch.fx.Graph, example_inputs, values: Callabl
                               stacklevel=3)
         if boxed is None:
             boxed = compile_fx_inner(_for_inductor(gm, graph), example_inputs)
-    return boxed, outlined, inductor_entry.record(boxed, outlined, fingerprint)
+    return boxed, outlined, inductor_entry.record(boxed, outlined, fingerprint, kernel_ids)
 
 
 @contextlib.contextmanager

@@ -76,8 +76,9 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from dzc import config
 from dzc.outline_regions import CALL
 
-FORMAT_VERSION = 5  # 2: the value types and the build's analyses stored beside the graph; 3: lowering's specs;
-# 4: the region call each inlined node came from (outline_regions.CALL); 5: Inductor's key (inductor_entry)
+FORMAT_VERSION = 6  # 2: the value types and the build's analyses stored beside the graph; 3: lowering's specs;
+# 4: the region call each inlined node came from (outline_regions.CALL); 5: Inductor's key (inductor_entry);
+# 6: the kernel ids Inductor's compiled code calls, beside its key
 # Options that do not change what the passes and lowering make of a graph: where the cache lives (a copied
 # directory must still hit) and the shipped tuning database (read by tuning, at the first call).
 # nested_regions changes what the captured graph is made of (region calls or not), which the key hashes itself.

@@ -11,8 +11,11 @@ guards matched exactly, the rest of Inductor's post-compile as compile_fx_inner 
 
 What else goes into Inductor's key besides the graph (its config and custom passes, matmul and determinism
 settings, the system: GPU, CUDA, Triton, torch's sources) is checked through `fingerprint`: Inductor's own key of
-an empty graph, computed the same way. Where it differs, or Inductor's cache is off, or the entry is gone from it,
-the fallback compiles as before (outlining, Inductor's lookup by hash or its compile).
+an empty graph, computed the same way. What the graph names that the entry's key does not cover is checked too: the
+kernel ids its dzc ops call, which name the compiling model's place among the process's dzc.compile calls
+(lowering.KernelTable); the code Inductor generated calls those ids, so a model that got other ids (one compiled
+after others in its process) cannot run it. Where anything differs, or Inductor's cache is off, or the entry is gone
+from it, the fallback compiles as before (outlining, Inductor's lookup by hash or its compile).
 """
 
 from __future__ import annotations
@@ -26,13 +29,15 @@ import torch
 @dataclasses.dataclass(frozen=True)
 class InductorRecord:
     """A cold compile's Inductor result, as the compile cache entry keeps it: `key` (Inductor's FX graph cache key),
-    `guards` (the compiled graph's shape guards expression, or None), `fingerprint` (`fingerprint()` then) and
-    `outlined` (outline_repeated_calls' outcome, for the report)."""
+    `guards` (the compiled graph's shape guards expression, or None), `fingerprint` (`fingerprint()` then),
+    `outlined` (outline_repeated_calls' outcome, for the report) and `kernel_ids` (the dzc kernel ids the compiled
+    code calls, sorted)."""
 
     key: str
     guards: str | None
     fingerprint: str
     outlined: str
+    kernel_ids: tuple[str, ...]
 
 
 def _graph_kwargs() -> dict:
@@ -69,8 +74,9 @@ def fingerprint() -> str | None:
     return key
 
 
-def record(compiled, outlined: str, fingerprint_then: str | None) -> InductorRecord | None:
-    """What a compile cache entry keeps of compile_fx_inner's result `compiled`: None where it has no FX graph
+def record(compiled, outlined: str, fingerprint_then: str | None, kernel_ids) -> InductorRecord | None:
+    """What a compile cache entry keeps of compile_fx_inner's result `compiled`, whose graph calls `kernel_ids`
+    (dzc kernel ids): None where it has no FX graph
     cache key (the cache was off or bypassed), froze parameters (its constants would come from the graph module),
     or the fingerprint could not be taken."""
     from torch._inductor.output_code import CompiledFxGraph  # noqa: PLC0415
@@ -79,20 +85,22 @@ def record(compiled, outlined: str, fingerprint_then: str | None) -> InductorRec
     if (not isinstance(compiled, CompiledFxGraph) or key is None or fingerprint_then is None
             or getattr(compiled, "frozen_param_names", None)):
         return None
-    return InductorRecord(key, compiled.guards_expr, fingerprint_then, outlined)
+    return InductorRecord(key, compiled.guards_expr, fingerprint_then, outlined, tuple(sorted(kernel_ids)))
 
 
-def load(stored: InductorRecord, example_inputs):
+def load(stored: InductorRecord, example_inputs, kernel_ids):
     """Inductor's compiled graph for `stored`, ready to call (compile_fx_inner's result on a hit), or None where it
-    is not to be had that way: Inductor's cache off, another fingerprint, no shape environment to check guards in,
-    or no entry under the key with exactly the stored guards. Call with torch's cache artifacts of the entry
+    is not to be had that way: the graph now calls other dzc kernel ids than `stored`'s (`kernel_ids`), Inductor's
+    cache off, another fingerprint, no shape environment to check guards in, or no entry under the key with exactly
+    the stored guards. Call with torch's cache artifacts of the entry
     loaded (CompileCache.before_fallback), inside the compile's tracing context."""
     from torch._inductor import config  # noqa: PLC0415
     from torch._inductor.async_compile import CompiledTritonKernels  # noqa: PLC0415
     from torch._inductor.codecache import FxGraphCache  # noqa: PLC0415
     from torch._inductor.output_code import CompiledFxGraphConstants  # noqa: PLC0415
 
-    if not cache_on() or FxGraphCache._get_shape_env() is None or fingerprint() != stored.fingerprint:
+    if (tuple(sorted(kernel_ids)) != stored.kernel_ids or not cache_on() or FxGraphCache._get_shape_env() is None
+            or fingerprint() != stored.fingerprint):
         return None
     constants = CompiledFxGraphConstants()  # no frozen parameters (record): the constants the entry holds
     try:
