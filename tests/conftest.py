@@ -1,5 +1,5 @@
 """Test setup: Triton's interpreter on machines without a GPU, seeded inputs that print their seed, and a fresh
-cache directory per test so that tuning-database state never leaks between tests."""
+cache directory per test so that no compile cache entry or tuning-database state leaks between tests."""
 
 import os
 
@@ -104,6 +104,15 @@ def pytest_runtest_logreport(report):
         sections = "".join(f"--- {name}\n{text}\n" for name, text in report.sections)
         sys.stderr.write(f"\n=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext}\n{sections}")
         sys.stderr.flush()
+
+
+@pytest.fixture(autouse=True)
+def _private_cache_dir(tmp_path, monkeypatch):
+    """Each test's own default cache directory (DZC_CACHE_DIR, where dzc.compile keeps its compile cache entries,
+    frame entries, kernel sources and tuning database unless CompileOptions.cache_dir says otherwise): a shared one
+    made a test's outcome depend on which tests, in which worker, had compiled the same graph before (session 53's
+    CI). Tests of hits across processes or compiles name their directories themselves."""
+    monkeypatch.setenv("DZC_CACHE_DIR", str(tmp_path / "dzc-default-cache"))
 
 
 @pytest.fixture(autouse=True)
