@@ -165,6 +165,7 @@ class _Build:
     cache_key: str | None = None  # of the compile cache entry holding this build's rewritten graph, if any
     inductor_outlined: str = ""  # outline_repeated_calls' outcome where Inductor compiled the fallback
     inductor_by_key: bool = False  # a hit loaded Inductor's compile by the key its entry kept (inductor_entry)
+    inductor_key_unused: str = ""  # why a hit did not load Inductor's compile by the key its entry kept, if it had one
     triton_precompile: triton_codegen.Precompile | None = None  # its Triton kernels compiling ahead, if any
 
     def fired(self) -> list[str]:
@@ -465,7 +466,7 @@ class DzcBackend:
                 values = entry.values
             if found is not None and (checkable or values is not None):  # the capture hit's inputs, left unbuilt
                 example_inputs = [node.meta["val"] for node in graph.nodes if node.op == "placeholder"]
-            compiled, checked, outlined, inductor = self._fallback(
+            compiled, checked, outlined, inductor, key_unused = self._fallback(
                 gm, graph, example_inputs, fallback, checkable, inductor_context, values,
                 entry.inductor if entry is not None and not checkable else None, tuple(uses))
         host_syncs = stored.host_syncs if stored is not None else _host_syncs(graph)
@@ -475,19 +476,20 @@ class DzcBackend:
                              inductor)
         return _Build(graph, stages, results, uses, references, fallback, compiled, checked, coverage, host_syncs,
                       cached.state, cached.key if cached.state in ("hit", "miss") else None, outlined,
-                      inductor is not None and entry is not None and inductor is entry.inductor, precompile)
+                      inductor is not None and entry is not None and inductor is entry.inductor, key_unused,
+                      precompile)
 
     def _fallback(self, gm, graph, example_inputs, fallback: str, checkable: bool, inductor_context,
                   values: Callable[[], None] | None = None, stored: inductor_entry.InductorRecord | None = None,
                   kernel_ids: tuple[str, ...] = ()):
         """(what the lowered graph runs per call, the op-by-op module the rewrite check runs or None, what
         outline_repeated_calls did for Inductor or "", the inductor_entry.InductorRecord a compile cache entry
-        keeps of Inductor's compile or None). values: puts back the nodes' fake values a cache hit left unbuilt,
-        before Inductor compiles or outline_repeated_calls reads them. stored: a hit's record of the cold
-        compile's Inductor result, loaded by its key where it still can be (no outlining, no hash of the graph).
-        kernel_ids: the dzc kernel ids `graph` calls (inductor_entry.InductorRecord's)."""
+        keeps of Inductor's compile or None, why `stored` was not loaded or ""). values: puts back the nodes' fake
+        values a cache hit left unbuilt, before Inductor compiles or outline_repeated_calls reads them. stored: a
+        hit's record of the cold compile's Inductor result, loaded by its key where it still can be (no outlining,
+        no hash of the graph). kernel_ids: the dzc kernel ids `graph` calls (inductor_entry.InductorRecord's)."""
         checked = torch.fx.GraphModule(gm, copy_graph(graph)) if checkable else None
-        record = None
+        record, key_unused = None, ""
         if fallback == "inductor":
             torch_fixes.apply()  # the installed torch's bugs that code handed to Inductor would meet
 
@@ -496,7 +498,9 @@ class DzcBackend:
             tracing = (torch._guards.tracing(inductor_context) if inductor_context is not None
                        else contextlib.nullcontext())
             with torch._inductor.config.patch(serial), tracing:
-                boxed = inductor_entry.load(stored, example_inputs, kernel_ids) if stored is not None else None
+                boxed = None
+                if stored is not None:
+                    boxed, key_unused = inductor_entry.load(stored, example_inputs, kernel_ids)
                 if boxed is not None:
                     outlined, record = stored.outlined, stored
                 else:
@@ -510,7 +514,7 @@ class DzcBackend:
             # the generated function (no nn.Module call per call), its bytecode kept in the cache directory
             compiled = compile_cache.graph_function(
                 gm, graph, self.options.resolved_cache_dir() if compile_cache.enabled() else None)
-        return compiled, checked, outlined, record
+        return compiled, checked, outlined, record, key_unused
 
     def _commit(self, build: _Build) -> None:
         """Put the kernels `build` runs into the report (those not there yet)."""
@@ -828,6 +832,7 @@ def _describe(record: GraphRecord, build: _Build) -> None:
     record.fallback = build.fallback
     record.inductor_outlined = build.inductor_outlined
     record.inductor_by_key = build.inductor_by_key
+    record.inductor_key_unused = build.inductor_key_unused
     record.triton_precompile = "running" if build.triton_precompile is not None else ""
     if build.triton_precompile is not None:
         build.triton_precompile.when_done(lambda outcome: setattr(record, "triton_precompile", outcome))

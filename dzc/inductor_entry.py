@@ -88,20 +88,26 @@ def record(compiled, outlined: str, fingerprint_then: str | None, kernel_ids) ->
     return InductorRecord(key, compiled.guards_expr, fingerprint_then, outlined, tuple(sorted(kernel_ids)))
 
 
-def load(stored: InductorRecord, example_inputs, kernel_ids):
-    """Inductor's compiled graph for `stored`, ready to call (compile_fx_inner's result on a hit), or None where it
-    is not to be had that way: the graph now calls other dzc kernel ids than `stored`'s (`kernel_ids`), Inductor's
-    cache off, another fingerprint, no shape environment to check guards in, or no entry under the key with exactly
-    the stored guards. Call with torch's cache artifacts of the entry
-    loaded (CompileCache.before_fallback), inside the compile's tracing context."""
+def load(stored: InductorRecord, example_inputs, kernel_ids) -> tuple[object | None, str]:
+    """(Inductor's compiled graph for `stored`, ready to call: compile_fx_inner's result on a hit, "") or, where it
+    is not to be had that way, (None, why not): the graph now calls other dzc kernel ids than `stored`'s
+    (`kernel_ids`), Inductor's cache off, another fingerprint, no shape environment to check guards in, or no entry
+    under the key with exactly the stored guards. Call with torch's cache artifacts of the entry loaded
+    (CompileCache.before_fallback), inside the compile's tracing context."""
     from torch._inductor import config  # noqa: PLC0415
     from torch._inductor.async_compile import CompiledTritonKernels  # noqa: PLC0415
     from torch._inductor.codecache import FxGraphCache  # noqa: PLC0415
     from torch._inductor.output_code import CompiledFxGraphConstants  # noqa: PLC0415
 
-    if (tuple(sorted(kernel_ids)) != stored.kernel_ids or not cache_on() or FxGraphCache._get_shape_env() is None
-            or fingerprint() != stored.fingerprint):
-        return None
+    if tuple(sorted(kernel_ids)) != stored.kernel_ids:
+        return None, ("the graph calls other kernel ids than the cold compile's (its model was not compiled in the "
+                      "same order among its process's dzc.compile calls)")
+    if not cache_on():
+        return None, "Inductor's FX graph cache is off"
+    if FxGraphCache._get_shape_env() is None:
+        return None, "no shape environment to check its guards in"
+    if fingerprint() != stored.fingerprint:
+        return None, "Inductor's configuration or system differs from the cold compile's"
     constants = CompiledFxGraphConstants()  # no frozen parameters (record): the constants the entry holds
     try:
         with torch.utils._python_dispatch._disable_current_modes():
@@ -110,12 +116,12 @@ def load(stored: InductorRecord, example_inputs, kernel_ids):
                                                      is_backward=False, constants=constants,
                                                      evaluate_guards=lambda expression, _: expression == stored.guards)
             if compiled is None:
-                return None
+                return None, "Inductor's cache has no entry under the key with the cold compile's guards"
             compiled._fx_graph_cache_key = stored.key
             compiled.post_compile(example_inputs, constants, _graph_kwargs())
     except Exception as error:  # noqa: BLE001  (internals of another torch: the compile goes the usual way)
-        warnings.warn(f"dzc: loading Inductor's compile by its stored key failed ({type(error).__name__}: {error}); "
-                      "Inductor looks the graph up by hashing it instead", RuntimeWarning, stacklevel=3)
-        return None
+        why = f"loading it failed ({type(error).__name__}: {error})"
+        warnings.warn(f"dzc: {why}; Inductor looks the graph up by hashing it instead", RuntimeWarning, stacklevel=3)
+        return None, why
     policy = getattr(config, "cudagraph_policy", None)  # torch 2.13: wraps what compile_fx_inner returns
-    return policy.wrap_output(compiled) if policy is not None else compiled
+    return (policy.wrap_output(compiled) if policy is not None else compiled), ""

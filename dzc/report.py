@@ -87,6 +87,7 @@ class GraphRecord:
     # (dzc/outline_regions.py): "3 bodies for 150 calls (...); left inlined: ..."; "" where it did not run.
     inductor_outlined: str = ""
     inductor_by_key: bool = False  # a warm hit loaded Inductor's compile by the key its entry kept
+    inductor_key_unused: str = ""  # why a warm hit did not, where its entry kept one (inductor_entry.load)
     # Its Triton kernels compiled ahead of the first call (DZC_TRITON_PRECOMPILE, triton_codegen.Precompile):
     # "running", then how many were compiled in how long and what was skipped; "" where it did not run.
     triton_precompile: str = ""
@@ -237,6 +238,9 @@ class CompileReport:
             if graph.inductor_by_key:
                 lines.append("    Inductor's compile loaded by the key the compile cache entry kept (no hash of the "
                              "graph)")
+            if graph.inductor_key_unused:
+                lines.append("    Inductor's compile looked up by the graph's hash, not by the key the compile cache "
+                             f"entry kept: {graph.inductor_key_unused}")
             if graph.triton_precompile:
                 lines.append(f"    Triton kernels compiled ahead: {graph.triton_precompile}")
             if graph.host_syncs:

@@ -58,21 +58,24 @@ def test_a_warm_start_loads_by_key_only_where_inductor_would_find_the_same(seed,
     # Another Inductor config: another fingerprint, so Inductor compiles for it, not what the cold compile made.
     changed = compile_once(torch._inductor.config.patch(fallback_random=not torch._inductor.config.fallback_random))
     assert changed.frame_cache.startswith("hit (1 graph") and not changed.graphs[0].inductor_by_key
+    assert changed.graphs[0].inductor_key_unused == "Inductor's configuration or system differs from the cold compile's"
     # The entry gone from Inductor's cache (a cleared cache, the artifacts not loaded): compiled again.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor-empty"))
     with monkeypatch.context() as patched:
         patched.setattr(compile_cache, "load_torch_artifacts", lambda artifacts: None)
         gone = compile_once()
     assert gone.frame_cache.startswith("hit (1 graph") and not gone.graphs[0].inductor_by_key
+    assert gone.graphs[0].inductor_key_unused.startswith("Inductor's cache has no entry under the key")
     # As it was: by the key (the artifacts put the entry back into the empty cache directory).
     warm = compile_once()
-    assert warm.graphs[0].inductor_by_key
+    assert warm.graphs[0].inductor_by_key and not warm.graphs[0].inductor_key_unused
     assert "loaded by the key" in str(warm)
     # A model compiled after others in its process gets other kernel ids than the cold compile's, which Inductor's
     # stored code calls (in another process, ids not loaded there: session 53's CI): compiled for its own ids.
     later = compile_once(serial=2000)
     assert later.frame_cache.startswith("hit (1 graph") and not later.graphs[0].inductor_by_key
     assert all(".m2000" in kernel.kernel_id for kernel in later.kernels)
+    assert "not by the key the compile cache entry kept: the graph calls other kernel ids" in str(later)
 
 
 @pytest.mark.parametrize("cache_on", [True, False])

@@ -71,7 +71,7 @@ def child(args) -> None:
     if args.no_inductor_key:  # --warm-by-hash's run: a hit never loads Inductor's compile by the stored key
         from dzc import inductor_entry
 
-        inductor_entry.load = lambda *args: None
+        inductor_entry.load = lambda *args: (None, "turned off by --warm-by-hash")
     profile = cProfile.Profile() if args.profile else None
     start = time.perf_counter()
     with profile or contextlib.nullcontext():
