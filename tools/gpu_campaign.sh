@@ -20,8 +20,10 @@
 # Next session. Session 53 (an H100) ran s51-warm-profile, s49-compile (warm 2.9 s at 32 + 16), s36-compile (full
 # depth: cold 148.0 s, warm 4.1), s35-topk (votes do not shorten the second sweep), s47-topk-flake (11 seeds passed)
 # and s36-compile with the warm start profiled (where the full-depth warm start's seconds go); the steps done for good
-# since removed.
-# No measurement is pending. After a change to the warm start, on a fresh machine:
+# since removed. Session 54 had no device time (its 175 s left could not start a machine).
+# No measurement is pending. Session 54's change to the warm start (a hit loads Inductor's compile by the key only
+# where the graph calls the cold compile's kernel ids) leaves the bench's warm rows as they were (one model a fresh
+# process: the same ids); its report says why where it falls back. After a change to the warm start, a fresh machine:
 #   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
 #       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s36-compile   # issue 18: full depth, cold and
 #       warm (PROFILE_WARM=1: the warm start under cProfile); s47-topk-flake where device time is left.
