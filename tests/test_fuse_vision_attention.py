@@ -317,6 +317,28 @@ def test_refuses_mask_that_is_not_tokens_by_tokens(sdpa, options, seed):
     assert_close_for_dtype(out, module(*inputs))
 
 
+class ShiftedSegmentsAttention(PackedAttention):
+    """Segment ids by searchsorted(right=False): the token at each cu_seqlens boundary joins the image before it, so
+    the blocks are not cu_seqlens' segments (a model's off-by-one, still block-diagonal)."""
+
+    def forward(self, q, k, v, cu_seqlens, cos, sin):
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        tokens = q.shape[1]
+        segment = torch.searchsorted(cu_seqlens, torch.arange(tokens, dtype=cu_seqlens.dtype), right=False)
+        mask = segment[:, None] == segment[None, :]
+        return attend(q, k, v, mask, 0.25, self.sdpa).transpose(0, 1)
+
+
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_segments_off_by_one_from_cu_seqlens_are_left_alone(sdpa, options, seed):
+    inputs = _pack([5, 11, 8])
+    module = ShiftedSegmentsAttention("mask", sdpa=sdpa)
+    compiled, out = _compile(module, options, *inputs)
+    assert compiled.report.passes["fuse_vision_attention"] == 0
+    assert "dzc.varlen_attention" not in dict(compiled.report.graphs[0].stages)["fuse_vision_attention"]
+    assert_close_for_dtype(out, module(*inputs))
+
+
 class InterleavedRotaryAttention(PackedAttention):
     """PackedAttention after the interleaved rotary on q and k, the pairs read as `pairs` says ("slice", "unbind",
     "reshape"; "mixed": interleaved on q, HF's half-split on k)."""

@@ -34,7 +34,8 @@ class LocalAttention(nn.Module):
     through repeat_kv, a causal mask with a sliding window (HF's overlay kv > q - W), optional gpt-oss sinks.
     `spelling`: "keep" (where(keep, 0, min)), "ge" (kv >= q - W + 1), "drop" (masked_fill of the drop mask),
     "causal" (no window), "padding" (a padding mask the caller gives, and-ed in: must be refused), "non-causal"
-    (a window without the causal bound: not what the op expresses)."""
+    (a window without the causal bound: not what the op expresses), "strict" (kv < q: each query hides its own key,
+    not the op's causal bound either)."""
 
     def __init__(self, window=4, sinks=True, spelling="keep", heads=4, kv_heads=2):
         super().__init__()
@@ -54,6 +55,8 @@ class LocalAttention(nn.Module):
             keep = kv_idx > q_idx - self.window
         elif self.spelling == "causal":
             keep = causal
+        elif self.spelling == "strict":
+            keep = (kv_idx < q_idx) & (kv_idx > q_idx - self.window)
         else:
             keep = causal & (kv_idx > q_idx - self.window)
         if padding is not None:
@@ -198,6 +201,14 @@ def test_refuses_padding_and_a_window_without_the_causal_bound():
     assert not result.rewrites and [why for _, why in result.refusals] == [
         "the mask is not exactly causal (+ a local window) (terms: ['window'])"]
     assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_mask_hiding_each_querys_own_key_is_not_fused(sinks):
+    gm, result, fused, eager = _fuse(LocalAttention(4, sinks, "strict"), *_inputs(seed=4))
+    assert not result.rewrites
+    assert ir.print_graph(result.graph) == ir.print_graph(gm.graph)
+    torch.testing.assert_close(fused, eager, atol=1e-5, rtol=1e-5)
 
 
 def _compiled_and_checked(model, inputs, options):
