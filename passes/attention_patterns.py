@@ -122,7 +122,8 @@ def unpadded_bias(node):
 #   ("window", query_positions, W)  keys at positions > the query's position - W are visible (a local window)
 #   ("any", [term, term])           either term holds (the selected keys beside a local window)
 #   ("segment", cu_seqlens, mask)   keys in the query's segment of a pack are visible: mask = eq(seg[:, None],
-#                                   seg[None, :]) of one seg = searchsorted(cu_seqlens, arange(T), right=True)
+#                                   seg[None, :]) (either order) of one seg = searchsorted(cu_seqlens, arange(T),
+#                                   right=True)
 #                                   (block-diagonal, packed images); mask: the eq node, whose shape the pass checks
 # Anything else (padding, a mask from a model input) is not an attention mask these passes know.
 
@@ -279,19 +280,21 @@ def drop_terms(node):
 def segment_term(node):
     """[("segment", cu, node)] when node = eq(seg[:, None], seg[None, :]) of one seg = searchsorted(cu, arange(T),
     right=True), cu 1-D (whole slices looked through; seg[i] is the segment of token i, so key j is visible to
-    query i exactly when both lie in one segment); else None."""
+    query i exactly when both lie in one segment); else None. The sides may come in either order: eq(seg[None, :],
+    seg[:, None]) is the same mask (both sides are one seg, and equality is symmetric)."""
     if not is_call(node, aten.eq.Tensor):
         return None
-    sides = []
-    for side, unit in zip(node.args[:2], (1, 0)):  # seg[:, None] == seg[None, :]
+    sides, units = [], []
+    for side in node.args[:2]:
         unsqueezed = None
         while is_call(side, aten.unsqueeze.default) or is_whole_slice(side):
             if is_call(side, aten.unsqueeze.default):
                 unsqueezed = side.args[1] % 2
             side = side.args[0]
-        if unsqueezed != unit:
-            return None
         sides.append(side)
+        units.append(unsqueezed)
+    if set(units) != {0, 1}:  # one side a column, the other a row
+        return None
     seg = sides[0]
     if sides[1] is not seg or not is_call(seg, aten.searchsorted.Tensor) or len(seg.args) != 2 \
             or not set(seg.kwargs) <= {"right", "side", "out_int32"} \

@@ -317,6 +317,26 @@ def test_refuses_mask_that_is_not_tokens_by_tokens(sdpa, options, seed):
     assert_close_for_dtype(out, module(*inputs))
 
 
+class RowFirstSegmentsAttention(PackedAttention):
+    """The block-diagonal mask compared the other way round, seg[None, :] == seg[:, None]: the same mask."""
+
+    def forward(self, q, k, v, cu_seqlens, cos, sin):
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        tokens = q.shape[1]
+        segment = torch.searchsorted(cu_seqlens, torch.arange(tokens, dtype=cu_seqlens.dtype), right=True)
+        return attend(q, k, v, segment[None, :] == segment[:, None], 0.25, self.sdpa).transpose(0, 1)
+
+
+@pytest.mark.parametrize("sdpa", [False, True])
+def test_segments_compared_row_first_fire(sdpa, options, seed):
+    inputs = _pack([5, 11, 8])
+    module = RowFirstSegmentsAttention("mask", sdpa=sdpa)
+    compiled, out = _compile(module, options, *inputs)
+    assert compiled.report.passes["fuse_vision_attention"] == 1
+    assert [k.op for k in compiled.report.kernels] == ["varlen_attention"]
+    assert_close_for_dtype(out, module(*inputs))
+
+
 class ShiftedSegmentsAttention(PackedAttention):
     """Segment ids by searchsorted(right=False): the token at each cu_seqlens boundary joins the image before it, so
     the blocks are not cu_seqlens' segments (a model's off-by-one, still block-diagonal)."""
