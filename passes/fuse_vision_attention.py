@@ -19,6 +19,7 @@ matmul/softmax/matmul, in any dtype; each attention read by attention_patterns.r
 
     %seg = aten.searchsorted.Tensor(%cu, aten.arange(tokens), right=True)
     %m = aten.eq.Tensor(unsqueeze(%seg, 1), unsqueeze(%seg, 0))                   # bool [tokens, tokens]
+                                                                                   # (or the sides swapped)
     %o = <attention(%q, %k, %v) with %m as additive (where(%m, 0, -inf)) or masked_fill(~%m, -inf) mask>
 
    in every spelling the reader knows (bool keep/drop masks, where, masked_fill, additive, padded by SDPA for its
