@@ -76,9 +76,8 @@ def fingerprint() -> str | None:
 
 def record(compiled, outlined: str, fingerprint_then: str | None, kernel_ids) -> InductorRecord | None:
     """What a compile cache entry keeps of compile_fx_inner's result `compiled`, whose graph calls `kernel_ids`
-    (dzc kernel ids): None where it has no FX graph
-    cache key (the cache was off or bypassed), froze parameters (its constants would come from the graph module),
-    or the fingerprint could not be taken."""
+    (dzc kernel ids): None where it has no FX graph cache key (the cache was off or bypassed), froze parameters
+    (its constants would come from the graph module), or the fingerprint could not be taken."""
     from torch._inductor.output_code import CompiledFxGraph  # noqa: PLC0415
 
     key = getattr(compiled, "_fx_graph_cache_key", None)
