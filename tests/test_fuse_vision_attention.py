@@ -317,45 +317,33 @@ def test_refuses_mask_that_is_not_tokens_by_tokens(sdpa, options, seed):
     assert_close_for_dtype(out, module(*inputs))
 
 
-class RowFirstSegmentsAttention(PackedAttention):
-    """The block-diagonal mask compared the other way round, seg[None, :] == seg[:, None]: the same mask."""
+class SegmentIdsAttention(PackedAttention):
+    """The block-diagonal mask from segment ids searchsorted(cu_seqlens, arange, right=`right`), compared column
+    first (seg[:, None] == seg[None, :]) or row first (the same mask). right=False is a model's off-by-one: the token
+    at each cu_seqlens boundary joins the image before it, so the blocks are not cu_seqlens' segments."""
+
+    def __init__(self, sdpa: bool, right: bool, row_first: bool):
+        super().__init__("mask", sdpa)
+        self.right, self.row_first = right, row_first
 
     def forward(self, q, k, v, cu_seqlens, cos, sin):
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         tokens = q.shape[1]
-        segment = torch.searchsorted(cu_seqlens, torch.arange(tokens, dtype=cu_seqlens.dtype), right=True)
-        return attend(q, k, v, segment[None, :] == segment[:, None], 0.25, self.sdpa).transpose(0, 1)
-
-
-@pytest.mark.parametrize("sdpa", [False, True])
-def test_segments_compared_row_first_fire(sdpa, options, seed):
-    inputs = _pack([5, 11, 8])
-    module = RowFirstSegmentsAttention("mask", sdpa=sdpa)
-    compiled, out = _compile(module, options, *inputs)
-    assert compiled.report.passes["fuse_vision_attention"] == 1
-    assert [k.op for k in compiled.report.kernels] == ["varlen_attention"]
-    assert_close_for_dtype(out, module(*inputs))
-
-
-class ShiftedSegmentsAttention(PackedAttention):
-    """Segment ids by searchsorted(right=False): the token at each cu_seqlens boundary joins the image before it, so
-    the blocks are not cu_seqlens' segments (a model's off-by-one, still block-diagonal)."""
-
-    def forward(self, q, k, v, cu_seqlens, cos, sin):
-        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-        tokens = q.shape[1]
-        segment = torch.searchsorted(cu_seqlens, torch.arange(tokens, dtype=cu_seqlens.dtype), right=False)
-        mask = segment[:, None] == segment[None, :]
+        segment = torch.searchsorted(cu_seqlens, torch.arange(tokens, dtype=cu_seqlens.dtype), right=self.right)
+        mask = segment[None, :] == segment[:, None] if self.row_first else segment[:, None] == segment[None, :]
         return attend(q, k, v, mask, 0.25, self.sdpa).transpose(0, 1)
 
 
 @pytest.mark.parametrize("sdpa", [False, True])
-def test_segments_off_by_one_from_cu_seqlens_are_left_alone(sdpa, options, seed):
+@pytest.mark.parametrize(("right", "row_first"), [(True, True), (False, False), (False, True)])
+def test_segments_compared_row_first_fire_and_off_by_one_segments_are_left_alone(right, row_first, sdpa, options,
+                                                                                  seed):
     inputs = _pack([5, 11, 8])
-    module = ShiftedSegmentsAttention("mask", sdpa=sdpa)
+    module = SegmentIdsAttention(sdpa, right, row_first)
     compiled, out = _compile(module, options, *inputs)
-    assert compiled.report.passes["fuse_vision_attention"] == 0
-    assert "dzc.varlen_attention" not in dict(compiled.report.graphs[0].stages)["fuse_vision_attention"]
+    assert compiled.report.passes["fuse_vision_attention"] == right
+    assert [k.op for k in compiled.report.kernels] == (["varlen_attention"] if right else [])
+    assert ("dzc.varlen_attention" in dict(compiled.report.graphs[0].stages)["fuse_vision_attention"]) == right
     assert_close_for_dtype(out, module(*inputs))
 
 
