@@ -988,11 +988,13 @@ def test_tilelang_topk_phase_stamps_lower_for_sm90a(lowered_topk, tmp_path):
 @requires_nvcc
 @pytest.mark.slow
 def test_tilelang_topk_warp_vote_collects_without_per_key_atomics(lowered_topk, topk_lowering, tmp_path):
-    """WARP_VOTE=1 (session 34, a tuning candidate): the second sweep (its twin without votes is lowered_topk's
-    cached config) takes ABOVE's words from warp ballots (a plain store a word) and the candidates' slots from one
-    shared-memory atomicAdd a warp and sweep step, broadcast by a shuffle: no atomic per key in that sweep, no
-    barrier added. It compiles for sm_90a without spills (nvcc: 64 registers a thread, the most 1024 threads
-    allow). Its numerics: test_tilelang_topk_cuda_runs_on_cpu_threads, and on a GPU every config's
+    """WARP_VOTE=1 (session 34, the untuned choice within the cached keys): the second sweep (its twin without votes
+    is lowered_topk's cached config) takes ABOVE's words from warp ballots (a plain store a word) and appends the
+    bin's keys as SPECULATE=1's first sweep does (session 55): a mask a thread, one population count, a shuffle scan
+    of the lanes' counts, one shared-memory atomicAdd a warp and step (lane 31's), broadcast by a shuffle; no
+    ballot of "in the bin" (its popcounts were ~24 a warp and step), no atomic per key in that sweep, no barrier
+    added. It compiles for sm_90a without spills (nvcc: at most the 64 registers a thread 1024 threads allow). Its
+    numerics: test_tilelang_topk_cuda_runs_on_cpu_threads, and on a GPU every config's
     test_tilelang_topk_matches_reference_on_gpu."""
     (plain_config,) = [c for c in lowered_topk if dict(c.params).get("CACHE") and c["WIDTH"] == 32768]
     config = KernelConfig.make(plain_config.num_warps, plain_config.num_stages, **dict(plain_config.params),
@@ -1000,20 +1002,22 @@ def test_tilelang_topk_warp_vote_collects_without_per_key_atomics(lowered_topk, 
     assert config in dsa_topk.tilelang_configs(TOPK_SPEC, SM_90)
     plain = lowered_topk[plain_config].kernel_source
     source = topk_lowering(config).kernel_source
-    # above the bin, in it; in a step inside the row and in the row's last step
-    assert "__ballot_sync(" not in plain and source.count("__ballot_sync(") == 4
+    # above the bin, in a step inside the row and in the row's last step
+    assert "__ballot_sync(" not in plain and source.count("__ballot_sync(") == 2
     assert "AtomicAddRet((&(((int*)candidate_count)" in plain
     assert "AtomicAddRet((&(((int*)candidate_count)" not in source
     lines = source.splitlines()
     (append,) = [i for i, line in enumerate(lines) if "atomicAdd((&(((int*)candidate_count)[0]))" in line]
-    assert "threadIdx.x) % 32) == 0)" in lines[append - 1]  # lane 0's
+    assert "threadIdx.x) & 31) == 31)" in lines[append - 1]  # lane 31's, after the scan
     sweep = "\n".join(_sweep_around(lines, append))
-    assert sweep.count("__ballot_sync(") == 4 and "__shfl_sync(" in sweep and "atomicAdd(" in sweep
+    assert sweep.count("__ballot_sync(") == 2 and "__shfl_up_sync(" in sweep and "__shfl_sync(" in sweep
+    assert sweep.count("__popc(") == 2  # the mask's count, and a stored key's index in its thread's registers
     assert "AtomicAdd" not in sweep and "__syncthreads" not in sweep
     assert re.search(r"\(\(uint\*\)above_bits\)\[[^;]* >> 5\)\)\] = word\w*;", sweep)  # a word, stored
     assert source.count("__syncthreads()") == plain.count("__syncthreads()")
     report = tilelang_codegen.ptxas_report(source, SM_90, tmp_path)
     assert "dsa_topk_kernel" in report and "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert int(re.search(r"Used (\d+) registers", report).group(1)) <= 64, report
 
 
 @requires_nvcc
