@@ -171,41 +171,76 @@ def causal_term(keys, queries):
     return [("causal", queries)]
 
 
-def window_term(keys, shifted, wider: int):
-    """('window', q, W) when shifted = q - W' (W' a positive integer constant) and W = W' + wider."""
-    if is_call(shifted, aten.sub.Tensor) and isinstance(shifted.args[1], int):
-        queries, width = shifted.args[0], shifted.args[1] + wider
-    elif is_call(shifted, aten.add.Tensor) and isinstance(shifted.args[1], int):
-        queries, width = shifted.args[0], -shifted.args[1] + wider
-    else:
-        raise NotAMask("a comparison of key positions with something other than the query position (- a constant)")
-    if width < 1:
-        raise NotAMask(f"a local window of {width} keys")
-    (_, queries), = causal_term(keys, queries)
-    return [("window", queries, width)]
+def _offset(node):
+    """node = base + c, c an int constant (adds and subtractions of ints, nested; none: c = 0) -> (base, c)."""
+    offset = 0
+    while is_call(node, aten.add.Tensor, aten.sub.Tensor) and len(node.args) == 2 and not node.kwargs \
+            and isinstance(node.args[1], int) and not isinstance(node.args[1], bool):
+        offset += node.args[1] if node.target is aten.add.Tensor else -node.args[1]
+        node = node.args[0]
+    return node, offset
 
 
 _NEGATED = {aten.gt.Tensor: aten.le.Tensor, aten.le.Tensor: aten.gt.Tensor, aten.ge.Tensor: aten.lt.Tensor,
             aten.lt.Tensor: aten.ge.Tensor}
 _MIRRORED = {aten.gt.Tensor: aten.lt.Tensor, aten.lt.Tensor: aten.gt.Tensor, aten.ge.Tensor: aten.le.Tensor,
              aten.le.Tensor: aten.ge.Tensor}
+# A comparison with a Python number, as the Tensor comparison it stands for.
+_SCALAR_COMPARISONS = {aten.gt.Scalar: aten.gt.Tensor, aten.le.Scalar: aten.le.Tensor,
+                       aten.ge.Scalar: aten.ge.Tensor, aten.lt.Scalar: aten.lt.Tensor}
+
+
+def _key_comparison(node):
+    """node compares the key positions k with the query positions q -> (keys, compare, queries, c) meaning
+    `k compare q + c` (compare a Tensor comparison, c an int): either side may hold k, either side may add or
+    subtract int constants (k + a < q + b: k < q + b - a), and the distance may be compared with an int
+    (q - k < W: k > q - W; k - q >= c: k >= q + c; HF's sliding-window masks spell q - k < W)."""
+    if node.target in _SCALAR_COMPARISONS:
+        compare, difference, bound = _SCALAR_COMPARISONS[node.target], node.args[0], node.args[1]
+        if not (is_call(difference, aten.sub.Tensor) and len(difference.args) == 2 and not difference.kwargs
+                and isinstance(bound, int) and not isinstance(bound, bool)):
+            raise NotAMask(f"{describe_mask_part(node)} compares something other than a difference of positions "
+                           "with an int")
+        left, right = difference.args
+        if key_positions(right) is not None:  # q - k compare c: k (compare mirrored) q - c
+            return right, _MIRRORED[compare], left, -bound
+        if key_positions(left) is not None:  # k - q compare c: k compare q + c
+            return left, compare, right, bound
+        raise NotAMask(f"{describe_mask_part(node)} subtracts no key positions arange(T)")
+    compare = node.target
+    (left, left_offset), (right, right_offset) = _offset(node.args[0]), _offset(node.args[1])
+    if key_positions(left) is not None:
+        return left, compare, right, right_offset - left_offset
+    if key_positions(right) is not None:
+        return right, _MIRRORED[compare], left, left_offset - right_offset
+    raise NotAMask("a comparison of key positions with something other than the query position (+ a constant)")
+
+
+def _integral(node) -> bool:
+    value = fake_value(node) if isinstance(node, torch.fx.Node) else None
+    return value is not None and not value.dtype.is_floating_point and not value.dtype.is_complex
 
 
 def _comparison_terms(node, keep: bool):
-    """A comparison of the key positions k with the query positions q, True where a key is visible (keep) or
-    hidden: k <= q is causal; k > q - W (or k >= q - W + 1) is a local window of W keys. Either side may hold k."""
-    compare, keys, other = node.target, node.args[0], node.args[1]
-    if key_positions(keys) is None:
-        compare, keys, other = _MIRRORED[compare], other, keys
+    """A comparison of the key positions k with the query positions q (_key_comparison's forms), True where a key
+    is visible (keep) or hidden: k <= q is causal; k > q - W is a local window of W keys. On integer positions
+    (checked: both sides' dtypes) k < q + c is k <= q + c - 1 and k >= q + c is k > q + c - 1."""
+    keys, compare, queries, offset = _key_comparison(node)
     if not keep:
         compare = _NEGATED[compare]
+    if compare in (aten.lt.Tensor, aten.ge.Tensor):
+        if not (_integral(keys) and _integral(queries)):
+            raise NotAMask(f"{describe_mask_part(node)}: a bound moved by one (k < q + c as k <= q + c - 1) on "
+                           "positions that are not integers")
+        compare, offset = (aten.le.Tensor if compare is aten.lt.Tensor else aten.gt.Tensor), offset - 1
     if compare is aten.le.Tensor:
-        return causal_term(keys, other)
-    if compare is aten.gt.Tensor:
-        return window_term(keys, other, 0)
-    if compare is aten.ge.Tensor:
-        return window_term(keys, other, 1)
-    raise NotAMask("key positions < query positions (the query's own key hidden) is not causal")
+        if offset != 0:
+            raise NotAMask(f"keys up to the query position {offset:+d} (not the query's own: not causal)")
+        return causal_term(keys, queries)
+    if offset > -1:
+        raise NotAMask(f"keys past the query position {offset:+d}: not a local window")
+    (_, queries), = causal_term(keys, queries)
+    return [("window", queries, -offset)]
 
 
 def _either(left: list, right: list):
@@ -215,7 +250,7 @@ def _either(left: list, right: list):
     return [("any", left + right)]
 
 
-_COMPARISONS = (aten.le.Tensor, aten.ge.Tensor, aten.lt.Tensor, aten.gt.Tensor)
+_COMPARISONS = (aten.le.Tensor, aten.ge.Tensor, aten.lt.Tensor, aten.gt.Tensor, *_SCALAR_COMPARISONS)
 
 
 def _block_expansion(node):
@@ -279,9 +314,10 @@ def drop_terms(node):
 
 def segment_term(node):
     """[("segment", cu, node)] when node = eq(seg[:, None], seg[None, :]) of one seg = searchsorted(cu, arange(T),
-    right=True), cu 1-D (whole slices looked through; seg[i] is the segment of token i, so key j is visible to
-    query i exactly when both lie in one segment); else None. The sides may come in either order: eq(seg[None, :],
-    seg[:, None]) is the same mask (both sides are one seg, and equality is symmetric)."""
+    right=True) (or bucketize(arange(T), cu, right=True), the same), cu 1-D (whole slices looked through; seg[i] is
+    the segment of token i, so key j is visible to query i exactly when both lie in one segment); else None. The
+    sides may come in either order: eq(seg[None, :], seg[:, None]) is the same mask (both sides are one seg, and
+    equality is symmetric)."""
     if not is_call(node, aten.eq.Tensor):
         return None
     sides, units = [], []
@@ -296,11 +332,12 @@ def segment_term(node):
     if set(units) != {0, 1}:  # one side a column, the other a row
         return None
     seg = sides[0]
-    if sides[1] is not seg or not is_call(seg, aten.searchsorted.Tensor) or len(seg.args) != 2 \
-            or not set(seg.kwargs) <= {"right", "side", "out_int32"} \
+    if sides[1] is not seg or not is_call(seg, aten.searchsorted.Tensor, aten.bucketize.Tensor) \
+            or len(seg.args) != 2 or not set(seg.kwargs) <= {"right", "side", "out_int32"} \
             or not (seg.kwargs.get("right") is True or seg.kwargs.get("side") == "right"):
         return None  # right=False counts cu entries below i: token cu[j] would join the segment before it
-    cu, positions = seg.args
+    # bucketize(positions, cu, right=True) is searchsorted(cu, positions, right=True), its arguments swapped
+    cu, positions = seg.args if seg.target is aten.searchsorted.Tensor else seg.args[::-1]
     if is_call(positions, prims.iota.default):  # arange, as capture decomposes it
         if positions.kwargs.get("start") != 0 or positions.kwargs.get("step") != 1:
             return None

@@ -21,7 +21,8 @@ After:
          # [B*S, H, D], viewed and permuted back to [B, H, S, D]
 
 Which sites: a causal mask (key positions arange(T) <= the query positions, one per query row) with a local
-window (k > q - W, or k >= q - W + 1), or with sinks, or both. Plain causal attention without either is left
+window (k > q - W, or as attention_patterns reads the same bounds: k >= q - W + 1, q - k < W, q < k + W, ...), or
+with sinks, or both. Plain causal attention without either is left
 alone: the fallback runs it as SDPA, whose flash/cuDNN kernels already skip the masked half (not a refusal). A
 top-k term in the mask is fuse_sparse_attention's (it runs first and says why it refused, if it did).
 

@@ -160,8 +160,10 @@ class LocalSparseSinks(nn.Module):
     positions (None: no window), and per-head attention sinks (gpt-oss's spelling: a sink column joins the softmax
     and is dropped after). `spelling`: "keep" (bool keep mask, HF's sliding-window overlay kv > q - W), "drop"
     (bool drop mask, kv <= q - W), "ge" (kv >= q - W + 1), "inside" (the selected keys *within* the window: not a
-    union, must be refused), "shifted" (the window relative to positions other than the causal mask's), "per-query
-    sinks" (a sink logit per head and query: not what the op expresses, must be refused)."""
+    union, must be refused), "offset" (kv > (q + 1) - W: the window of W - 1 keys, spelled with the query positions
+    shifted), "shifted" (the window relative to positions other than the causal mask's: the rows' positions
+    reversed, must be refused), "per-query sinks" (a sink logit per head and query: not what the op expresses, must
+    be refused)."""
 
     def __init__(self, window=3, sinks=True, spelling="keep", heads=2):
         super().__init__()
@@ -184,8 +186,10 @@ class LocalSparseSinks(nn.Module):
                 keep = causal & (selected | (kv_idx >= q_idx - (self.window - 1)))
             elif self.spelling == "inside":
                 keep = causal & selected & (kv_idx > q_idx - self.window)
-            elif self.spelling == "shifted":
+            elif self.spelling == "offset":
                 keep = causal & (selected | (kv_idx > (q_idx + 1) - self.window))
+            elif self.spelling == "shifted":
+                keep = causal & (selected | (kv_idx > q_idx.flip(-2) - self.window))
             else:
                 keep = causal & (selected | (kv_idx > q_idx - self.window))
         mask = torch.where(keep, 0.0, torch.finfo(torch.float32).min).unsqueeze(1)
@@ -203,9 +207,10 @@ class LocalSparseSinks(nn.Module):
 
 
 @pytest.mark.parametrize("window, sinks, spelling", [(3, True, "keep"), (3, False, "keep"), (None, True, "keep"),
-                                                     (5, False, "drop"), (2, True, "ge")])
+                                                     (5, False, "drop"), (2, True, "ge"), (4, True, "offset")])
 def test_local_window_and_sinks_fuse_into_the_op_and_match(window, sinks, spelling):
-    """The window and the sinks become the op's own arguments: (query_pos, sinks, window) after d_v."""
+    """The window and the sinks become the op's own arguments: (query_pos, sinks, window) after d_v ("offset":
+    kv > (q + 1) - 4 is the window of 3 keys)."""
     gm, result, actual, expected = _fuse(LocalSparseSinks(window, sinks, spelling), *_inputs(seed=4))
     assert len(result.rewrites) == 1 and not result.refusals, result.refusals
     after = ir.print_graph(result.graph)
@@ -214,7 +219,8 @@ def test_local_window_and_sinks_fuse_into_the_op_and_match(window, sinks, spelli
     # ..., %indices, 0.125, 8, query_pos, sinks, window, index_block): query_pos is the indexer's (%9), the sinks
     # the parameter.
     assert call.split("(", 1)[1].split(")")[0].split(", ")[-6:] == [
-        "0.125", "8", "%9" if window else "None", "%a6" if sinks else "None", str(window or 0), "1"], call
+        "0.125", "8", "%9" if window else "None", "%a6" if sinks else "None",
+        str((window or 0) - (spelling == "offset")), "1"], call
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -318,28 +318,33 @@ def test_refuses_mask_that_is_not_tokens_by_tokens(sdpa, options, seed):
 
 
 class SegmentIdsAttention(PackedAttention):
-    """The block-diagonal mask from segment ids searchsorted(cu_seqlens, arange, right=`right`), compared column
-    first (seg[:, None] == seg[None, :]) or row first (the same mask). right=False is a model's off-by-one: the token
-    at each cu_seqlens boundary joins the image before it, so the blocks are not cu_seqlens' segments."""
+    """The block-diagonal mask from segment ids searchsorted(cu_seqlens, arange, right=`right`) (or, `bucketize`,
+    bucketize(arange, cu_seqlens, right=`right`): the same ids), compared column first (seg[:, None] ==
+    seg[None, :]) or row first (the same mask). right=False is a model's off-by-one: the token at each cu_seqlens
+    boundary joins the image before it, so the blocks are not cu_seqlens' segments."""
 
-    def __init__(self, sdpa: bool, right: bool, row_first: bool):
+    def __init__(self, sdpa: bool, right: bool, row_first: bool, bucketize: bool = False):
         super().__init__("mask", sdpa)
-        self.right, self.row_first = right, row_first
+        self.right, self.row_first, self.bucketize = right, row_first, bucketize
 
     def forward(self, q, k, v, cu_seqlens, cos, sin):
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         tokens = q.shape[1]
-        segment = torch.searchsorted(cu_seqlens, torch.arange(tokens, dtype=cu_seqlens.dtype), right=self.right)
+        positions = torch.arange(tokens, dtype=cu_seqlens.dtype)
+        segment = (torch.bucketize(positions, cu_seqlens, right=self.right) if self.bucketize
+                   else torch.searchsorted(cu_seqlens, positions, right=self.right))
         mask = segment[None, :] == segment[:, None] if self.row_first else segment[:, None] == segment[None, :]
         return attend(q, k, v, mask, 0.25, self.sdpa).transpose(0, 1)
 
 
 @pytest.mark.parametrize("sdpa", [False, True])
-@pytest.mark.parametrize(("right", "row_first"), [(True, True), (False, False), (False, True)])
-def test_segments_compared_row_first_fire_and_off_by_one_segments_are_left_alone(right, row_first, sdpa, options,
-                                                                                  seed):
+@pytest.mark.parametrize(("right", "row_first", "bucketize"), [(True, True, False), (False, False, False),
+                                                               (False, True, False), (True, False, True),
+                                                               (False, False, True)])
+def test_segments_compared_row_first_fire_and_off_by_one_segments_are_left_alone(right, row_first, bucketize, sdpa,
+                                                                                  options, seed):
     inputs = _pack([5, 11, 8])
-    module = SegmentIdsAttention(sdpa, right, row_first)
+    module = SegmentIdsAttention(sdpa, right, row_first, bucketize)
     compiled, out = _compile(module, options, *inputs)
     assert compiled.report.passes["fuse_vision_attention"] == right
     assert [k.op for k in compiled.report.kernels] == (["varlen_attention"] if right else [])
