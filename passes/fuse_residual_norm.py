@@ -20,7 +20,9 @@ One rule per meaning; each pattern's alternatives are the spellings of that mean
 
 - RMS-normalised v: `v * rsqrt(mean(v²) + eps)` or `v / sqrt(mean(v²) + eps)` (divide_by_rms), with v² as
   `pow(v, 2)` or `v * v` and the mean as `mean(-1)`, `sum(-1) / H` or `sum(-1) * (1 / H)` (the op's kernels
-  compute sum / H; the mean's own rounding is the reduction order's, which no kernel pins). The arithmetic in
+  compute sum / H; the mean's own rounding is the reduction order's, which no kernel pins); also
+  `rsqrt(mean(v² + eps))` (the same sum, eps added once instead of H times over H) and `rsqrt(mean(v², -1) +
+  eps).unsqueeze(-1)` (the mean without keepdim, the dim put back: the same values). The arithmetic in
   fp32 after an upcast (HF, Gemma, T5's `h * rsqrt(var)` over a separate upcast, which canonicalize_graph turns
   into one upcast copy), or in bf16/fp16 without one (compute_dtype: the op rounds every step where the model
   does).
@@ -71,8 +73,16 @@ _SUM_OF_SQUARES = Op(aten.sum.dim_IntList, _SQUARE, Var("dims"), True)
 MEAN_SQUARE = (Op(aten.mean.dim, _SQUARE, Var("dims"), True)
                | Op(aten.div.Tensor, _SUM_OF_SQUARES, Scalar("count"))
                | Op(aten.mul.Tensor, _SUM_OF_SQUARES, Scalar("inverse_count")))
-_PLUS_EPS = Op((aten.add.Tensor, aten.add.Scalar), MEAN_SQUARE, Scalar("eps"))
-RMS_NORMALISED = (Op(aten.mul.Tensor, _V, Op(aten.rsqrt.default, _PLUS_EPS), commutative=True, name="normed")
+_ADD = (aten.add.Tensor, aten.add.Scalar)
+_PLUS_EPS = Op(_ADD, MEAN_SQUARE, Scalar("eps"))
+# mean(v² + eps) = mean(v²) + eps; the mean without keepdim, its dim put back after the rsqrt (fuse_rms_norm checks
+# that the unsqueeze's dim is the last): the same values.
+_EPS_IN_MEAN = Op(aten.mean.dim, Op(_ADD, _SQUARE, Scalar("eps")), Var("dims"), True)
+_FLAT_PLUS_EPS = Op(_ADD, Op(aten.mean.dim, _SQUARE, Var("dims")) | Op(aten.mean.dim, _SQUARE, Var("dims"), False),
+                    Scalar("eps"))
+_RSQRT = (Op(aten.rsqrt.default, _PLUS_EPS | _EPS_IN_MEAN)
+          | Op(aten.unsqueeze.default, Op(aten.rsqrt.default, _FLAT_PLUS_EPS), Scalar("unsqueezed")))
+RMS_NORMALISED = (Op(aten.mul.Tensor, _V, _RSQRT, commutative=True, name="normed")
                   | Op(aten.div.Tensor, _V, Op(aten.sqrt.default, _PLUS_EPS), name="normed"))
 
 
@@ -245,6 +255,8 @@ def fuse_rms_norm(match: Match):
     if not isinstance(v_value, torch.Tensor) or not is_last_dim(match["dims"], v_value.dim()):
         return None
     hidden = v_value.shape[-1]
+    if "unsqueezed" in match.bindings and match["unsqueezed"] % v_value.dim() != v_value.dim() - 1:
+        return None
     if "count" in match.bindings and match["count"] != hidden:
         return None
     if "inverse_count" in match.bindings and not math.isclose(match["inverse_count"] * hidden, 1.0, rel_tol=1e-6):

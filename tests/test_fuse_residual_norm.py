@@ -257,6 +257,22 @@ class SumOverHiddenNorm(ResidualNorm):
         return self.weight * (v * torch.rsqrt(v.pow(2).sum(-1, keepdim=True) / H + 1e-6)).to(h.dtype)
 
 
+class EpsInsideTheMeanNorm(ResidualNorm):
+    """rsqrt(mean(v² + eps)): the mean of the squares plus eps."""
+
+    def norm(self, h):
+        v = h.float()
+        return self.weight * (v * torch.rsqrt((v.pow(2) + 1e-6).mean(-1, keepdim=True))).to(h.dtype)
+
+
+class MeanWithoutKeepdimNorm(ResidualNorm):
+    """rsqrt(mean(v², -1) + eps).unsqueeze(-1): the mean without keepdim, its dim put back after the rsqrt."""
+
+    def norm(self, h):
+        v = h.float()
+        return self.weight * (v * torch.rsqrt(v.pow(2).mean(-1) + 1e-6).unsqueeze(-1)).to(h.dtype)
+
+
 class Bf16MathNorm(ResidualNorm):
     """Every step in the activations' dtype, no upcast."""
 
@@ -298,6 +314,10 @@ SPELLINGS = {
                        "f32, True)  # (bf16[s0, 64], bf16[s0, 64])", 3),
     "sum_over_hidden": (SumOverHiddenNorm, "%0 = dzc.add_rms_norm.default(%a1, %a2, %a3, 1e-06, False, True, bf16, "
                         "bf16)  # (bf16[s0, 64], bf16[s0, 64])", 3),
+    "eps_inside_the_mean": (EpsInsideTheMeanNorm, "%0 = dzc.add_rms_norm.default(%a1, %a2, %a3, 1e-06, False, True, "
+                            "bf16, bf16)  # (bf16[s0, 64], bf16[s0, 64])", 3),
+    "mean_without_keepdim": (MeanWithoutKeepdimNorm, "%0 = dzc.add_rms_norm.default(%a1, %a2, %a3, 1e-06, False, "
+                             "True, bf16, bf16)  # (bf16[s0, 64], bf16[s0, 64])", 3),
     "bf16_math": (Bf16MathNorm, "%0 = dzc.add_rms_norm.default(%a1, %a2, %a3, 1e-06, False, False, bf16, bf16, bf16, "
                   "False)  # (bf16[s0, 64], bf16[s0, 64])", 6),
 }
@@ -387,6 +407,14 @@ class HalfTheSum(ResidualNorm):
         return self.weight * (v * torch.rsqrt(v.pow(2).sum(-1, keepdim=True) / (H // 2) + 1e-6)).to(h.dtype)
 
 
+class ColumnsWithoutKeepdim(ResidualNorm):
+    """rsqrt(mean(v², 0) + eps).unsqueeze(0): each column's root mean square over the rows, not a row's."""
+
+    def norm(self, h):
+        v = h.float()
+        return self.weight * (v * torch.rsqrt(v.pow(2).mean(0) + 1e-6).unsqueeze(0)).to(h.dtype)
+
+
 class Bf16MathCastToHalf(ResidualNorm):
     def norm(self, h):
         return self.weight.half() * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).half()
@@ -415,6 +443,12 @@ def test_each_spelling_refuses_what_it_cannot_fuse(case, options):
 
 def test_a_sum_over_another_count_is_not_a_mean(options):
     stages, report = _stages(HalfTheSum(), options, _bf16(4, H), _bf16(4, H))
+    assert report.passes["fuse_residual_norm"] == 0 and report.refusals["fuse_residual_norm"] == []
+    assert stages["fuse_residual_norm"].splitlines()[1:] == stages["capture"].splitlines()[1:]
+
+
+def test_a_mean_over_the_rows_is_not_a_norm_of_each_row(options):
+    stages, report = _stages(ColumnsWithoutKeepdim(), options, _bf16(4, H), _bf16(4, H))
     assert report.passes["fuse_residual_norm"] == 0 and report.refusals["fuse_residual_norm"] == []
     assert stages["fuse_residual_norm"].splitlines()[1:] == stages["capture"].splitlines()[1:]
 
