@@ -361,8 +361,24 @@ class _ScaledSigmoidExperts(_GeluExperts):
         self.moe.experts.activation = activation
 
 
+class _SwappedHalvesExperts(_GeluExperts):
+    """silu(second half) * first half: SwiGLU with gate and up swapped, a different function of the same GEMM (the
+    op's silu_glu gates by the first half). Session 55's CPU fuzz of 38 expert spellings found none fused wrongly;
+    this one is kept as the guard."""
+
+    def __init__(self):
+        super().__init__()
+
+        def activation(gate_up):
+            first, second = gate_up.chunk(2, -1)
+            return torch.nn.functional.silu(second) * first
+
+        self.moe.experts.activation = activation
+
+
 @pytest.mark.parametrize("model,reason", [
     (_WeightEscapes, "a dequantized weight has a use outside the MoE layer"),
+    (_SwappedHalvesExperts, "the activation's gate and up are not the two halves"),
     (_GeluExperts, "unrecognised activation between the expert GEMMs"),
     (_ScaledSigmoidExperts, "unrecognised activation between the expert GEMMs"),
 ])
