@@ -120,6 +120,40 @@ tp-1)
   TAIL=40 part bench_distributed 360 torchrun --nproc-per-node 2 tools/bench_distributed.py --no-tune \
     --out "$OUT/distributed_h200.md"
   ;;
+s55-topk)
+  # (after site) issue 14, two changes to every TileLang top-k (session 55, CPU-checked: generated CUDA run on CPU
+  # threads): WARP_VOTE=1's second sweep appends the bin's keys by masks (one population count a warp and step
+  # instead of ~24), and the plain first sweep's steps inside the row take no position tests (as SPECULATE=1's). GPU
+  # numerics of the cached 10-bit configs of both spans (plain, votes, speculative buffer: the untuned choices and
+  # the twin), then the 32K phases of the untuned choice (votes) beside its twin without votes (same first sweep:
+  # the collect is the A/B; session 53, H100: collect 4.35 µs with the old votes, 4.06 without, histogram 5.1).
+  TAIL=6 part gpu_tests_topk 300 python3 -m pytest -q -p no:logging -rf -m gpu tests/test_dsa_kernels.py \
+    -k "tilelang_topk_matches_reference_on_gpu and sweep8192-radix10-cache32768"
+  TAIL=40 part topk_phases 240 python3 tools/diagnose_dsa_topk_phases.py --lengths 32768 \
+    --match "CACHE=32768 CANDIDATES=4096 RADIX_BITS=10 SWEEP=8192 THREADS=1024 WIDTH=32768 num"
+  ;;
+s55-profile)
+  # (after site) issue 14: where the top-k (128 rows of 32K, the untuned choice) and the FP8 indexer's prefill chunk
+  # (1024 rows at the end of 8K, the untuned choice) spend their cycles: Nsight Compute's per-instruction counters
+  # (SourceCounters: instructions executed and warp-stall samples a SASS line) and the kernels' summary sections,
+  # each on one checked kernel's second launch; exported as CSV (source page) and text (details page).
+  ncu --version | tail -1
+  ncu_sections="--section SourceCounters --section WarpStateStats --section SchedulerStats --section Occupancy"
+  ncu_sections="$ncu_sections --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats"
+  TAIL=4 part ncu_topk 240 ncu --clock-control none $ncu_sections --import-source no -k regex:dsa_topk \
+    --launch-skip 1 --launch-count 1 -f -o "$OUT/topk" \
+    python3 tools/diagnose_dsa_topk_configs.py --only-default --lengths 32768 --launches 2
+  TAIL=4 part ncu_indexer 240 ncu --clock-control none $ncu_sections --import-source no -k regex:dsa_indexer \
+    --launch-skip 1 --launch-count 1 -f -o "$OUT/indexer" \
+    python3 tools/diagnose_dsa_indexer_configs.py --shapes prefill --only-default --launches 2
+  for name in topk indexer; do
+    [ -f "$OUT/$name.ncu-rep" ] || continue
+    ncu -i "$OUT/$name.ncu-rep" --page details > "$OUT/${name}_details.txt" 2>&1
+    ncu -i "$OUT/$name.ncu-rep" --page source --print-source sass --csv > "$OUT/${name}_sass.csv" 2>&1 \
+      || ncu -i "$OUT/$name.ncu-rep" --page raw --csv > "$OUT/${name}_raw.csv" 2>&1
+    ls -la "$OUT/${name}"*
+  done
+  ;;
 s18-allreduce)
   # Issue 17, one GPU: dzc's one-shot all-reduce + add + RMSNorm kernel through symmetric memory at world size 1
   # (the barrier signals only itself); skips with torch's error if a single-rank rendezvous is refused.
