@@ -17,16 +17,14 @@
 # Two GPUs (kind nvidia-h200-x2, when lent; a fresh machine: carry .whl-gpu1 though TileLang is not needed):
 #   bash tools/gpu_campaign.sh tp-1     # distributed tests and benchmark under torchrun
 # One GPU: bash tools/gpu_campaign.sh s18-allreduce   # dzc's one-shot all-reduce kernel at world size 1
-# Next session. Session 53 (an H100) ran s51-warm-profile, s49-compile (warm 2.9 s at 32 + 16), s36-compile (full
-# depth: cold 148.0 s, warm 4.1), s35-topk (votes do not shorten the second sweep), s47-topk-flake (11 seeds passed)
-# and s36-compile with the warm start profiled (where the full-depth warm start's seconds go); the steps done for good
-# since removed. Session 54 had no device time (its 175 s left could not start a machine).
-# No measurement is pending. Session 54's change to the warm start (a hit loads Inductor's compile by the key only
-# where the graph calls the cold compile's kernel ids) leaves the bench's warm rows as they were (one model a fresh
-# process: the same ids); its report says why where it falls back. After a change to the warm start, a fresh machine:
-#   call 1 (carry .gpu-site.tar.xz, .triton-kernels, .public-kernels):
-#       bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s36-compile   # issue 18: full depth, cold and
-#       warm (PROFILE_WARM=1: the warm start under cProfile); s47-topk-flake where device time is left.
+# Next session. Session 55 had no machine (every start refused; its device time went on the refusals). Pending,
+# on a fresh machine:
+#   call 1 (carry .gpu-site.tar.xz): bash tools/gpu_campaign.sh site && bash tools/gpu_campaign.sh s55-topk
+#       issue 14: the top-k's two session-55 changes (mask appends in WARP_VOTE=1's collect, a test-free plain
+#       first sweep) on the GPU for the first time: numerics of the cached 10-bit configs, then the 32K phases.
+#       The other 10 top-k configs (tuning candidates: the tuner compares each with the untuned choice's selected
+#       logits, exactly) are not on the GPU since those changes either: tilelang_topk_matches_reference_on_gpu.
+#   call 2: bash tools/gpu_campaign.sh s55-profile   # Nsight Compute on the top-k and the indexer's prefill chunk
 # Every card so far was an H200 except sessions 38-41, 43-47 and 51-53 (H100): compare timings within one run only.
 # Earlier sessions' steps are in git history; their results are in docs/results.
 # Everything lands under $OUT (logs, result tables).
