@@ -103,7 +103,7 @@ def test_user_position_ids_which_may_pack_sequences_are_not_folded():
     assert not fused.rewrites
     assert [reason for _, reason in fused.refusals] == [
         "the attention mask is not causal + top-k: a comparison of key positions with something other than the "
-        "query position (- a constant)"]
+        "query position (+ a constant)"]
 
 
 def _compiled_bf16_prefill_without_cache(options, device):
