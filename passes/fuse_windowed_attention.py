@@ -22,9 +22,9 @@ After:
 
 Which sites: a causal mask (key positions arange(T) <= the query positions, one per query row) with a local
 window (k > q - W, or as attention_patterns reads the same bounds: k >= q - W + 1, q - k < W, q < k + W, ...), or
-with sinks, or both. Plain causal attention without either is left
-alone: the fallback runs it as SDPA, whose flash/cuDNN kernels already skip the masked half (not a refusal). A
-top-k term in the mask is fuse_sparse_attention's (it runs first and says why it refused, if it did).
+with sinks, or both. Plain causal attention without either is left alone: the fallback runs it as SDPA, whose
+flash/cuDNN kernels already skip the masked half (not a refusal). A top-k term in the mask is
+fuse_sparse_attention's (it runs first and says why it refused, if it did).
 
 Conditions checked on the graph (else a refusal with the reason, graph untouched at that site): the mask is
 exactly causal (+ a window relative to the same query positions); the scores are [B, H, S, D] x [B, 1 or H, T, D]

@@ -201,13 +201,12 @@ TILELANG_CACHED_SWEEPS = (8192, 16384)
 # ballots give the bitmap's words, and the bin's keys take their slots from a mask a thread, a shuffle scan and one
 # atomic add a warp and sweep step (session 55; before, ballots of "in the bin" and ~24 population counts a warp
 # and step, a quarter-rate instruction: session 53's H100 timed that sweep at 4.35 µs against 4.06 without votes).
-# Session 34 (H200,
-# 32K rows, phase stamps): that sweep took 4.2 of the block's 14.2 µs reading keys from shared memory, bound by its
-# per-key work (shared atomics among it), not bytes. Only where a warp is 32 lanes (one bitmap word), beside its twin
-# without it (the cached keys at TILELANG_VOTE_SWEEP positions in flight). Timed on an H100 (session 46, 128 rows,
-# beside that twin in one run): 9.5 / 8.9 / 11.0 / 15.4 µs at 4K / 8K / 16K / 32K against 9.8 / 9.5 / 11.3 / 15.5,
-# so the untuned choice where the span is within the cached keys; not timed past them (the 128K span keeps the
-# speculative buffer).
+# Session 34 (H200, 32K rows, phase stamps): that sweep took 4.2 of the block's 14.2 µs reading keys from shared
+# memory, bound by its per-key work (shared atomics among it), not bytes. Only where a warp is 32 lanes (one bitmap
+# word), beside its twin without it (the cached keys at TILELANG_VOTE_SWEEP positions in flight). Timed on an H100
+# (session 46, 128 rows, beside that twin in one run): 9.5 / 8.9 / 11.0 / 15.4 µs at 4K / 8K / 16K / 32K against
+# 9.8 / 9.5 / 11.3 / 15.5, so the untuned choice where the span is within the cached keys; not timed past them (the
+# 128K span keeps the speculative buffer).
 TILELANG_VOTE_SWEEP = 8192
 # The second sweep over the row replaced by one over a speculative buffer (the template's speculate): the first
 # sweep step's histogram estimates the threshold bin, and the first sweep keeps every key from there up, with its
